@@ -1,0 +1,88 @@
+"""Control messages between writers and the reader: msgpack in per-lane mailboxes, never pickle.
+
+A lane's mailbox is an 8 KiB region of the segment::
+
+    word 0   post count      (writer)        word 8   ack count  (reader, own cache line)
+    word 1   payload length  (writer)
+    word 2   magic + version (writer)
+    byte 128 payload: a msgpack map
+
+The writer may post when ``ack == post``: it writes the payload, then the
+length and magic, then ``post + 1``, then rings the reader's doorbell. The
+reader reads the payload once ``post != ack`` and stores ``ack = post``. The
+same ordering argument as the rings (:mod:`shmbuf._ring`) applies.
+
+Message kinds (writer to reader; every field checked on receipt):
+
+- ``hello``: a writer took a lane (``pid``, ``label``).
+- ``error``: an exception in the writer (``kind``, ``message``, ``traceback``).
+- ``stats``: the writer's counters (``counters``: str to number).
+- ``bye``: the writer closed its lane (``reason``).
+
+Reader to writers there is one message, *stop*, and it needs no mailbox: the
+reader sets the segment's closed word and posts every lane's semaphore.
+A message that fails any check is dropped and counted; the pipeline goes on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from shmbuf._segment import MAILBOX_BYTES, MAILBOX_PAYLOAD_OFF
+
+MSG_MAGIC = 0x53424D5300000001  # "SBMS", version 1
+MAX_PAYLOAD = MAILBOX_BYTES - MAILBOX_PAYLOAD_OFF
+M_POST, M_LEN, M_MAGIC, M_ACK = 0, 1, 2, 8
+MAX_TEXT = 6000
+
+_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "hello": {"pid": int, "label": str},
+    "error": {"kind": str, "message": str, "traceback": str},
+    "stats": {"counters": dict},
+    "bye": {"reason": str},
+}
+
+
+class BadMessage(ValueError):
+    """A control message failed a check on receipt."""
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    """Pack a message, trimming long text so that it always fits a mailbox."""
+    if kind not in _FIELDS:
+        raise ValueError(f"unknown control message kind {kind!r}; known: {sorted(_FIELDS)}")
+    for key, value in fields.items():
+        if isinstance(value, str) and len(value) > MAX_TEXT:
+            fields[key] = "…" + value[-MAX_TEXT:]  # the end of a traceback is the part that matters
+    data = msgpack.packb({"kind": kind, **fields}, use_bin_type=True)
+    if len(data) > MAX_PAYLOAD:
+        raise ValueError(f"control message {kind!r} is {len(data)} bytes, the mailbox holds {MAX_PAYLOAD}")
+    return data
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    """Unpack and check one message; raise :class:`BadMessage` naming what is wrong."""
+    if len(data) > MAX_PAYLOAD:
+        raise BadMessage(f"message of {len(data)} bytes exceeds the {MAX_PAYLOAD}-byte mailbox")
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0,
+                              max_array_len=256, max_map_len=256, max_str_len=MAX_PAYLOAD)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise BadMessage(f"not msgpack: {type(exc).__name__}") from None
+    if not isinstance(msg, dict):
+        raise BadMessage(f"expected a map, got {type(msg).__name__}")
+    kind = msg.get("kind")
+    spec = _FIELDS.get(kind) if isinstance(kind, str) else None
+    if spec is None:
+        raise BadMessage(f"unknown kind {kind!r:.40}")
+    for key, typ in spec.items():
+        if not isinstance(msg.get(key), typ) or isinstance(msg.get(key), bool) and typ is int:
+            raise BadMessage(f"{kind}: field {key!r} expected {typ.__name__}, got {type(msg.get(key)).__name__}")
+    extra = set(msg) - set(spec) - {"kind"}
+    if extra:
+        raise BadMessage(f"{kind}: unexpected fields {sorted(extra)}")
+    if kind == "stats" and not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in msg["counters"].items()):
+        raise BadMessage("stats: counters must map str to numbers")
+    return msg

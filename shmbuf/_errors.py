@@ -1,0 +1,87 @@
+"""The exception taxonomy.
+
+Every shmbuf error subclasses :class:`ShmbufError` *and* the builtin that a
+caller would catch without knowing shmbuf, so ``except ValueError`` still
+works for bad input and ``except TimeoutError`` for a wait that ran out.
+
+- :class:`SchemaError` (ValueError): a tree does not match the example.
+- :class:`SegmentError` (ValueError): a segment is missing, foreign, corrupt
+  or of another layout version.
+- :class:`PipelineClosed` (RuntimeError): *you* (or the reader, for a writer)
+  closed the pipeline; nothing more will move.
+- :class:`BrokenPipeline` (RuntimeError): the other side died; the cause is
+  in ``__cause__`` where there is one.
+- :class:`SlotTimeout` (TimeoutError): a blocking wait ran out; names the
+  pipeline and the setting that bounds it.
+- :class:`StaleRollout` (RuntimeError): a rollout handle whose slot was
+  released and recycled.
+- :class:`WriterError` (RuntimeError): an exception raised in a writer's
+  process, delivered to the reader with the remote traceback as text.
+- :class:`NoSpace` (OSError): /dev/shm cannot hold the requested segment.
+"""
+
+from __future__ import annotations
+
+import errno
+
+
+class ShmbufError(Exception):
+    """Base class of every error shmbuf raises on purpose."""
+
+
+class SchemaError(ShmbufError, ValueError):
+    """A tree does not match the pipeline's example (names the leaf path)."""
+
+
+class SegmentError(ShmbufError, ValueError):
+    """A segment is missing, foreign, corrupt or of another layout version."""
+
+
+class PipelineClosed(ShmbufError, RuntimeError):
+    """The pipeline was closed on purpose; nothing more will move through it."""
+
+
+class BrokenPipeline(ShmbufError, RuntimeError):
+    """The process on the other side of the pipeline died."""
+
+
+class SlotTimeout(ShmbufError, TimeoutError):
+    """A blocking wait ran out of time."""
+
+
+class StaleRollout(ShmbufError, RuntimeError):
+    """A rollout handle outlived its slot: it was released and may be reused."""
+
+
+class WriterError(ShmbufError, RuntimeError):
+    """An exception raised inside a writer process, reported to the reader.
+
+    Attributes:
+        lane: the writer's lane.
+        pid: the writer's process id.
+        kind: the remote exception's class name.
+        remote_traceback: the remote traceback, as text.
+    """
+
+    def __init__(self, message: str, *, lane: int, pid: int, kind: str, remote_traceback: str):
+        super().__init__(message)
+        self.lane = lane
+        self.pid = pid
+        self.kind = kind
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        head = super().__str__()
+        if self.remote_traceback:
+            return f"{head}\n\nRemote traceback (writer pid {self.pid}, lane {self.lane}):\n{self.remote_traceback}"
+        return head
+
+
+class NoSpace(ShmbufError, OSError):
+    """/dev/shm (or wherever POSIX shared memory lives) is too small."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return str(self.args[1])

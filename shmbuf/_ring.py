@@ -1,0 +1,117 @@
+"""Single-producer single-consumer rings of slot indices, in the segment.
+
+Each lane has two: the *ready* ring (its writer produces committed slots, the
+reader consumes them) and the *free* ring (the reader produces slots for the
+writer, the writer consumes them). One producer and one consumer per ring
+means no compare-and-swap is ever needed: each counter has exactly one
+process that writes it.
+
+A ring is ``cap`` int64 entries plus two monotonically increasing counters,
+``head`` (written by the producer only) and ``tail`` (written by the consumer
+only), kept on different cache lines of the lane record. Entry ``i`` lives at
+``i % cap``. The rings can never overflow: a lane never holds more than
+``n_slots`` indices, and ``cap == n_slots``. :meth:`Producer.push` still
+checks, because a check is cheap and a silent overwrite is not.
+
+Memory ordering
+---------------
+The producer stores the payload (the slot's data and metadata, or nothing
+for the free ring), then the entry, then ``head``. The consumer loads
+``head``, then the entry, then the payload. Correctness needs the consumer
+never to see the new ``head`` before the entry and payload it covers.
+
+- Every store here is an aligned 8-byte store done by one C call
+  (memoryview item assignment, or numpy's copy for the payload). The C
+  compiler cannot move stores across an opaque call into another function
+  that may touch the same memory, so the program order above is the order
+  the CPU receives. Aligned 8-byte stores are single-copy atomic on x86-64
+  and AArch64, so no counter is ever seen torn.
+- On x86-64 (TSO), stores become visible to other cores in program order and
+  loads are not reordered with older loads. That is exactly the
+  message-passing guarantee the ring needs, with no fence.
+- On weakly ordered CPUs (AArch64, POWER) that is not enough, so
+  :func:`fence` is called between payload and ``head`` on the producer side
+  and between ``head`` and payload on the consumer side. It releases and
+  re-acquires a lock private to the caller: the interpreter implements that
+  with atomic read-modify-writes (release, then acquire), which AArch64
+  orders as a full barrier (RCsc: a store-release is never reordered with a
+  later load-acquire). On x86-64 the fence is skipped.
+- Waking is separate from ordering. Semaphore posts (``sem_post``) follow
+  the ``head`` store and semaphore waits precede the loads; POSIX lists both
+  among the functions that synchronise memory, so a consumer woken by a post
+  sees everything stored before it, on any CPU.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+
+_TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+class Fence:
+    """A full memory barrier where the CPU needs one, nothing on x86-64 (see the module doc)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def __call__(self) -> None:
+        if not _TSO:
+            self._lock.release()
+            self._lock.acquire()
+
+
+class Producer:
+    """The producing side of one ring: owns ``head``, reads ``tail`` only to check for overflow."""
+
+    __slots__ = ("_w", "_ring", "_cap", "_head_w", "_tail_w", "_head")
+
+    def __init__(self, words: memoryview, ring_word: int, cap: int, head_word: int, tail_word: int):
+        self._w = words
+        self._ring = ring_word
+        self._cap = cap
+        self._head_w = head_word
+        self._tail_w = tail_word
+        self._head = words[head_word]
+
+    def push(self, value: int) -> None:
+        w = self._w
+        h = self._head
+        if h - w[self._tail_w] >= self._cap:
+            raise RuntimeError(f"ring overflow (head {h}, tail {w[self._tail_w]}, capacity {self._cap}): the segment is corrupt")
+        w[self._ring + h % self._cap] = value
+        self._head = h + 1
+        w[self._head_w] = h + 1
+
+
+class Consumer:
+    """The consuming side of one ring: owns ``tail``."""
+
+    __slots__ = ("_w", "_ring", "_cap", "_head_w", "_tail_w", "_tail")
+
+    def __init__(self, words: memoryview, ring_word: int, cap: int, head_word: int, tail_word: int):
+        self._w = words
+        self._ring = ring_word
+        self._cap = cap
+        self._head_w = head_word
+        self._tail_w = tail_word
+        self._tail = words[tail_word]
+
+    def available(self) -> int:
+        """How many entries are published and not yet consumed (a load of ``head``)."""
+        n = self._w[self._head_w] - self._tail
+        if not 0 <= n <= self._cap:
+            raise RuntimeError(f"ring counters out of range (head-tail = {n}, capacity {self._cap}): the segment is corrupt")
+        return n
+
+    def pop(self) -> int:
+        """The next entry; call only after :meth:`available` said there is one."""
+        t = self._tail
+        v = self._w[self._ring + t % self._cap]
+        self._tail = t + 1
+        self._w[self._tail_w] = t + 1
+        return v
