@@ -179,7 +179,7 @@ class Segment:
         self.schema = schema
         self.plan = p
         self.owner = owner
-        self.words = memoryview(mm).cast("q")
+        self.words = memoryview(mm).cast("q")  # read-only when the mapping is
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------
@@ -219,7 +219,7 @@ class Segment:
         return cls(name, mm, schema, p, owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> Segment:
+    def attach(cls, name: str, *, readonly: bool = False) -> Segment:
         if not isinstance(name, str) or not name.startswith(PREFIX):
             raise SegmentError(f"expected a shmbuf pipeline name starting with '{PREFIX}', got {name!r}")
         try:
@@ -232,7 +232,8 @@ class Segment:
             size = os.fstat(shm.fd).st_size
             if size < HEADER_BYTES + LIVE_BYTES:
                 raise SegmentError(f"{name}: {size} bytes is too small to be a shmbuf segment")
-            mm = mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+            mm = mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED | (0 if readonly else _POPULATE), prot=prot)
         finally:
             shm.close_fd()
         try:

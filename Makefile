@@ -1,0 +1,35 @@
+# Every target bootstraps .venv on a fresh machine; nothing is needed beforehand but python3.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: demo test test-slow bench bench-quick clean-shm clean
+
+# One stamp per set of extras, refreshed when pyproject.toml changes.
+$(VENV)/.stamp-%: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e ".[$*]"
+	@touch $@
+
+demo: $(VENV)/.stamp-demo
+	$(PY) -m shmbuf demo
+
+test: $(VENV)/.stamp-test
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(VENV)/.stamp-test
+	$(PY) -m pytest -q -m slow
+
+bench: $(VENV)/.stamp-bench
+	$(PY) -m shmbuf bench
+
+bench-quick: $(VENV)/.stamp-bench
+	$(PY) -m shmbuf bench --quick
+
+clean-shm: $(VENV)/.stamp-demo
+	$(PY) -m shmbuf clean
+
+clean:
+	rm -rf $(VENV) build *.egg-info

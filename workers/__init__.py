@@ -1,0 +1,3 @@
+"""Process-level helpers on top of shmbuf: actor loops, actor pools, a collector."""
+
+__all__: list[str] = []
