@@ -12,10 +12,10 @@ length and magic, then ``post + 1``, then rings the reader's doorbell. The
 reader reads the payload once ``post != ack`` and stores ``ack = post``. The
 same ordering argument as the rings (:mod:`shmbuf._ring`) applies.
 
-Message kinds (writer to reader; every field checked on receipt):
+Message types (writer to reader, the ``type`` field; every field checked on receipt):
 
 - ``hello``: a writer took a lane (``pid``, ``label``).
-- ``error``: an exception in the writer (``kind``, ``message``, ``traceback``).
+- ``error``: an exception in the writer (``exc_type``, ``message``, ``traceback``).
 - ``stats``: the writer's counters (``counters``: str to number).
 - ``bye``: the writer closed its lane (``reason``).
 
@@ -39,7 +39,7 @@ MAX_TEXT = 6000
 
 _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hello": {"pid": int, "label": str},
-    "error": {"kind": str, "message": str, "traceback": str},
+    "error": {"exc_type": str, "message": str, "traceback": str},
     "stats": {"counters": dict},
     "bye": {"reason": str},
 }
@@ -49,16 +49,16 @@ class BadMessage(ValueError):
     """A control message failed a check on receipt."""
 
 
-def encode(kind: str, **fields: Any) -> bytes:
+def encode(msg_type: str, **fields: Any) -> bytes:
     """Pack a message, trimming long text so that it always fits a mailbox."""
-    if kind not in _FIELDS:
-        raise ValueError(f"unknown control message kind {kind!r}; known: {sorted(_FIELDS)}")
+    if msg_type not in _FIELDS:
+        raise ValueError(f"unknown control message type {msg_type!r}; known: {sorted(_FIELDS)}")
     for key, value in fields.items():
         if isinstance(value, str) and len(value) > MAX_TEXT:
             fields[key] = "…" + value[-MAX_TEXT:]  # the end of a traceback is the part that matters
-    data = msgpack.packb({"kind": kind, **fields}, use_bin_type=True)
+    data = msgpack.packb({"type": msg_type, **fields}, use_bin_type=True)
     if len(data) > MAX_PAYLOAD:
-        raise ValueError(f"control message {kind!r} is {len(data)} bytes, the mailbox holds {MAX_PAYLOAD}")
+        raise ValueError(f"control message {msg_type!r} is {len(data)} bytes, the mailbox holds {MAX_PAYLOAD}")
     return data
 
 
@@ -73,16 +73,16 @@ def decode(data: bytes) -> dict[str, Any]:
         raise BadMessage(f"not msgpack: {type(exc).__name__}") from None
     if not isinstance(msg, dict):
         raise BadMessage(f"expected a map, got {type(msg).__name__}")
-    kind = msg.get("kind")
-    spec = _FIELDS.get(kind) if isinstance(kind, str) else None
+    mtype = msg.get("type")
+    spec = _FIELDS.get(mtype) if isinstance(mtype, str) else None
     if spec is None:
-        raise BadMessage(f"unknown kind {kind!r:.40}")
+        raise BadMessage(f"unknown type {mtype!r:.40}")
     for key, typ in spec.items():
         if not isinstance(msg.get(key), typ) or isinstance(msg.get(key), bool) and typ is int:
-            raise BadMessage(f"{kind}: field {key!r} expected {typ.__name__}, got {type(msg.get(key)).__name__}")
-    extra = set(msg) - set(spec) - {"kind"}
+            raise BadMessage(f"{mtype}: field {key!r} expected {typ.__name__}, got {type(msg.get(key)).__name__}")
+    extra = set(msg) - set(spec) - {"type"}
     if extra:
-        raise BadMessage(f"{kind}: unexpected fields {sorted(extra)}")
-    if kind == "stats" and not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in msg["counters"].items()):
+        raise BadMessage(f"{mtype}: unexpected fields {sorted(extra, key=str)}")
+    if mtype == "stats" and not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in msg["counters"].items()):
         raise BadMessage("stats: counters must map str to numbers")
     return msg

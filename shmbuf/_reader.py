@@ -518,15 +518,15 @@ class Reader:
         w[mw + _control.M_ACK] = post
         if msg is None:
             return
-        kind = msg["kind"]
-        if kind == "hello":
+        mtype = msg["type"]
+        if mtype == "hello":
             lane.label = msg["label"]
-        elif kind == "stats":
+        elif mtype == "stats":
             lane.stats = dict(msg["counters"])
-        elif kind == "error":
+        elif mtype == "error":
             self.errors.append(WriterError(
-                f"writer on lane {lane.index} (pid {lane.pid}) raised {msg['kind']}: {msg['message']}",
-                lane=lane.index, pid=lane.pid, kind=msg["kind"], remote_traceback=msg["traceback"],
+                f"writer on lane {lane.index} (pid {lane.pid}) raised {msg['exc_type']}: {msg['message']}",
+                lane=lane.index, pid=lane.pid, kind=msg["exc_type"], remote_traceback=msg["traceback"],
             ))
 
     def _bad_message(self) -> None:
@@ -539,7 +539,7 @@ class Reader:
         if tree is None:
             leaves = iter(self._leaf_all)
             tree = self._trees[slot] = {
-                ts.name: optree.tree_unflatten(ts.treespec, [next(leaves)[slot] for _ in ts.leaves])
+                ts.name: optree.tree_unflatten(ts.treespec, [next(leaves)[slot, ...] for _ in ts.leaves])
                 for ts in self.schema.timescales
             }
         return tree

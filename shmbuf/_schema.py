@@ -172,6 +172,42 @@ def _decode(node: Any, leaves: list[Any], where: str) -> Any:
     raise SegmentError(f"schema structure at {where}: unknown node type {tag!r}")
 
 
+def flatten_like(node: Any, data: Any, path: Path, out: list[Any]) -> None:
+    """Append ``data``'s leaves to ``out`` in schema order, walking the encoded structure.
+
+    Raises SchemaError naming the first path where ``data`` departs from it.
+    Container classes need not be the example's own (a namedtuple rebuilt
+    from a schema by name is another class), only of the same kind.
+    """
+    tag = node[0]
+    where = format_path(path)
+    if tag == "leaf":
+        out.append(data)
+    elif tag == "none":
+        if data is not None:
+            raise SchemaError(f"at {where}: expected None, got {type(data).__name__}")
+    elif tag in ("dict", "odict"):
+        keys = node[1]
+        if not isinstance(data, Mapping):
+            raise SchemaError(f"at {where}: expected a dict with keys {keys}, got {type(data).__name__}")
+        if set(data) != set(keys):
+            missing = [format_path((*path, k)) for k in keys if k not in data]
+            extra = [format_path((*path, k)) for k in data if k not in keys]
+            parts = (["missing " + ", ".join(missing)] if missing else []) + (["unexpected " + ", ".join(map(str, extra))] if extra else [])
+            raise SchemaError(f"at {where}: expected keys {keys}, got {sorted(map(str, data))} ({'; '.join(parts)})")
+        for k, child in zip(keys, node[2]):
+            flatten_like(child, data[k], (*path, k), out)
+    else:
+        children = node[3] if tag == "namedtuple" else node[1]
+        kind = {"list": "list", "tuple": "tuple", "namedtuple": f"namedtuple {node[1]}"}[tag]
+        if not isinstance(data, (list, tuple)) or len(data) != len(children):
+            got = f"{type(data).__name__} of length {len(data)}" if isinstance(data, (list, tuple)) else type(data).__name__
+            raise SchemaError(f"at {where}: expected a {kind} of length {len(children)}, got {got}")
+        names = node[2] if tag == "namedtuple" else range(len(children))
+        for name, child, item in zip(names, children, data):
+            flatten_like(child, item, (*path, name), out)
+
+
 # ------------------------------------------------------------------- schema
 
 

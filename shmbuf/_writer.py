@@ -24,7 +24,7 @@ from shmbuf._errors import BrokenPipeline, PipelineClosed, SchemaError, SlotTime
 from shmbuf._handle import Handle, name_of
 from shmbuf._proc import alive, start_time
 from shmbuf._ring import Consumer, Fence, Producer
-from shmbuf._schema import Leaf, Schema, Timescale, format_path
+from shmbuf._schema import Leaf, Schema, Timescale, flatten_like
 from shmbuf._segment import (
     L_COMMITS, L_CURRENT, L_EPOCH, L_FREE_HEAD, L_FREE_TAIL, L_PID, L_READY_HEAD, L_READY_TAIL, L_START, L_STATE,
     LANE_ACTIVE, LANE_FREE, LANE_RETIRED, S_COMMIT_NS, S_FILL, S_LANE, S_PID, S_POLICY, S_SEQ, W_CLOSED, Segment,
@@ -340,6 +340,8 @@ class Writer:
         Every timescale must be present with the example's structure; buffered
         timescales count as full.
         """
+        if self._w[W_CLOSED]:
+            self._raise_closed()
         if self._slot >= 0 and any(self._fill):
             raise RuntimeError(f"send() while a rollout is being built with add() on pipeline {self.name}; commit() or reset() it first")
         if not isinstance(tree, dict) or tree.keys() != self._ts.keys():
@@ -389,7 +391,7 @@ class Writer:
         views = self._slot_views.get(slot)
         if views is None:
             views = self._slot_views[slot] = [
-                [self._leaf_all[self._leaf_base[ts.name] + j][slot] for j in range(len(ts.leaves))]
+                [self._leaf_all[self._leaf_base[ts.name] + j][slot, ...] for j in range(len(ts.leaves))]
                 for ts in self.schema.timescales
             ]
         self._cur = views
@@ -452,7 +454,7 @@ class Writer:
         if self._closed or self._seg is None:
             return False
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return self._post(_control.encode("error", kind=type(exc).__name__, message=str(exc)[:2000], traceback=tb))
+        return self._post(_control.encode("error", exc_type=type(exc).__name__, message=str(exc)[:2000], traceback=tb))
 
     def send_stats(self) -> bool:
         """Send this writer's counters to the reader (shown in ``reader.stats()``)."""
@@ -490,8 +492,9 @@ class Writer:
             leaves = [data[k] for k in ts.keys]
         else:
             leaves, spec = optree.tree_flatten(data)
-            if spec != self._treespecs[ts.spec.name]:
-                _diagnose(ts.spec, data)
+            if spec != self._treespecs[ts.spec.name]:  # not the example's exact containers: walk and compare
+                leaves = []
+                flatten_like(ts.spec.structure, data, (ts.spec.name,), leaves)
         if whole:
             return [_check_whole(lf, x) for lf, x in zip(ts.leaves, leaves)]
         return leaves
@@ -530,28 +533,3 @@ def _check_whole(leaf: Leaf, x: Any) -> np.ndarray:
     if x.shape != leaf.shape:
         raise SchemaError(f"leaf {leaf.name}: expected shape {leaf.shape}, got {x.shape}")
     return x
-
-
-def _diagnose(spec: Timescale, data: Any) -> None:
-    """Raise naming the first path where ``data`` departs from the timescale's leaves; return if none does.
-
-    Returning means the leaves line up and only container classes differ (a
-    namedtuple rebuilt from the schema by a process that attached by name is
-    not the user's class): the leaves are then taken in order.
-    """
-    try:
-        got_paths, _, _ = optree.tree_flatten_with_path(data)
-    except Exception as exc:  # optree raises TypeError/ValueError on odd inputs
-        raise SchemaError(f"timescale '{spec.name}': cannot read the tree ({exc})") from None
-    want = [lf.path for lf in spec.leaves]
-    got = [(spec.name, *p) for p in got_paths]
-    for w_path, g_path in zip(want, got):
-        same = len(w_path) == len(g_path) and all(
-            a == b or not (isinstance(a, str) and isinstance(b, str)) for a, b in zip(w_path, g_path)
-        )
-        if not same:
-            raise SchemaError(f"timescale '{spec.name}': expected leaf {format_path(w_path)}, got {format_path(g_path)}")
-    if len(want) > len(got):
-        raise SchemaError(f"timescale '{spec.name}': missing leaf {format_path(want[len(got)])}")
-    if len(got) > len(want):
-        raise SchemaError(f"timescale '{spec.name}': unexpected leaf {format_path(got[len(want)])}")

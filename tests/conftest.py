@@ -1,0 +1,133 @@
+"""Fixtures that release what they create even when a test fails, and a leak check that fails the suite."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmbuf
+
+SHM_DIR = "/dev/shm"
+T = 16
+
+
+def shm_objects() -> set[str]:
+    try:
+        return {e for e in os.listdir(SHM_DIR) if "shmbuf-" in e}
+    except OSError:
+        return set()
+
+
+def child_pids() -> list[int]:
+    """Live children of this process, less multiprocessing's own helpers (forkserver, resource tracker)."""
+    me = os.getpid()
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        rest = stat[stat.rfind(b")") + 2 :].split()
+        if int(rest[1]) != me or rest[0] in (b"Z", b"X"):
+            continue
+        if b"resource_tracker" in cmd or b"forkserver" in cmd:
+            continue
+        kids.append(int(entry))
+    return kids
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaks_at_end() -> Iterator[None]:
+    """Fails the suite if any shmbuf object or child process outlives it (and removes them, for the next run)."""
+    before = shm_objects()
+    yield
+    deadline = time.monotonic() + 5.0
+    while (child_pids() or shm_objects() - before) and time.monotonic() < deadline:
+        for p in mp.active_children():  # reaps the finished ones
+            p.join(0)
+        time.sleep(0.05)
+    kids = child_pids()
+    leaked = sorted(shm_objects() - before)
+    for pid in kids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for entry in leaked:
+        try:
+            os.unlink(os.path.join(SHM_DIR, entry))
+        except OSError:
+            pass
+    problems = []
+    if leaked:
+        problems.append(f"left in {SHM_DIR}: {leaked}")
+    if kids:
+        problems.append(f"child processes survived the suite: {kids}")
+    assert not problems, "; ".join(problems)
+
+
+@pytest.fixture
+def make_reader() -> Iterator[Callable[..., shmbuf.Reader]]:
+    """``make_reader(example, slots, **kw)``: a pipeline that is closed (and unlinked) at teardown."""
+    made: list[shmbuf.Reader] = []
+
+    def make(example: Any, slots: int = 8, **kw: Any) -> shmbuf.Reader:
+        r = shmbuf.create(example, slots, **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[Callable[..., Any]]:
+    """``procs(target, *args, method="spawn")``: a started process, killed and joined at teardown."""
+    started: list[Any] = []
+
+    def start(target: Callable[..., Any], *args: Any, method: str = "spawn") -> Any:
+        p = mp.get_context(method).Process(target=target, args=args, daemon=True)
+        p.start()
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+
+
+def small_example(t: int = T) -> dict[str, Any]:
+    return {
+        "step": {
+            "obs": np.zeros((t, 4), np.float32),
+            "action": np.zeros((t,), np.int64),
+            "reward": np.zeros((t,), np.float32),
+            "done": np.zeros((t,), bool),
+        },
+        "episode": {"return": np.zeros((1,), np.float32), "length": np.zeros((1,), np.int32)},
+        "final": {"obs": np.zeros((4,), np.float32), "value": np.zeros((), np.float32)},  # 0-d: single-item
+    }
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, what: str, poll: float = 0.01) -> None:
+    """Poll ``pred`` until true or fail after ``timeout`` seconds, saying what was awaited."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)

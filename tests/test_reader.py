@@ -1,0 +1,216 @@
+"""Reader: zero-copy rollouts and their lifetime, batches, metadata, stats, errors from writers."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmbuf
+from shmbuf import StaleRollout, WriterError
+from tests.conftest import T, small_example
+
+
+def write(writer: shmbuf.Writer, tag: float, length: int = T) -> None:
+    for t in range(length):
+        writer.add("step", {"obs": np.full(4, tag, np.float32), "action": np.int64(t), "reward": np.float32(tag),
+                            "done": t == length - 1})
+    writer.add("episode", {"return": np.array([tag * length], np.float32), "length": np.array([length], np.int32)})
+    writer.commit()
+
+
+@pytest.fixture
+def pair(make_reader: Any) -> Any:
+    reader = make_reader(small_example(), slots=4, max_writers=2)
+    writer = shmbuf.Writer(reader.handle, timeout=2.0)
+    reader.poll()
+    yield reader, writer
+    writer.close()
+
+
+def test_rollout_leaves_are_views_of_the_slot_not_copies(pair: Any) -> None:
+    reader, writer = pair
+    write(writer, 1.0)
+    r = reader.get(timeout=5)
+    obs = r.data["step"]["obs"]
+    assert not obs.flags.owndata
+    base = obs
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    assert type(base).__name__ == "mmap"  # the segment's own mapping
+    assert obs.ctypes.data % 64 == 0  # every leaf of a slot starts on a cache line
+    r.release()
+
+
+def test_released_rollout_raises_stale_instead_of_reading_recycled_data(pair: Any) -> None:
+    reader, writer = pair
+    write(writer, 1.0)
+    r = reader.get(timeout=5)
+    kept = r.copy()
+    r.release()
+    with pytest.raises(StaleRollout, match="was released; its slot .* now belongs to another rollout"):
+        r.data
+    with pytest.raises(StaleRollout):
+        r.release()
+    assert r.released
+    for _ in range(8):  # recycle the slot a few times
+        write(writer, 2.0)
+        reader.get(timeout=5).release()
+    assert kept["step"]["obs"][0, 0] == 1.0  # the copy is the caller's
+
+
+def test_with_block_releases(pair: Any) -> None:
+    reader, writer = pair
+    write(writer, 1.0)
+    with reader.get(timeout=5) as r:
+        assert r.data["step"]["reward"][0] == 1.0
+    assert r.released
+    assert reader.stats()["slots"]["held"] == 0
+
+
+def test_short_rollout_carries_its_fill_and_filled_trims(pair: Any) -> None:
+    reader, writer = pair
+    write(writer, 3.0, length=5)
+    with reader.get(timeout=5) as r:
+        assert r.fill == {"episode": 1, "final": 0, "step": 5}
+        f = r.filled()
+        assert f["step"]["obs"].shape == (5, 4) and f["step"]["done"].tolist() == [False] * 4 + [True]
+        assert r.data["step"]["obs"].shape == (T, 4)
+
+
+def test_metadata(pair: Any) -> None:
+    import os
+
+    reader, writer = pair
+    before = time.monotonic_ns()
+    writer.policy_version = 7
+    write(writer, 1.0)
+    writer.add("step", {"obs": np.zeros(4, np.float32), "action": np.int64(0), "reward": np.float32(0), "done": False})
+    writer.commit(policy_version=9)
+    a, b = reader.get(timeout=5), reader.get(timeout=5)
+    assert (a.seq, b.seq) == (0, 1)
+    assert a.lane == b.lane == writer.lane
+    assert a.pid == os.getpid()
+    assert (a.policy_version, b.policy_version) == (7, 9)
+    assert before <= a.commit_ns <= b.commit_ns <= time.monotonic_ns()
+    a.release()
+    b.release()
+
+
+def test_batches_gather_rollouts_and_release_their_slots(pair: Any) -> None:
+    reader, writer = pair
+    for k in range(3):
+        write(writer, float(k), length=T - k)
+    reader.poll()
+    batch = reader.get_batch(3, timeout=5)
+    assert batch.data["step"]["obs"].shape == (3, T, 4)
+    assert batch.data["step"]["obs"][:, 0, 0].tolist() == [0.0, 1.0, 2.0]
+    assert batch.fill["step"].tolist() == [T, T - 1, T - 2]
+    assert batch.seq.tolist() == [0, 1, 2]
+    assert reader.stats()["slots"]["held"] == 0  # gathered, so released
+    first = batch.data["step"]["obs"]
+    for k in range(3):
+        write(writer, 10.0 + k)
+    again = reader.get_batch(3, timeout=5)
+    assert again.data["step"]["obs"] is first  # copy=False: the same preallocated buffer, refilled
+    for k in range(3):
+        write(writer, 20.0 + k)
+    mine = reader.get_batch(3, timeout=5, copy=True)
+    assert mine.data["step"]["obs"] is not first and mine.data["step"]["obs"][:, 0, 0].tolist() == [20.0, 21.0, 22.0]
+
+
+def test_batch_timeout_loses_nothing(pair: Any) -> None:
+    reader, writer = pair
+    write(writer, 1.0)
+    write(writer, 2.0)
+    with pytest.raises(shmbuf.SlotTimeout):
+        reader.get_batch(3, timeout=0.1)
+    write(writer, 3.0)
+    batch = reader.get_batch(3, timeout=5)
+    assert batch.data["step"]["reward"][:, 0].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_get_timeout_is_a_timeout_error(pair: Any) -> None:
+    reader, _ = pair
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="no rollout within timeout=0.2 s"):
+        reader.get(timeout=0.2)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_writer_error_is_raised_in_the_reader_with_its_traceback(pair: Any) -> None:
+    reader, writer = pair
+
+    def failing() -> None:
+        raise ZeroDivisionError("env exploded")
+
+    try:
+        failing()
+    except ZeroDivisionError as exc:
+        assert writer.report_error(exc)
+    with pytest.raises(WriterError, match="raised ZeroDivisionError: env exploded") as info:
+        reader.get(timeout=5)
+    assert info.value.kind == "ZeroDivisionError"
+    assert "in failing" in info.value.remote_traceback
+    write(writer, 1.0)  # the pipeline goes on
+    reader.get(timeout=5).release()
+
+
+def test_reader_pickles_to_its_handle_and_a_name_is_enough(pair: Any) -> None:
+    reader, _ = pair
+    h = pickle.loads(pickle.dumps(reader))
+    assert h == reader.handle == shmbuf.Handle(reader.name)
+    w2 = shmbuf.Writer(reader.name)
+    assert w2.schema == reader.schema
+    w2.close()
+
+
+def test_stats(pair: Any) -> None:
+    reader, writer = pair
+    for _ in range(3):
+        write(writer, 1.0)
+    reader.get(timeout=5).release()
+    s = reader.stats()
+    assert s["rollouts"] == 1 and s["ready_depth"] == 2 and s["writers"] == 1
+    assert s["bytes"] == sum(lf.nbytes for lf in reader.schema.leaves)
+    assert s["latency_us_p50"] is not None and s["latency_us_p50"] > 0
+    assert s["slots"]["pool"] + s["slots"]["lent"] + s["slots"]["ready"] + s["slots"]["held"] == reader.slots
+
+
+def test_writer_threads_in_the_reader_process(make_reader: Any) -> None:
+    reader = make_reader(small_example(), slots=4, max_writers=4)
+    n = 300
+    errors: list[BaseException] = []
+
+    def run(tag: int) -> None:
+        try:
+            with shmbuf.Writer(reader.handle, timeout=10) as w:
+                for seq in range(n):
+                    write(w, float(tag * 10000 + seq), length=2)
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for th in threads:
+        th.start()
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for _ in range(3 * n):
+        with reader.get(timeout=10) as r:
+            v = int(r.data["step"]["obs"][0, 0])
+            seen[v // 10000].append(v % 10000)
+    for th in threads:
+        th.join(10)
+    assert not errors
+    assert all(seen[k] == list(range(n)) for k in seen)
+
+
+def test_a_reader_closed_is_closed(pair: Any) -> None:
+    reader, _ = pair
+    reader.close()
+    assert reader.closed
+    with pytest.raises(shmbuf.PipelineClosed):
+        reader.get(timeout=0)

@@ -1,0 +1,159 @@
+"""Schema: echo's timescale rules, deterministic order, msgpack round trip, fingerprints."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shmbuf import Schema, SchemaError, SegmentError
+
+DTYPES = ["bool", "int8", "uint8", "int16", "int32", "int64", "uint32", "float16", "float32", "float64", "complex64"]
+
+
+def test_buffered_and_single_item_follow_echo_rules() -> None:
+    ex = {
+        "step": {"obs": np.zeros((64, 4), np.float32), "reward": np.zeros((64,), np.float32)},
+        "episode": {"return": np.zeros((1,), np.float32), "length": np.zeros((1,), np.float32)},
+        "final_step": {"obs": np.zeros((4,), np.float32), "reward": np.zeros((), np.int32)},
+    }
+    s = Schema.from_example(ex)
+    step, episode, final = s.by_name["step"], s.by_name["episode"], s.by_name["final_step"]
+    assert (step.buffered, step.capacity) == (True, 64)
+    assert [lf.item_shape for lf in step.leaves] == [(4,), ()]
+    assert (episode.buffered, episode.capacity) == (False, 1)
+    assert (final.buffered, final.capacity) == (False, 1)  # a 0-d leaf makes it single-item
+    assert [lf.item_shape for lf in final.leaves] == [(4,), ()]
+
+
+def test_leaf_order_is_sorted_like_optree() -> None:
+    ex = {"z": {"b": np.zeros((3,)), "a": np.zeros((3,))}, "a": {"y": np.zeros(()), "x": np.zeros(())}}
+    s = Schema.from_example(ex)
+    assert [lf.name for lf in s.leaves] == ["a/x", "a/y", "z/a", "z/b"]
+
+
+def test_ordereddict_keeps_insertion_order() -> None:
+    s = Schema.from_example({"s": collections.OrderedDict([("b", np.zeros(2)), ("a", np.zeros(2))])})
+    assert [lf.name for lf in s.leaves] == ["s/b", "s/a"]
+
+
+def test_leading_dim_mismatch_is_refused_naming_each_leaf() -> None:
+    with pytest.raises(SchemaError, match=r"step.*step/obs: 64.*step/reward: 32.*single-item"):
+        Schema.from_example({"step": {"obs": np.zeros((64, 4)), "reward": np.zeros((32,))}})
+
+
+@pytest.mark.parametrize(
+    ("example", "pattern"),
+    [
+        ([np.zeros(3)], "must be a dict whose keys are timescale names"),
+        ({}, "no timescales"),
+        ({"step": {}}, "timescale 'step' has no array leaves"),
+        ({"step": {"x": 3.0}}, r"at step/x: expected a numpy array.*got float"),
+        ({"step": {"x": np.zeros(3, object)}}, r"leaf step/x: expected a bool, integer, float or complex dtype, got object"),
+        ({"step": {1: np.zeros(3)}}, "dict keys must be str"),
+        ({"step": {"x": {1, 2}}}, r"at step/x: expected a numpy array"),
+    ],
+)
+def test_bad_examples_get_clear_errors(example: object, pattern: str) -> None:
+    with pytest.raises(SchemaError, match=pattern):
+        Schema.from_example(example)
+
+
+def test_first_difference_names_the_leaf() -> None:
+    a = Schema.from_example({"step": {"obs": np.zeros((8, 4), np.float32), "r": np.zeros((8,))}})
+    b = Schema.from_example({"step": {"obs": np.zeros((8, 5), np.float32), "r": np.zeros((8,))}})
+    c = Schema.from_example({"step": {"obs": np.zeros((8, 4), np.float32)}})
+    assert a.fingerprint != b.fingerprint
+    assert a.first_difference(b) == "leaf step/obs: expected float32 (8, 4), got float32 (8, 5)"
+    assert a.first_difference(c) == "timescale 'step': missing leaf step/r"
+    assert a.first_difference(a) is None
+
+
+# ------------------------------------------------------------- properties
+
+shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
+
+
+def leaf_strategy() -> st.SearchStrategy:
+    return st.builds(lambda d, s: np.zeros(s, d), st.sampled_from(DTYPES), shapes)
+
+
+def subtree(depth: int = 2) -> st.SearchStrategy:
+    keys = st.text("abcdefgh_", min_size=1, max_size=5)
+    return st.recursive(
+        leaf_strategy(),
+        lambda inner: st.one_of(
+            st.dictionaries(keys, inner, min_size=1, max_size=3),
+            st.lists(inner, min_size=1, max_size=3),
+            st.lists(inner, min_size=1, max_size=3).map(tuple),
+        ),
+        max_leaves=6,
+    )
+
+
+def timescale() -> st.SearchStrategy:
+    """A subtree that obeys echo's rules: either all leaves lead with N > 1, or single-item."""
+
+    def make(tree: object, lead: int) -> object:
+        import optree
+
+        leaves = optree.tree_leaves(tree)
+        if lead > 1:
+            return optree.tree_map(lambda a: np.zeros((lead, *a.shape), a.dtype), tree)
+        if not any(a.ndim == 0 for a in leaves) and not all(a.shape[0] == 1 for a in leaves):
+            return optree.tree_map(lambda a: np.zeros((1, *a.shape), a.dtype), tree)
+        return tree
+
+    return st.builds(make, subtree(), st.sampled_from([0, 1, 2, 5]))
+
+
+examples = st.dictionaries(st.text("stepisod", min_size=1, max_size=6), timescale(), min_size=1, max_size=3)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(examples)
+def test_msgpack_round_trip_is_identity(example: dict) -> None:
+    s = Schema.from_example(example)
+    back = Schema.from_msgpack(s.to_msgpack())
+    assert back == s
+    assert back.fingerprint == s.fingerprint
+    assert [(lf.path, lf.dtype, lf.shape, lf.item_shape) for lf in back.leaves] == [
+        (lf.path, lf.dtype, lf.shape, lf.item_shape) for lf in s.leaves
+    ]
+    assert [(t.name, t.buffered, t.capacity, t.structure) for t in back.timescales] == [
+        (t.name, t.buffered, t.capacity, t.structure) for t in s.timescales
+    ]
+    # the rebuilt template has the example's containers, leaf for leaf
+    for name, sub in s.zeros().items():
+        assert type(sub) is type(example[name])
+
+
+def test_from_msgpack_rejects_garbage_without_crashing() -> None:
+    good = Schema.from_example({"step": {"obs": np.zeros((8, 4), np.float32)}}).to_msgpack()
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        data = bytearray(good)
+        for _ in range(rng.integers(1, 6)):
+            data[rng.integers(len(data))] = rng.integers(256)
+        try:
+            Schema.from_msgpack(bytes(data))
+        except SegmentError:
+            pass
+    for junk in (b"", b"\xc1", os.urandom(64), msgpack.packb({"magic": "shmbuf.schema", "version": 99})):
+        with pytest.raises(SegmentError):
+            Schema.from_msgpack(junk)
+
+
+def test_non_canonical_schema_is_refused() -> None:
+    obj = msgpack.unpackb(Schema.from_example({"s": {"x": np.zeros(3)}}).to_msgpack())
+    obj["timescales"][0]["leaves"][0][2] = [3, 2]  # same capacity, another item shape: a different, valid schema
+    reencoded = Schema.from_msgpack(msgpack.packb(obj))
+    assert reencoded.leaves[0].shape == (3, 2)
+    obj["timescales"][0]["capacity"] = 7  # inconsistent with the leaves
+    with pytest.raises(SegmentError, match="inconsistent"):
+        Schema.from_msgpack(msgpack.packb(obj))

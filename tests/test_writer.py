@@ -1,0 +1,354 @@
+"""Writer: echo TrajectoryAccumulator parity, casting and shape rules, no allocation per add."""
+
+from __future__ import annotations
+
+import pickle
+import tracemalloc
+from typing import Any
+
+import numpy as np
+import pytest
+from echo import TrajectoryAccumulator
+
+import shmbuf
+from shmbuf import PipelineClosed, SchemaError, SlotTimeout
+
+T = 64
+
+
+def guide_example() -> dict[str, Any]:
+    """The example of echo's TrajectoryAccumulator guide, as written there."""
+    return {
+        "step": {"obs": np.zeros((T, 4), np.float32), "reward": np.zeros((T,), np.float32)},
+        "episode": {"return": np.zeros((1,), np.float32), "length": np.zeros((1,), np.float32)},
+        "final_step": {"obs": np.zeros((4,), np.float32), "reward": np.zeros((), np.int32)},
+    }
+
+
+def pair(make_reader: Any, example: dict[str, Any], slots: int = 4) -> tuple[shmbuf.Reader, shmbuf.Writer]:
+    reader = make_reader(example, slots=slots, max_writers=2)
+    writer = shmbuf.Writer(reader.handle, timeout=2.0)
+    reader.poll()  # same thread: lend the writer its slots now
+    return reader, writer
+
+
+def guide_rollout(adder: Any, rng: np.random.Generator) -> None:
+    """The guide's loop: T steps, then the episode summary, then the final step (python floats included)."""
+    reward = 0.0
+    ret = 0.0
+    obs = rng.standard_normal(4).astype(np.float32)
+    for _ in range(T):
+        adder.add("step", {"obs": obs, "reward": reward})
+        obs = rng.standard_normal(4).astype(np.float32)
+        reward = float(rng.standard_normal())
+        ret += reward
+    adder.add("episode", {"return": np.array([ret]), "length": np.array([T])})
+    adder.add("final_step", {"obs": obs, "reward": int(reward > 0)})
+
+
+def test_guide_example_matches_echo_bit_for_bit(make_reader: Any) -> None:
+    reader, writer = pair(make_reader, guide_example())
+    acc = TrajectoryAccumulator(guide_example())
+    for seed in range(3):
+        guide_rollout(writer, np.random.default_rng(seed))
+        writer.commit()
+        guide_rollout(acc, np.random.default_rng(seed))
+        expected = acc.build()
+        with reader.get(timeout=5) as r:
+            assert r.fill == {"episode": 1, "final_step": 1, "step": T}
+            for ts in expected:
+                for key in expected[ts]:
+                    got, want = r.data[ts][key], expected[ts][key]
+                    assert got.dtype == want.dtype and got.shape == want.shape, (ts, key)
+                    assert got.tobytes() == want.tobytes(), (ts, key)
+    writer.close()
+
+
+def test_adding_past_capacity_raises_echos_index_error(make_reader: Any) -> None:
+    reader, writer = pair(make_reader, guide_example())
+    acc = TrajectoryAccumulator(guide_example())
+    step = {"obs": np.zeros(4, np.float32), "reward": 0.0}
+    for _ in range(T):
+        writer.add("step", step)
+        acc.add("step", step)
+    with pytest.raises(IndexError) as ours:
+        writer.add("step", step)
+    with pytest.raises(IndexError) as theirs:
+        acc.add("step", step)
+    assert str(ours.value) == str(theirs.value) == "Timescale 'step' has 64 slots, but you tried to add at index 64"
+    # single-item timescales hold one item: a second add is past capacity too, in both
+    writer.add("episode", {"return": np.array([1.0]), "length": np.array([2.0])})
+    acc.add("episode", {"return": np.array([1.0]), "length": np.array([2.0])})
+    with pytest.raises(IndexError, match="'episode' has 1 slots, but you tried to add at index 1"):
+        writer.add("episode", {"return": np.array([1.0]), "length": np.array([2.0])})
+    with pytest.raises(IndexError, match="'episode' has 1 slots, but you tried to add at index 1"):
+        acc.add("episode", {"return": np.array([1.0]), "length": np.array([2.0])})
+    writer.close()
+
+
+def test_unknown_timescale_names_the_known_ones_like_echo(make_reader: Any) -> None:
+    reader, writer = pair(make_reader, guide_example())
+    acc = TrajectoryAccumulator(guide_example())
+    with pytest.raises(KeyError) as ours:
+        writer.add("steps", {})
+    with pytest.raises(KeyError) as theirs:
+        acc.add("steps", {})
+    assert "Unknown timescale 'steps'" in str(ours.value) and "Unknown timescale 'steps'" in str(theirs.value)
+    for name in ("episode", "final_step", "step"):
+        assert name in str(ours.value)
+    writer.close()
+
+
+def test_leading_dim_mismatch_is_refused_at_construction_like_echo() -> None:
+    bad = {"step": {"obs": np.zeros((64, 4)), "reward": np.zeros((32,))}}
+    with pytest.raises(ValueError, match="same leading dimension"):
+        TrajectoryAccumulator(bad)
+    with pytest.raises(ValueError, match="same leading dimension"):
+        shmbuf.create(bad, slots=2)
+
+
+def test_top_level_must_be_a_dict_like_echo() -> None:
+    with pytest.raises(TypeError):
+        TrajectoryAccumulator([np.zeros(3)])  # type: ignore[arg-type]
+    with pytest.raises(SchemaError, match="must be a dict"):
+        shmbuf.create([np.zeros(3)], slots=2)
+
+
+def test_reset_aborts_a_partial_rollout(make_reader: Any) -> None:
+    reader, writer = pair(make_reader, guide_example())
+    for i in range(10):
+        writer.add("step", {"obs": np.full(4, -1, np.float32), "reward": -1.0})
+    writer.reset()
+    for i in range(3):
+        writer.add("step", {"obs": np.full(4, i, np.float32), "reward": float(i)})
+    writer.commit()
+    with reader.get(timeout=5) as r:
+        assert r.fill["step"] == 3 and r.fill["episode"] == 0
+        np.testing.assert_array_equal(r.filled()["step"]["reward"], [0.0, 1.0, 2.0])
+    writer.close()
+
+
+def test_committed_rollout_is_not_overwritten_by_the_next_adds(make_reader: Any) -> None:
+    """echo's pitfall (build() aliases its buffers) does not exist here: a commit hands the slot over."""
+    reader, writer = pair(make_reader, guide_example())
+    writer.add("step", {"obs": np.full(4, 1, np.float32), "reward": 1.0})
+    writer.commit()
+    reader.poll()
+    writer.add("step", {"obs": np.full(4, 2, np.float32), "reward": 2.0})
+    with reader.get(timeout=5) as r:
+        assert r.data["step"]["reward"][0] == 1.0
+    writer.close()
+
+
+# ----------------------------------------------------------- dtypes, shapes
+
+
+def test_same_kind_casting_is_accepted(make_reader: Any) -> None:
+    reader, writer = pair(make_reader, guide_example())
+    writer.add("step", {"obs": np.arange(4, dtype=np.float64), "reward": np.float64(0.25)})  # f64 into f32
+    writer.add("step", {"obs": np.arange(4, dtype=np.int64), "reward": True})  # int, bool into float (safe)
+    writer.add("final_step", {"obs": np.ones(4, np.float32), "reward": np.int64(7)})  # i64 into i32
+    writer.commit()
+    with reader.get(timeout=5) as r:
+        np.testing.assert_array_equal(r.data["step"]["obs"][:2], [[0, 1, 2, 3], [0, 1, 2, 3]])
+        assert r.data["step"]["reward"][0] == 0.25 and r.data["step"]["reward"][1] == 1.0
+        assert r.data["final_step"]["reward"] == 7
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("ts", "item", "pattern"),
+    [
+        ("step", {"obs": np.zeros(4, np.float32), "reward": np.zeros((), np.complex64)}, r"leaf step/reward: expected dtype float32.*got complex64"),
+        ("final_step", {"obs": np.zeros(4, np.float32), "reward": 1.5}, r"leaf final_step/reward: expected dtype int32.*'same_kind'.*got float64"),
+        ("step", {"obs": np.zeros(5, np.float32), "reward": 0.0}, r"leaf step/obs: expected shape \(4,\) for one add\(\), got \(5,\)"),
+        ("step", {"obs": np.float32(1), "reward": 0.0}, r"leaf step/obs: expected shape \(4,\).*got \(\)"),
+        ("step", {"obs": [0.0, 1.0, 2.0, 3.0], "reward": 0.0}, r"leaf step/obs: expected a numpy array of float32 with shape \(4,\), got list"),
+        ("step", {"obs": np.zeros(4, np.float32)}, r"missing step/reward"),
+        ("step", {"obs": np.zeros(4, np.float32), "reward": 0.0, "extra": 1.0}, r"unexpected step/extra"),
+        ("step", {"obs": np.zeros(4, np.float32), "rewrd": 0.0}, r"missing step/reward; unexpected step/rewrd"),
+        ("step", [np.zeros(4, np.float32), 0.0], r"at step: expected a dict with keys \['obs', 'reward'\], got list"),
+    ],
+)
+def test_bad_items_are_refused_naming_the_leaf_and_write_nothing(make_reader: Any, ts: str, item: Any, pattern: str) -> None:
+    reader, writer = pair(make_reader, guide_example())
+    writer.add("step", {"obs": np.full(4, 9, np.float32), "reward": 9.0})
+    writer.add("final_step", {"obs": np.full(4, 9, np.float32), "reward": 9})
+    writer.reset()  # keep the slot; counters back to 0, the 9s stay in memory
+    with pytest.raises(SchemaError, match=pattern):
+        writer.add(ts, item)
+    writer.add("step", {"obs": np.full(4, 1, np.float32), "reward": 1.0})
+    writer.commit()
+    with reader.get(timeout=5) as r:
+        assert r.fill == {"episode": 0, "final_step": 0, "step": 1}  # the failed add counted nothing
+        np.testing.assert_array_equal(r.data["step"]["obs"][0], np.ones(4))  # and left no partial write
+        np.testing.assert_array_equal(r.data["final_step"]["obs"], np.full(4, 9))
+        assert r.data["final_step"]["reward"] == 9
+    writer.close()
+
+
+def test_echo_leading_one_forms_are_accepted(make_reader: Any) -> None:
+    reader, writer = pair(make_reader, guide_example())
+    writer.add("step", {"obs": np.ones((1, 4), np.float32), "reward": np.ones((1,), np.float32)})  # stored[s:s+1] = x
+    writer.add("episode", {"return": np.float32(3), "length": np.array(4.0)})  # (1,) leaf from a 0-d item
+    writer.commit()
+    with reader.get(timeout=5) as r:
+        assert r.data["episode"]["return"][0] == 3 and r.data["episode"]["length"][0] == 4
+        assert r.data["step"]["obs"][0].tolist() == [1, 1, 1, 1]
+    writer.close()
+
+
+def test_nested_timescales_take_the_general_path(make_reader: Any) -> None:
+    ex = {"step": {"obs": {"pixels": np.zeros((4, 2, 2), np.uint8), "state": np.zeros((4, 3), np.float16)},
+                   "act": (np.zeros((4,), np.int8), np.zeros((4, 2), np.float32))}}
+    reader, writer = pair(make_reader, ex)
+    for t in range(4):
+        writer.add("step", {"obs": {"pixels": np.full((2, 2), t, np.uint8), "state": np.full(3, t, np.float16)},
+                            "act": (np.int8(t), np.full(2, t, np.float32))})
+    with pytest.raises(SchemaError, match=r"leaf step/obs/state: expected shape \(3,\)"):
+        writer.reset()
+        writer.add("step", {"obs": {"pixels": np.zeros((2, 2), np.uint8), "state": np.zeros(4, np.float16)},
+                            "act": (np.int8(0), np.zeros(2, np.float32))})
+    with pytest.raises(SchemaError, match=r"at step/obs: expected keys \['pixels', 'state'\].*missing step/obs/state"):
+        writer.add("step", {"obs": {"pixels": np.zeros((2, 2), np.uint8)}, "act": (np.int8(0), np.zeros(2, np.float32))})
+    for t in range(4):
+        writer.add("step", {"obs": {"pixels": np.full((2, 2), t, np.uint8), "state": np.full(3, t, np.float16)},
+                            "act": (np.int8(t), np.full(2, t, np.float32))})
+    writer.commit()
+    with reader.get(timeout=5) as r:
+        assert r.data["step"]["obs"]["pixels"][:, 0, 0].tolist() == [0, 1, 2, 3]
+        assert isinstance(r.data["step"]["act"], tuple) and r.data["step"]["act"][1][3].tolist() == [3, 3]
+    writer.close()
+
+
+# ------------------------------------------------------------ commit, send
+
+
+def test_commit_of_an_empty_rollout_is_refused(make_reader: Any) -> None:
+    reader, writer = pair(make_reader, guide_example())
+    with pytest.raises(ValueError, match="commit of an empty rollout"):
+        writer.commit()
+    writer.add("step", {"obs": np.zeros(4, np.float32), "reward": 0.0})
+    writer.reset()
+    with pytest.raises(ValueError, match="commit of an empty rollout"):
+        writer.commit()
+    writer.close()
+
+
+def test_send_writes_a_built_rollout_in_one_call(make_reader: Any) -> None:
+    reader, writer = pair(make_reader, guide_example())
+    acc = TrajectoryAccumulator(guide_example())
+    guide_rollout(acc, np.random.default_rng(5))
+    built = acc.build()
+    assert writer.send(built) == 0
+    with reader.get(timeout=5) as r:
+        assert r.fill == {"episode": 1, "final_step": 1, "step": T}
+        for ts in built:
+            for key in built[ts]:
+                assert r.data[ts][key].tobytes() == built[ts][key].tobytes()
+    writer.close()
+
+
+def test_send_of_another_structure_is_refused_and_commits_nothing(make_reader: Any) -> None:
+    reader, writer = pair(make_reader, guide_example())
+    tree = shmbuf.Schema.from_example(guide_example()).zeros()
+    del tree["episode"]
+    with pytest.raises(SchemaError, match=r"send: expected a dict with timescales \['episode', 'final_step', 'step'\]"):
+        writer.send(tree)
+    tree = shmbuf.Schema.from_example(guide_example()).zeros()
+    tree["step"]["obs"] = np.zeros((T, 5), np.float32)
+    with pytest.raises(SchemaError, match=r"leaf step/obs: expected shape \(64, 4\), got \(64, 5\)"):
+        writer.send(tree)
+    with pytest.raises(shmbuf.SlotTimeout):
+        reader.get(timeout=0.05)
+    writer.close()
+
+
+def test_a_writer_with_another_example_is_refused_naming_the_leaf(make_reader: Any) -> None:
+    reader = make_reader(guide_example(), slots=2)
+    other = guide_example()
+    other["step"]["obs"] = np.zeros((T, 5), np.float32)
+    with pytest.raises(SchemaError, match=r"leaf step/obs: expected float32 \(64, 4\), got float32 \(64, 5\)"):
+        shmbuf.Writer(reader.handle, other)
+    shmbuf.Writer(reader.handle, guide_example()).close()  # the same example is fine
+
+
+def test_writer_is_not_picklable(make_reader: Any) -> None:
+    reader, writer = pair(make_reader, guide_example())
+    with pytest.raises(TypeError, match="pass the pipeline's handle"):
+        pickle.dumps(writer)
+    writer.close()
+
+
+def test_backpressure_times_out_naming_the_pipeline_and_setting(make_reader: Any) -> None:
+    reader = make_reader(guide_example(), slots=1, max_writers=1)
+    writer = shmbuf.Writer(reader.handle, timeout=0.2)
+    reader.poll()
+    writer.add("step", {"obs": np.zeros(4, np.float32), "reward": 0.0})
+    writer.commit()
+    held = reader.get(timeout=5)  # the only slot, held by the learner
+    with pytest.raises(SlotTimeout, match=rf"{reader.name}: no free slot within timeout=0.2 s \(Writer\(timeout=...\)\)"):
+        writer.add("step", {"obs": np.zeros(4, np.float32), "reward": 0.0})
+    held.release()
+    writer.add("step", {"obs": np.zeros(4, np.float32), "reward": 0.0})  # the slot came back
+    writer.commit()
+    reader.get(timeout=5).release()
+    writer.close()
+
+
+def test_closed_pipeline_makes_every_call_raise(make_reader: Any) -> None:
+    reader, writer = pair(make_reader, guide_example())
+    writer.add("step", {"obs": np.zeros(4, np.float32), "reward": 0.0})
+    reader.close()
+    for call in (lambda: writer.add("step", {"obs": np.zeros(4, np.float32), "reward": 0.0}), writer.commit,
+                 lambda: writer.send(shmbuf.Schema.from_example(guide_example()).zeros())):
+        with pytest.raises(PipelineClosed, match="closed"):
+            call()
+    writer.close()
+    with pytest.raises(shmbuf.SegmentError, match="no pipeline named"):
+        shmbuf.Writer(reader.handle)
+
+
+# ------------------------------------------------------------- allocation
+
+
+def test_add_and_commit_allocate_nothing_in_steady_state(make_reader: Any) -> None:
+    ex = {"step": {"obs": np.zeros((T, 4), np.float32), "action": np.zeros((T,), np.int64),
+                   "reward": np.zeros((T,), np.float32), "done": np.zeros((T,), bool)}}
+    reader, writer = pair(make_reader, ex, slots=4)
+    step = {"obs": np.zeros(4, np.float32), "action": np.zeros((), np.int64), "reward": np.zeros((), np.float32),
+            "done": np.zeros((), bool)}
+
+    def rollouts(n: int) -> None:
+        for _ in range(n):
+            for _ in range(T):
+                writer.add("step", step)
+            writer.commit()
+            reader.get(timeout=5).release()
+
+    def adds_only(n: int) -> None:  # the writer alone: no reader code in the loop
+        for _ in range(n):
+            for _ in range(T):
+                writer.add("step", step)
+            writer.reset()
+
+    rollouts(20)  # warm up: every slot's views built once
+    tracemalloc.start()
+    try:
+        rollouts(5)
+        base, _ = tracemalloc.get_traced_memory()
+        rollouts(200)  # 12,800 adds and 200 commits
+        grown, _ = tracemalloc.get_traced_memory()
+        adds_only(2)
+        base2, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        adds_only(200)
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # Nothing kept per step or per rollout...
+    assert grown - base < 1024, f"memory grew by {grown - base} bytes over 12,800 adds and 200 commits"
+    assert current - base2 < 256, f"memory grew by {current - base2} bytes over 12,800 adds"
+    # ...and nothing step-sized made per add: the peak stays under one small temporary (a numpy view header).
+    assert peak - base2 < 1024, f"peak rose {peak - base2} bytes above the steady state during adds"
+    writer.close()
