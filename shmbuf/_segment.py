@@ -38,8 +38,8 @@ PREFIX = "/shmbuf-"
 MAGIC = b"\x89SHMBUF\n"
 LAYOUT_VERSION = 1
 # <magic, version, header bytes, total, owner pid, owner start, created ns,
-#  n_slots, n_lanes, schema off, schema len, token>
-_HEADER = struct.Struct("<8sIIQQQQIIQQ16s")
+#  n_slots, n_lanes, schema off, schema len, token, schema fingerprint>
+_HEADER = struct.Struct("<8sIIQQQQIIQQ16s16s")
 HEADER_BYTES = 256
 LIVE_OFF = 256  # words written after creation: see the W_* indices
 LIVE_BYTES = 256
@@ -213,7 +213,8 @@ class Segment:
         shm.close_fd()
         packed = schema.to_msgpack()
         header = _HEADER.pack(MAGIC, LAYOUT_VERSION, HEADER_BYTES, p.total, os.getpid(), start_time(os.getpid()),
-                              time.time_ns(), n_slots, n_lanes, p.schema_off, p.schema_len, name[len(PREFIX):].encode())
+                              time.time_ns(), n_slots, n_lanes, p.schema_off, p.schema_len, name[len(PREFIX):].encode(),
+                              schema.fingerprint.encode())
         mm[: len(header)] = header
         mm[p.schema_off : p.schema_off + len(packed)] = packed
         return cls(name, mm, schema, p, owner=True)
@@ -276,7 +277,7 @@ def read_header(mm: mmap.mmap, name: str) -> tuple[Schema, Plan]:
     size = len(mm)
     try:
         (magic, version, hbytes, total, _pid, _start, _created, n_slots, n_lanes, schema_off, schema_len,
-         _token) = _HEADER.unpack_from(mm, 0)
+         _token, fingerprint) = _HEADER.unpack_from(mm, 0)
     except struct.error:
         raise SegmentError(f"{name}: header is truncated") from None
     if magic != MAGIC:
@@ -293,6 +294,8 @@ def read_header(mm: mmap.mmap, name: str) -> tuple[Schema, Plan]:
     if schema_off != HEADER_BYTES + LIVE_BYTES or not 0 < schema_len <= size - schema_off:
         raise SegmentError(f"{name}: schema at [{schema_off}, +{schema_len}) lies outside the {size}-byte segment")
     schema = Schema.from_msgpack(bytes(mm[schema_off : schema_off + schema_len]))
+    if schema.fingerprint.encode() != fingerprint:
+        raise SegmentError(f"{name}: the schema's fingerprint {schema.fingerprint} is not the header's {fingerprint!r}: corrupt")
     p = plan(schema, n_slots, n_lanes)
     if p.total != size or p.schema_len != schema_len:
         raise SegmentError(f"{name}: the schema and counts call for {p.total} bytes, the segment has {size}")
@@ -302,7 +305,7 @@ def read_header(mm: mmap.mmap, name: str) -> tuple[Schema, Plan]:
 def header_fields(mm: mmap.mmap) -> dict[str, int | bytes]:
     """The raw header fields (for ``shmbuf ls``); call read_header first to trust them."""
     keys = ("magic", "version", "header_bytes", "total", "owner_pid", "owner_start", "created_ns", "n_slots",
-            "n_lanes", "schema_off", "schema_len", "token")
+            "n_lanes", "schema_off", "schema_len", "token", "fingerprint")
     return dict(zip(keys, _HEADER.unpack_from(mm, 0)))
 
 
