@@ -1,0 +1,133 @@
+"""``shmbuf demo`` / ``make demo``: real CartPole rollouts from actor processes to this learner, then the figures.
+
+Each actor steps a vectorised CartPole-v1 (gymnasium, same-step autoreset, so
+no reset observation is ever stored as a transition) with a tiny linear numpy
+policy, writing every step straight into a shared slot; the learner takes
+rollouts as zero-copy views, reads them, and releases them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+import shmbuf
+
+
+def example(steps: int, envs: int) -> dict[str, Any]:
+    return {
+        "step": {
+            "obs": np.zeros((steps, envs, 4), np.float32),
+            "action": np.zeros((steps, envs), np.int64),
+            "reward": np.zeros((steps, envs), np.float32),
+            "terminated": np.zeros((steps, envs), bool),
+            "truncated": np.zeros((steps, envs), bool),
+        },
+        # single-item timescales: a leading 1 (the bootstrap observation), or 0-d leaves (episode totals)
+        "bootstrap": {"obs": np.zeros((1, envs, 4), np.float32)},
+        "episodes": {"count": np.zeros((), np.int64), "return_sum": np.zeros((), np.float64), "length_sum": np.zeros((), np.int64)},
+    }
+
+
+def actor(handle: shmbuf.Handle, envs: int, steps: int, seed: int) -> None:
+    import gymnasium as gym
+
+    env = gym.vector.SyncVectorEnv(
+        [lambda: gym.make("CartPole-v1") for _ in range(envs)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
+    )
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal(4).astype(np.float32)  # a tiny linear policy: push toward where the pole falls
+    obs, _ = env.reset(seed=seed)
+    ep_return = np.zeros(envs)
+    ep_length = np.zeros(envs, np.int64)
+    step = {"obs": obs, "action": np.zeros(envs, np.int64), "reward": None, "terminated": None, "truncated": None}
+    try:
+        with shmbuf.Writer(handle, timeout=None, label=f"cartpole-{seed}") as writer:
+            while True:
+                count, ret_sum, len_sum = 0, 0.0, 0
+                for _ in range(steps):
+                    action = ((obs @ weights) + 0.3 * rng.standard_normal(envs) > 0).astype(np.int64)
+                    next_obs, reward, terminated, truncated, info = env.step(action)
+                    step["obs"], step["action"] = obs, action
+                    step["reward"], step["terminated"], step["truncated"] = reward, terminated, truncated
+                    writer.add("step", step)
+                    ep_return += reward
+                    ep_length += 1
+                    done = terminated | truncated
+                    if done.any():
+                        count += int(done.sum())
+                        ret_sum += float(ep_return[done].sum())
+                        len_sum += int(ep_length[done].sum())
+                        ep_return[done] = 0
+                        ep_length[done] = 0
+                        # same-step autoreset: next_obs already holds the reset observation of finished envs
+                    obs = next_obs
+                writer.add("bootstrap", {"obs": obs})
+                writer.add("episodes", {"count": count, "return_sum": ret_sum, "length_sum": len_sum})
+                writer.commit()
+    except shmbuf.PipelineClosed:
+        pass  # the learner is done: the normal way out
+    finally:
+        env.close()
+
+
+def run(seconds: float = 10.0, actors: int = 2, envs_per_actor: int = 8, steps: int = 64) -> int:
+    from tqdm import tqdm
+
+    ctx = mp.get_context("spawn")
+    reader = shmbuf.create(example(steps, envs_per_actor), slots=4 * actors, max_writers=actors)
+    name = reader.name
+    procs = [ctx.Process(target=actor, args=(reader.handle, envs_per_actor, steps, seed), daemon=True) for seed in range(actors)]
+    print(f"shmbuf demo: {actors} actor processes x {envs_per_actor} CartPole-v1 envs, rollouts of {steps} steps, "
+          f"{seconds:.0f} s, pipeline {name}")
+    for p in procs:
+        p.start()
+    rollouts = episodes = 0
+    returns = 0.0
+    bytes_per = sum(lf.nbytes for lf in reader.schema.leaves)
+    try:
+        first = reader.get(timeout=60)  # wait for the actors to import gymnasium and start
+        first.release()
+        reader.stats()  # reset nothing, just serve
+        t0 = time.monotonic()
+        with tqdm(total=round(seconds, 1), unit="s", bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} s {postfix}") as bar:
+            while (now := time.monotonic()) - t0 < seconds:
+                with reader.get(timeout=10) as r:
+                    # the learner reads the rollout where the actor wrote it
+                    ep = r.data["episodes"]
+                    n = int(ep["count"])
+                    episodes += n
+                    returns += float(ep["return_sum"])
+                    _ = float(r.data["step"]["reward"].sum())
+                rollouts += 1
+                if rollouts % 50 == 0:
+                    bar.n = round(min(now - t0, seconds), 1)
+                    bar.set_postfix_str(f"{rollouts * steps * envs_per_actor / (now - t0):,.0f} env steps/s")
+            elapsed = time.monotonic() - t0
+            bar.n = round(seconds, 1)
+            bar.refresh()
+        stats = reader.stats()
+    finally:
+        reader.close()  # actors' next call raises PipelineClosed and they leave
+        deadline = time.monotonic() + 10
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(2)
+    env_steps = rollouts * steps * envs_per_actor
+    left = [e for e in os.listdir("/dev/shm") if name[1:] in e]
+    print()
+    print(f"  env steps/s          {env_steps / elapsed:>12,.0f}")
+    print(f"  rollouts/s           {rollouts / elapsed:>12,.1f}   ({rollouts} rollouts of {steps} x {envs_per_actor} steps)")
+    print(f"  MB/s                 {rollouts * bytes_per / elapsed / 1e6:>12,.2f}   ({bytes_per} bytes per rollout)")
+    print(f"  commit -> learner    p50 {stats['latency_us_p50']:,.0f} us, p99 {stats['latency_us_p99']:,.0f} us")
+    print(f"  episodes finished    {episodes:>12,}   mean return {returns / max(episodes, 1):.1f} (a random linear policy)")
+    print(f"  partial rollouts dropped {stats['partial_dropped']}, bad messages {stats['bad_messages']}")
+    print(f"  actors exited        {sum(p.exitcode == 0 for p in procs)}/{actors} cleanly")
+    print(f"  left in /dev/shm     {'nothing' if not left else left}")
+    return 0 if not left and all(p.exitcode == 0 for p in procs) else 1
