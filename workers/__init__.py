@@ -1,3 +1,37 @@
-"""Process-level helpers on top of shmbuf: actor loops, actor pools, a collector."""
+"""Process-level helpers on top of shmbuf: actor loops over gymnasium envs, actor pools, a collector.
 
-__all__: list[str] = []
+Learner::
+
+    from workers import Collector
+
+    with Collector([make_env] * 2, policy, frames_per_batch=1024, total_frames=100_000) as collector:
+        for batch in collector:
+            train(batch.data)
+            collector.update_policy_weights(model)
+
+Lower level: :class:`ActorPool` runs any target in N watched processes;
+:func:`run_actor` with an :class:`ActorSpec` is the target the collector
+uses; :class:`ActorLoop` is the loop itself, usable in a process you own.
+"""
+
+from workers._actor import ActorLoop, ActorSpec, apply_weights, probe, rollout_example, run_actor, successors
+from workers._collector import CollectedBatch, Collector
+from workers._envs import EnvDriver
+from workers._pool import ActorContext, ActorError, ActorPool, default_start_method
+
+__all__ = [
+    "ActorContext",
+    "ActorError",
+    "ActorLoop",
+    "ActorPool",
+    "ActorSpec",
+    "CollectedBatch",
+    "Collector",
+    "EnvDriver",
+    "apply_weights",
+    "default_start_method",
+    "probe",
+    "rollout_example",
+    "run_actor",
+    "successors",
+]

@@ -1,0 +1,222 @@
+"""Episode bookkeeping: every transition, flag, bootstrap observation and episode statistic, exactly.
+
+The actor loop runs in a thread of the test process (a Writer per lane, the
+reader in the main thread) against CountingEnv, whose every transition is
+known; rollouts are checked against the ground truth in commit order.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import shmbuf
+from shmbuf._weights import WeightPublisher, WeightSubscriber
+from workers import ActorLoop, probe, rollout_example, successors
+from tests.test_workers_envs import LENGTHS, CountingEnv, EchoPolicy, expected_stream, make_vector
+
+MODES = ["NextStep", "SameStep", "Disabled"]
+
+
+def collect(make_env, *, T, n_rollouts, batch_mode="truncate_episodes", max_episodes=None, weights=None, policy=None):
+    """Run an ActorLoop in a thread until it committed ``n_rollouts``; return them (copied) in commit order."""
+    policy = policy or EchoPolicy()
+    env = make_env()
+    p = probe(make_env(), policy)
+    vector = p["vector"] and batch_mode == "truncate_episodes"
+    example = rollout_example(p["obs"], p["action"], rollout_len=T, num_envs=p["num_envs"] if vector else None,
+                              extras=p["extras"], batch_mode=batch_mode, max_episodes=max_episodes)
+    n_writers = p["num_envs"] if batch_mode == "complete_episodes" else 1
+    reader = shmbuf.create(example, slots=4 * n_writers + 2, max_writers=n_writers)
+    errors: list[BaseException] = []
+    out = []
+    loop_box = []
+
+    def actor():
+        writers = []
+        try:
+            writers = [shmbuf.Writer(reader.handle, timeout=20) for _ in range(n_writers)]
+            sub = WeightSubscriber(weights) if weights is not None else None
+            loop = ActorLoop(env, policy, writers, rollout_len=T, batch_mode=batch_mode, max_episodes=max_episodes,
+                             weights=sub)
+            loop_box.append(loop)
+            loop.run(n_rollouts)
+            if sub is not None:
+                sub.close()
+        except BaseException as exc:  # surfaced by the main thread
+            errors.append(exc)
+        finally:
+            for w in writers:
+                w.close()
+
+    th = threading.Thread(target=actor, daemon=True)
+    th.start()
+    try:
+        while len(out) < n_rollouts:
+            if errors:
+                raise errors[0]
+            try:
+                r = reader.get(timeout=0.5)
+            except shmbuf.SlotTimeout:
+                assert th.is_alive() or errors, "the actor stopped early"
+                continue
+            with r:
+                out.append({"lane": r.lane, "seq": r.seq, "fill": dict(r.fill), "data": r.copy(),
+                            "version": r.policy_version})
+        th.join(20)
+        assert not th.is_alive()
+        if errors:
+            raise errors[0]
+    finally:
+        reader.close()
+        env.close()
+    return out, loop_box[0]
+
+
+def check_truncated(rollouts, env_ids, T, cap_episodes=False):
+    """Concatenate rollouts per sub-env column and compare with the ground truth, field by field."""
+    vector = len(env_ids) > 1 or rollouts[0]["data"]["step"]["obs"].ndim == 3
+    total = sum(r["fill"]["step"] for r in rollouts)
+    for col, env_id in enumerate(env_ids):
+        truth = expected_stream(env_id, total)
+        pos = 0
+        for r in rollouts:
+            d, n = r["data"], r["fill"]["step"]
+            if not cap_episodes:
+                assert n == T
+            step = d["step"]
+            pick = (lambda a: a[:, col]) if vector else (lambda a: a)
+            succ = pick(successors(d, r["fill"]))
+            ep = d["episode"]
+            m = r["fill"]["episode"]
+            ended = [(int(ep["end"][i]), i) for i in range(m) if int(ep["env"][i]) == col]
+            for t in range(n):
+                tr = truth[pos + t]
+                assert pick(step["obs"])[t].tolist() == tr["obs"], (col, pos + t)
+                assert pick(step["action"])[t] == tr["action"]
+                assert pick(step["reward"])[t] == tr["reward"]
+                assert bool(pick(step["terminated"])[t]) == tr["terminated"]
+                assert bool(pick(step["truncated"])[t]) == tr["truncated"]
+                assert pick(step["twice_t"])[t] == 2 * tr["obs"][2]
+                assert succ[t].tolist() == tr["succ"], ("successor", col, pos + t)
+            # The episode table holds exactly the episodes of this column that ended here, in order.
+            want = [(t, truth[pos + t]) for t in range(n) if truth[pos + t]["ret"] is not None]
+            assert [e for e, _ in ended] == [t for t, _ in want]
+            for (t, tr), (_, i) in zip(want, ended):
+                assert ep["return"][i] == tr["ret"] and ep["length"][i] == tr["len"]
+                assert bool(ep["terminated"][i]) == tr["terminated"] and bool(ep["truncated"][i]) == tr["truncated"]
+                assert ep["final_obs"][i].tolist() == tr["succ"]
+            boot = d["bootstrap"]["obs"][col] if vector else d["bootstrap"]["obs"]
+            assert boot.tolist() == truth[pos + n - 1]["succ"]  # the successor of the last stored step
+            pos += n
+
+
+@pytest.mark.parametrize("T", [4, 9])
+def test_truncate_single_env_across_rollout_boundaries(T):
+    rollouts, loop = collect(lambda: CountingEnv(0), T=T, n_rollouts=7)
+    assert [r["seq"] for r in rollouts] == list(range(7))
+    check_truncated(rollouts, [0], T)
+    assert [int(r["data"]["bootstrap"]["env_steps"]) for r in rollouts] == [T * (i + 1) for i in range(7)]
+    assert loop.episodes == sum(r["fill"]["episode"] for r in rollouts)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_truncate_vector_env_every_autoreset_mode(mode):
+    rollouts, _ = collect(lambda: make_vector(3, mode), T=5, n_rollouts=6)
+    check_truncated(rollouts, [0, 1, 2], 5)
+    assert rollouts[0]["data"]["step"]["obs"].shape == (5, 3, 3)
+    assert rollouts[0]["data"]["bootstrap"]["env_steps"] == 15
+
+
+def test_truncate_small_episode_table_commits_short_and_loses_nothing():
+    rollouts, _ = collect(lambda: CountingEnv(0), T=12, n_rollouts=8, max_episodes=2)
+    fills = [r["fill"]["step"] for r in rollouts]
+    assert min(fills) < 12 and all(r["fill"]["episode"] <= 2 for r in rollouts)
+    check_truncated(rollouts, [0], 12, cap_episodes=True)
+
+
+def test_truncate_small_episode_table_vector():
+    rollouts, _ = collect(lambda: make_vector(2, "NextStep"), T=6, n_rollouts=8, max_episodes=3)
+    assert min(r["fill"]["step"] for r in rollouts) < 6
+    check_truncated(rollouts, [0, 1], 6, cap_episodes=True)
+
+
+def check_complete(rollouts, n_envs, T):
+    by_env: dict[int, list] = {e: [] for e in range(n_envs)}
+    for r in sorted(rollouts, key=lambda r: (r["lane"], r["seq"])):
+        by_env[int(r["data"]["episode"]["env"])].append(r)
+    for env_id, rs in by_env.items():
+        truth = expected_stream(env_id, sum(r["fill"]["step"] for r in rs), cap=T)
+        pos = 0
+        for r in rs:
+            d, n = r["data"], r["fill"]["step"]
+            step = d["step"]
+            assert step["obs"][0].tolist()[2] == 0, "a complete-episodes rollout starts at an episode's start"
+            succ = successors(d, r["fill"], batch_mode="complete_episodes")
+            for t in range(n):
+                tr = truth[pos + t]
+                assert step["obs"][t].tolist() == tr["obs"]
+                assert step["action"][t] == tr["action"] and step["reward"][t] == tr["reward"]
+                assert bool(step["terminated"][t]) == tr["terminated"] and bool(step["truncated"][t]) == tr["truncated"]
+                assert succ[t].tolist() == tr["succ"]
+            last = truth[pos + n - 1]
+            assert last["ret"] is not None, "a rollout ends where its episode ends"
+            ep = d["episode"]
+            assert float(ep["return"]) == last["ret"] and int(ep["length"]) == n == last["len"]
+            assert bool(ep["terminated"]) == last["terminated"] and bool(ep["truncated"]) == last["truncated"]
+            assert d["bootstrap"]["obs"].tolist() == last["succ"]
+            pos += n
+    return by_env
+
+
+def test_complete_single_env_one_episode_per_rollout():
+    rollouts, loop = collect(lambda: CountingEnv(0), T=8, n_rollouts=10, batch_mode="complete_episodes")
+    assert [r["fill"]["step"] for r in rollouts] == [LENGTHS[k % len(LENGTHS)] for k in range(10)]
+    check_complete(rollouts, 1, 8)
+    assert loop.cut_episodes == 0
+
+
+def test_complete_episodes_longer_than_T_are_cut_as_truncated():
+    rollouts, loop = collect(lambda: CountingEnv(0), T=4, n_rollouts=10, batch_mode="complete_episodes")
+    assert max(r["fill"]["step"] for r in rollouts) == 4
+    check_complete(rollouts, 1, 4)
+    assert loop.cut_episodes == sum(1 for k in range(10) if LENGTHS[k % len(LENGTHS)] > 4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_complete_vector_env_one_lane_per_sub_env(mode):
+    rollouts, _ = collect(lambda: make_vector(3, mode), T=8, n_rollouts=15, batch_mode="complete_episodes")
+    by_env = check_complete(rollouts, 3, 8)
+    assert all(by_env[e] for e in range(3))
+    assert len({r["lane"] for r in rollouts}) == 3
+
+
+def test_weights_are_applied_at_rollout_boundaries_and_stamped():
+    pub = WeightPublisher({"w": np.zeros(2)})
+    try:
+        pub.publish({"w": np.full(2, 7.0)}, version=7)
+        policy = EchoPolicy()
+        rollouts, loop = collect(lambda: CountingEnv(0), T=4, n_rollouts=3, weights=pub.handle, policy=policy)
+        assert policy.loaded == [7.0]
+        assert [r["version"] for r in rollouts] == [7, 7, 7]
+    finally:
+        pub.close()
+
+
+def test_rollout_example_rules():
+    ex = rollout_example(np.zeros(4, np.float32), np.zeros((), np.int64), rollout_len=8, num_envs=2,
+                         extras={"logp": np.zeros((), np.float32)})
+    s = shmbuf.Schema.from_example(ex)
+    kinds = {ts.name: (ts.kind, ts.capacity) for ts in s.timescales}
+    assert kinds == {"step": ("buffered", 8), "episode": ("buffered", 16), "bootstrap": ("single-item", 1)}
+    with pytest.raises(ValueError, match="clash"):
+        rollout_example(np.zeros(4), np.zeros(()), rollout_len=8, extras={"reward": np.zeros(())})
+    with pytest.raises(ValueError, match="rollout_len"):
+        rollout_example(np.zeros(4), np.zeros(()), rollout_len=1)
+    with pytest.raises(ValueError, match="batch_mode"):
+        rollout_example(np.zeros(4), np.zeros(()), rollout_len=4, batch_mode="episodes")
+    ex = rollout_example(np.zeros(4), np.zeros(()), rollout_len=4, batch_mode="complete_episodes")
+    kinds = {ts.name: ts.kind for ts in shmbuf.Schema.from_example(ex).timescales}
+    assert kinds == {"step": "buffered", "episode": "single-item", "bootstrap": "single-item"}

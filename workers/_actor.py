@@ -1,0 +1,417 @@
+"""The actor loop: step gymnasium envs with a policy and write every transition straight into a shmbuf slot.
+
+Rollout layout (what :func:`rollout_example` builds; ``[E]`` is present for
+vector envs only; ``...`` is the observation's or action's own shape)::
+
+    "step"       buffered, capacity T
+        obs          (T, [E], ...)   the observation the action was taken on
+        action       (T, [E], ...)
+        reward       (T, [E])        float32
+        terminated   (T, [E])        bool: the MDP ended (no bootstrap)
+        truncated    (T, [E])        bool: cut by a time limit (bootstrap from the final obs)
+        <extras>     (T, [E], ...)   whatever else the policy returned (log-probs, values, ...)
+    "episode"    one record per episode that ended inside this rollout
+        return, length               of the whole episode (it may have started in an earlier rollout)
+        terminated, truncated        how it ended
+        env                          which sub-env (0 for a single env)
+        end                          (truncate-episodes) its last step's index in this rollout
+        final_obs                    (truncate-episodes) the episode's final observation
+    "bootstrap"  single-item
+        obs          ([E], ...)      the successor of the last transition: the final observation
+                                     if that transition ended the episode, else the next one
+        env_steps    ()              env steps this actor has taken so far (all sub-envs)
+
+Batch modes (RLlib's names):
+
+- ``truncate_episodes``: every rollout is exactly T steps of every sub-env;
+  it may start and end mid-episode. The episode table is buffered with
+  capacity ``max_episodes`` (default ``T * E``, which can never fill). With a
+  smaller table a rollout is committed short (fill < T) when the next step
+  could overflow it, so nothing is ever dropped.
+- ``complete_episodes``: a rollout is one episode of one sub-env, committed
+  short when the episode ends before T. A vector env gets one Writer (lane)
+  per sub-env. An episode still running after T steps is cut there like a
+  time limit would: recorded ``truncated``, the sub-env reset. Set T to at
+  least the env's own limit (``env.spec.max_episode_steps``) to never see it.
+
+No transition is invented: every stored step is a real ``(obs, action,
+reward, successor)``; gymnasium's next-step autoreset is handled by
+:class:`workers._envs.EnvDriver`.
+
+Policy: a callable ``policy(obs) -> action`` or ``-> (action, extras)``,
+``obs`` batched over sub-envs (``(E, ...)``; ``E = 1`` for a single env),
+``action`` likewise, ``extras`` a dict of ``(E, ...)`` arrays stored as step
+leaves. New weights from a :class:`shmbuf._weights.WeightSubscriber` are
+applied at rollout boundaries by ``policy.load_weights(params)``, or, for a
+``torch.nn.Module``, ``load_state_dict`` of the (flat dict) params.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import optree
+
+from workers._envs import EnvDriver, tree_copy, tree_index
+
+MODES = ("truncate_episodes", "complete_episodes")
+STEP_KEYS = ("obs", "action", "reward", "terminated", "truncated")
+
+
+def _check_mode(batch_mode: str) -> None:
+    if batch_mode not in MODES:
+        raise ValueError(f"batch_mode: expected one of {MODES}, got {batch_mode!r}")
+
+
+def _lead(template: Any, *dims: int) -> Any:
+    """Zeros shaped like ``template`` with ``dims`` in front."""
+    return optree.tree_map(lambda a: np.zeros(dims + np.shape(a), np.asarray(a).dtype), template)
+
+
+def rollout_example(obs: Any, action: Any, *, rollout_len: int, num_envs: int | None = None,
+                    extras: dict[str, Any] | None = None, batch_mode: str = "truncate_episodes",
+                    max_episodes: int | None = None) -> dict[str, Any]:
+    """The shmbuf example (schema) of one rollout; see the module doc for the layout.
+
+    Args:
+        obs, action: one observation and one action of a single sub-env (no env dim).
+        rollout_len: T, steps per rollout (at least 2).
+        num_envs: E for a vector env in truncate-episodes mode (adds an env dim);
+            None for a single env, and always None in complete-episodes mode.
+        extras: one item of each extra step leaf the policy returns (no env dim).
+        max_episodes: episode-table capacity in truncate-episodes mode (default T*E).
+    """
+    _check_mode(batch_mode)
+    if not isinstance(rollout_len, int) or rollout_len < 2:
+        raise ValueError(f"rollout_len: expected an int >= 2, got {rollout_len!r}")
+    extras = dict(extras or {})
+    clash = sorted(set(extras) & set(STEP_KEYS))
+    if clash:
+        raise ValueError(f"policy extras {clash} clash with the step leaves {list(STEP_KEYS)}; rename them")
+    T = rollout_len
+    env_dims: tuple[int, ...] = ()
+    if num_envs is not None:
+        if batch_mode == "complete_episodes":
+            raise ValueError("num_envs: complete-episodes rollouts hold one sub-env each; pass num_envs=None")
+        env_dims = (int(num_envs),)
+    E = num_envs or 1
+    step = {
+        "obs": _lead(obs, T, *env_dims),
+        "action": _lead(action, T, *env_dims),
+        "reward": np.zeros((T, *env_dims), np.float32),
+        "terminated": np.zeros((T, *env_dims), bool),
+        "truncated": np.zeros((T, *env_dims), bool),
+    }
+    for k, v in extras.items():
+        step[k] = _lead(v, T, *env_dims)
+    bootstrap = {"obs": _lead(obs, *env_dims), "env_steps": np.zeros((), np.int64)}
+    if batch_mode == "complete_episodes":
+        episode = {"return": np.zeros((), np.float64), "length": np.zeros((), np.int64),
+                   "terminated": np.zeros((), bool), "truncated": np.zeros((), bool), "env": np.zeros((), np.int32)}
+    else:
+        m = T * E if max_episodes is None else int(max_episodes)
+        if m < E:
+            raise ValueError(f"max_episodes: expected at least num_envs={E} (every sub-env may end an episode in one step), got {m}")
+        m = max(m, 2)  # a capacity of 1 would make the timescale single-item
+        episode = {"return": np.zeros(m, np.float64), "length": np.zeros(m, np.int64), "terminated": np.zeros(m, bool),
+                   "truncated": np.zeros(m, bool), "env": np.zeros(m, np.int32), "end": np.zeros(m, np.int32),
+                   "final_obs": _lead(obs, m)}
+    return {"step": step, "episode": episode, "bootstrap": bootstrap}
+
+
+def split_policy_output(out: Any) -> tuple[Any, dict[str, Any]]:
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        return out[0], out[1]
+    return out, {}
+
+
+def apply_weights(policy: Any, params: Any) -> None:
+    """Give new parameters to a policy: ``load_weights(params)``, or a torch module's ``load_state_dict``."""
+    load = getattr(policy, "load_weights", None)
+    if load is not None:
+        load(params)
+        return
+    if hasattr(policy, "load_state_dict") and isinstance(params, dict):
+        import torch
+
+        policy.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in params.items()})
+        return
+    raise TypeError(
+        f"the policy ({type(policy).__name__}) cannot take broadcast weights: give it a load_weights(params) "
+        "method (or make it a torch.nn.Module and broadcast its state_dict as numpy arrays)"
+    )
+
+
+def probe(env: Any, policy: Callable[[Any], Any], seed: int | None = None) -> dict[str, Any]:
+    """Reset ``env`` once and call ``policy`` once: the templates :func:`rollout_example` needs.
+
+    Returns ``{"obs", "action", "extras", "num_envs", "vector"}`` (templates without env dim).
+    """
+    driver = EnvDriver(env)
+    obs = driver.reset(seed)
+    action, extras = split_policy_output(policy(obs))
+    action = optree.tree_map(np.asarray, action)
+    return {
+        "obs": tree_copy(tree_index(obs, 0)),
+        "action": tree_copy(tree_index(action, 0)),
+        "extras": {k: np.array(np.asarray(v)[0]) for k, v in extras.items()},
+        "num_envs": driver.num_envs,
+        "vector": driver.vector,
+    }
+
+
+class ActorLoop:
+    """Drives one env (single or vector) with a policy, writing rollouts through shmbuf Writers.
+
+    Args:
+        env: a gymnasium Env or VectorEnv (its owner closes it).
+        policy: see the module doc.
+        writers: one :class:`shmbuf.Writer` (truncate-episodes) or one per
+            sub-env (complete-episodes).
+        rollout_len: T; must match the pipeline's example.
+        weights: an optional WeightSubscriber, polled at rollout boundaries.
+        should_stop: checked every step; a partial rollout is then dropped.
+    """
+
+    def __init__(self, env: Any, policy: Any, writers: list[Any], *, rollout_len: int,
+                 batch_mode: str = "truncate_episodes", max_episodes: int | None = None, weights: Any = None,
+                 seed: int | None = None, should_stop: Callable[[], bool] | None = None):
+        _check_mode(batch_mode)
+        self.driver = EnvDriver(env)
+        self.E = self.driver.num_envs
+        self.single = not self.driver.vector
+        self.policy = policy
+        self.writers = list(writers)
+        need = self.E if batch_mode == "complete_episodes" else 1
+        if len(self.writers) != need:
+            raise ValueError(f"{batch_mode} with {self.E} sub-envs needs {need} writer(s), got {len(self.writers)}")
+        self.T = rollout_len
+        self.mode = batch_mode
+        self.max_episodes = max(self.T * self.E if max_episodes is None else max_episodes, 2)
+        self.weights = weights
+        self.should_stop = should_stop or (lambda: False)
+        self.version = 0
+        self.env_steps = 0
+        self.rollouts = 0
+        self.episodes = 0
+        self.cut_episodes = 0
+        self.obs = self.driver.reset(seed)
+        self.ep_ret = np.zeros(self.E, np.float64)
+        self.ep_len = np.zeros(self.E, np.int64)
+        self.ep_version = np.zeros(self.E, np.int64)
+        self.update_weights()
+
+    def update_weights(self) -> bool:
+        """Take the newest broadcast weights if there are newer ones; True if the policy changed."""
+        if self.weights is None:
+            return False
+        got = self.weights.poll()
+        if got is None:
+            return False
+        version, params = got
+        apply_weights(self.policy, params)
+        self.version = version
+        for w in self.writers:
+            w.policy_version = version
+        return True
+
+    def _act(self, obs: Any) -> tuple[Any, dict[str, Any]]:
+        action, extras = split_policy_output(self.policy(obs))
+        if type(action) is not np.ndarray:
+            action = optree.tree_map(np.asarray, action)
+        return action, extras
+
+    def run(self, max_rollouts: int | None = None) -> int:
+        """Collect until ``max_rollouts`` more rollouts were committed (None: until stopped); return how many."""
+        start = self.rollouts
+        if self.mode == "truncate_episodes":
+            while max_rollouts is None or self.rollouts - start < max_rollouts:
+                if not self._truncate_rollout():
+                    break
+        else:
+            self._complete(None if max_rollouts is None else start + max_rollouts)
+        return self.rollouts - start
+
+    # -- truncate-episodes: T steps of every sub-env per rollout -------------
+
+    def _truncate_rollout(self) -> bool:
+        self.update_weights()
+        w = self.writers[0]
+        row = (lambda x: tree_index(x, 0)) if self.single else (lambda x: x)
+        E, M = self.E, self.max_episodes
+        n_ep = 0
+        succ = self.obs
+        for t in range(self.T):
+            if self.should_stop():
+                w.reset()
+                return False
+            obs = self.obs
+            action, extras = self._act(obs)
+            nobs, rew, term, trunc, succ = self.driver.step(action)
+            step = {"obs": row(obs), "action": row(action), "reward": row(rew), "terminated": row(term),
+                    "truncated": row(trunc)}
+            for k, v in extras.items():
+                step[k] = row(v)
+            w.add("step", step)
+            self.ep_ret += rew
+            self.ep_len += 1
+            self.env_steps += E
+            done = term | trunc
+            if done.any():
+                for e in np.flatnonzero(done):
+                    w.add("episode", {"return": self.ep_ret[e], "length": self.ep_len[e], "terminated": term[e],
+                                      "truncated": trunc[e], "env": np.int32(e), "end": np.int32(t),
+                                      "final_obs": tree_index(succ, e)})
+                n_ep += int(done.sum())
+                self.episodes += int(done.sum())
+                self.ep_ret[done] = 0.0
+                self.ep_len[done] = 0
+            self.obs = nobs
+            if n_ep + E > M and t < self.T - 1:
+                break  # the next step could overflow the episode table: commit short
+        w.add("bootstrap", {"obs": row(succ), "env_steps": np.int64(self.env_steps)})
+        w.commit(self.version)
+        self.rollouts += 1
+        return True
+
+    # -- complete-episodes: one episode of one sub-env per rollout -----------
+
+    def _complete(self, until: int | None) -> None:
+        E, T = self.E, self.T
+        self.ep_version[:] = self.version
+        while until is None or self.rollouts < until:
+            if self.should_stop():
+                for w in self.writers:
+                    w.reset()
+                return
+            obs = self.obs
+            action, extras = self._act(obs)
+            nobs, rew, term, trunc, succ = self.driver.step(action)
+            self.ep_ret += rew
+            self.ep_len += 1
+            self.env_steps += E
+            cut = (self.ep_len >= T) & ~(term | trunc)
+            rec_trunc = trunc | cut
+            for e in range(E):
+                step = {"obs": tree_index(obs, e), "action": tree_index(action, e), "reward": rew[e],
+                        "terminated": term[e], "truncated": rec_trunc[e]}
+                for k, v in extras.items():
+                    step[k] = v[e]
+                self.writers[e].add("step", step)
+            if cut.any():
+                nobs = self.driver.reset_some(cut, nobs)
+                self.cut_episodes += int(cut.sum())
+            self.obs = nobs
+            done = term | rec_trunc
+            if not done.any():
+                continue
+            for e in np.flatnonzero(done):
+                w = self.writers[e]
+                w.add("episode", {"return": self.ep_ret[e], "length": self.ep_len[e], "terminated": term[e],
+                                  "truncated": rec_trunc[e], "env": np.int32(e)})
+                w.add("bootstrap", {"obs": tree_index(succ, e), "env_steps": np.int64(self.env_steps)})
+                w.commit(int(self.ep_version[e]))  # the oldest policy that acted in this episode
+                self.rollouts += 1
+                self.episodes += 1
+            self.ep_ret[done] = 0.0
+            self.ep_len[done] = 0
+            self.update_weights()
+            self.ep_version[done] = self.version
+
+
+def successors(data: dict[str, Any], fill: dict[str, int] | None = None, *, batch_mode: str = "truncate_episodes") -> np.ndarray:
+    """The successor observation of every stored transition, shaped like ``data["step"]["obs"]``.
+
+    ``data`` is one rollout (``rollout.filled()`` or ``rollout.data`` with
+    ``fill``). Successor of step t: ``obs[t+1]``, except where step t ended
+    an episode (its final observation, from the episode table) and for the
+    last step (``bootstrap.obs``). Array observations only.
+    """
+    step, boot = data["step"], data["bootstrap"]
+    n = fill["step"] if fill is not None else len(step["obs"])
+    obs = np.asarray(step["obs"])[:n]
+    out = np.empty_like(obs)
+    out[:-1] = obs[1:]
+    out[-1] = boot["obs"]
+    if batch_mode == "truncate_episodes":
+        ep = data["episode"]
+        k = fill["episode"] if fill is not None else len(ep["end"])
+        vector = obs.ndim == np.ndim(ep["final_obs"]) + 1
+        for i in range(k):
+            t = int(ep["end"][i])
+            if t < n - 1:
+                if vector:
+                    out[t, int(ep["env"][i])] = ep["final_obs"][i]
+                else:
+                    out[t] = ep["final_obs"][i]
+    return out
+
+
+def torch_threads(n: int | None) -> None:
+    """Limit torch's intra-op threads in an actor, if torch is loaded (actors share the cores)."""
+    if n is not None and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(n)
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    """Everything an actor process needs, pickled once when it starts (names and the user's callables; no data).
+
+    ``env_fns``: one env factory per actor (actor i uses ``env_fns[i % len]``).
+    ``policy`` or ``policy_factory`` (called in the actor, for policies that
+    cannot be pickled). ``pipeline``/``weights``: shmbuf names.
+    """
+
+    pipeline: str
+    env_fns: tuple[Callable[[], Any], ...]
+    rollout_len: int
+    policy: Any = None
+    policy_factory: Callable[[], Any] | None = None
+    batch_mode: str = "truncate_episodes"
+    max_episodes: int | None = None
+    weights: str | None = None
+    seed: int | None = None
+    max_rollouts: int | None = None
+    torch_threads: int | None = 1
+    label: str = "actor"
+
+
+def run_actor(ctx: Any, spec: ActorSpec) -> None:
+    """An :class:`ActorPool` target: build env, policy and writers from ``spec``, then collect until stopped.
+
+    Ends quietly when the pool asks it to stop or the reader closes the
+    pipeline; an exception goes to the learner through the pool.
+    """
+    from shmbuf._weights import WeightSubscriber
+    from shmbuf._writer import Writer
+
+    if (spec.policy is None) == (spec.policy_factory is None):
+        raise ValueError("ActorSpec: give exactly one of policy and policy_factory")
+    torch_threads(spec.torch_threads)
+    env = spec.env_fns[ctx.index % len(spec.env_fns)]()
+    writers: list[Any] = []
+    sub = None
+    try:
+        policy = spec.policy if spec.policy is not None else spec.policy_factory()  # type: ignore[misc]
+        torch_threads(spec.torch_threads)
+        n_writers = EnvDriver(env).num_envs if spec.batch_mode == "complete_episodes" else 1
+        for k in range(n_writers):
+            label = f"{spec.label}-{ctx.index}" + (f"/{k}" if n_writers > 1 else "")
+            writers.append(Writer(spec.pipeline, timeout=None, label=label))
+        if spec.weights is not None:
+            sub = WeightSubscriber(spec.weights)
+        seed = None if spec.seed is None else spec.seed + 10_000 * ctx.index + 1_000_000 * ctx.incarnation
+        loop = ActorLoop(env, policy, writers, rollout_len=spec.rollout_len, batch_mode=spec.batch_mode,
+                         max_episodes=spec.max_episodes, weights=sub, seed=seed,
+                         should_stop=lambda: ctx.stop_requested)
+        loop.run(spec.max_rollouts)
+    finally:
+        for w in writers:
+            w.close()
+        if sub is not None:
+            sub.close()
+        env.close()

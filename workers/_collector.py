@@ -1,0 +1,339 @@
+"""Collector: TorchRL-style batches of rollouts from actor processes, through shmbuf.
+
+    with Collector([make_env] * 2, policy, frames_per_batch=1024, total_frames=100_000) as collector:
+        for batch in collector:
+            loss = train(batch.data)              # leaves (B, T, ...): views, valid until the next batch
+            collector.update_policy_weights(model)
+
+Wiring: the collector probes one env and the policy in the learner to lay out
+the rollout (:func:`workers._actor.rollout_example`), creates the shmbuf
+pipeline (and a weight broadcast when there are weights), starts an
+:class:`workers._pool.ActorPool` running :func:`workers._actor.run_actor`,
+and gathers rollouts into batches with ``reader.get_batch``. Between waits it
+checks the pool, so an actor's exception is raised here with its traceback.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import optree
+
+from shmbuf._errors import SlotTimeout
+from shmbuf._reader import create
+from shmbuf._weights import WeightPublisher
+from workers._actor import MODES, ActorSpec, probe, rollout_example, run_actor
+from workers._pool import ActorPool
+
+WAIT_SLICE = 0.1
+
+
+def _numpy_state(policy: Any) -> dict[str, np.ndarray]:
+    """A torch module's state_dict as numpy arrays (copies, CPU)."""
+    return {k: v.detach().cpu().numpy().copy() for k, v in policy.state_dict().items()}
+
+
+class CollectedBatch:
+    """One batch from a :class:`Collector`.
+
+    ``data``: the rollout tree. Truncate-episodes: leaves ``(B, T, [E], ...)``
+    for step leaves, ``(B, M, ...)`` for the episode table, ``(B, [E], ...)``
+    for bootstrap; ``fill`` gives the filled counts per rollout. With
+    ``copy=False`` (the default) they are views of the collector's batch
+    buffer, overwritten by the next batch: copy what must live longer.
+    Complete-episodes: every episode's steps concatenated, ``(N, ...)``,
+    episodes split by ``lengths``; always the caller's own arrays.
+
+    ``policy_version`` (B,): the weights version each rollout was collected
+    with; ``policy_lag`` (B,): the learner's version when the batch was
+    handed out minus that. ``episode_returns``/``episode_lengths``: of the
+    episodes that ended inside this batch. ``frames``: env steps in it.
+    """
+
+    __slots__ = ("data", "fill", "policy_version", "policy_lag", "lane", "frames", "episode_returns",
+                 "episode_lengths", "lengths", "batch_mode")
+
+    def __init__(self, **kw: Any):
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k))
+
+    def __repr__(self) -> str:
+        return (f"CollectedBatch({self.batch_mode}, frames={self.frames}, episodes={len(self.episode_returns)}, "
+                f"lag={self.policy_lag.tolist()})")
+
+
+class Collector:
+    """An iterator of batches of rollouts, collected by actor processes into shared memory.
+
+    Args:
+        create_env_fn: an env factory, or a list of them (one per actor).
+            A factory may return a vector env (``gymnasium.vector``); every
+            autoreset mode is handled (see ``workers._envs``).
+        policy: a picklable callable (see ``workers._actor`` for the protocol),
+            or None with ``policy_factory``.
+        policy_factory: a zero-argument callable returning the policy, called
+            once in each actor and once here to probe output shapes.
+        frames_per_batch: env steps per batch. Truncate-episodes: a multiple
+            of ``rollout_len * E``. Complete-episodes: a minimum; whole
+            episodes are added until it is reached.
+        total_frames: stop after this many frames (-1: never).
+        num_actors: actor processes (default: the number of env factories, or 2).
+        rollout_len: T. Default: one rollout per actor per batch in
+            truncate-episodes mode; the env's ``max_episode_steps`` in
+            complete-episodes mode.
+        batch_mode: ``"truncate_episodes"`` or ``"complete_episodes"``.
+        weights: initial weights (pytree of arrays) to broadcast; default: a
+            torch policy's ``state_dict``. Needed for :meth:`update_policy_weights`.
+        slots: shmbuf slots (default: two batches' worth plus two per writer).
+        start_method: for the actor processes (default forkserver, else spawn).
+        restart: restart a failed actor (its error is kept in ``failures``).
+        progress: show a tqdm progress bar.
+        copy: give each batch its own arrays (default: reuse one buffer).
+        seed: base seed for env resets (actor i, restart r: ``seed + 10000 i + 10**6 r``).
+    """
+
+    def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
+                 policy_factory: Callable[[], Any] | None = None, frames_per_batch: int, total_frames: int = -1,
+                 num_actors: int | None = None, rollout_len: int | None = None,
+                 batch_mode: str = "truncate_episodes", max_episodes: int | None = None, weights: Any = None,
+                 slots: int | None = None, start_method: str | None = None, restart: bool = False,
+                 max_restarts: int = 3, progress: bool = False, copy: bool = False, seed: int | None = 0,
+                 torch_threads: int | None = 1, stop_timeout: float = 5.0):
+        if batch_mode not in MODES:
+            raise ValueError(f"batch_mode: expected one of {MODES}, got {batch_mode!r}")
+        if (policy is None) == (policy_factory is None):
+            raise ValueError("give exactly one of policy and policy_factory")
+        env_fns = tuple(create_env_fn) if isinstance(create_env_fn, Sequence) else (create_env_fn,)
+        if not env_fns or not all(callable(f) for f in env_fns):
+            raise TypeError("create_env_fn: expected a callable returning an env, or a list of them")
+        if num_actors is None:
+            num_actors = len(env_fns) if len(env_fns) > 1 else 2
+        if not isinstance(frames_per_batch, int) or frames_per_batch < 1:
+            raise ValueError(f"frames_per_batch: expected an int >= 1, got {frames_per_batch!r}")
+        self.batch_mode = batch_mode
+        self.frames_per_batch = frames_per_batch
+        self.total_frames = total_frames
+        self.num_actors = num_actors
+        self.copy = copy
+        self.stop_timeout = stop_timeout
+        self.frames = 0
+        self.batches = 0
+        self.failures = []  # type: ignore[var-annotated]
+        self.policy_version = 0
+        self._policy = policy if policy is not None else None
+        self._lags: deque[int] = deque(maxlen=10_000)
+        self._returns: deque[float] = deque(maxlen=100)
+        self._t0: float | None = None
+        self._closed = False
+        self.reader = self.pool = self.publisher = self._bar = None  # type: ignore[assignment]
+
+        # Probe one env and the policy here, to lay the rollout out.
+        env = env_fns[0]()
+        try:
+            probe_policy = policy if policy is not None else policy_factory()  # type: ignore[misc]
+            p = probe(env, probe_policy, seed)
+            spec_T = getattr(getattr(env, "spec", None), "max_episode_steps", None)
+        finally:
+            env.close()
+        E = p["num_envs"]
+        self.num_envs = E
+        if rollout_len is None:
+            if batch_mode == "complete_episodes":
+                if not spec_T:
+                    raise ValueError("rollout_len: the env has no spec.max_episode_steps; give the longest episode to keep")
+                rollout_len = int(spec_T)
+            else:
+                rollout_len = frames_per_batch // (num_actors * E)
+        self.rollout_len = T = rollout_len
+        if batch_mode == "truncate_episodes":
+            if frames_per_batch % (T * E):
+                raise ValueError(f"frames_per_batch={frames_per_batch} is not a multiple of rollout_len * num_envs "
+                                 f"= {T} * {E}; use {max(1, round(frames_per_batch / (T * E))) * T * E}")
+            self.rollouts_per_batch = frames_per_batch // (T * E)
+            n_writers = num_actors
+            example = rollout_example(p["obs"], p["action"], rollout_len=T, num_envs=E if p["vector"] else None,
+                                      extras=p["extras"], max_episodes=max_episodes)
+        else:
+            self.rollouts_per_batch = 0
+            n_writers = num_actors * E
+            example = rollout_example(p["obs"], p["action"], rollout_len=T, extras=p["extras"],
+                                      batch_mode="complete_episodes")
+        if weights is None and hasattr(probe_policy, "state_dict"):
+            weights = _numpy_state(probe_policy)
+        if slots is None:
+            slots = 2 * self.rollouts_per_batch + 2 * n_writers if self.rollouts_per_batch else 4 * n_writers + 8
+        try:
+            self.reader = create(example, slots, max_writers=n_writers, raise_writer_errors=False)
+            if weights is not None:
+                self.publisher = WeightPublisher(weights)
+                self.publisher.publish(weights, version=0)
+            spec = ActorSpec(
+                pipeline=self.reader.name, env_fns=env_fns, rollout_len=T, policy=policy, policy_factory=policy_factory,
+                batch_mode=batch_mode, max_episodes=max_episodes,
+                weights=self.publisher.name if self.publisher is not None else None, seed=seed,
+                torch_threads=torch_threads,
+            )
+            self.pool = ActorPool(run_actor, num_actors, args=(spec,), start_method=start_method, restart=restart,
+                                  max_restarts=max_restarts, name="shmbuf-collector")
+            self.pool.start()
+            if progress:
+                from tqdm.auto import tqdm
+
+                self._bar = tqdm(total=total_frames if total_frames > 0 else None, unit="frame", unit_scale=True,
+                                 desc="collecting", dynamic_ncols=True)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- weights ------------------------------------------------------------
+
+    def update_policy_weights(self, policy_or_weights: Any = None, *, version: int | None = None) -> int:
+        """Broadcast new weights to the actors; return the new version.
+
+        Accepts a torch module (its ``state_dict``), a pytree of numpy arrays,
+        or None: the policy given to the constructor, re-read. Actors take it
+        at their next rollout boundary; the learner never waits.
+        """
+        if self.publisher is None:
+            raise RuntimeError("this Collector has no weight broadcast: pass weights=... (or a torch policy) at construction")
+        src = policy_or_weights if policy_or_weights is not None else self._policy
+        if src is None:
+            raise ValueError("update_policy_weights(): no weights given and the collector holds no policy to read them from")
+        params = _numpy_state(src) if hasattr(src, "state_dict") else src
+        self.policy_version = self.publisher.publish(params, version)
+        return self.policy_version
+
+    # -- iteration ----------------------------------------------------------
+
+    def __iter__(self) -> Iterator[CollectedBatch]:
+        return self.iterator()
+
+    def iterator(self) -> Iterator[CollectedBatch]:
+        if self._closed:
+            raise RuntimeError("this Collector was shut down")
+        if self._t0 is None:
+            self._t0 = time.monotonic()
+        while self.total_frames < 0 or self.frames < self.total_frames:
+            batch = self._truncated() if self.batch_mode == "truncate_episodes" else self._complete()
+            self.frames += batch.frames
+            self.batches += 1
+            self._lags.extend(batch.policy_lag.tolist())
+            self._returns.extend(batch.episode_returns.tolist())
+            if self._bar is not None:
+                self._bar.update(batch.frames)
+                post = {"lag": int(batch.policy_lag.max())}
+                if self._returns:
+                    post["return"] = f"{np.mean(self._returns):.1f}"
+                self._bar.set_postfix(post, refresh=False)
+            yield batch
+
+    def _wait(self, get: Callable[[], Any]) -> Any:
+        """Call ``get`` (a reader call with a short timeout) until it succeeds, checking the actors between tries."""
+        while True:
+            try:
+                out = get()
+            except SlotTimeout:
+                self._check_actors()
+                continue
+            return out
+
+    def _check_actors(self) -> None:
+        n = len(self.pool.failures)
+        self.pool.check()
+        self.failures = list(self.pool.failures)
+        self.reader.errors.clear()  # the pool raises actors' errors, with their tracebacks, once
+        if self.pool.alive() == 0 and len(self.pool.failures) == n:
+            raise RuntimeError("every actor has exited; no more rollouts will come")
+
+    def _truncated(self) -> CollectedBatch:
+        B = self.rollouts_per_batch
+        b = self._wait(lambda: self.reader.get_batch(B, WAIT_SLICE, copy=self.copy))
+        self._check_actors()
+        fill = b.fill
+        ep_n = fill["episode"]
+        rets = [b.data["episode"]["return"][i, : ep_n[i]] for i in range(B)]
+        lens = [b.data["episode"]["length"][i, : ep_n[i]] for i in range(B)]
+        return CollectedBatch(
+            data=b.data, fill=fill, policy_version=b.policy_version, policy_lag=self.policy_version - b.policy_version,
+            lane=b.lane, frames=int(fill["step"].sum()) * self.num_envs, episode_returns=np.concatenate(rets),
+            episode_lengths=np.concatenate(lens), lengths=fill["step"], batch_mode=self.batch_mode,
+        )
+
+    def _complete(self) -> CollectedBatch:
+        got: list[dict[str, Any]] = []
+        versions, lanes, lengths = [], [], []
+        frames = 0
+        while frames < self.frames_per_batch:
+            r = self._wait(lambda: self.reader.get(WAIT_SLICE))
+            try:
+                got.append(r.copy())
+                versions.append(r.policy_version)
+                lanes.append(r.lane)
+                lengths.append(r.fill["step"])
+                frames += r.fill["step"]
+            finally:
+                r.release()
+        self._check_actors()
+        data = {
+            "step": optree.tree_map(lambda *xs: np.concatenate(xs), *[g["step"] for g in got]),
+            "episode": optree.tree_map(lambda *xs: np.stack(xs), *[g["episode"] for g in got]),
+            "bootstrap": optree.tree_map(lambda *xs: np.stack(xs), *[g["bootstrap"] for g in got]),
+        }
+        v = np.asarray(versions, np.int64)
+        return CollectedBatch(
+            data=data, fill=None, policy_version=v, policy_lag=self.policy_version - v, lane=np.asarray(lanes),
+            frames=frames, episode_returns=data["episode"]["return"], episode_lengths=data["episode"]["length"],
+            lengths=np.asarray(lengths, np.int64), batch_mode=self.batch_mode,
+        )
+
+    # -- introspection and shutdown -----------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Frames, env steps/s since the first batch was asked for, policy lag, recent returns, shmbuf counters."""
+        elapsed = time.monotonic() - self._t0 if self._t0 is not None else 0.0
+        lags = np.asarray(self._lags) if self._lags else np.zeros(1)
+        return {
+            "frames": self.frames,
+            "batches": self.batches,
+            "seconds": elapsed,
+            "frames_per_s": self.frames / elapsed if elapsed > 0 else math.nan,
+            "policy_version": self.policy_version,
+            "policy_lag_mean": float(lags.mean()),
+            "policy_lag_max": int(lags.max()),
+            "return_mean_100": float(np.mean(self._returns)) if self._returns else math.nan,
+            "actor_restarts": self.pool.restarts if self.pool is not None else 0,
+            "shmbuf": self.reader.stats() if self.reader is not None and not self.reader.closed else {},
+        }
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the actors (within ``timeout``, default ``stop_timeout``), close the pipeline and the broadcast."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+        # Close the pipeline first: a writer waiting for a slot sees it within 0.1 s and its actor returns.
+        if self.reader is not None:
+            self.reader.close()
+        if self.pool is not None:
+            self.pool.stop(self.stop_timeout if timeout is None else timeout)
+            self.failures = list(self.pool.failures)
+        if self.publisher is not None:
+            self.publisher.close()
+
+    def __enter__(self) -> Collector:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,430 @@
+"""ActorPool: start N actor processes, watch them, restart a crashed one if asked, stop them all by a deadline.
+
+Each actor runs ``target(ctx, *args, **kwargs)`` in its own process, where
+``ctx`` is an :class:`ActorContext`. Between the pool and each actor there is
+one ``multiprocessing`` pipe carrying msgpack bytes only (``send_bytes``): the
+pool sends ``stop``; the actor sends ``error`` with its exception's type,
+message and traceback as text. Nothing on it is ever pickled; the start
+method pickles only ``target`` and its arguments, once, to start the process.
+
+Inside each actor a small watchdog thread (started by the pool's child
+wrapper, never in the learner) reads the pipe and checks every 0.2 s that the
+learner process is still the one that started it (pid and start time). If
+the learner died, the actor exits at once with code 75 (``EX_TEMPFAIL``)
+from that thread, even if its main thread hangs inside an env. A learner
+killed with SIGKILL therefore leaves no actor behind for more than ~0.3 s.
+
+Actors ignore SIGINT: Ctrl-C in a terminal reaches the whole process group,
+and it is the learner's job to stop its actors.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import multiprocessing.util
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from shmbuf._proc import alive, start_time
+
+EXIT_ERROR = 1
+EXIT_ORPHANED = 75
+WATCH_INTERVAL = 0.2
+MAX_TEXT = 16000
+_MSG_FIELDS = {"stop": set(), "error": {"type", "message", "traceback"}}
+
+
+class ActorError(RuntimeError):
+    """An actor process failed: it raised (``remote_traceback`` holds its traceback text) or died.
+
+    Attributes:
+        index: the actor's index in the pool.
+        pid: its process id.
+        kind: the remote exception's class name, or ``"died"``.
+        exitcode: the process's exit code (negative: killed by that signal), if it exited.
+        remote_traceback: the traceback text from the actor, or "".
+    """
+
+    def __init__(self, message: str, *, index: int, pid: int | None, kind: str, exitcode: int | None = None,
+                 remote_traceback: str = ""):
+        super().__init__(message)
+        self.index = index
+        self.pid = pid
+        self.kind = kind
+        self.exitcode = exitcode
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        head = super().__str__()
+        if self.remote_traceback:
+            return f"{head}\n\nRemote traceback (actor {self.index}, pid {self.pid}):\n{self.remote_traceback}"
+        return head
+
+
+def _encode(kind: str, **fields: Any) -> bytes:
+    return msgpack.packb({"kind": kind, **fields}, use_bin_type=True)
+
+
+def _decode(data: bytes) -> dict[str, Any] | None:
+    """A checked message, or None for anything malformed (dropped, never trusted)."""
+    if len(data) > 4 * MAX_TEXT:
+        return None
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0, max_array_len=16,
+                              max_map_len=16)
+    except Exception:  # msgpack raises several unrelated types on garbage
+        return None
+    if not isinstance(msg, dict):
+        return None
+    fields = _MSG_FIELDS.get(msg.get("kind"))  # type: ignore[arg-type]
+    if fields is None or set(msg) != fields | {"kind"} or not all(isinstance(msg[f], str) for f in fields):
+        return None
+    return msg
+
+
+class ActorContext:
+    """What an actor process knows about its pool: its index, and whether it was asked to stop.
+
+    Read :attr:`stop_requested` often (it is a plain attribute read); return
+    from the target when it is set. An exception raised by the target is sent
+    to the learner with its traceback and raised there by the pool.
+    """
+
+    def __init__(self, index: int, incarnation: int, conn: Any, learner: tuple[int, int]):
+        self.index = index
+        self.incarnation = incarnation
+        self.learner_pid = learner[0]
+        self._learner = learner
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self.stop_requested = False
+
+    def learner_alive(self) -> bool:
+        return alive(*self._learner)
+
+    def send_error(self, exc: BaseException) -> None:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        if len(tb) > MAX_TEXT:
+            tb = "…" + tb[-MAX_TEXT:]
+        msg = _encode("error", type=type(exc).__name__, message=str(exc)[:2000], traceback=tb)
+        with self._send_lock:
+            try:
+                self._conn.send_bytes(msg)
+            except OSError:
+                pass  # the learner is gone; nobody is left to tell
+
+    def _watch(self) -> None:
+        conn = self._conn
+        while True:
+            try:
+                if conn.poll(WATCH_INTERVAL):
+                    msg = _decode(conn.recv_bytes())
+                    if msg is not None and msg["kind"] == "stop":
+                        self.stop_requested = True
+            except (EOFError, OSError):
+                self.stop_requested = True  # the pool closed its end: stopping, or gone
+                time.sleep(WATCH_INTERVAL)
+            if not alive(*self._learner):
+                os._exit(EXIT_ORPHANED)  # the learner died: leave now, whatever the main thread is doing
+
+
+def _child_main(target: Callable[..., Any], index: int, incarnation: int, conn: Any, learner: tuple[int, int],
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = ActorContext(index, incarnation, conn, learner)
+    if not ctx.learner_alive():
+        os._exit(EXIT_ORPHANED)
+    threading.Thread(target=ctx._watch, name="shmbuf-actor-watchdog", daemon=True).start()
+    from shmbuf._errors import BrokenPipeline, PipelineClosed
+
+    try:
+        target(ctx, *args, **kwargs)
+    except PipelineClosed:
+        pass  # the learner closed the pipeline: a normal way to be told to stop
+    except BrokenPipeline:
+        os._exit(EXIT_ORPHANED)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        if ctx.stop_requested and isinstance(exc, (BrokenPipeError, EOFError)):
+            return
+        ctx.send_error(exc)
+        raise SystemExit(EXIT_ERROR) from None
+
+
+class _Actor:
+    __slots__ = ("index", "proc", "pid", "conn", "incarnation", "error", "state", "exitcode")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.pid: int | None = None
+        self.proc: Any = None
+        self.conn: Any = None
+        self.incarnation = -1
+        self.error: ActorError | None = None
+        self.state = "new"  # running, done (exited 0), failed, stopped
+        self.exitcode: int | None = None
+
+
+def default_start_method() -> str:
+    """forkserver where the platform has it (Python 3.14's default on Linux), else spawn."""
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+class ActorPool:
+    """N actor processes running ``target(ctx, *args, **kwargs)``.
+
+    Args:
+        target: a picklable callable (a module-level function) run in each actor.
+        num_actors: how many.
+        args, kwargs: passed to ``target`` after ``ctx``; the same for every
+            actor (``ctx.index`` tells them apart). Pickled once per start.
+        start_method: ``"forkserver"`` (default where available), ``"spawn"``,
+            or ``"fork"`` (fast; only safe before the learner starts threads).
+        restart: restart an actor that failed (raised or died), up to
+            ``max_restarts`` times in all; its error is kept in :attr:`failures`.
+        max_restarts: the budget for ``restart``.
+        name: process name prefix.
+
+    :meth:`check` (call it often, e.g. between batches) raises the first
+    failure that is not restarted, as :class:`ActorError` with the actor's
+    traceback. :meth:`stop` stops all within one deadline. A context manager.
+    """
+
+    def __init__(self, target: Callable[..., Any], num_actors: int, *, args: tuple[Any, ...] = (),
+                 kwargs: dict[str, Any] | None = None, start_method: str | None = None, restart: bool = False,
+                 max_restarts: int = 3, name: str = "shmbuf-actor"):
+        if not isinstance(num_actors, int) or num_actors < 1:
+            raise ValueError(f"num_actors: expected an int >= 1, got {num_actors!r}")
+        method = start_method or default_start_method()
+        if method not in mp.get_all_start_methods():
+            raise ValueError(f"start_method: expected one of {mp.get_all_start_methods()}, got {method!r}")
+        self.target = target
+        self.num_actors = num_actors
+        self.args = tuple(args)
+        self.kwargs = dict(kwargs or {})
+        self.start_method = method
+        self.restart = restart
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.name = name
+        self.failures: list[ActorError] = []
+        self._ctx = mp.get_context(method)
+        self._pid = os.getpid()
+        self._learner = (self._pid, start_time(self._pid))
+        self._actors = [_Actor(i) for i in range(num_actors)]
+        self._started = False
+        self._stopped = False
+        # Stop the actors at interpreter exit, before multiprocessing joins its children.
+        self._finalizer = mp.util.Finalize(self, _stop_all, args=(self._actors, 5.0), exitpriority=10)
+
+    # -- starting -----------------------------------------------------------
+
+    def start(self) -> ActorPool:
+        if self._started:
+            raise RuntimeError("this ActorPool was already started")
+        self._started = True
+        try:
+            for a in self._actors:
+                self._spawn(a)
+        except BaseException:
+            self.stop(timeout=2.0)
+            raise
+        return self
+
+    def _spawn(self, a: _Actor) -> None:
+        here, there = self._ctx.Pipe(duplex=True)
+        a.incarnation += 1
+        p = self._ctx.Process(
+            target=_child_main,
+            args=(self.target, a.index, a.incarnation, there, self._learner, self.args, self.kwargs),
+            name=f"{self.name}-{a.index}",
+            daemon=False,  # an actor may start processes of its own (e.g. an AsyncVectorEnv)
+        )
+        try:
+            p.start()
+        finally:
+            there.close()
+        a.proc, a.pid, a.conn, a.state, a.error, a.exitcode = p, p.pid, here, "running", None, None
+
+    # -- watching -----------------------------------------------------------
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [a.pid for a in self._actors]
+
+    @property
+    def states(self) -> list[str]:
+        return [a.state for a in self._actors]
+
+    def alive(self) -> int:
+        """How many actors are running."""
+        return sum(1 for a in self._actors if a.proc is not None and a.state == "running" and a.proc.is_alive())
+
+    def sentinels(self) -> list[int]:
+        """Process sentinels and pipes of running actors, for ``multiprocessing.connection.wait``."""
+        out = []
+        for a in self._actors:
+            if a.state == "running":
+                out += [a.proc.sentinel, a.conn]
+        return out
+
+    def check(self, timeout: float = 0.0) -> None:
+        """Take in actors' messages and exits (waiting up to ``timeout`` for one); restart or raise failures.
+
+        Raises:
+            ActorError: an actor failed and was not restarted (raised once per failure).
+        """
+        if timeout > 0:
+            ready = self.sentinels()
+            if ready:
+                mp.connection.wait(ready, timeout)
+        for a in self._actors:
+            if a.state != "running":
+                continue
+            self._drain(a)
+            if a.proc.exitcode is None:
+                continue
+            a.proc.join(0)
+            self._drain(a)
+            a.exitcode = a.proc.exitcode
+            if a.exitcode == 0 and a.error is None:
+                a.state = "done"
+                self._close_actor(a)
+                continue
+            err = a.error or ActorError(
+                f"actor {a.index} (pid {a.pid}) died: {_describe_exit(a.exitcode)}, without reporting an exception",
+                index=a.index, pid=a.pid, kind="died", exitcode=a.exitcode,
+            )
+            err.exitcode = a.exitcode
+            self.failures.append(err)
+            self._close_actor(a)
+            if self.restart and self.restarts < self.max_restarts and not self._stopped:
+                self.restarts += 1
+                self._spawn(a)
+                continue
+            a.state = "failed"
+            raise err
+
+    def _drain(self, a: _Actor) -> None:
+        conn = a.conn
+        try:
+            while conn.poll(0):
+                msg = _decode(conn.recv_bytes())
+                if msg is not None and msg["kind"] == "error" and a.error is None:
+                    a.error = ActorError(
+                        f"actor {a.index} (pid {a.pid}) raised {msg['type']}: {msg['message']}",
+                        index=a.index, pid=a.pid, kind=msg["type"], remote_traceback=msg["traceback"],
+                    )
+        except (EOFError, OSError):
+            pass
+
+    def _close_actor(self, a: _Actor) -> None:
+        try:
+            a.conn.close()
+        except OSError:
+            pass
+        try:
+            a.proc.close()
+        except ValueError:
+            pass  # still running: left to stop()
+
+    # -- stopping -----------------------------------------------------------
+
+    def stop(self, timeout: float = 5.0) -> dict[int, int | None]:
+        """Stop every actor within ``timeout`` seconds in all: ask, then SIGTERM, then SIGKILL.
+
+        The first half of the budget is for actors to return from their
+        target; at 80 % the rest get SIGTERM; at 100 % SIGKILL (and are reaped).
+        Returns ``{index: exitcode}``. Errors reported meanwhile go to :attr:`failures`.
+        """
+        self._stopped = True
+        if self._pid != os.getpid():
+            return {}
+        codes = _stop_all(self._actors, timeout)
+        for a in self._actors:
+            if a.state == "running":
+                a.state = "stopped"
+                if a.error is not None:
+                    self.failures.append(a.error)
+        self._finalizer.cancel()
+        return codes
+
+    def __enter__(self) -> ActorPool:
+        if not self._started:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ActorPool({self.name!r}, {self.num_actors} actors, {self.start_method}, states={self.states})"
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _stop_all(actors: list[_Actor], timeout: float) -> dict[int, int | None]:
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    running = [a for a in actors if a.proc is not None and a.state == "running"]
+    for a in running:
+        try:
+            a.conn.send_bytes(_encode("stop"))
+        except (OSError, ValueError):
+            pass
+
+    def wait_until(t: float) -> list[_Actor]:
+        left = [a for a in running if a.proc.exitcode is None]
+        while left:
+            remaining = t - time.monotonic()
+            if remaining <= 0:
+                break
+            mp.connection.wait([a.proc.sentinel for a in left], remaining)
+            left = [a for a in left if a.proc.exitcode is None]
+        return left
+
+    left = wait_until(t0 + 0.5 * timeout)
+    for a in left:
+        a.proc.terminate()
+    left = wait_until(t0 + 0.8 * timeout)
+    for a in left:
+        a.proc.kill()
+    wait_until(deadline)
+    codes: dict[int, int | None] = {}
+    for a in running:
+        try:
+            while a.conn.poll(0):  # keep an error reported on the way out
+                msg = _decode(a.conn.recv_bytes())
+                if msg is not None and msg["kind"] == "error" and a.error is None:
+                    a.error = ActorError(f"actor {a.index} (pid {a.pid}) raised {msg['type']}: {msg['message']}",
+                                         index=a.index, pid=a.pid, kind=msg["type"],
+                                         remote_traceback=msg["traceback"])
+        except (EOFError, OSError, ValueError):
+            pass
+        a.exitcode = codes[a.index] = a.proc.exitcode
+        try:
+            a.conn.close()
+        except OSError:
+            pass
+        if a.proc.exitcode is not None:
+            a.proc.join(0)
+            a.proc.close()
+    return codes
