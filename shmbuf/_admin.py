@@ -11,7 +11,7 @@ import posix_ipc
 from shmbuf._errors import SegmentError
 from shmbuf._proc import alive
 from shmbuf._segment import (
-    L_COMMITS, L_PID, L_STATE, LANE_ACTIVE, LANE_RETIRED, PREFIX, W_CLOSED, W_DELIVERED, W_POOL, W_READY_DEPTH,
+    L_PID, L_READY_HEAD, L_STATE, LANE_ACTIVE, LANE_RETIRED, PREFIX, W_CLOSED, W_DELIVERED, W_POOL, W_READY_DEPTH,
     Segment, header_fields, unlink_all,
 )
 
@@ -91,7 +91,7 @@ def _inspect(f: Found) -> None:
             lw = seg.plan.lane_word(lane)
             if w[lw + L_STATE] in (LANE_ACTIVE, LANE_RETIRED):
                 pid = w[lw + L_PID]
-                f.writers.append((lane, pid, alive(pid, 0), w[lw + L_COMMITS]))
+                f.writers.append((lane, pid, alive(pid, 0), w[lw + L_READY_HEAD]))  # its ready head counts its commits
     finally:
         seg.close()
 

@@ -25,12 +25,12 @@ from shmbuf import _control
 from shmbuf._errors import PipelineClosed, SlotTimeout, StaleRollout, WriterError
 from shmbuf._handle import Handle
 from shmbuf._proc import alive
-from shmbuf._ring import Consumer, Fence, Producer
+from shmbuf._ring import Consumer, Producer, fence
 from shmbuf._schema import Schema
 from shmbuf._segment import (
-    L_CURRENT, L_FREE_HEAD, L_FREE_TAIL, L_GIVEN, L_PID, L_READY_HEAD, L_READY_TAIL, L_START, L_STATE,
-    LANE_ACTIVE, LANE_FREE, LANE_RETIRED, MAILBOX_PAYLOAD_OFF, S_COMMIT_NS, S_FILL, S_GENERATION, S_LANE, S_OWNER,
-    S_PID, S_POLICY, S_SEQ, S_STATE, SLOT_HELD, SLOT_LANE, SLOT_POOL, SLOT_READY, W_BAD_MESSAGES, W_CLOSED,
+    L_FREE_HEAD, L_FREE_TAIL, L_PID, L_READY_HEAD, L_READY_TAIL, L_START, L_STATE,
+    LANE_ACTIVE, LANE_FREE, LANE_RETIRED, MAILBOX_PAYLOAD_OFF, S_COMMIT_NS, S_FILL, S_GENERATION,
+    S_POLICY, S_SEQ, SLOT_HELD, SLOT_LANE, SLOT_POOL, SLOT_READY, W_BAD_MESSAGES, W_CLOSED,
     W_DELIVERED, W_LANES_RECLAIMED, W_PARTIAL_DROPPED, W_POOL, W_READY_DEPTH, Segment, sem_name, unlink_all,
 )
 
@@ -150,11 +150,11 @@ class Batch:
 
     __slots__ = ("data", "fill", "lane", "pid", "seq", "commit_ns", "policy_version", "size")
 
-    def __init__(self, data: dict[str, Any], meta: np.ndarray, schema: Schema):
+    def __init__(self, data: dict[str, Any], meta: np.ndarray, lane: np.ndarray, pid: np.ndarray, schema: Schema):
         self.data = data
         self.size = len(meta)
-        self.lane = meta[:, S_LANE].copy()
-        self.pid = meta[:, S_PID].copy()
+        self.lane = lane
+        self.pid = pid
         self.seq = meta[:, S_SEQ].copy()
         self.commit_ns = meta[:, S_COMMIT_NS].copy()
         self.policy_version = meta[:, S_POLICY].copy()
@@ -167,10 +167,12 @@ class Batch:
 class _Lane:
     """The reader's private view of one active lane."""
 
-    __slots__ = ("index", "ready", "free", "sem", "pid", "start", "label", "given", "stats")
+    __slots__ = ("index", "ready", "free", "sem", "pid", "start", "label", "given", "stats", "mbox_word")
 
-    def __init__(self, index: int, ready: Consumer, free: Producer, sem: posix_ipc.Semaphore, pid: int, start: int):
+    def __init__(self, index: int, ready: Consumer, free: Producer, sem: posix_ipc.Semaphore, pid: int, start: int,
+                 mbox_word: int):
         self.index = index
+        self.mbox_word = mbox_word
         self.ready = ready
         self.free = free
         self.sem = sem
@@ -202,7 +204,7 @@ class Reader:
         self._closed = False
         self._w = seg.words
         self._plan = seg.plan
-        self._fence = Fence()
+        self._fence = fence()
         self._sems: list[posix_ipc.Semaphore] = []
         # Unlink at exit or collection if the user never closes: the owner's duty, in the owner's process only.
         self._finalizer = weakref.finalize(self, _unlink_if_owner, self.name, self.max_writers, self._pid)
@@ -212,6 +214,9 @@ class Reader:
         self._state = [SLOT_POOL] * n
         self._owner = [-1] * n
         self._gen = [0] * n
+        self._lane_of = [-1] * n  # the lane a ready or held slot came from, and its writer's pid
+        self._pid_of = [0] * n
+        self._slot_words = [self._plan.slot_word(i) for i in range(n)]
         self._pool = list(range(n - 1, -1, -1))
         self._ready: collections.deque[int] = collections.deque()
         self._lanes: dict[int, _Lane] = {}
@@ -224,6 +229,7 @@ class Reader:
         self._batch_bufs: dict[int, tuple[np.ndarray, list[np.ndarray], dict[str, Any]]] = {}
         self._lat = np.zeros(LATENCY_WINDOW, np.int64)
         self._lat_n = 0
+        self._ts_names = [ts.name for ts in self.schema.timescales]
         self._rollout_bytes = sum(lf.nbytes for lf in self.schema.leaves)
         self._w[W_POOL] = n
 
@@ -277,6 +283,8 @@ class Reader:
         for leaf_all, out in zip(self._leaf_all, bufs):
             np.take(leaf_all, idx, axis=0, out=out)
         meta = np.take(self._slot_table, idx, axis=0)
+        lanes = np.array([self._lane_of[s] for s in idx.tolist()], np.int64)
+        pids = np.array([self._pid_of[s] for s in idx.tolist()], np.int64)
         now = time.monotonic_ns()
         for k in range(batch_size):
             s = int(idx[k])
@@ -286,7 +294,7 @@ class Reader:
         self._delivered += batch_size
         self._w[W_DELIVERED] = self._delivered
         data = optree.tree_map(np.array, tree) if copy else tree
-        return Batch(data, meta, self.schema)
+        return Batch(data, meta, lanes, pids, self.schema)
 
     def batches(self, batch_size: int, *, timeout: float | None = None, copy: bool = False) -> Iterator[Batch]:
         """Batches for ever (until closed). With ``copy=False`` each batch is valid until the next."""
@@ -347,10 +355,11 @@ class Reader:
         for lane in self._lanes.values():
             n = lane.ready.available()
             if n:
-                self._fence()
+                if self._fence:
+                    self._fence()
                 for _ in range(n):
                     self._accept(lane, lane.ready.pop())
-            mw = self._plan.mbox_off_of(lane.index) // 8
+            mw = lane.mbox_word
             if w[mw + _control.M_POST] != w[mw + _control.M_ACK]:
                 self._read_mail(lane)
 
@@ -359,22 +368,22 @@ class Reader:
             self._bad_message()  # a slot this lane never had: refuse it rather than deliver garbage
             return
         self._state[slot] = SLOT_READY
-        self._w[self._plan.slot_word(slot) + S_STATE] = SLOT_READY
+        self._lane_of[slot] = lane.index
+        self._pid_of[slot] = lane.pid
         lane.given -= 1
         self._ready.append(slot)
 
     def _deliver(self, slot: int) -> Rollout:
-        sw = self._plan.slot_word(slot)
+        sw = self._slot_words[slot]
         w = self._w
-        fill = {ts.name: w[sw + S_FILL + t] for t, ts in enumerate(self.schema.timescales)}
+        fill = {name: w[sw + S_FILL + t] for t, name in enumerate(self._ts_names)}
         commit_ns = w[sw + S_COMMIT_NS]
         self._record_latency(time.monotonic_ns() - commit_ns)
         self._state[slot] = SLOT_HELD
-        w[sw + S_STATE] = SLOT_HELD
         self._held += 1
         self._delivered += 1
         w[W_DELIVERED] = self._delivered
-        return Rollout(self, slot, self._gen[slot], w[sw + S_LANE], w[sw + S_PID], w[sw + S_SEQ], commit_ns,
+        return Rollout(self, slot, self._gen[slot], self._lane_of[slot], self._pid_of[slot], w[sw + S_SEQ], commit_ns,
                        w[sw + S_POLICY], fill)
 
     # -- slots going back ---------------------------------------------------
@@ -399,10 +408,8 @@ class Reader:
     def _recycle(self, slot: int) -> None:
         g = self._gen[slot] + 1
         self._gen[slot] = g
-        sw = self._plan.slot_word(slot)
-        self._w[sw + S_GENERATION] = g
+        self._w[self._slot_words[slot] + S_GENERATION] = g
         self._state[slot] = SLOT_POOL
-        self._w[sw + S_STATE] = SLOT_POOL
         self._pool.append(slot)
         self._feed()
 
@@ -410,22 +417,16 @@ class Reader:
         """Lend pool slots to the lanes holding fewest, so every writer gets its share."""
         lanes = self._lanes
         if not lanes:
-            self._w[W_POOL] = len(self._pool)
             return
-        w = self._w
-        while self._pool:
-            lane = min(lanes.values(), key=_given)
-            slot = self._pool.pop()
+        pool = self._pool
+        while pool:
+            lane = min(lanes.values(), key=_given) if len(lanes) > 1 else next(iter(lanes.values()))
+            slot = pool.pop()
             self._state[slot] = SLOT_LANE
             self._owner[slot] = lane.index
-            sw = self._plan.slot_word(slot)
-            w[sw + S_STATE] = SLOT_LANE
-            w[sw + S_OWNER] = lane.index
             lane.given += 1
-            w[self._plan.lane_word(lane.index) + L_GIVEN] = lane.given
             lane.free.push(slot)
             lane.sem.release()
-        w[W_POOL] = 0
 
     # -- lanes: arrivals, departures, deaths --------------------------------
 
@@ -442,7 +443,7 @@ class Reader:
                         i,
                         Consumer(w, p.ready_ring_word(i), p.n_slots, lw + L_READY_HEAD, lw + L_READY_TAIL),
                         Producer(w, p.free_ring_word(i), p.n_slots, lw + L_FREE_HEAD, lw + L_FREE_TAIL),
-                        self._lane_sems[i], w[lw + L_PID], w[lw + L_START],
+                        self._lane_sems[i], w[lw + L_PID], w[lw + L_START], p.mbox_off_of(i) // 8,
                     )
                     changed = True
                 elif not alive(lane.pid, lane.start):
@@ -451,12 +452,13 @@ class Reader:
                 if lane is None:  # retired before we ever saw it: give it a view, then take it back
                     lane = _Lane(i, Consumer(w, p.ready_ring_word(i), p.n_slots, lw + L_READY_HEAD, lw + L_READY_TAIL),
                                  Producer(w, p.free_ring_word(i), p.n_slots, lw + L_FREE_HEAD, lw + L_FREE_TAIL),
-                                 self._lane_sems[i], w[lw + L_PID], w[lw + L_START])
+                                 self._lane_sems[i], w[lw + L_PID], w[lw + L_START], p.mbox_off_of(i) // 8)
                     self._lanes[i] = lane
                 self._reclaim(lane, died=False)
         if changed:
             self._feed()
-        self._w[W_READY_DEPTH] = len(self._ready)
+        self._w[W_READY_DEPTH] = len(self._ready)  # gauges for `shmbuf ls`, refreshed at each scan
+        self._w[W_POOL] = len(self._pool)
 
     def _reclaim(self, lane: _Lane, died: bool) -> None:
         """Take back a lane whose writer left or died: deliver what it committed, pool what it held."""
@@ -468,12 +470,16 @@ class Reader:
             self._read_mail(lane)
         n = lane.ready.available()
         if n:
-            self._fence()
+            if self._fence:
+                self._fence()
             for _ in range(n):
                 self._accept(lane, lane.ready.pop())
-        current = w[lw + L_CURRENT]
-        if died and 0 <= current < self.slots and self._state[current] == SLOT_LANE and self._owner[current] == i:
-            w[W_PARTIAL_DROPPED] = w[W_PARTIAL_DROPPED] + 1
+        # What the lane still holds is in its free ring, untaken, or in the writer's hands (a partial rollout).
+        tail, head = w[lw + L_FREE_TAIL], w[lw + L_FREE_HEAD]
+        untaken = {w[p.free_ring_word(i) + k % p.n_slots] for k in range(tail, head)} if 0 <= head - tail <= p.n_slots else set()
+        in_hand = [s for s in range(self.slots) if self._state[s] == SLOT_LANE and self._owner[s] == i and s not in untaken]
+        if died and in_hand:
+            w[W_PARTIAL_DROPPED] = w[W_PARTIAL_DROPPED] + len(in_hand)
         del self._lanes[i]
         for s in range(self.slots):
             if self._state[s] == SLOT_LANE and self._owner[s] == i:
@@ -485,9 +491,8 @@ class Reader:
                 lane.sem.acquire(0)
             except posix_ipc.BusyError:
                 break
-        for word in (L_READY_HEAD, L_READY_TAIL, L_FREE_HEAD, L_FREE_TAIL, L_GIVEN, L_PID, L_START):
+        for word in (L_READY_HEAD, L_READY_TAIL, L_FREE_HEAD, L_FREE_TAIL, L_PID, L_START):
             w[lw + word] = 0
-        w[lw + L_CURRENT] = -1
         w[mw + _control.M_POST] = 0
         w[mw + _control.M_ACK] = 0
         if died:
@@ -504,7 +509,8 @@ class Reader:
         post = w[mw + _control.M_POST]
         length = w[mw + _control.M_LEN]
         magic = w[mw + _control.M_MAGIC]
-        self._fence()
+        if self._fence:
+            self._fence()
         try:
             if magic != _control.MSG_MAGIC:
                 raise _control.BadMessage(f"bad magic {magic:#x}")

@@ -60,19 +60,21 @@ W_READY_DEPTH = LIVE_OFF // 8 + 12
 W_POOL = LIVE_OFF // 8 + 13
 
 # Lane record words (relative to the lane's first word).
-# Line 0, written only by the lane's writer:
-L_PID, L_START, L_READY_HEAD, L_FREE_TAIL, L_CURRENT, L_COMMITS = 0, 1, 2, 3, 4, 5
+# Line 0, written only by the lane's writer (its ready head counts its commits):
+L_PID, L_START, L_READY_HEAD, L_FREE_TAIL = 0, 1, 2, 3
 # Line 1, written only by the reader:
-L_READY_TAIL, L_FREE_HEAD, L_GIVEN = 8, 9, 10
+L_READY_TAIL, L_FREE_HEAD = 8, 9
 # Line 2, handed over between them (see docs/design/lanes.md):
 L_STATE, L_EPOCH = 16, 17
 LANE_FREE, LANE_ACTIVE, LANE_RETIRED = 0, 1, 2
 
-# Slot record words (relative to the slot's first word).
-S_GENERATION, S_STATE, S_OWNER = 0, 1, 2  # reader-owned
-S_SEQ, S_COMMIT_NS, S_PID, S_POLICY, S_LANE = 3, 4, 5, 6, 7  # written by the committing writer
+# Slot record words (relative to the slot's first word). The writer stores
+# only what the reader cannot know: the lane and pid follow from the ring the
+# slot arrives on.
+S_GENERATION = 0  # reader-owned: bumped each time the slot is recycled
+S_SEQ, S_COMMIT_NS, S_POLICY = 1, 2, 3  # written by the committing writer
 S_FILL = SLOT_META_WORDS  # one word per timescale
-SLOT_POOL, SLOT_LANE, SLOT_READY, SLOT_HELD = 0, 1, 2, 3
+SLOT_POOL, SLOT_LANE, SLOT_READY, SLOT_HELD = 0, 1, 2, 3  # the reader's private bookkeeping
 
 
 @dataclass(frozen=True)

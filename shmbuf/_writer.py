@@ -23,11 +23,11 @@ from shmbuf import _control
 from shmbuf._errors import BrokenPipeline, PipelineClosed, SchemaError, SlotTimeout
 from shmbuf._handle import Handle, name_of
 from shmbuf._proc import alive, start_time
-from shmbuf._ring import Consumer, Fence, Producer
+from shmbuf._ring import Consumer, Producer, fence
 from shmbuf._schema import Leaf, Schema, Timescale, flatten_like
 from shmbuf._segment import (
-    L_COMMITS, L_CURRENT, L_EPOCH, L_FREE_HEAD, L_FREE_TAIL, L_PID, L_READY_HEAD, L_READY_TAIL, L_START, L_STATE,
-    LANE_ACTIVE, LANE_FREE, LANE_RETIRED, S_COMMIT_NS, S_FILL, S_LANE, S_PID, S_POLICY, S_SEQ, W_CLOSED, Segment,
+    L_EPOCH, L_FREE_HEAD, L_FREE_TAIL, L_PID, L_READY_HEAD, L_READY_TAIL, L_START, L_STATE,
+    LANE_ACTIVE, LANE_FREE, LANE_RETIRED, S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment,
     header_fields, sem_name,
 )
 
@@ -37,12 +37,13 @@ WAIT_SLICE = 0.1
 _OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK)
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock: type, whence, start, len, pid
 _LOCK_BASE = 1 << 40  # lane locks sit on bytes past the end of any real segment
+_MISSING = object()
 
 
 class _Ts:
     """A timescale as the writer's hot path wants it: everything precomputed, nothing to look up."""
 
-    __slots__ = ("index", "spec", "leaves", "keys", "dtypes", "shapes", "scratch", "capacity", "buffered")
+    __slots__ = ("index", "spec", "leaves", "keys", "checks", "scratch", "capacity", "buffered")
 
     def __init__(self, index: int, spec: Timescale, treespec: optree.PyTreeSpec):
         self.index = index
@@ -53,8 +54,9 @@ class _Ts:
         st = spec.structure
         flat = st[0] == "dict" and all(c[0] == "leaf" for c in st[2])
         self.keys: tuple[str, ...] | None = tuple(st[1]) if flat else None
-        self.dtypes = tuple(lf.dtype for lf in spec.leaves)
-        self.shapes = tuple(lf.item_shape for lf in spec.leaves)
+        # (key, dtype, item shape) per leaf: what an exact incoming array looks like
+        self.checks = tuple(zip(self.keys or ("",) * len(spec.leaves), (lf.dtype for lf in spec.leaves),
+                                (lf.item_shape for lf in spec.leaves)))
         self.scratch: list[Any] = [None] * len(spec.leaves)
 
 
@@ -117,7 +119,7 @@ class Writer:
         self._treespecs = treespecs
         self._w = seg.words
         self._plan = p = seg.plan
-        self._fence = Fence()
+        self._fence = fence()
         hdr = header_fields(seg.mm)
         self._owner = (int(hdr["owner_pid"]), int(hdr["owner_start"]))
         self._doorbell = self._open_sem("r")
@@ -175,8 +177,6 @@ class Writer:
                 # The reader reset the counters when it freed the lane; we own line 0 now.
                 w[lw + L_PID] = self._pid
                 w[lw + L_START] = start_time(self._pid)
-                w[lw + L_CURRENT] = -1
-                w[lw + L_COMMITS] = 0
                 w[lw + L_EPOCH] = w[lw + L_EPOCH] + 1
                 w[lw + L_STATE] = LANE_ACTIVE
                 self.lane = lane
@@ -269,28 +269,23 @@ class Writer:
         elif self._w[W_CLOSED]:
             self._raise_closed()
         vals = ts.scratch
-        keys = ts.keys
-        if keys is not None and type(data) is dict and len(data) == len(keys):
-            # Fast path, a flat dict of arrays: check everything before writing anything.
+        if ts.keys is not None and type(data) is dict and len(data) == len(vals):
+            # Fast path, a flat dict of exact arrays: check everything before writing anything.
             j = 0
-            for k in keys:
-                try:
-                    x = data[k]
-                except KeyError:
-                    self._keys_mismatch(ts, data)
-                if type(x) is not np.ndarray or x.dtype is not ts.dtypes[j] or x.shape != ts.shapes[j]:
-                    x = _coerce(ts.leaves[j], ts.buffered, x)
+            for k, dt, shape in ts.checks:
+                x = data.get(k, _MISSING)
+                if type(x) is not np.ndarray or x.dtype is not dt or x.shape != shape:
+                    x = self._slow_item(ts, j, x, data)
                 vals[j] = x
                 j += 1
         else:
             self._general(ts, data)
-        dst = self._cur[ts.index]
         if ts.buffered:
-            for j in range(len(vals)):
-                dst[j][i] = vals[j]
+            for dst, x in zip(self._cur[ts.index], vals):
+                dst[i] = x
         else:
-            for j in range(len(vals)):
-                dst[j][...] = vals[j]
+            for dst, x in zip(self._cur[ts.index], vals):
+                dst[...] = x
         self._fill[ts.index] = i + 1
 
     def commit(self, policy_version: int | None = None) -> int:
@@ -312,17 +307,14 @@ class Writer:
         sw = self._plan.slot_word(slot)
         seq = self._seq
         w[sw + S_SEQ] = seq
-        w[sw + S_PID] = self._pid
-        w[sw + S_LANE] = self.lane
         w[sw + S_POLICY] = self.policy_version if policy_version is None else policy_version
         for t, n in enumerate(self._fill):
             w[sw + S_FILL + t] = n
             self._fill[t] = 0
         w[sw + S_COMMIT_NS] = time.monotonic_ns()
-        self._fence()  # payload before the ring entry (a no-op on x86-64: see _ring)
+        if self._fence:  # payload before the ring entry (not needed on x86-64: see _ring)
+            self._fence()
         self._ready.push(slot)
-        w[self._lane_w + L_COMMITS] = seq + 1
-        w[self._lane_w + L_CURRENT] = -1
         self._doorbell.release()
         self._slot = -1
         self._seq = seq + 1
@@ -382,11 +374,11 @@ class Writer:
             self._raise_closed()
         if self._free.available() <= 0:  # the post we took must cover an entry
             raise RuntimeError(f"pipeline {self.name}: free-slot count and ring disagree; the segment is corrupt")
-        self._fence()
+        if self._fence:
+            self._fence()
         slot = self._free.pop()
         if not 0 <= slot < self._plan.n_slots:
             raise RuntimeError(f"pipeline {self.name}: free ring holds slot {slot}, outside 0..{self._plan.n_slots - 1}")
-        self._w[self._lane_w + L_CURRENT] = slot
         self._slot = slot
         views = self._slot_views.get(slot)
         if views is None:
@@ -444,7 +436,8 @@ class Writer:
         self._seg.mm[off : off + len(payload)] = payload  # type: ignore[union-attr]
         w[mw + _control.M_LEN] = len(payload)
         w[mw + _control.M_MAGIC] = _control.MSG_MAGIC
-        self._fence()
+        if self._fence:
+            self._fence()
         w[mw + _control.M_POST] = w[mw + _control.M_POST] + 1
         self._doorbell.release()
         return True
@@ -465,6 +458,11 @@ class Writer:
 
     def _unknown(self, timescale: Any) -> None:
         raise KeyError(f"Unknown timescale {timescale!r}. Known: {list(self._ts)}")
+
+    def _slow_item(self, ts: _Ts, j: int, x: Any, data: dict[str, Any]) -> np.ndarray:
+        if x is _MISSING:
+            self._keys_mismatch(ts, data)
+        return _coerce(ts.leaves[j], ts.buffered, x)
 
     def _keys_mismatch(self, ts: _Ts, data: dict[str, Any]) -> None:
         expected = set(ts.keys or ())
