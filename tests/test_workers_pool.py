@@ -1,0 +1,164 @@
+"""ActorPool: failures reach the learner with their traceback, restarts, one stop deadline, no orphans."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from shmbuf._proc import alive, start_time
+from shmbuf._segment import unlink_all
+from workers import ActorError, ActorPool, ActorSpec, default_start_method, run_actor
+from tests.conftest import wait_until
+from tests.test_workers_envs import (
+    EchoPolicy, make_counting, target_crash, target_crash_first_time, target_hang, target_ok, target_segfault,
+)
+
+
+@pytest.fixture
+def pools():
+    made: list[ActorPool] = []
+
+    def make(*args, **kw) -> ActorPool:
+        p = ActorPool(*args, **kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.stop(timeout=3)
+
+
+def raise_within(pool: ActorPool, seconds: float) -> ActorError:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            pool.check(timeout=0.1)
+        except ActorError as exc:
+            return exc
+    raise AssertionError(f"no ActorError within {seconds} s")
+
+
+def test_default_start_method_is_not_fork():
+    assert default_start_method() in ("forkserver", "spawn")
+
+
+@pytest.mark.parametrize("method", [None, "spawn", "fork"])
+def test_crashing_actor_raises_in_learner_with_traceback(pools, method):
+    pool = pools(target_crash, 2, kwargs={"message": "kaboom"}, start_method=method).start()
+    err = raise_within(pool, 30)
+    assert err.index == 1 and err.kind == "ValueError"
+    assert "kaboom in actor 1" in str(err)
+    assert "Traceback (most recent call last)" in err.remote_traceback
+    assert "target_crash" in err.remote_traceback and "raise ValueError" in err.remote_traceback
+    assert err.exitcode == 1
+    assert pool.states == ["running", "failed"]
+    pool.check()  # raised once; the healthy actor goes on
+    assert pool.alive() == 1
+
+
+def test_actor_killed_without_a_word_is_reported_as_died(pools):
+    pool = pools(target_segfault, 1, start_method="fork").start()
+    err = raise_within(pool, 10)
+    assert err.kind == "died" and err.exitcode == -signal.SIGKILL and "SIGKILL" in str(err)
+
+
+def test_restart_replaces_a_failed_actor(pools):
+    pool = pools(target_crash_first_time, 2, restart=True, max_restarts=1, start_method="fork").start()
+    first = pool.pids[0]
+    wait_until(lambda: (pool.check(), pool.restarts == 1)[1], 20, "a restart")
+    assert len(pool.failures) == 1 and pool.failures[0].kind == "KeyError"
+    assert "first life fails" in pool.failures[0].remote_traceback
+    assert pool.pids[0] != first
+    wait_until(lambda: pool.alive() == 2, 20, "both actors running")
+    pool.check(timeout=0.3)  # the second life is healthy: nothing to raise
+    assert pool.states == ["running", "running"]
+
+
+def test_restart_budget_runs_out(pools):
+    pool = pools(target_crash, 2, restart=True, max_restarts=2, start_method="fork").start()
+    deadline = time.monotonic() + 30
+    with pytest.raises(ActorError, match="boom in actor 1"):
+        while time.monotonic() < deadline:
+            pool.check(timeout=0.1)
+    assert pool.restarts == 2 and len(pool.failures) == 3
+
+
+@pytest.mark.parametrize("ignore_term", [False, True])
+def test_stop_meets_its_deadline_with_a_hung_actor(pools, ignore_term):
+    pool = pools(target_hang, 2, kwargs={"ignore_term": ignore_term}, start_method="fork").start()
+    wait_until(lambda: pool.alive() == 2, 10, "actors up")
+    time.sleep(0.2)  # let the SIGTERM handler be installed (the test is about the stop, not the start)
+    t0 = time.monotonic()
+    codes = pool.stop(timeout=2.0)
+    took = time.monotonic() - t0
+    assert took < 2.3, f"stop took {took:.2f} s for a 2 s deadline"
+    want = -signal.SIGKILL if ignore_term else -signal.SIGTERM
+    assert codes == {0: want, 1: want}
+    assert pool.alive() == 0
+
+
+def test_stop_is_quick_when_actors_listen(pools):
+    pool = pools(target_ok, 3, start_method="fork").start()
+    wait_until(lambda: pool.alive() == 3, 10, "actors up")
+    t0 = time.monotonic()
+    assert pool.stop(timeout=5) == {0: 0, 1: 0, 2: 0}
+    assert time.monotonic() - t0 < 1.0
+
+
+# -- the learner dies: its actors must not outlive it ------------------------
+
+
+def _learner(conn, method: str) -> None:
+    """A learner with a real shmbuf pipeline, two collecting actors and one hung actor; it reports and waits."""
+    import numpy as np
+
+    import shmbuf
+    from workers import probe, rollout_example
+
+    p = probe(make_counting(), EchoPolicy())
+    example = rollout_example(p["obs"], p["action"], rollout_len=4, extras=p["extras"])
+    reader = shmbuf.create(example, slots=4, max_writers=2)  # few slots: actors soon block waiting for one
+    spec = ActorSpec(pipeline=reader.name, env_fns=(make_counting,), rollout_len=4, policy=EchoPolicy())
+    collecting = ActorPool(run_actor, 2, args=(spec,), start_method=method).start()
+    hung = ActorPool(target_hang, 1, kwargs={"ignore_term": True}, start_method=method).start()
+    r = reader.get(timeout=30)  # actors are really writing
+    r.release()
+    conn.send_bytes(json.dumps({"pids": collecting.pids + hung.pids, "pipeline": reader.name}).encode())
+    while True:
+        time.sleep(1)
+        np.zeros(1)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_no_orphans_after_the_learner_is_killed(method):
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe(duplex=False)
+    learner = ctx.Process(target=_learner, args=(there, method))  # not daemonic: a learner starts processes
+    learner.start()
+    there.close()
+    info = None
+    try:
+        assert here.poll(60), "the learner did not report within 60 s"
+        info = json.loads(here.recv_bytes())
+        actors = [(pid, start_time(pid)) for pid in info["pids"]]
+        assert all(alive(*a) for a in actors)
+        os.kill(learner.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_until(lambda: not any(alive(*a) for a in actors), 2.0, "every actor to exit after the learner died")
+        print(f"{method}: actors gone {time.monotonic() - t0:.2f} s after the learner was killed")
+    finally:
+        if learner.is_alive():
+            learner.kill()
+        learner.join(5)
+        if info is not None:
+            for pid in info["pids"]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            unlink_all(info["pipeline"], 2)  # what a killed learner leaves: `shmbuf clean` removes it too
