@@ -1,0 +1,281 @@
+"""From raw run records to the numbers people read: per-run summaries, the targets of issue 3, a table, a plot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+NAMES = {"shmbuf": "shmbuf", "echo": "echo (TCP)", "faster_fifo": "faster_fifo", "mp_queue": "mp.Queue"}
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"median": None, "min": None, "max": None, "windows": []}
+    return {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values)),
+            "windows": [float(v) for v in values]}
+
+
+def summarize(rec: dict[str, Any]) -> dict[str, Any]:
+    """Rollouts/s, MB/s, latency and CPU per rollout of one run, each as median over windows with min/max."""
+    out = {k: rec[k] for k in ("system", "payload", "mode", "actors", "batch", "status")}
+    if rec["status"] != "ok":
+        out["detail"] = rec.get("stall") or rec.get("error")
+        return out
+    learner = rec["learner"]
+    cuts = learner["cuts"]
+    b = rec["batch"]
+    rps, lcpu = [], []
+    for k in range(1, len(cuts)):
+        dt = cuts[k]["t"] - cuts[k - 1]["t"]
+        n = (cuts[k]["batches"] - cuts[k - 1]["batches"]) * b
+        rps.append(n / dt)
+        lcpu.append((cuts[k]["cpu_ns"] - cuts[k - 1]["cpu_ns"]) / 1e3 / n)
+    out["rollouts_per_s"] = _spread(rps)
+    out["mb_per_s"] = _spread([r * rec["rollout_bytes"] / 1e6 for r in rps])
+    lat = [w for w in learner["latency_us"] if w]
+    out["latency_us"] = {"p50": _spread([w["p50"] for w in lat]), "p99": _spread([w["p99"] for w in lat])}
+    out["cpu_us_per_rollout"] = {"learner": _spread(lcpu)["median"], "actors": _actor_cpu(rec["actor_rows"])}
+    return out
+
+
+def _actor_cpu(rows: list[list[list[int]]]) -> float | None:
+    """All actors' CPU over the measured windows divided by the rollouts they sent meanwhile (µs)."""
+    cpu = n = 0
+    for row in rows:
+        # From the first window's start to the last phase this actor noted (the stop, unless it was blocked).
+        seen = [p for p in range(1, len(row)) if row[p][0] >= 0]
+        if len(seen) < 2:
+            continue
+        a, z = row[seen[0]], row[seen[-1]]
+        cpu += z[1] - a[1]
+        n += z[0] - a[0]
+    return cpu / 1e3 / n if n else None
+
+
+def find(summaries: list[dict[str, Any]], **key: Any) -> dict[str, Any] | None:
+    for s in summaries:
+        if all(s.get(k) == v for k, v in key.items()):
+            return s
+    return None
+
+
+def _med(s: dict[str, Any] | None, *path: str) -> float | None:
+    if s is None or s["status"] != "ok":
+        return None
+    x: Any = s
+    for p in path:
+        x = x[p]
+    return x["median"] if isinstance(x, dict) else x
+
+
+def targets(summaries: list[dict[str, Any]], micro: dict[str, Any] | None, copy_bw: dict[str, Any],
+            stalls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each target of issue 3: the figures, the ratio, met or not (None when a figure is missing)."""
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, goal: str, met: bool | None, detail: str = "") -> None:
+        out.append({"target": name, "value": value, "goal": goal, "met": met, "detail": detail})
+
+    need = {"small": 4.0, "rl": 8.0, "atari": 10.0}
+    for payload, k in need.items():
+        shm = _med(find(summaries, system="shmbuf", payload=payload, mode="transport", actors=2), "rollouts_per_s")
+        for other in ("echo", "faster_fifo", "mp_queue"):
+            o = _med(find(summaries, system=other, payload=payload, mode="transport", actors=2), "rollouts_per_s")
+            ratio = shm / o if shm and o else None
+            goal = k if other == "echo" else 1.0
+            add(f"transport {payload}, 2 actors: shmbuf / {NAMES[other]} rollouts/s", ratio, f">= {goal:g}x",
+                None if ratio is None else ratio >= goal, f"{shm and round(shm)} vs {o and round(o)} rollouts/s")
+    atari = find(summaries, system="shmbuf", payload="atari", mode="transport", actors=2)
+    mb = _med(atari, "mb_per_s")
+    for label, bw in (("cache-resident copy (one rollout)", copy_bw["rollout"]), ("DRAM copy (128 MiB)", copy_bw["dram"])):
+        frac = mb / (bw * 1e3) if mb else None
+        add(f"transport atari, 2 actors: shmbuf MB/s / single-core {label}", frac, ">= 0.40",
+            None if frac is None else frac >= 0.40, f"{mb and round(mb)} MB/s vs {bw * 1e3:.0f} MB/s")
+    shm = find(summaries, system="shmbuf", payload="small", mode="step", actors=2)
+    ech = find(summaries, system="echo", payload="small", mode="step", actors=2)
+    a = shm["cpu_us_per_rollout"]["actors"] if shm and shm["status"] == "ok" else None
+    e = ech["cpu_us_per_rollout"]["actors"] if ech and ech["status"] == "ok" else None
+    r = a / e if a and e else None
+    add("step small, 2 actors: actor CPU per rollout shmbuf / echo", r, "<= 0.333", None if r is None else r <= 1 / 3,
+        f"{a and round(a, 1)} vs {e and round(e, 1)} µs per rollout")
+    if micro:
+        r = micro["ratio_shmbuf_to_echo"]
+        add("step small: Writer.add / TrajectoryAccumulator.add per step", r, "<= 0.4", r <= 0.4,
+            f"{micro['shmbuf']['us_per_add']:.2f} vs {micro['echo']['us_per_add']:.2f} µs per add")
+    for payload in ("small", "rl", "atari"):
+        s = _med(find(summaries, system="shmbuf", payload=payload, mode="transport", actors=2), "latency_us", "p99")
+        e = _med(find(summaries, system="echo", payload=payload, mode="transport", actors=2), "latency_us", "p99")
+        r = s / e if s and e else None
+        add(f"latency at saturation, {payload}, 2 actors: shmbuf p99 / echo p99", r, "<= 0.1", None if r is None else r <= 0.1,
+            f"{s and round(s)} vs {e and round(e)} µs")
+    shm_stalls = [x for x in stalls if x["system"] == "shmbuf"]
+    add("stalls of shmbuf in the whole sweep", len(shm_stalls), "0", not shm_stalls)
+    return out
+
+
+def _fmt(x: float | None, nd: int = 0) -> str:
+    if x is None:
+        return "–"
+    if nd == 0:
+        return f"{x:,.0f}"
+    return f"{x:,.{nd}f}"
+
+
+def _cell(s: dict[str, Any] | None, key: str, nd: int = 0) -> str:
+    if s is None:
+        return ""
+    if s["status"] != "ok":
+        return s["status"].upper()
+    v = s[key]
+    if v["median"] is None:
+        return "–"
+    spread = (v["max"] - v["min"]) / v["median"] * 100 if v["median"] else 0
+    return f"{_fmt(v['median'], nd)} ±{spread / 2:.0f}%"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The Markdown page: machine line, the throughput tables, latency, CPU, the targets."""
+    S = result["summaries"]
+    systems = result["config"]["systems"]
+    m = result["machine"]
+    lines = [f"# shmbuf benchmark {result['date']} on {m['host']}", "", f"Machine: {result['machine_line']}", "",
+             f"Single-core `np.copyto` bandwidth in this run: {result['copy_bandwidth']['rollout']:.1f} GB/s "
+             f"on one atari rollout (cache-resident), {result['copy_bandwidth']['dram']:.1f} GB/s on 128 MiB (DRAM).",
+             "", f"Sweep: B={result['config']['batch']} stacked rollouts per batch, queue depth {result['config']['depth']}, "
+             f"{result['config']['windows']} windows of {result['config']['window_s']} s after {result['config']['warmup_s']} s "
+             f"of warm-up; medians over windows, ± half the min–max spread. Load average at start "
+             f"{m['loadavg_start'][0]:.2f}, at end {m.get('loadavg_end', [0])[0]:.2f}.", ""]
+    for mode, title in (("transport", "Transport mode (actors send a built rollout)"),
+                        ("step", "Step mode (actors add T steps, then commit / build + send)")):
+        ms = [s for s in systems if any(x["mode"] == mode and x["system"] == s for x in S)]
+        if not ms:
+            continue
+        lines += [f"## {title}: rollouts/s", "", "| payload | actors | " + " | ".join(NAMES[s] for s in ms) + " | "
+                  + " | ".join(f"shmbuf / {NAMES[s]}" for s in ms if s != "shmbuf") + " |",
+                  "|---|---:|" + "---:|" * (2 * len(ms) - 1)]
+        for payload in result["config"]["payloads"]:
+            for n in result["config"]["actors"]:
+                row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in ms]
+                if not any(row):
+                    continue
+                shm = _med(row[ms.index("shmbuf")], "rollouts_per_s") if "shmbuf" in ms else None
+                ratios = []
+                for s, r in zip(ms, row):
+                    if s == "shmbuf":
+                        continue
+                    o = _med(r, "rollouts_per_s")
+                    ratios.append(f"{shm / o:.2f}x" if shm and o else "–")
+                lines.append(f"| {payload} | {n} | " + " | ".join(_cell(r, "rollouts_per_s") for r in row) + " | "
+                             + " | ".join(ratios) + " |")
+        lines += ["", f"## {title}: MB/s", "", "| payload | actors | " + " | ".join(NAMES[s] for s in ms) + " |",
+                  "|---|---:|" + "---:|" * len(ms)]
+        for payload in result["config"]["payloads"]:
+            for n in result["config"]["actors"]:
+                row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in ms]
+                if any(row):
+                    lines.append(f"| {payload} | {n} | " + " | ".join(_cell(r, "mb_per_s") for r in row) + " |")
+        lines += ["", f"## {title}: CPU µs per rollout (actors, all of them / learner)", "",
+                  "| payload | actors | " + " | ".join(NAMES[s] for s in ms) + " |", "|---|---:|" + "---:|" * len(ms)]
+        for payload in result["config"]["payloads"]:
+            for n in result["config"]["actors"]:
+                row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in ms]
+                if not any(row):
+                    continue
+                cells = []
+                for r in row:
+                    if r is None:
+                        cells.append("")
+                    elif r["status"] != "ok":
+                        cells.append(r["status"].upper())
+                    else:
+                        c = r["cpu_us_per_rollout"]
+                        cells.append(f"{_fmt(c['actors'], 1)} / {_fmt(c['learner'], 1)}")
+                lines.append(f"| {payload} | {n} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## Latency, send/commit to the learner holding the batch: p50 / p99 µs", "",
+              "| payload | load | " + " | ".join(NAMES[s] for s in systems) + " |", "|---|---|" + "---:|" * len(systems)]
+    for payload in result["config"]["payloads"]:
+        for mode, label in (("latency", f"paced, {result['config']['pace_rate']:g}/s, B=1"),
+                            ("transport", f"saturation, B={result['config']['batch']}")):
+            n = result["config"]["latency_actors"]
+            row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in systems]
+            if not any(row):
+                continue
+            cells = []
+            for r in row:
+                if r is None:
+                    cells.append("")
+                elif r["status"] != "ok":
+                    cells.append(r["status"].upper())
+                else:
+                    cells.append(f"{_fmt(_med(r, 'latency_us', 'p50'))} / {_fmt(_med(r, 'latency_us', 'p99'))}")
+            lines.append(f"| {payload} | {label}, {n} actors | " + " | ".join(cells) + " |")
+    lines.append("")
+    if result.get("microbench"):
+        mb = result["microbench"]
+        lines += ["## Per-step accumulate (one process, small payload)", "",
+                  f"`Writer.add`: {mb['shmbuf']['us_per_add']:.2f} µs; echo `TrajectoryAccumulator.add`: "
+                  f"{mb['echo']['us_per_add']:.2f} µs; ratio {mb['ratio_shmbuf_to_echo']:.2f}.", ""]
+    lines += ["## Stalls", ""]
+    if result["stalls"]:
+        for s in result["stalls"]:
+            lines.append(f"- {NAMES[s['system']]}, {s['payload']}, {s['mode']}, {s['actors']} actors: {s['status']} "
+                         f"({s.get('detail')})")
+    else:
+        lines.append("None.")
+    lines += ["", "## Targets (issue 3)", "", "| target | value | goal | met |", "|---|---:|---|---|"]
+    for t in result["targets"]:
+        v = t["value"]
+        vs = "–" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+        met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+        lines.append(f"| {t['target']} ({t['detail']}) | {vs} | {t['goal']} | {met} |" if t["detail"]
+                     else f"| {t['target']} | {vs} | {t['goal']} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Rollouts/s and MB/s against actor count, one panel per payload, transport mode (step mode dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    S = result["summaries"]
+    payloads = result["config"]["payloads"]
+    fig, axes = plt.subplots(2, len(payloads), figsize=(4.6 * len(payloads), 7.5), squeeze=False)
+    colors = {"shmbuf": "C0", "echo": "C3", "faster_fifo": "C2", "mp_queue": "C7"}
+    for j, payload in enumerate(payloads):
+        for i, (key, label) in enumerate((("rollouts_per_s", "rollouts/s"), ("mb_per_s", "MB/s"))):
+            ax = axes[i][j]
+            for mode, style in (("transport", "-"), ("step", "--")):
+                for s in result["config"]["systems"]:
+                    pts = [(x["actors"], x[key]) for x in S
+                           if x["system"] == s and x["payload"] == payload and x["mode"] == mode and x["status"] == "ok"]
+                    if not pts:
+                        continue
+                    xs = [p[0] for p in pts]
+                    ys = [p[1]["median"] for p in pts]
+                    lo = [p[1]["median"] - p[1]["min"] for p in pts]
+                    hi = [p[1]["max"] - p[1]["median"] for p in pts]
+                    ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style + "o", color=colors[s], capsize=3, ms=4,
+                                label=f"{NAMES[s]} ({mode})")
+                    for x in S:  # mark stalls on the axis
+                        if x["system"] == s and x["payload"] == payload and x["mode"] == mode and x["status"] != "ok":
+                            ax.plot([x["actors"]], [0], "x", color=colors[s], ms=9)
+            ax.set_yscale("log")
+            ax.set_xticks(result["config"]["actors"])
+            ax.set_xlabel("actor processes")
+            ax.set_ylabel(label)
+            ax.set_title(f"{payload} ({result['payload_bytes'][payload] / 1e6:.3g} MB/rollout)" if i == 0 else "")
+            ax.grid(True, which="both", alpha=0.3)
+        if payload == "atari":
+            bw = result["copy_bandwidth"]["dram"] * 1e3
+            axes[1][j].axhline(bw, color="k", ls=":", lw=1, label="1-core copy, DRAM")
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    axes[1][-1].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"shmbuf vs echo TCP vs queues, B={result['config']['batch']} batches — {result['machine']['cpu_model']}, "
+                 f"{result['machine']['cores']} cores, {result['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

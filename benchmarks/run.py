@@ -1,0 +1,178 @@
+"""The benchmark sweep: ``python benchmarks/run.py [--quick] [--out DIR]`` (also ``shmbuf bench``, ``make bench``).
+
+Runs shmbuf, echo's TCP transport, faster_fifo and multiprocessing.Queue on the
+same payloads in one run, and writes ``<out>/<date>-<host>.json`` (every raw
+figure), ``.md`` (the tables and the targets of issue 3) and ``.png`` (the plot).
+See benchmarks/README.md for what is measured and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Any
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # run as a script from anywhere: make `benchmarks` and `shmbuf` importable
+    sys.path.insert(0, _ROOT)
+
+FULL = {"actors": (1, 2, 4), "windows": 5, "window_s": 2.0, "warmup_s": 1.5, "micro_windows": 5, "micro_window_s": 0.5,
+        "copy_s": 1.0}
+QUICK = {"actors": (2,), "windows": 3, "window_s": 0.25, "warmup_s": 0.25, "micro_windows": 3, "micro_window_s": 0.1,
+         "copy_s": 0.2}
+BATCH = 16
+DEPTH = 32  # rollouts in flight: shmbuf slots, mp.Queue maxsize, faster_fifo byte budget
+PACE_RATE = 200.0  # rollouts/s, all actors together, in the paced latency runs
+LATENCY_ACTORS = 2
+STALL_S = 10.0
+MODES = ("transport", "step", "latency")
+
+
+def _csv(kind: Any) -> Any:
+    return lambda s: tuple(kind(x) for x in s.split(",") if x)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from benchmarks import payloads, transports
+
+    p = argparse.ArgumentParser(prog="benchmarks/run.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="CI-sized: 2 actors only, short windows (about a minute)")
+    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"), help="where to write the results")
+    p.add_argument("--systems", type=_csv(str), default=transports.SYSTEMS, help="subset, comma-separated")
+    p.add_argument("--payloads", type=_csv(str), default=payloads.NAMES, help="subset, comma-separated")
+    p.add_argument("--modes", type=_csv(str), default=MODES, help="subset of transport,step,latency")
+    p.add_argument("--actors", type=_csv(int), default=None, help="actor counts (default 1,2,4; quick: 2)")
+    p.add_argument("--windows", type=int, default=None, help="measured windows per run")
+    p.add_argument("--window-s", type=float, default=None, help="seconds per window")
+    p.add_argument("--warmup-s", type=float, default=None, help="warm-up seconds, dropped")
+    p.add_argument("--stall-s", type=float, default=STALL_S, help="no batch for this long: the run is stalled")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    a = p.parse_args(argv)
+    for name, allowed in (("systems", transports.SYSTEMS), ("payloads", payloads.NAMES), ("modes", MODES)):
+        bad = [x for x in getattr(a, name) if x not in allowed]
+        if bad:
+            p.error(f"--{name}: unknown {bad}; expected a subset of {','.join(allowed)}")
+    base = QUICK if a.quick else FULL
+    for k in ("actors", "windows", "window_s", "warmup_s"):
+        if getattr(a, k) is None:
+            setattr(a, k, base[k])
+    a.micro_windows, a.micro_window_s, a.copy_s = base["micro_windows"], base["micro_window_s"], base["copy_s"]
+    return a
+
+
+def plan(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every run of the sweep. Systems are interleaved inside each configuration, so that a drift
+    in the machine's load hits them alike."""
+    from benchmarks import transports
+
+    runs = []
+    for mode in a.modes:
+        systems = [s for s in a.systems if mode != "step" or s in transports.STEP_SYSTEMS]
+        for payload in a.payloads:
+            counts = a.actors if mode != "latency" else (LATENCY_ACTORS,)
+            for n in counts:
+                for s in systems:
+                    runs.append({
+                        "system": s, "payload": payload, "mode": mode, "actors": n,
+                        "batch": 1 if mode == "latency" else BATCH,
+                        "pace_s": n / PACE_RATE if mode == "latency" else 0.0,
+                    })
+    return runs
+
+
+def _microbench(a: argparse.Namespace) -> dict[str, Any] | None:
+    """Writer.add vs TrajectoryAccumulator.add, in a child process of its own."""
+    import multiprocessing as mp
+
+    from benchmarks import microbench
+
+    ctx = mp.get_context("spawn")
+    rx, tx = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=microbench.child, args=(tx, "small", a.micro_windows, a.micro_window_s), daemon=True)
+    p.start()
+    tx.close()
+    try:
+        if rx.poll(120.0):
+            return json.loads(rx.recv_bytes())
+        return None
+    except EOFError:
+        return None
+    finally:
+        p.join(5.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        rx.close()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from benchmarks import harness, machine, payloads, report
+
+    a = parse_args(argv)
+    runs = plan(a)
+    m = machine.info()
+    print(f"machine: {machine.line(m)}", flush=True)
+    bw_bytes = payloads.nbytes("atari")
+    copy_start = {"rollout": machine.copy_bandwidth(bw_bytes, a.copy_s), "dram": machine.copy_bandwidth(128 << 20, a.copy_s)}
+    t0 = time.monotonic()
+    records, summaries = [], []
+    bar = tqdm(runs, desc="bench", unit="run", dynamic_ncols=True)
+    for r in bar:
+        bar.set_postfix_str(f"{r['system']} {r['payload']} {r['mode']} x{r['actors']}")
+        rec = harness.run_one(r["system"], r["payload"], r["mode"], r["actors"], batch=r["batch"], depth=DEPTH,
+                              windows=a.windows, window_s=a.window_s, warmup_s=a.warmup_s, stall_s=a.stall_s,
+                              pace_s=r["pace_s"])
+        records.append(rec)
+        s = report.summarize(rec)
+        summaries.append(s)
+        if s["status"] != "ok":
+            bar.write(f"  {r['system']} {r['payload']} {r['mode']} x{r['actors']}: {s['status']} ({s.get('detail')})")
+    bar.close()
+    micro = _microbench(a) if "step" in a.modes and "shmbuf" in a.systems and "echo" in a.systems else None
+    copy_end = {"rollout": machine.copy_bandwidth(bw_bytes, a.copy_s), "dram": machine.copy_bandwidth(128 << 20, a.copy_s)}
+    m["loadavg_end"] = list(os.getloadavg())
+    copy_bw = {k: (copy_start[k]["gb_s"] + copy_end[k]["gb_s"]) / 2 for k in ("rollout", "dram")}
+    stalls = [s for s in summaries if s["status"] != "ok"]
+    date = datetime.date.today().isoformat()
+    result = {
+        "date": date,
+        "machine": m,
+        "machine_line": machine.line(m),
+        "config": {"systems": list(a.systems), "payloads": list(a.payloads), "modes": list(a.modes),
+                   "actors": list(a.actors), "batch": BATCH, "depth": DEPTH, "windows": a.windows, "window_s": a.window_s,
+                   "warmup_s": a.warmup_s, "stall_s": a.stall_s, "pace_rate": PACE_RATE, "latency_actors": LATENCY_ACTORS,
+                   "quick": a.quick},
+        "payload_bytes": {p: payloads.nbytes(p) for p in payloads.NAMES},
+        "copy_bandwidth": copy_bw,
+        "copy_bandwidth_detail": {"start": copy_start, "end": copy_end},
+        "microbench": micro,
+        "summaries": summaries,
+        "stalls": stalls,
+        "sweep_s": round(time.monotonic() - t0, 1),
+        "runs": records,
+    }
+    result["targets"] = report.targets(summaries, micro, copy_bw, stalls)
+    os.makedirs(a.out, exist_ok=True)
+    stem = os.path.join(a.out, f"{date}-{m['host']}{'-quick' if a.quick else ''}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    md = report.markdown(result)
+    if not a.no_plot:
+        report.plot(result, stem + ".png")
+        md += f"\n![rollouts/s and MB/s]({os.path.basename(stem)}.png)\n"
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    print(md)
+    print(f"wrote {stem}.json, .md{'' if a.no_plot else ', .png'} in {result['sweep_s']} s")
+    result["paths"] = {"json": stem + ".json", "md": stem + ".md", "png": None if a.no_plot else stem + ".png"}
+    return result
+
+
+if __name__ == "__main__":
+    main()

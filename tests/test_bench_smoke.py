@@ -1,0 +1,61 @@
+"""The benchmark harness end to end at its smallest: shmbuf and mp.Queue, small payload, 1 actor, short windows.
+
+No timing assertions: only that a run produces a result with the expected fields and
+sane positive numbers, and that every process and /dev/shm object is gone afterwards
+(the suite-wide leak check in conftest also watches this).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+
+import pytest
+
+pytest.importorskip("tqdm")
+pytest.importorskip("echo")
+
+from benchmarks import harness, run  # noqa: E402  (after the skips: the bench extras may be missing)
+
+
+def _left_of(name: str) -> list[str]:
+    """What pipeline ``name`` left in /dev/shm (other people's pipelines may come and go meanwhile)."""
+    token = name.rsplit("-", 1)[-1]
+    return [e for e in os.listdir("/dev/shm") if token in e]
+
+
+def test_one_run_cleans_up_and_reports() -> None:
+    rec = harness.run_one("shmbuf", "small", "transport", 1, batch=4, depth=8, windows=2, window_s=0.1, warmup_s=0.05,
+                          stall_s=10.0)
+    assert rec["status"] == "ok", rec
+    assert len(rec["learner"]["cuts"]) == 3 and rec["learner"]["cuts"][-1]["batches"] > rec["learner"]["cuts"][0]["batches"]
+    assert rec["killed_pids"] == [] or all(isinstance(p, int) for p in rec["killed_pids"])
+    assert not mp.active_children()
+    assert rec["address"].startswith("/shmbuf-") or rec["address"].startswith("shmbuf-")
+    assert _left_of(rec["address"]) == [], "the run left objects in /dev/shm"
+
+
+def test_sweep_writes_json_table_plot(tmp_path: os.PathLike[str]) -> None:
+    result = run.main(["--quick", "--systems", "shmbuf,mp_queue", "--payloads", "small", "--modes", "transport",
+                       "--actors", "1", "--windows", "2", "--window-s", "0.1", "--warmup-s", "0.05", "--out", str(tmp_path)])
+    with open(result["paths"]["json"]) as f:
+        saved = json.load(f)
+    for key in ("date", "machine", "machine_line", "config", "copy_bandwidth", "summaries", "stalls", "targets", "runs"):
+        assert key in saved, key
+    m = saved["machine"]
+    for key in ("cpu_model", "cores", "kernel", "python", "numpy", "echo"):
+        assert m[key], key
+    assert saved["copy_bandwidth"]["rollout"] > 0 and saved["copy_bandwidth"]["dram"] > 0
+    assert [(s["system"], s["status"]) for s in saved["summaries"]] == [("shmbuf", "ok"), ("mp_queue", "ok")]
+    for s in saved["summaries"]:
+        assert s["rollouts_per_s"]["median"] > 0 and s["rollouts_per_s"]["min"] <= s["rollouts_per_s"]["max"]
+        assert s["mb_per_s"]["median"] > 0
+        assert s["latency_us"]["p50"]["median"] > 0 and s["latency_us"]["p99"]["median"] >= s["latency_us"]["p50"]["min"]
+        assert s["cpu_us_per_rollout"]["learner"] > 0 and s["cpu_us_per_rollout"]["actors"] > 0
+    assert any(t["target"].startswith("transport small, 2 actors") for t in saved["targets"])
+    assert os.path.getsize(result["paths"]["md"]) > 0 and os.path.getsize(result["paths"]["png"]) > 0
+    assert not mp.active_children()
+    for r in saved["runs"]:
+        if r["system"] == "shmbuf":
+            assert _left_of(r["address"]) == [], "the sweep left objects in /dev/shm"
