@@ -51,11 +51,12 @@ class CollectedBatch:
 
     ``policy_version`` (B,): the weights version each rollout was collected
     with; ``policy_lag`` (B,): the learner's version when the batch was
-    handed out minus that. ``episode_returns``/``episode_lengths``: of the
+    handed out minus that. ``lane``/``seq`` (B,): which writer lane made each
+    rollout, and its sequence number there. ``episode_returns``/``episode_lengths``: of the
     episodes that ended inside this batch. ``frames``: env steps in it.
     """
 
-    __slots__ = ("data", "fill", "policy_version", "policy_lag", "lane", "frames", "episode_returns",
+    __slots__ = ("data", "fill", "policy_version", "policy_lag", "lane", "seq", "frames", "episode_returns",
                  "episode_lengths", "lengths", "batch_mode")
 
     def __init__(self, **kw: Any):
@@ -260,13 +261,13 @@ class Collector:
         lens = [b.data["episode"]["length"][i, : ep_n[i]] for i in range(B)]
         return CollectedBatch(
             data=b.data, fill=fill, policy_version=b.policy_version, policy_lag=self.policy_version - b.policy_version,
-            lane=b.lane, frames=int(fill["step"].sum()) * self.num_envs, episode_returns=np.concatenate(rets),
+            lane=b.lane, seq=b.seq, frames=int(fill["step"].sum()) * self.num_envs, episode_returns=np.concatenate(rets),
             episode_lengths=np.concatenate(lens), lengths=fill["step"], batch_mode=self.batch_mode,
         )
 
     def _complete(self) -> CollectedBatch:
         got: list[dict[str, Any]] = []
-        versions, lanes, lengths = [], [], []
+        versions, lanes, seqs, lengths = [], [], [], []
         frames = 0
         while frames < self.frames_per_batch:
             r = self._wait(lambda: self.reader.get(WAIT_SLICE))
@@ -274,6 +275,7 @@ class Collector:
                 got.append(r.copy())
                 versions.append(r.policy_version)
                 lanes.append(r.lane)
+                seqs.append(r.seq)
                 lengths.append(r.fill["step"])
                 frames += r.fill["step"]
             finally:
@@ -287,6 +289,7 @@ class Collector:
         v = np.asarray(versions, np.int64)
         return CollectedBatch(
             data=data, fill=None, policy_version=v, policy_lag=self.policy_version - v, lane=np.asarray(lanes),
+            seq=np.asarray(seqs),
             frames=frames, episode_returns=data["episode"]["return"], episode_lengths=data["episode"]["length"],
             lengths=np.asarray(lengths, np.int64), batch_mode=self.batch_mode,
         )

@@ -1,0 +1,154 @@
+"""Collector: batches from actor processes are exactly the envs' transitions; weights, errors, shutdown."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import numpy as np
+import pytest
+
+from workers import ActorError, Collector
+from tests.test_workers_actor import check_complete, check_truncated
+from tests.test_workers_envs import EchoPolicy, make_counting, make_vector
+
+
+class WrongPolicy(EchoPolicy):
+    """Acts wrongly from the third episode on: CountingEnv raises inside the actor."""
+
+    def __call__(self, obs):
+        action, extras = super().__call__(obs)
+        return np.where(obs[:, 1] >= 2, action + 1, action), extras
+
+
+def per_lane(batches):
+    """Rollouts regrouped by lane, in commit order (the copy=True batches are the test's own)."""
+    lanes: dict[int, list] = {}
+    for b in batches:
+        for i in range(len(b.lane)):
+            d = {"data": {ts: {k: v[i] for k, v in b.data[ts].items()} for ts in b.data},
+                 "fill": {ts: int(n[i]) for ts, n in b.fill.items()}, "seq": int(b.seq[i])}
+            lanes.setdefault(int(b.lane[i]), []).append(d)
+    for rs in lanes.values():
+        rs.sort(key=lambda r: r["seq"])
+        assert [r["seq"] for r in rs] == list(range(len(rs))), "a rollout of this lane is missing"
+    return lanes
+
+
+def test_truncate_batches_are_the_exact_transitions():
+    with Collector([make_counting] * 2, EchoPolicy(), frames_per_batch=16, total_frames=100, rollout_len=4,
+                   copy=True, start_method="fork", seed=None) as c:
+        batches = list(c)
+        assert c.frames == 112 and c.batches == 7  # total_frames is rounded up to whole batches
+        stats = c.stats()
+    assert all(b.frames == 16 and b.data["step"]["obs"].shape == (4, 4, 3) for b in batches)
+    lanes = per_lane(batches)
+    assert len(lanes) == 2
+    for rs in lanes.values():
+        check_truncated(rs, [0], 4)
+    assert stats["frames"] == 112 and stats["policy_lag_max"] == 0
+
+
+def test_vector_env_next_step_autoreset_through_processes():
+    with Collector(partial(make_vector, 3, "NextStep"), EchoPolicy(), num_actors=2, frames_per_batch=60,
+                   total_frames=240, rollout_len=5, copy=True, start_method="forkserver", seed=None) as c:
+        batches = list(c)
+    assert batches[0].data["step"]["obs"].shape == (4, 5, 3, 3)
+    for rs in per_lane(batches).values():
+        check_truncated(rs, [0, 1, 2], 5)
+
+
+def test_complete_episodes_batches():
+    with Collector([make_counting], EchoPolicy(), num_actors=2, frames_per_batch=20, total_frames=60,
+                   rollout_len=8, batch_mode="complete_episodes", start_method="fork", seed=None) as c:
+        batches = list(c)
+    rollouts = []
+    for b in batches:
+        assert b.frames >= 20 and b.lengths.sum() == b.frames == len(b.data["step"]["obs"])
+        start = np.concatenate([[0], np.cumsum(b.lengths)])
+        for i, n in enumerate(b.lengths):
+            data = {"step": {k: v[start[i]:start[i + 1]] for k, v in b.data["step"].items()},
+                    "episode": {k: v[i] for k, v in b.data["episode"].items()},
+                    "bootstrap": {k: v[i] for k, v in b.data["bootstrap"].items()}}
+            rollouts.append({"lane": int(b.lane[i]), "seq": int(b.seq[i]), "data": data,
+                             "fill": {"step": int(n), "episode": 1, "bootstrap": 1}})
+        assert np.array_equal(b.episode_lengths, b.lengths)
+    for lane in {r["lane"] for r in rollouts}:
+        mine = [r for r in rollouts if r["lane"] == lane]
+        check_complete(mine, 1, 8)
+
+
+def test_weights_reach_the_actors_and_lag_is_reported():
+    with Collector([make_counting] * 2, EchoPolicy(), frames_per_batch=8, rollout_len=4, weights={"w": np.zeros(1)},
+                   start_method="fork", slots=6) as c:
+        it = iter(c)
+        first = next(it)
+        assert first.policy_version.tolist() == [0, 0]
+        assert c.update_policy_weights({"w": np.ones(1)}) == 1
+        assert first.policy_lag.tolist() == [0, 0]  # computed when handed out
+        deadline = time.monotonic() + 20
+        lags = []
+        while time.monotonic() < deadline:
+            b = next(it)
+            lags += b.policy_lag.tolist()
+            if (b.policy_version == 1).all():
+                break
+        else:
+            raise AssertionError("the new weights never showed up in rollouts")
+        assert 1 in lags or 0 in lags
+        assert c.stats()["policy_version"] == 1
+        with pytest.raises(ValueError, match="larger than the last"):
+            c.update_policy_weights({"w": np.ones(1)}, version=1)
+
+
+def test_update_without_weights_is_a_clear_error():
+    with Collector([make_counting], EchoPolicy(), num_actors=1, frames_per_batch=4, rollout_len=4,
+                   start_method="fork") as c:
+        with pytest.raises(RuntimeError, match="no weight broadcast"):
+            c.update_policy_weights({"w": np.zeros(1)})
+
+
+def test_actor_exception_is_raised_by_the_iterator_with_its_traceback():
+    with Collector([make_counting], WrongPolicy(), num_actors=2, frames_per_batch=4, rollout_len=4,
+                   start_method="fork") as c:
+        with pytest.raises(ActorError) as info:
+            for _ in c:
+                pass
+    err = info.value
+    assert err.kind == "AssertionError" and "got action" in str(err)
+    assert "test_workers_envs.py" in err.remote_traceback and "in step" in err.remote_traceback
+
+
+def test_restart_keeps_collecting_and_records_the_failure():
+    with Collector([make_counting], WrongPolicy(), num_actors=1, frames_per_batch=4, rollout_len=4, total_frames=40,
+                   restart=True, max_restarts=50, start_method="fork") as c:
+        n = sum(1 for _ in c)
+        assert n == 10
+        assert c.stats()["actor_restarts"] >= 1 and c.failures[0].kind == "AssertionError"
+
+
+def test_progress_bar(capsys):
+    with Collector([make_counting], EchoPolicy(), num_actors=1, frames_per_batch=8, rollout_len=4, total_frames=32,
+                   progress=True, start_method="fork") as c:
+        for _ in c:
+            pass
+    err = capsys.readouterr().err
+    assert "collecting" in err and "100%" in err and "frame/s" in err
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="exactly one of policy and policy_factory"):
+        Collector(make_counting, frames_per_batch=8)
+    with pytest.raises(ValueError, match="not a multiple"):
+        Collector(make_counting, EchoPolicy(), frames_per_batch=10, rollout_len=4)
+    with pytest.raises(ValueError, match="batch_mode"):
+        Collector(make_counting, EchoPolicy(), frames_per_batch=8, batch_mode="episodes")
+
+
+def test_shutdown_twice_and_iterate_after():
+    c = Collector([make_counting], EchoPolicy(), num_actors=1, frames_per_batch=4, rollout_len=4, start_method="fork")
+    next(iter(c))
+    c.shutdown()
+    c.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        next(iter(c))
