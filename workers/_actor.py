@@ -241,7 +241,7 @@ class ActorLoop:
     def _truncate_rollout(self) -> bool:
         self.update_weights()
         w = self.writers[0]
-        row = (lambda x: tree_index(x, 0)) if self.single else (lambda x: x)
+        row = _squeeze0 if self.single else _same
         E, M = self.E, self.max_episodes
         n_ep = 0
         succ = self.obs
@@ -252,8 +252,9 @@ class ActorLoop:
             obs = self.obs
             action, extras = self._act(obs)
             nobs, rew, term, trunc, succ = self.driver.step(action)
-            step = {"obs": row(obs), "action": row(action), "reward": row(rew), "terminated": row(term),
-                    "truncated": row(trunc)}
+            # Exact dtypes and shapes take the Writer's fast path (no per-leaf coercion).
+            step = {"obs": row(obs), "action": row(action), "reward": row(rew.astype(np.float32)),
+                    "terminated": row(term), "truncated": row(trunc)}
             for k, v in extras.items():
                 step[k] = row(v)
             w.add("step", step)
@@ -321,6 +322,15 @@ class ActorLoop:
             self.ep_len[done] = 0
             self.update_weights()
             self.ep_version[done] = self.version
+
+
+def _squeeze0(x: Any) -> Any:
+    """Drop a leading batch dim of 1, as a view (a 0-d array, not a numpy scalar, for 1-element leaves)."""
+    return x.reshape(x.shape[1:]) if type(x) is np.ndarray else tree_index(x, 0)
+
+
+def _same(x: Any) -> Any:
+    return x
 
 
 def successors(data: dict[str, Any], fill: dict[str, int] | None = None, *, batch_mode: str = "truncate_episodes") -> np.ndarray:

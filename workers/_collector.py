@@ -185,7 +185,9 @@ class Collector:
             if progress:
                 from tqdm.auto import tqdm
 
-                self._bar = tqdm(total=total_frames if total_frames > 0 else None, unit="frame", unit_scale=True,
+                per = self.rollouts_per_batch * T * E or 0  # truncate-episodes: total_frames rounds up to whole batches
+                bar_total = (-(-total_frames // per) * per if per else total_frames) if total_frames > 0 else None
+                self._bar = tqdm(total=bar_total, unit="frame", unit_scale=True,
                                  desc="collecting", dynamic_ncols=True)
         except BaseException:
             self.shutdown()
