@@ -33,9 +33,11 @@ import numpy as np
 C_PHASE = 0  # 0: warm-up, 1..W: window k, W+1: stop
 C_BATCHES = 1  # the learner's batch count: the watchdog's heartbeat
 C_ACTORS = 8  # actor rows start here
-# Actor row: [phase seen, 0, then per phase p: rollouts sent, CPU ns] for p in 0..W+1.
+# Actor row: [phase seen, 0, then per phase p: rollouts sent, CPU ns, voluntary and involuntary
+# context switches] for p in 0..W+1.
 A_SEEN = 0
 A_PHASES = 2
+A_WORDS = 4
 
 
 def _log_to(path: str | None) -> None:
@@ -44,6 +46,17 @@ def _log_to(path: str | None) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 2)
         os.close(fd)
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot, all cores (from /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _tail(path: str, n: int = 1500) -> str:
@@ -56,13 +69,14 @@ def _tail(path: str, n: int = 1500) -> str:
         return ""
 
 
-def _cpu_ns() -> int:
+def _usage() -> tuple[int, int, int]:
+    """This process's CPU time (ns, user + system, all threads) and its voluntary / involuntary context switches."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return int((ru.ru_utime + ru.ru_stime) * 1e9)
+    return int((ru.ru_utime + ru.ru_stime) * 1e9), ru.ru_nvcsw, ru.ru_nivcsw
 
 
 def _row_words(windows: int) -> int:
-    return A_PHASES + 2 * (windows + 2)
+    return A_PHASES + A_WORDS * (windows + 2)
 
 
 def ctl_words(actors: int, windows: int) -> int:
@@ -93,8 +107,9 @@ def actor_main(system: str, payload: str, mode: str, index: int, shared: Any, ad
         while True:
             p = int(c[C_PHASE])
             if p != seen:
-                row[A_PHASES + 2 * p] = count
-                row[A_PHASES + 2 * p + 1] = _cpu_ns()
+                at = A_PHASES + A_WORDS * p
+                row[at] = count
+                row[at + 1 : at + 4] = _usage()
                 row[A_SEEN] = p
                 seen = p
                 if p >= stop:
@@ -133,7 +148,7 @@ def learner_main(system: str, payload: str, mode: str, n_actors: int, batch: int
         touch_key = payloads.touch_leaf(payload)
         touched = 0.0
         n = 0  # batches received
-        cuts: list[tuple[float, int, int]] = []  # (time, batches, cpu ns) at each phase change
+        cuts: list[tuple[float, int, tuple[int, int, int]]] = []  # (time, batches, usage) at each phase change
         lat: list[list[np.ndarray]] = [[] for _ in range(windows)]
         phase = 0
         start = None
@@ -154,7 +169,7 @@ def learner_main(system: str, payload: str, mode: str, n_actors: int, batch: int
             if start is None:
                 start = t
             if t - start >= (warmup_s if phase == 0 else window_s):
-                cuts.append((t, n, _cpu_ns()))
+                cuts.append((t, n, _usage()))
                 phase += 1
                 c[C_PHASE] = phase
                 start = t
@@ -164,7 +179,7 @@ def learner_main(system: str, payload: str, mode: str, n_actors: int, batch: int
             lat_us.append({"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "n": int(a.size)}
                           if a.size else None)
         result = {
-            "cuts": [{"t": t, "batches": k, "cpu_ns": cpu} for t, k, cpu in cuts],
+            "cuts": [{"t": t, "batches": k, "cpu_ns": u[0], "vcsw": u[1], "ivcsw": u[2]} for t, k, u in cuts],
             "latency_us": lat_us,
             "touched": touched,
             "extra": side.extra(),
@@ -280,7 +295,10 @@ def run_one(system: str, payload: str, mode: str, actors: int, *, batch: int, de
             procs.append(p)
         last_n, last_t = -1, time.monotonic()
         result = None
+        busy0 = None
         while result is None:
+            if busy0 is None and c[C_PHASE] >= 1:  # the first window began: start counting the machine's busy time
+                busy0 = (time.monotonic(), machine_busy_s())
             if rx.poll(0.05):
                 try:
                     result = json.loads(rx.recv_bytes())
@@ -301,6 +319,8 @@ def run_one(system: str, payload: str, mode: str, actors: int, *, batch: int, de
             dead = [p for p in procs[1:] if not p.is_alive() and p.exitcode != 0]
             if dead:
                 raise RuntimeError(f"{system} actor {dead[0].name} died (exit code {dead[0].exitcode})")
+        if result is not None and busy0 is not None:
+            record["machine_busy_cores"] = (machine_busy_s() - busy0[1]) / (time.monotonic() - busy0[0])
         if result is not None:
             # Give the actors a moment to note the stop (their last CPU reading).
             deadline = time.monotonic() + 3.0
@@ -309,7 +329,7 @@ def run_one(system: str, payload: str, mode: str, actors: int, *, batch: int, de
                 time.sleep(0.01)
             record["learner"] = result
             record["actor_rows"] = [
-                [[int(r[A_PHASES + 2 * p]), int(r[A_PHASES + 2 * p + 1])] for p in range(windows + 2)] for r in rows
+                [[int(x) for x in r[A_PHASES + A_WORDS * p:][:A_WORDS]] for p in range(windows + 2)] for r in rows
             ]
     except Exception as exc:  # one broken run must not end the sweep: record it
         record["status"] = "error"

@@ -37,7 +37,7 @@ def _git_commit() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--", "shmbuf"], capture_output=True, text=True,
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--", ":/shmbuf"], capture_output=True, text=True,
                                timeout=5)
         return out.stdout.strip() + ("+dirty-shmbuf" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):

@@ -25,32 +25,42 @@ def summarize(rec: dict[str, Any]) -> dict[str, Any]:
     learner = rec["learner"]
     cuts = learner["cuts"]
     b = rec["batch"]
-    rps, lcpu = [], []
+    rps, lcpu, lsw = [], [], []
     for k in range(1, len(cuts)):
         dt = cuts[k]["t"] - cuts[k - 1]["t"]
         n = (cuts[k]["batches"] - cuts[k - 1]["batches"]) * b
         rps.append(n / dt)
         lcpu.append((cuts[k]["cpu_ns"] - cuts[k - 1]["cpu_ns"]) / 1e3 / n)
+        lsw.append((cuts[k]["vcsw"] + cuts[k]["ivcsw"] - cuts[k - 1]["vcsw"] - cuts[k - 1]["ivcsw"]) / n)
     out["rollouts_per_s"] = _spread(rps)
     out["mb_per_s"] = _spread([r * rec["rollout_bytes"] / 1e6 for r in rps])
     lat = [w for w in learner["latency_us"] if w]
     out["latency_us"] = {"p50": _spread([w["p50"] for w in lat]), "p99": _spread([w["p99"] for w in lat])}
-    out["cpu_us_per_rollout"] = {"learner": _spread(lcpu)["median"], "actors": _actor_cpu(rec["actor_rows"])}
+    actor_cpu, actor_sw = _actor_usage(rec["actor_rows"])
+    out["cpu_us_per_rollout"] = {"learner": _spread(lcpu)["median"], "actors": actor_cpu}
+    out["context_switches_per_rollout"] = {"learner": _spread(lsw)["median"], "actors": actor_sw}
+    # Cores busy on the machine during the windows, less what this run's learner and actors used: other people's load.
+    if rec.get("machine_busy_cores") is not None and actor_cpu is not None:
+        span = cuts[-1]["t"] - cuts[0]["t"]
+        n_all = (cuts[-1]["batches"] - cuts[0]["batches"]) * b
+        mine = ((cuts[-1]["cpu_ns"] - cuts[0]["cpu_ns"]) / 1e9 + actor_cpu * 1e-6 * n_all) / span
+        out["other_load_cores"] = round(max(0.0, rec["machine_busy_cores"] - mine), 2)
     return out
 
 
-def _actor_cpu(rows: list[list[list[int]]]) -> float | None:
-    """All actors' CPU over the measured windows divided by the rollouts they sent meanwhile (µs)."""
-    cpu = n = 0
+def _actor_usage(rows: list[list[list[int]]]) -> tuple[float | None, float | None]:
+    """All actors' CPU (µs) and context switches over the measured windows, per rollout they sent meanwhile."""
+    cpu = n = sw = 0
     for row in rows:
         # From the first window's start to the last phase this actor noted (the stop, unless it was blocked).
         seen = [p for p in range(1, len(row)) if row[p][0] >= 0]
         if len(seen) < 2:
             continue
         a, z = row[seen[0]], row[seen[-1]]
-        cpu += z[1] - a[1]
         n += z[0] - a[0]
-    return cpu / 1e3 / n if n else None
+        cpu += z[1] - a[1]
+        sw += z[2] + z[3] - a[2] - a[3]
+    return (cpu / 1e3 / n, sw / n) if n else (None, None)
 
 
 def find(summaries: list[dict[str, Any]], **key: Any) -> dict[str, Any] | None:
@@ -69,8 +79,15 @@ def _med(s: dict[str, Any] | None, *path: str) -> float | None:
     return x["median"] if isinstance(x, dict) else x
 
 
+def copy_bound(rollout_bytes: int, cores: int, copy_gb_s: float) -> float:
+    """Rollouts/s a design that copies each byte twice (the actor's write into the slot, the learner's
+    gather into the batch) cannot exceed with ``cores`` cores copying at ``copy_gb_s`` each."""
+    return cores * copy_gb_s * 1e9 / (2 * rollout_bytes)
+
+
 def targets(summaries: list[dict[str, Any]], micro: dict[str, Any] | None, copy_bw: dict[str, Any],
-            stalls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            stalls: list[dict[str, Any]], cores: int = 2, payload_bytes: dict[str, int] | None = None
+            ) -> list[dict[str, Any]]:
     """Each target of issue 3: the figures, the ratio, met or not (None when a figure is missing)."""
     out: list[dict[str, Any]] = []
 
@@ -84,8 +101,12 @@ def targets(summaries: list[dict[str, Any]], micro: dict[str, Any] | None, copy_
             o = _med(find(summaries, system=other, payload=payload, mode="transport", actors=2), "rollouts_per_s")
             ratio = shm / o if shm and o else None
             goal = k if other == "echo" else 1.0
+            detail = f"{shm and round(shm)} vs {o and round(o)} rollouts/s"
+            if other == "echo" and o and payload_bytes and payload != "small":
+                bound = copy_bound(payload_bytes[payload], cores, copy_bw["dram"])
+                detail += f"; 2-copy bound at DRAM copy speed {bound:,.0f}/s = {bound / o:.1f}x echo"
             add(f"transport {payload}, 2 actors: shmbuf / {NAMES[other]} rollouts/s", ratio, f">= {goal:g}x",
-                None if ratio is None else ratio >= goal, f"{shm and round(shm)} vs {o and round(o)} rollouts/s")
+                None if ratio is None else ratio >= goal, detail)
     atari = find(summaries, system="shmbuf", payload="atari", mode="transport", actors=2)
     mb = _med(atari, "mb_per_s")
     for label, bw in (("cache-resident copy (one rollout)", copy_bw["rollout"]), ("DRAM copy (128 MiB)", copy_bw["dram"])):
@@ -100,9 +121,11 @@ def targets(summaries: list[dict[str, Any]], micro: dict[str, Any] | None, copy_
     add("step small, 2 actors: actor CPU per rollout shmbuf / echo", r, "<= 0.333", None if r is None else r <= 1 / 3,
         f"{a and round(a, 1)} vs {e and round(e, 1)} µs per rollout")
     if micro:
-        r = micro["ratio_shmbuf_to_echo"]
-        add("step small: Writer.add / TrajectoryAccumulator.add per step", r, "<= 0.4", r <= 0.4,
-            f"{micro['shmbuf']['us_per_add']:.2f} vs {micro['echo']['us_per_add']:.2f} µs per add")
+        for kind, label in (("scalars", "scalar items (headline)"), ("arrays", "0-d array items")):
+            x = micro[kind]
+            r = x["ratio_shmbuf_to_echo"]
+            add(f"step small: Writer.add / TrajectoryAccumulator.add per step, {label}", r, "<= 0.4", r <= 0.4,
+                f"{x['shmbuf']['us_per_add']:.2f} vs {x['echo']['us_per_add']:.2f} µs per add")
     for payload in ("small", "rl", "atari"):
         s = _med(find(summaries, system="shmbuf", payload=payload, mode="transport", actors=2), "latency_us", "p99")
         e = _med(find(summaries, system="echo", payload=payload, mode="transport", actors=2), "latency_us", "p99")
@@ -168,13 +191,16 @@ def markdown(result: dict[str, Any]) -> str:
                     ratios.append(f"{shm / o:.2f}x" if shm and o else "–")
                 lines.append(f"| {payload} | {n} | " + " | ".join(_cell(r, "rollouts_per_s") for r in row) + " | "
                              + " | ".join(ratios) + " |")
-        lines += ["", f"## {title}: MB/s", "", "| payload | actors | " + " | ".join(NAMES[s] for s in ms) + " |",
-                  "|---|---:|" + "---:|" * len(ms)]
+        bw = result["copy_bandwidth"]
+        lines += ["", f"## {title}: MB/s", "", "| payload | actors | " + " | ".join(NAMES[s] for s in ms)
+                  + " | shmbuf / 1-core copy (DRAM; cache-resident) |", "|---|---:|" + "---:|" * (len(ms) + 1)]
         for payload in result["config"]["payloads"]:
             for n in result["config"]["actors"]:
                 row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in ms]
                 if any(row):
-                    lines.append(f"| {payload} | {n} | " + " | ".join(_cell(r, "mb_per_s") for r in row) + " |")
+                    mb = _med(row[ms.index("shmbuf")], "mb_per_s") if "shmbuf" in ms else None
+                    frac = f"{mb / (bw['dram'] * 1e3):.1%}; {mb / (bw['rollout'] * 1e3):.1%}" if mb else "–"
+                    lines.append(f"| {payload} | {n} | " + " | ".join(_cell(r, "mb_per_s") for r in row) + f" | {frac} |")
         lines += ["", f"## {title}: CPU µs per rollout (actors, all of them / learner)", "",
                   "| payload | actors | " + " | ".join(NAMES[s] for s in ms) + " |", "|---|---:|" + "---:|" * len(ms)]
         for payload in result["config"]["payloads"]:
@@ -214,9 +240,23 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append("")
     if result.get("microbench"):
         mb = result["microbench"]
-        lines += ["## Per-step accumulate (one process, small payload)", "",
-                  f"`Writer.add`: {mb['shmbuf']['us_per_add']:.2f} µs; echo `TrajectoryAccumulator.add`: "
-                  f"{mb['echo']['us_per_add']:.2f} µs; ratio {mb['ratio_shmbuf_to_echo']:.2f}.", ""]
+        lines += ["## Per-step accumulate (one process, small payload, µs per `add`)", "",
+                  "| items | shmbuf `Writer.add` | echo `TrajectoryAccumulator.add` | ratio (median of windows) |",
+                  "|---|---:|---:|---:|"]
+        for kind, label in (("scalars", "numpy scalars (`reward[t]`)"), ("arrays", "arrays, 0-d for scalars (`reward[t, ...]`)")):
+            x = mb[kind]
+            lines.append(f"| {label} | {x['shmbuf']['us_per_add']:.2f} | {x['echo']['us_per_add']:.2f} | "
+                         f"{x['ratio_shmbuf_to_echo']:.2f} ({x['ratio_min']:.2f}–{x['ratio_max']:.2f}) |")
+        lines.append("")
+    other = [(x.get("other_load_cores"), x) for x in S if x.get("other_load_cores") is not None]
+    if other:
+        vals = [o for o, _ in other]
+        busy = [x for o, x in other if o > 0.25]
+        lines += ["## Other load on the machine during the runs", "",
+                  f"Cores busy with processes outside the run (from /proc/stat, less the run's own CPU): median "
+                  f"{np.median(vals):.2f}, max {max(vals):.2f}; {len(busy)} of {len(other)} runs saw more than 0.25 core"
+                  + (": " + ", ".join(f"{NAMES[x['system']]} {x['payload']} {x['mode']} x{x['actors']} ({x['other_load_cores']:.2f})"
+                                      for x in busy) if busy else "") + ".", ""]
     lines += ["## Stalls", ""]
     if result["stalls"]:
         for s in result["stalls"]:

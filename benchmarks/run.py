@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sweep_s": round(time.monotonic() - t0, 1),
         "runs": records,
     }
-    result["targets"] = report.targets(summaries, micro, copy_bw, stalls)
+    result["targets"] = report.targets(summaries, micro, copy_bw, stalls, cores=m["cores_usable"],
+                                       payload_bytes=result["payload_bytes"])
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"{date}-{m['host']}{'-quick' if a.quick else ''}")
     with open(stem + ".json", "w") as f:
