@@ -1,0 +1,66 @@
+"""The examples run, with tiny sizes, as a user would run them; the PyTorch learner learns."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_example(name: str, *args: str, timeout: float = 120) -> dict:
+    """Run examples/<name> in a fresh interpreter; return the JSON line it prints last."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if "--json" in args else {"stderr": proc.stderr,
+                                                                                       "stdout": proc.stdout}
+
+
+def test_cartpole_collect():
+    out = run_example("cartpole_collect.py", "--frames", "2048", "--frames-per-batch", "512", "--no-progress", "--json")
+    assert out["frames"] == 2048 and out["frames_per_s"] > 0 and out["policy_lag_max"] >= 0
+
+
+def test_cartpole_collect_vector_envs_with_progress_bar():
+    out = run_example("cartpole_collect.py", "--frames", "1024", "--frames-per-batch", "512", "--envs-per-actor", "2")
+    assert "collecting" in out["stderr"] and "100%" in out["stderr"]
+    assert "env steps/s with 2 actors x 2 envs" in out["stdout"]
+
+
+def test_echo_port_delivers_the_same_rollouts_both_ways():
+    out = run_example("echo_port.py", "--rollouts", "4", "--batch", "4", "--json")
+    assert out["same_data"] and out["shmbuf"]["reward_sum"] == 2 * 4 * 64
+
+
+@pytest.mark.parametrize("mode", [[], ["--pickle"]])
+def test_mp_pool_embedding(mode):
+    out = run_example("mp_pool_embedding.py", "--iterations", "2", "--rollouts", "4", "--workers", "2", "--json", *mode)
+    assert out["frames"] == 2 * 4 * 128 and out["reward_sum"] == out["frames"]
+
+
+def test_torch_pg_loss_moves_and_return_rises():
+    pytest.importorskip("torch", reason="the PyTorch example needs torch (pip install torch==2.13.0)")
+    out = run_example("torch_pg_cartpole.py", "--frames-per-batch", "1000", "--max-updates", "8", "--json",
+                      timeout=240)
+    curve = out["curve"]
+    assert len(curve) == 8
+    assert any(abs(c["loss_last"] - c["loss_first"]) > 1e-4 for c in curve), "the loss never moved"
+    first = np.mean([c["batch_return"] for c in curve[:2]])
+    last = np.mean([c["batch_return"] for c in curve[-2:]])
+    assert last > 1.3 * first, f"return did not rise: {first:.1f} -> {last:.1f}"
+    assert max(c["lag_max"] for c in curve) <= 2
+
+
+@pytest.mark.slow
+def test_torch_pg_learns_cartpole():
+    pytest.importorskip("torch", reason="the PyTorch example needs torch (pip install torch==2.13.0)")
+    out = run_example("torch_pg_cartpole.py", "--json", timeout=900)
+    assert out["reached"] is not None, f"mean return stayed below 195 for {out['updates']} updates"
+    print(f"reached {out['reached']['return_100']:.1f} after {out['reached']['update']} updates, "
+          f"{out['reached']['frames']} frames, {out['reached']['seconds']} s; lag mean {out['policy_lag_mean']:.2f}")
