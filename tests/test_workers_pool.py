@@ -162,3 +162,27 @@ def test_no_orphans_after_the_learner_is_killed(method):
                 except ProcessLookupError:
                     pass
             unlink_all(info["pipeline"], 2)  # what a killed learner leaves: `shmbuf clean` removes it too
+
+
+def test_run_actor_error_also_reaches_a_bare_reader_as_writer_error(pools):
+    """A learner that only reads (no pool.check) still hears of an actor's exception, with its traceback."""
+    import shmbuf
+    from tests.test_workers_collector import WrongPolicy
+    from workers import probe, rollout_example
+
+    p = probe(make_counting(), EchoPolicy())
+    example = rollout_example(p["obs"], p["action"], rollout_len=4, extras=p["extras"])
+    reader = shmbuf.create(example, slots=4, max_writers=1)
+    try:
+        spec = ActorSpec(pipeline=reader.name, env_fns=(make_counting,), rollout_len=4, policy=WrongPolicy())
+        pools(run_actor, 1, args=(spec,), start_method="fork").start()
+        deadline = time.monotonic() + 20
+        with pytest.raises(shmbuf.WriterError) as info:
+            while time.monotonic() < deadline:
+                try:
+                    reader.get(timeout=0.2).release()
+                except shmbuf.SlotTimeout:
+                    pass
+        assert "got action" in str(info.value) and "in step" in info.value.remote_traceback
+    finally:
+        reader.close()

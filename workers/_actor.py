@@ -396,6 +396,7 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
     Ends quietly when the pool asks it to stop or the reader closes the
     pipeline; an exception goes to the learner through the pool.
     """
+    from shmbuf._errors import BrokenPipeline, PipelineClosed
     from shmbuf._weights import WeightSubscriber
     from shmbuf._writer import Writer
 
@@ -419,6 +420,14 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
                          max_episodes=spec.max_episodes, weights=sub, seed=seed,
                          should_stop=lambda: ctx.stop_requested)
         loop.run(spec.max_rollouts)
+    except BaseException as exc:
+        # Also tell the reader (it raises WriterError from its next get); the pool gets it from our caller.
+        if writers and not isinstance(exc, (KeyboardInterrupt, SystemExit, PipelineClosed, BrokenPipeline)):
+            try:
+                writers[0].report_error(exc)
+            except Exception:
+                pass  # the pipeline is gone: the pool's channel still carries the error
+        raise
     finally:
         for w in writers:
             w.close()
