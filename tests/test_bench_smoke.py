@@ -59,3 +59,14 @@ def test_sweep_writes_json_table_plot(tmp_path: os.PathLike[str]) -> None:
     for r in saved["runs"]:
         if r["system"] == "shmbuf":
             assert _left_of(r["address"]) == [], "the sweep left objects in /dev/shm"
+
+
+def test_watchdog_kills_a_stalled_run_and_cleans_up() -> None:
+    # Actors paced at one rollout per 5 s never fill a batch of 4: the watchdog must call it stalled after 1 s.
+    rec = harness.run_one("shmbuf", "small", "latency", 1, batch=4, depth=8, windows=1, window_s=0.1, warmup_s=0.05,
+                          stall_s=1.0, pace_s=5.0)
+    assert rec["status"] == "stalled", rec
+    assert rec["stall"]["batches_before"] == 0
+    assert len(rec["killed_pids"]) == 2  # the learner and the actor, by pid
+    assert not mp.active_children()
+    assert _left_of(rec["address"]) == [], "the killed learner's pipeline was left in /dev/shm"
