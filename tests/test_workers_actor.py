@@ -38,6 +38,7 @@ def collect(make_env, *, T, n_rollouts, batch_mode="truncate_episodes", max_epis
         writers = []
         try:
             writers = [shmbuf.Writer(reader.handle, timeout=20) for _ in range(n_writers)]
+            registered.set()
             sub = WeightSubscriber(weights) if weights is not None else None
             loop = ActorLoop(env, policy, writers, rollout_len=T, batch_mode=batch_mode, max_episodes=max_episodes,
                              weights=sub)
@@ -51,9 +52,12 @@ def collect(make_env, *, T, n_rollouts, batch_mode="truncate_episodes", max_epis
             for w in writers:
                 w.close()
 
+    registered = threading.Event()
     th = threading.Thread(target=actor, daemon=True)
     th.start()
     try:
+        # The reader's first scan must meet every lane: it lends all its free slots to the lanes it knows.
+        assert registered.wait(20) or errors, "the actor's writers did not attach"
         while len(out) < n_rollouts:
             if errors:
                 raise errors[0]

@@ -152,3 +152,14 @@ def test_shutdown_twice_and_iterate_after():
     c.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         next(iter(c))
+
+
+def test_complete_episodes_with_vector_envs_shares_slots_among_sub_env_lanes():
+    """One actor, 3 sub-envs, 3 lanes: all must get slots (none may wait for ever behind the first lane)."""
+    with Collector(partial(make_vector, 3, "NextStep"), EchoPolicy(), num_actors=1, frames_per_batch=30,
+                   total_frames=120, rollout_len=8, batch_mode="complete_episodes", start_method="fork",
+                   seed=None) as c:
+        batches = list(c)
+        assert c.stats()["shmbuf"]["writers"] == 3
+    envs = np.concatenate([b.data["episode"]["env"] for b in batches])
+    assert set(envs.tolist()) == {0, 1, 2}

@@ -415,6 +415,9 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
             writers.append(Writer(spec.pipeline, timeout=None, label=label))
         if spec.weights is not None:
             sub = WeightSubscriber(spec.weights)
+        ready = getattr(ctx, "ready", None)
+        if ready is not None:
+            ready()  # every lane is registered: the learner may start reading
         seed = None if spec.seed is None else spec.seed + 10_000 * ctx.index + 1_000_000 * ctx.incarnation
         loop = ActorLoop(env, policy, writers, rollout_len=spec.rollout_len, batch_mode=spec.batch_mode,
                          max_episodes=spec.max_episodes, weights=sub, seed=seed,

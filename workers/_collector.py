@@ -104,7 +104,7 @@ class Collector:
                  batch_mode: str = "truncate_episodes", max_episodes: int | None = None, weights: Any = None,
                  slots: int | None = None, start_method: str | None = None, restart: bool = False,
                  max_restarts: int = 3, progress: bool = False, copy: bool = False, seed: int | None = 0,
-                 torch_threads: int | None = 1, stop_timeout: float = 5.0):
+                 torch_threads: int | None = 1, stop_timeout: float = 5.0, ready_timeout: float = 120.0):
         if batch_mode not in MODES:
             raise ValueError(f"batch_mode: expected one of {MODES}, got {batch_mode!r}")
         if (policy is None) == (policy_factory is None):
@@ -122,6 +122,7 @@ class Collector:
         self.num_actors = num_actors
         self.copy = copy
         self.stop_timeout = stop_timeout
+        self.ready_timeout = ready_timeout
         self.frames = 0
         self.batches = 0
         self.failures = []  # type: ignore[var-annotated]
@@ -220,6 +221,9 @@ class Collector:
         if self._closed:
             raise RuntimeError("this Collector was shut down")
         if self._t0 is None:
+            # Touch the reader only once every writer lane exists, so its first scan shares the slots
+            # among all of them (a lane that arrives later gets slots only as others are released).
+            self.pool.wait_ready(self.ready_timeout)
             self._t0 = time.monotonic()
         while self.total_frames < 0 or self.frames < self.total_frames:
             batch = self._truncated() if self.batch_mode == "truncate_episodes" else self._complete()
@@ -312,7 +316,7 @@ class Collector:
             "policy_lag_max": int(lags.max()),
             "return_mean_100": float(np.mean(self._returns)) if self._returns else math.nan,
             "actor_restarts": self.pool.restarts if self.pool is not None else 0,
-            "shmbuf": self.reader.stats() if self.reader is not None and not self.reader.closed else {},
+            "shmbuf": self.reader.stats() if self._t0 is not None and not self.reader.closed else {},
         }
 
     def shutdown(self, timeout: float | None = None) -> None:

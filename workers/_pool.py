@@ -39,7 +39,7 @@ EXIT_ERROR = 1
 EXIT_ORPHANED = 75
 WATCH_INTERVAL = 0.2
 MAX_TEXT = 16000
-_MSG_FIELDS = {"stop": set(), "error": {"type", "message", "traceback"}}
+_MSG_FIELDS = {"stop": set(), "ready": set(), "error": {"type", "message", "traceback"}}
 
 
 class ActorError(RuntimeError):
@@ -110,6 +110,14 @@ class ActorContext:
     def learner_alive(self) -> bool:
         return alive(*self._learner)
 
+    def ready(self) -> None:
+        """Tell the pool this actor is set up (e.g. its Writers are attached): see :meth:`ActorPool.wait_ready`."""
+        with self._send_lock:
+            try:
+                self._conn.send_bytes(_encode("ready"))
+            except OSError:
+                pass
+
     def send_error(self, exc: BaseException) -> None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         if len(tb) > MAX_TEXT:
@@ -161,7 +169,7 @@ def _child_main(target: Callable[..., Any], index: int, incarnation: int, conn: 
 
 
 class _Actor:
-    __slots__ = ("index", "proc", "pid", "conn", "incarnation", "error", "state", "exitcode")
+    __slots__ = ("index", "proc", "pid", "conn", "incarnation", "error", "state", "exitcode", "ready")
 
     def __init__(self, index: int):
         self.index = index
@@ -172,6 +180,7 @@ class _Actor:
         self.error: ActorError | None = None
         self.state = "new"  # running, done (exited 0), failed, stopped
         self.exitcode: int | None = None
+        self.ready = False
 
 
 def default_start_method() -> str:
@@ -253,7 +262,7 @@ class ActorPool:
             p.start()
         finally:
             there.close()
-        a.proc, a.pid, a.conn, a.state, a.error, a.exitcode = p, p.pid, here, "running", None, None
+        a.proc, a.pid, a.conn, a.state, a.error, a.exitcode, a.ready = p, p.pid, here, "running", None, None, False
 
     # -- watching -----------------------------------------------------------
 
@@ -314,12 +323,31 @@ class ActorPool:
             a.state = "failed"
             raise err
 
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Wait until every running actor called ``ctx.ready()``; raise its failure if one fails first.
+
+        The collector uses it so that the reader first meets all writer lanes
+        at once and shares its slots among them.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check()
+            if all(a.ready for a in self._actors if a.state == "running"):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = [a.index for a in self._actors if a.state == "running" and not a.ready]
+                raise TimeoutError(f"actors {waiting} were not ready within {timeout} s")
+            self.check(timeout=min(left, 0.1))
+
     def _drain(self, a: _Actor) -> None:
         conn = a.conn
         try:
             while conn.poll(0):
                 msg = _decode(conn.recv_bytes())
-                if msg is not None and msg["kind"] == "error" and a.error is None:
+                if msg is not None and msg["kind"] == "ready":
+                    a.ready = True
+                elif msg is not None and msg["kind"] == "error" and a.error is None:
                     a.error = ActorError(
                         f"actor {a.index} (pid {a.pid}) raised {msg['type']}: {msg['message']}",
                         index=a.index, pid=a.pid, kind=msg["type"], remote_traceback=msg["traceback"],
