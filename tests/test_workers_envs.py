@@ -139,6 +139,7 @@ def target_hang(ctx, ignore_term: bool = False):
 
     if ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ctx.ready()
     while True:  # deaf to stop requests: a hung env
         time.sleep(0.05)
 
