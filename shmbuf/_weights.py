@@ -136,7 +136,7 @@ class _Layout:
         base = self.data_off + b * self.buffer_bytes
         return [
             np.ndarray(lf.shape, lf.dtype, buffer=mm, offset=base + o)
-            for lf, o in zip(self.schema.leaves, self.leaf_offs)
+            for lf, o in zip(self.schema.leaves, self.leaf_offs, strict=True)
         ]
 
 
@@ -218,7 +218,7 @@ class WeightPublisher:
         w[seq_word] = 2 * n - 1
         self._fence()
         dst = self._bufs[b]
-        for d, x in zip(dst, leaves):
+        for d, x in zip(dst, leaves, strict=True):
             np.copyto(d, x, casting="same_kind")
         dst[-1][...] = version
         self._fence()
@@ -237,7 +237,7 @@ class WeightPublisher:
             diff = (diff or "different containers").replace(f"{_TS}/params/", "").replace(f"'{_TS}'", "the parameters")
             raise SchemaError(f"publish: the parameters do not match the example: {diff}")
         out = []
-        for lf, x in zip(leaves, got):
+        for lf, x in zip(leaves, got, strict=True):
             x = np.asarray(x)
             if x.shape != lf.shape:
                 raise SchemaError(f"publish: leaf {_param_name(lf.path)}: expected shape {lf.shape}, got {x.shape}")

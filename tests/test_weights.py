@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf._weights import WeightPublisher, WeightSubscriber, WeightsHandle
+from shmbuf._weights import WeightPublisher, WeightsHandle, WeightSubscriber
 
 N_A = 16384  # float64: 128 KiB, so a copy takes long enough to be overtaken
 N_B = 4096

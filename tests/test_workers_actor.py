@@ -14,8 +14,8 @@ import pytest
 
 import shmbuf
 from shmbuf._weights import WeightPublisher, WeightSubscriber
-from workers import ActorLoop, probe, rollout_example, successors
 from tests.test_workers_envs import LENGTHS, CountingEnv, EchoPolicy, expected_stream, make_vector
+from workers import ActorLoop, probe, rollout_example, successors
 
 MODES = ["NextStep", "SameStep", "Disabled"]
 
@@ -91,7 +91,7 @@ def check_truncated(rollouts, env_ids, T, cap_episodes=False):
             if not cap_episodes:
                 assert n == T
             step = d["step"]
-            pick = (lambda a: a[:, col]) if vector else (lambda a: a)
+            pick = (lambda a, c=col: a[:, c]) if vector else (lambda a: a)
             succ = pick(successors(d, r["fill"]))
             ep = d["episode"]
             m = r["fill"]["episode"]
@@ -108,7 +108,7 @@ def check_truncated(rollouts, env_ids, T, cap_episodes=False):
             # The episode table holds exactly the episodes of this column that ended here, in order.
             want = [(t, truth[pos + t]) for t in range(n) if truth[pos + t]["ret"] is not None]
             assert [e for e, _ in ended] == [t for t, _ in want]
-            for (t, tr), (_, i) in zip(want, ended):
+            for (_t, tr), (_, i) in zip(want, ended, strict=True):
                 assert ep["return"][i] == tr["ret"] and ep["length"][i] == tr["len"]
                 assert bool(ep["terminated"][i]) == tr["terminated"] and bool(ep["truncated"][i]) == tr["truncated"]
                 assert ep["final_obs"][i].tolist() == tr["succ"]

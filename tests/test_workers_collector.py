@@ -8,9 +8,9 @@ from functools import partial
 import numpy as np
 import pytest
 
-from workers import ActorError, Collector
 from tests.test_workers_actor import check_complete, check_truncated
 from tests.test_workers_envs import EchoPolicy, make_counting, make_vector
+from workers import ActorError, Collector
 
 
 class WrongPolicy(EchoPolicy):

@@ -53,7 +53,8 @@ class CountingEnv(gym.Env):
     def step(self, action):
         want = 1000 * self.k + self.t
         if int(action) != want:
-            raise AssertionError(f"env {self.env_id}: got action {int(action)} at episode {self.k} step {self.t}, expected {want}")
+            raise AssertionError(f"env {self.env_id}: got action {int(action)} at episode {self.k} step {self.t}, "
+                                 f"expected {want}")
         if self.t >= self.length:
             raise AssertionError(f"env {self.env_id}: step() after the end of episode {self.k} (a fake transition)")
         if self.step_sleep:

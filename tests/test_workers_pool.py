@@ -12,11 +12,17 @@ import pytest
 
 from shmbuf._proc import alive, start_time
 from shmbuf._segment import unlink_all
-from workers import ActorError, ActorPool, ActorSpec, default_start_method, run_actor
 from tests.conftest import wait_until
 from tests.test_workers_envs import (
-    EchoPolicy, make_counting, target_crash, target_crash_first_time, target_hang, target_ok, target_segfault,
+    EchoPolicy,
+    make_counting,
+    target_crash,
+    target_crash_first_time,
+    target_hang,
+    target_ok,
+    target_segfault,
 )
+from workers import ActorError, ActorPool, ActorSpec, default_start_method, run_actor
 
 
 @pytest.fixture

@@ -115,7 +115,8 @@ def rollout_example(obs: Any, action: Any, *, rollout_len: int, num_envs: int | 
     else:
         m = T * E if max_episodes is None else int(max_episodes)
         if m < E:
-            raise ValueError(f"max_episodes: expected at least num_envs={E} (every sub-env may end an episode in one step), got {m}")
+            raise ValueError(f"max_episodes: expected at least num_envs={E} (every sub-env may end an episode in one "
+                             f"step), got {m}")
         m = max(m, 2)  # a capacity of 1 would make the timescale single-item
         episode = {"return": np.zeros(m, np.float64), "length": np.zeros(m, np.int64), "terminated": np.zeros(m, bool),
                    "truncated": np.zeros(m, bool), "env": np.zeros(m, np.int32), "end": np.zeros(m, np.int32),

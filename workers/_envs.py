@@ -53,7 +53,7 @@ def tree_set(dst: Any, i: Any, src: Any) -> None:
     if _is_arr(dst):
         dst[i] = src
         return
-    for d, s in zip(optree.tree_leaves(dst), optree.tree_leaves(src)):
+    for d, s in zip(optree.tree_leaves(dst), optree.tree_leaves(src), strict=True):
         d[i] = s
 
 
