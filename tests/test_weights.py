@@ -179,4 +179,6 @@ def test_no_torn_reads_under_a_publisher_going_flat_out(publisher, buffers):
         assert r["back"] == 0  # never an older version after a newer one
         assert r["last"] == versions - 1
     assert sum(r["reads"] for r in results) >= 300
-    assert sum(r["distinct"] for r in results) >= 100  # readers really raced the publisher
+    assert sum(r["distinct"] for r in results) >= 20
+    if buffers == 1:  # a retry means the publisher was writing the buffer being read: the readers raced it
+        assert sum(r["retries"] for r in results) > 0
