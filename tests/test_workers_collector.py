@@ -8,6 +8,8 @@ from functools import partial
 import numpy as np
 import pytest
 
+import shmbuf
+
 from tests.test_workers_actor import check_complete, check_truncated
 from tests.test_workers_envs import EchoPolicy, make_counting, make_vector
 from workers import ActorError, Collector
@@ -37,7 +39,7 @@ def per_lane(batches):
 
 def test_truncate_batches_are_the_exact_transitions():
     with Collector([make_counting] * 2, EchoPolicy(), frames_per_batch=16, total_frames=100, rollout_len=4,
-                   copy=True, start_method="fork", seed=None) as c:
+                   copy=True, start_method="fork", timeout=30, seed=None) as c:
         batches = list(c)
         assert c.frames == 112 and c.batches == 7  # total_frames is rounded up to whole batches
         stats = c.stats()
@@ -51,7 +53,7 @@ def test_truncate_batches_are_the_exact_transitions():
 
 def test_vector_env_next_step_autoreset_through_processes():
     with Collector(partial(make_vector, 3, "NextStep"), EchoPolicy(), num_actors=2, frames_per_batch=60,
-                   total_frames=240, rollout_len=5, copy=True, start_method="forkserver", seed=None) as c:
+                   total_frames=240, rollout_len=5, copy=True, start_method="forkserver", timeout=30, seed=None) as c:
         batches = list(c)
     assert batches[0].data["step"]["obs"].shape == (4, 5, 3, 3)
     for rs in per_lane(batches).values():
@@ -60,7 +62,7 @@ def test_vector_env_next_step_autoreset_through_processes():
 
 def test_complete_episodes_batches():
     with Collector([make_counting], EchoPolicy(), num_actors=2, frames_per_batch=20, total_frames=60,
-                   rollout_len=8, batch_mode="complete_episodes", start_method="fork", seed=None) as c:
+                   rollout_len=8, batch_mode="complete_episodes", start_method="fork", timeout=30, seed=None) as c:
         batches = list(c)
     rollouts = []
     for b in batches:
@@ -80,7 +82,7 @@ def test_complete_episodes_batches():
 
 def test_weights_reach_the_actors_and_lag_is_reported():
     with Collector([make_counting] * 2, EchoPolicy(), frames_per_batch=8, rollout_len=4, weights={"w": np.zeros(1)},
-                   start_method="fork", slots=6) as c:
+                   start_method="fork", timeout=30, slots=6) as c:
         it = iter(c)
         first = next(it)
         assert first.policy_version.tolist() == [0, 0]
@@ -103,14 +105,14 @@ def test_weights_reach_the_actors_and_lag_is_reported():
 
 def test_update_without_weights_is_a_clear_error():
     with Collector([make_counting], EchoPolicy(), num_actors=1, frames_per_batch=4, rollout_len=4,
-                   start_method="fork") as c:
+                   start_method="fork", timeout=30) as c:
         with pytest.raises(RuntimeError, match="no weight broadcast"):
             c.update_policy_weights({"w": np.zeros(1)})
 
 
 def test_actor_exception_is_raised_by_the_iterator_with_its_traceback():
-    with Collector([make_counting], WrongPolicy(), num_actors=2, frames_per_batch=4, rollout_len=4,
-                   start_method="fork") as c:
+    with Collector([make_counting], WrongPolicy(), num_actors=2, frames_per_batch=4, rollout_len=4, total_frames=4000,
+                   start_method="fork", timeout=30) as c:
         with pytest.raises(ActorError) as info:
             for _ in c:
                 pass
@@ -121,7 +123,7 @@ def test_actor_exception_is_raised_by_the_iterator_with_its_traceback():
 
 def test_restart_keeps_collecting_and_records_the_failure():
     with Collector([make_counting], WrongPolicy(), num_actors=1, frames_per_batch=4, rollout_len=4, total_frames=40,
-                   restart=True, max_restarts=50, start_method="fork") as c:
+                   restart=True, max_restarts=50, start_method="fork", timeout=30) as c:
         n = sum(1 for _ in c)
         assert n == 10
         assert c.stats()["actor_restarts"] >= 1 and c.failures[0].kind == "AssertionError"
@@ -129,7 +131,7 @@ def test_restart_keeps_collecting_and_records_the_failure():
 
 def test_progress_bar(capsys):
     with Collector([make_counting], EchoPolicy(), num_actors=1, frames_per_batch=8, rollout_len=4, total_frames=32,
-                   progress=True, start_method="fork") as c:
+                   progress=True, start_method="fork", timeout=30) as c:
         for _ in c:
             pass
     err = capsys.readouterr().err
@@ -146,18 +148,31 @@ def test_bad_arguments():
 
 
 def test_shutdown_twice_and_iterate_after():
-    c = Collector([make_counting], EchoPolicy(), num_actors=1, frames_per_batch=4, rollout_len=4, start_method="fork")
-    next(iter(c))
-    c.shutdown()
-    c.shutdown()
-    with pytest.raises(RuntimeError, match="shut down"):
+    c = Collector([make_counting], EchoPolicy(), num_actors=1, frames_per_batch=4, rollout_len=4, start_method="fork",
+                  timeout=30)
+    try:
         next(iter(c))
+        c.shutdown()
+        c.shutdown()
+        with pytest.raises(RuntimeError, match="shut down"):
+            next(iter(c))
+    finally:
+        c.shutdown()
+
+
+def test_timeout_when_actors_are_alive_but_too_slow():
+    with Collector([partial(make_counting, 0, 0.5)], EchoPolicy(), num_actors=1, frames_per_batch=4, rollout_len=4,
+                   start_method="fork", timeout=0.5, stop_timeout=3) as c:
+        t0 = time.monotonic()
+        with pytest.raises(shmbuf.SlotTimeout, match="no batch within timeout=0.5"):
+            next(iter(c))
+        assert time.monotonic() - t0 < 3
 
 
 def test_complete_episodes_with_vector_envs_shares_slots_among_sub_env_lanes():
     """One actor, 3 sub-envs, 3 lanes: all must get slots (none may wait for ever behind the first lane)."""
     with Collector(partial(make_vector, 3, "NextStep"), EchoPolicy(), num_actors=1, frames_per_batch=30,
-                   total_frames=120, rollout_len=8, batch_mode="complete_episodes", start_method="fork",
+                   total_frames=120, rollout_len=8, batch_mode="complete_episodes", start_method="fork", timeout=30,
                    seed=None) as c:
         batches = list(c)
         assert c.stats()["shmbuf"]["writers"] == 3

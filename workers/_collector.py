@@ -96,6 +96,9 @@ class Collector:
         progress: show a tqdm progress bar.
         copy: give each batch its own arrays (default: reuse one buffer).
         seed: base seed for env resets (actor i, restart r: ``seed + 10000 i + 10**6 r``).
+        timeout: longest wait for one batch before :class:`shmbuf.SlotTimeout` (None: no limit;
+            a failed actor is raised at once either way).
+        stop_timeout: the deadline :meth:`shutdown` gives the actors.
     """
 
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
@@ -104,7 +107,8 @@ class Collector:
                  batch_mode: str = "truncate_episodes", max_episodes: int | None = None, weights: Any = None,
                  slots: int | None = None, start_method: str | None = None, restart: bool = False,
                  max_restarts: int = 3, progress: bool = False, copy: bool = False, seed: int | None = 0,
-                 torch_threads: int | None = 1, stop_timeout: float = 5.0, ready_timeout: float = 120.0):
+                 torch_threads: int | None = 1, stop_timeout: float = 5.0, ready_timeout: float = 120.0,
+                 timeout: float | None = None):
         if batch_mode not in MODES:
             raise ValueError(f"batch_mode: expected one of {MODES}, got {batch_mode!r}")
         if (policy is None) == (policy_factory is None):
@@ -123,6 +127,7 @@ class Collector:
         self.copy = copy
         self.stop_timeout = stop_timeout
         self.ready_timeout = ready_timeout
+        self.timeout = timeout
         self.frames = 0
         self.batches = 0
         self.failures = []  # type: ignore[var-annotated]
@@ -241,11 +246,15 @@ class Collector:
 
     def _wait(self, get: Callable[[], Any]) -> Any:
         """Call ``get`` (a reader call with a short timeout) until it succeeds, checking the actors between tries."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             try:
                 out = get()
             except SlotTimeout:
                 self._check_actors()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise SlotTimeout(f"no batch within timeout={self.timeout} s (Collector(timeout=...)); the actors are "
+                                      f"alive but not delivering: {self.reader.stats()['slots']}") from None
                 continue
             return out
 
