@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import shmbuf
-
 from tests.test_workers_actor import check_complete, check_truncated
 from tests.test_workers_envs import EchoPolicy, make_counting, make_vector
 from workers import ActorError, Collector
