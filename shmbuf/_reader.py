@@ -582,10 +582,12 @@ class Reader:
             "bad_messages": w[W_BAD_MESSAGES],
             "lanes_reclaimed": w[W_LANES_RECLAIMED],
             "writers": len(self._lanes),
+            # every slot is in exactly one place: the pool, lent to a lane (being written, or
+            # committed and not yet taken in), ready here, or held by the user
             "slots": {
                 "pool": len(self._pool),
                 "lent": sum(lane.given for lane in self._lanes.values()),
-                "ready": len(self._ready) + in_rings,
+                "ready": len(self._ready),
                 "held": self._held,
             },
             "writer_stats": {lane.index: dict(lane.stats, label=lane.label, pid=lane.pid) for lane in self._lanes.values()},

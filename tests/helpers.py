@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import zlib
 from typing import Any
 
@@ -50,3 +51,48 @@ def exactly_once_writer(name: str, tag: int, n: int, t: int, out: Any) -> None:
             crcs.append((seq, length, checksum({"step": exp}, length)))
     out.send_bytes(msgpack.packb(crcs))  # results as msgpack, like everything else here
     out.close()
+
+
+# ------------------------------------------------------------- fault tests
+
+FT = 8  # steps per rollout in fault tests
+
+
+def fault_example() -> dict[str, Any]:
+    """small_example plus a check timescale: the writer's tag and a CRC of the steps it wrote."""
+    ex = small_example(FT)
+    ex["check"] = {"tag": np.zeros((), np.int64), "crc": np.zeros((), np.int64), "seq": np.zeros((), np.int64)}
+    return ex
+
+
+def loop_writer(name: str, tag: int, committed: Any, rollouts: int = -1, timeout: float | None = None) -> None:
+    """Commit rollouts until killed (or ``rollouts`` done); publish the last committed seq in ``committed``."""
+    step = {k: np.zeros(v.shape[1:], v.dtype) for k, v in small_example(FT)["step"].items()}
+    buf = {k: np.zeros((FT, *v.shape), v.dtype) for k, v in step.items()}
+    try:
+        with shmbuf.Writer(name, timeout=timeout, label=f"tag{tag}") as w:
+            seq = 0
+            while seq != rollouts:
+                length = 1 + (seq * 5 + tag) % FT
+                for i in range(length):
+                    fill_step(step, tag, seq, i)
+                    w.add("step", step)
+                    for k in buf:
+                        buf[k][i] = step[k]
+                w.add("episode", {"return": np.array([seq], np.float32), "length": np.array([length], np.int32)})
+                w.add("check", {"tag": tag, "crc": checksum({"step": buf}, length), "seq": seq})
+                w.commit()
+                committed.value = seq
+                seq += 1
+    except (shmbuf.PipelineClosed, shmbuf.BrokenPipeline):
+        os._exit(3)  # the reader went away: the expected way out, told apart from a crash
+
+
+def verify(r: shmbuf.Rollout) -> tuple[int, int]:
+    """Check a fault-test rollout is intact; return (tag, seq)."""
+    d = r.data
+    tag, seq, crc = int(d["check"]["tag"]), int(d["check"]["seq"]), int(d["check"]["crc"])
+    assert r.seq == seq, f"lane seq {r.seq} != written seq {seq}"
+    assert checksum(d, r.fill["step"]) == crc, f"tag {tag} seq {seq}: data does not match its checksum"
+    assert d["episode"]["return"][0] == seq and d["episode"]["length"][0] == r.fill["step"]
+    return tag, seq

@@ -1,0 +1,263 @@
+"""Faults: killed and stopped writers, a killed or closing reader, a slow reader. Every wait has a deadline."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import defaultdict
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+import shmbuf
+from shmbuf import _admin
+from tests.conftest import shm_objects, wait_until
+from tests.helpers import FT, fault_example, loop_writer, verify
+
+CTX = mp.get_context("fork")  # fast to start; spawn is covered by test_transfer
+pytestmark = pytest.mark.timeout(120)
+
+
+class Ledger:
+    """What the reader received, per writer tag: sequence numbers in arrival order, each verified."""
+
+    def __init__(self, reader: shmbuf.Reader):
+        self.reader = reader
+        self.seqs: dict[int, list[int]] = defaultdict(list)
+
+    def take(self, n: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        for _ in range(n):
+            with self.reader.get(timeout=max(0.01, deadline - time.monotonic())) as r:
+                tag, seq = verify(r)
+                self.seqs[tag].append(seq)
+
+    def take_ready(self) -> None:
+        """Take what the reader already holds as ready: after a reclaim, that includes all the dead lane committed."""
+        self.take(self.reader.stats()["ready_depth"])
+
+    def drain(self, quiet: float = 0.2) -> None:
+        while True:
+            try:
+                self.take(1, timeout=quiet)
+            except shmbuf.SlotTimeout:
+                return
+
+    def check_exactly_once(self, tag: int, committed_at_least: int) -> int:
+        got = self.seqs[tag]
+        assert got == list(range(len(got))), f"tag {tag}: duplicates, gaps or reordering in {got[:20]}..."
+        # `committed` is stored just after commit returns, so a kill in between leaves it one behind
+        assert committed_at_least + 1 <= len(got) <= committed_at_least + 2, (tag, committed_at_least, len(got))
+        return len(got)
+
+
+def start_writer(name: str, tag: int, rollouts: int = -1, timeout: float | None = None) -> tuple[Any, Any]:
+    committed = CTX.RawValue("q", -1)
+    p = CTX.Process(target=loop_writer, args=(name, tag, committed, rollouts, timeout), daemon=True)
+    p.start()
+    return p, committed
+
+
+@pytest.fixture
+def started() -> Any:
+    procs: list[Any] = []
+    yield procs
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+        p.join(5)
+
+
+def slot_accounting(reader: shmbuf.Reader) -> dict[str, int]:
+    s = reader.stats()["slots"]
+    assert sum(s.values()) == reader.slots, f"slots unaccounted for: {s}"
+    return s
+
+
+def test_a_killed_writer_loses_only_its_partial_rollout(make_reader: Any, started: list) -> None:
+    """SIGKILL at random points, again and again, beside a steady writer that must never notice."""
+    reader = make_reader(fault_example(), slots=6, max_writers=3)
+    ledger = Ledger(reader)
+    steady, steady_count = start_writer(reader.name, tag=1000)
+    started.append(steady)
+    rng = np.random.default_rng(7)
+    reclaim_times = []
+    for victim_tag in range(12):
+        p, committed = start_writer(reader.name, tag=victim_tag)
+        started.append(p)
+        deadline = time.monotonic() + 20
+        while committed.value < 0:  # keep reading: the reader lends the newcomer slots as they come back
+            assert time.monotonic() < deadline, "timed out waiting for the victim's first commit"
+            try:
+                ledger.take(1, timeout=0.05)
+            except shmbuf.SlotTimeout:
+                pass
+        # run a while, consuming at a varying pace (a slow phase leaves the victim waiting for a slot)
+        t_end = time.monotonic() + rng.uniform(0.0, 0.15)
+        slow = rng.random() < 0.3
+        while time.monotonic() < t_end:
+            ledger.take(1)
+            if slow:
+                time.sleep(0.01)
+        reclaimed_before = reader.stats()["lanes_reclaimed"]
+        os.kill(p.pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        while reader.stats()["lanes_reclaimed"] == reclaimed_before:
+            assert time.monotonic() - t_kill < 1.0, "the dead writer's lane was not reclaimed within 1 s"
+            try:
+                ledger.take(1, timeout=0.05)
+            except shmbuf.SlotTimeout:
+                pass
+        reclaim_times.append(time.monotonic() - t_kill)
+        p.join(5)
+        ledger.take_ready()
+        ledger.check_exactly_once(victim_tag, committed.value)
+        slot_accounting(reader)
+    assert reader.stats()["writers"] == 1  # only the steady one is left; every victim's lane came back
+    os.kill(steady.pid, signal.SIGKILL)
+    steady.join(5)
+    ledger.drain()
+    ledger.check_exactly_once(1000, steady_count.value)
+    s = slot_accounting(reader)
+    wait_until(lambda: reader.stats()["writers"] == 0, 2, "the steady writer's lane to be reclaimed")
+    assert reader.stats()["slots"]["pool"] == reader.slots  # every slot back
+    assert reader.stats()["partial_dropped"] <= 13
+    assert max(reclaim_times) < 1.0
+
+
+def test_a_lane_freed_by_a_death_is_taken_by_a_new_writer(make_reader: Any, started: list) -> None:
+    reader = make_reader(fault_example(), slots=2, max_writers=1)  # one lane only
+    ledger = Ledger(reader)
+    p, committed = start_writer(reader.name, tag=1)
+    started.append(p)
+    ledger.take(5)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(5)
+    q, committed2 = start_writer(reader.name, tag=2, rollouts=50, timeout=5)
+    started.append(q)
+    ledger.drain(quiet=0.3)  # serves the reclaim and the new writer
+    ledger.take(50 - len(ledger.seqs[2]), timeout=10)
+    q.join(5)
+    assert q.exitcode == 0
+    assert ledger.seqs[2] == list(range(50))
+
+
+def test_a_stopped_writer_blocks_no_one(make_reader: Any, started: list) -> None:
+    reader = make_reader(fault_example(), slots=6, max_writers=2)
+    ledger = Ledger(reader)
+    a, _ = start_writer(reader.name, tag=1)
+    b, _ = start_writer(reader.name, tag=2)
+    started.extend([a, b])
+    ledger.take(50)
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        before = len(ledger.seqs[2])
+        ledger.take(300, timeout=10)  # the reader and the other writer go on
+        assert len(ledger.seqs[2]) >= before + 290
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+
+
+def _reader_process(conn: Any) -> None:
+    reader = shmbuf.create(fault_example(), slots=2, max_writers=2)
+    conn.send_bytes(msgpack.packb(reader.name))
+    time.sleep(60)  # killed long before
+
+
+def test_a_killed_reader_fails_writers_within_2s_and_clean_removes_its_leftovers() -> None:
+    rx, tx = CTX.Pipe(duplex=False)
+    rp = CTX.Process(target=_reader_process, args=(tx,), daemon=True)
+    rp.start()
+    try:
+        assert rx.poll(20)
+        name = msgpack.unpackb(rx.recv_bytes())
+        writer = shmbuf.Writer(name, timeout=None)  # waits for ever, unless the reader dies
+        step = {"obs": np.zeros(4, np.float32), "action": np.int64(0), "reward": np.float32(0), "done": False}
+        os.kill(rp.pid, signal.SIGKILL)
+        rp.join(5)
+        t0 = time.monotonic()
+        with pytest.raises(shmbuf.BrokenPipeline, match=rf"{name}: the reader's process \(pid {rp.pid}\) died"):
+            writer.add("step", step)  # no slot was ever lent: this blocks until the death is seen
+        assert time.monotonic() - t0 < 2.0
+        writer.close()
+        found = {f.name: f for f in _admin.scan()}
+        assert name in found and found[name].removable and not found[name].owner_alive
+        for f in _admin.scan():
+            if f.name == name:
+                _admin.remove(f)
+        assert not [e for e in shm_objects() if name[1:] in e]
+    finally:
+        if rp.is_alive():
+            rp.kill()
+        rp.join(5)
+        shmbuf._segment.unlink_all(name, 2) if "name" in locals() else None
+
+
+def test_closing_the_reader_mid_rollout_stops_every_writer(make_reader: Any, started: list) -> None:
+    reader = make_reader(fault_example(), slots=4, max_writers=3)
+    ledger = Ledger(reader)
+    writers = [start_writer(reader.name, tag=k)[0] for k in range(3)]
+    started.extend(writers)
+    ledger.take(60)
+    name = reader.name
+    reader.close()
+    for p in writers:
+        p.join(5)
+        assert p.exitcode == 3, f"writer exited with {p.exitcode}, not by PipelineClosed"  # see loop_writer
+    assert not [e for e in shm_objects() if name[1:] in e]  # unlinked, once, by the owner
+    reader.close()  # a second close is a no-op
+
+
+def test_a_slow_reader_makes_writers_wait_and_loses_nothing(make_reader: Any, started: list) -> None:
+    reader = make_reader(fault_example(), slots=3, max_writers=2)
+    ledger = Ledger(reader)
+    procs = [start_writer(reader.name, tag=k, rollouts=150, timeout=30) for k in range(2)]
+    started.extend(p for p, _ in procs)
+    rss = []
+    for i in range(300):
+        ledger.take(1)
+        if i % 3 == 0:
+            time.sleep(0.002)  # slower than the writers
+        if i in (30, 290):
+            rss.append([_rss_kib(p.pid) for p, _ in procs])
+    for p, _ in procs:
+        p.join(10)
+        assert p.exitcode == 0
+    assert ledger.seqs[0] == list(range(150)) and ledger.seqs[1] == list(range(150))
+    assert all(after - before < 2048 for before, after in zip(*rss)), f"writer RSS grew: {rss}"  # KiB
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_another_user_cannot_attach(make_reader: Any) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("dropping to another uid needs root; the 0600 modes are checked in test_segment")
+    reader = make_reader(fault_example(), slots=1)
+    rx, tx = CTX.Pipe(duplex=False)
+
+    def intruder() -> None:
+        os.setgid(65534)
+        os.setuid(65534)  # nobody
+        try:
+            shmbuf.Writer(reader.name)
+            tx.send_bytes(b"attached")
+        except shmbuf.SegmentError as exc:
+            tx.send_bytes(str(exc).encode())
+        os._exit(0)
+
+    p = CTX.Process(target=intruder, daemon=True)
+    p.start()
+    p.join(10)
+    assert rx.poll(1)
+    assert "belongs to another user" in rx.recv_bytes().decode()
