@@ -1,0 +1,96 @@
+"""shmbuf ls / clean: see everything, remove only what dead owners left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import msgpack
+import posix_ipc
+import pytest
+
+import shmbuf
+from shmbuf import _admin
+from shmbuf._cli import main
+from tests.conftest import shm_objects, small_example
+from tests.test_faults import CTX
+
+
+def _owner(conn: Any) -> None:
+    reader = shmbuf.create(small_example(), slots=2, max_writers=2)
+    conn.send_bytes(msgpack.packb(reader.name))
+    import time
+
+    time.sleep(60)  # killed long before
+
+
+@pytest.fixture
+def orphan() -> Any:
+    """A pipeline whose owner was SIGKILLed: exactly what a crash leaves."""
+    rx, tx = CTX.Pipe(duplex=False)
+    p = CTX.Process(target=_owner, args=(tx,), daemon=True)
+    p.start()
+    assert rx.poll(20)
+    name = msgpack.unpackb(rx.recv_bytes())
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(5)
+    yield name
+    shmbuf._segment.unlink_all(name, 2)
+
+
+def test_ls_shows_live_and_dead_owners(make_reader: Any, orphan: str, capsys: Any) -> None:
+    live = make_reader(small_example(), slots=3, max_writers=1)
+    w = shmbuf.Writer(live.handle, label="ls-test")
+    live.poll()
+    assert main(["ls", "-v"]) == 0
+    out = capsys.readouterr().out
+    assert f"{live.name}  open, owner pid {os.getpid()} alive" in out and "3 slots, 1 lanes" in out
+    assert f"writer lane 0: pid {os.getpid()} alive" in out
+    assert "schema: episode[single-item x1]" in out
+    assert f"{orphan}  open, owner pid" in out and "DEAD (removable by `shmbuf clean`)" in out
+    w.close()
+
+
+def test_clean_removes_only_dead_owners_objects(make_reader: Any, orphan: str, capsys: Any) -> None:
+    live = make_reader(small_example(), slots=1)
+    assert main(["clean", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"would remove: {orphan}" in out and f"kept {live.name}: owner pid {os.getpid()} is alive" in out
+    assert any(orphan[1:] in e for e in shm_objects())  # dry run removed nothing
+    assert main(["clean"]) == 0
+    out = capsys.readouterr().out
+    assert f"removed: {orphan}" in out
+    assert not any(orphan[1:] in e for e in shm_objects())  # segment and its semaphores
+    assert any(live.name[1:] in e for e in shm_objects())  # the live one untouched
+    shmbuf.Writer(live.handle).close()  # and still usable
+
+
+def test_clean_removes_semaphores_whose_segment_is_gone(capsys: Any) -> None:
+    name = shmbuf._segment.new_name()
+    sem = posix_ipc.Semaphore(name + "-r", posix_ipc.O_CREX, mode=0o600)
+    sem.close()
+    found = [f for f in _admin.scan() if f.name == name]
+    assert len(found) == 1 and not found[0].segment and found[0].removable
+    main(["clean"])
+    assert not any(name[1:] in e for e in shm_objects())
+
+
+def test_unreadable_segment_is_kept_and_reported(capsys: Any) -> None:
+    name = shmbuf._segment.new_name()
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=4096)
+    shm.close_fd()
+    try:
+        main(["clean"])
+        out = capsys.readouterr().out
+        assert f"kept {name}: unreadable" in out
+        assert any(name[1:] in e for e in shm_objects())
+    finally:
+        posix_ipc.unlink_shared_memory(name)
+
+
+def test_command_line_entry_point_runs() -> None:
+    out = subprocess.run([sys.executable, "-m", "shmbuf", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "demo" in out.stdout and "clean" in out.stdout

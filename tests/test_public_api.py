@@ -1,0 +1,20 @@
+"""The public API is exactly what __all__ says: a change to it is a decision, not an accident."""
+
+import shmbuf
+
+
+def test_public_names_are_pinned() -> None:
+    assert sorted(shmbuf.__all__) == sorted([
+        "Batch", "BrokenPipeline", "Handle", "Leaf", "NoSpace", "PipelineClosed", "Reader", "Rollout", "Schema",
+        "SchemaError", "SegmentError", "ShmbufError", "SlotTimeout", "StaleRollout", "Timescale", "Writer",
+        "WriterError", "__version__", "create",
+    ])
+    for name in shmbuf.__all__:
+        assert hasattr(shmbuf, name)
+
+
+def test_errors_subclass_the_builtins_a_caller_would_catch() -> None:
+    assert issubclass(shmbuf.SchemaError, ValueError) and issubclass(shmbuf.SegmentError, ValueError)
+    assert issubclass(shmbuf.SlotTimeout, TimeoutError) and issubclass(shmbuf.NoSpace, OSError)
+    for e in (shmbuf.PipelineClosed, shmbuf.BrokenPipeline, shmbuf.StaleRollout, shmbuf.WriterError):
+        assert issubclass(e, RuntimeError) and issubclass(e, shmbuf.ShmbufError)
