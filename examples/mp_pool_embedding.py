@@ -39,12 +39,13 @@ EXAMPLE = {
 _writer: shmbuf.Writer | None = None
 
 
-def attach(handle: shmbuf.Handle) -> None:
+def attach(handle: shmbuf.Handle, attached) -> None:
     """Pool initializer: runs once in each worker process."""
     global _writer
     _writer = shmbuf.Writer(handle, timeout=60, label=f"pool-{os.getpid()}")
     # Give the lane back when the Pool shuts the worker down (else the reader reclaims it as dead).
     mp.util.Finalize(_writer, _writer.close, exitpriority=10)
+    attached.release()  # the learner reads nothing before every worker has its lane: see below
 
 
 def rollout(seed: int, w: np.ndarray, add) -> int:
@@ -94,7 +95,15 @@ def main(argv: list[str] | None = None) -> dict:
     w = np.zeros((4, 2), np.float32)
     rng = np.random.default_rng(0)
     reader = None if args.pickle else shmbuf.create(EXAMPLE, slots=2 * args.rollouts, max_writers=args.workers)
-    pool = ctx.Pool(args.workers) if args.pickle else ctx.Pool(args.workers, initializer=attach, initargs=(reader.handle,))
+    attached = ctx.Semaphore(0)
+    pool = ctx.Pool(args.workers) if args.pickle else ctx.Pool(args.workers, initializer=attach,
+                                                               initargs=(reader.handle, attached))
+    if not args.pickle:
+        # The reader lends all its free slots to the writers it knows when it first looks; a worker that
+        # attached later would get slots only as rollouts are released. So: every lane first, then read.
+        for _ in range(args.workers):
+            if not attached.acquire(timeout=120):
+                raise TimeoutError("a Pool worker did not attach within 120 s")
     batch = {"reward": np.zeros((args.rollouts, T), np.float32), "obs": np.zeros((args.rollouts, T, 4), np.float32)}
     seen = 0.0
     try:
@@ -107,8 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 pending = pool.starmap_async(task_shmbuf, [(s, w) for s in seeds])
                 for k in range(args.rollouts):
-                    # Gathered one by one, each slot released at once: see the note in docs/embedding.md on
-                    # get_batch with a finite number of tasks (a late worker may have no slot yet).
+                    # Gathered one by one, each slot released at once, so a worker that needs a slot gets the
+                    # next one released (get_batch would hold them all until the batch is full: see
+                    # docs/embedding.md on a finite number of tasks).
                     with reader.get(timeout=60) as r:
                         batch["reward"][k] = r.data["step"]["reward"]
                         batch["obs"][k] = r.data["step"]["obs"]
