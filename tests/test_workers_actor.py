@@ -8,7 +8,9 @@ known; rollouts are checked against the ground truth in commit order.
 from __future__ import annotations
 
 import threading
+from functools import partial
 
+import gymnasium as gym
 import numpy as np
 import pytest
 
@@ -23,8 +25,12 @@ MODES = ["NextStep", "SameStep", "Disabled"]
 def collect(make_env, *, T, n_rollouts, batch_mode="truncate_episodes", max_episodes=None, weights=None, policy=None):
     """Run an ActorLoop in a thread until it committed ``n_rollouts``; return them (copied) in commit order."""
     policy = policy or EchoPolicy()
+    probe_env = make_env()
+    try:
+        p = probe(probe_env, policy)
+    finally:
+        probe_env.close()
     env = make_env()
-    p = probe(make_env(), policy)
     vector = p["vector"] and batch_mode == "truncate_episodes"
     example = rollout_example(p["obs"], p["action"], rollout_len=T, num_envs=p["num_envs"] if vector else None,
                               extras=p["extras"], batch_mode=batch_mode, max_episodes=max_episodes)
@@ -132,6 +138,16 @@ def test_truncate_vector_env_every_autoreset_mode(mode):
     check_truncated(rollouts, [0, 1, 2], 5)
     assert rollouts[0]["data"]["step"]["obs"].shape == (5, 3, 3)
     assert rollouts[0]["data"]["bootstrap"]["env_steps"] == 15
+
+
+def test_truncate_async_vector_env_next_step():
+    """gymnasium's AsyncVectorEnv (sub-envs in their own processes) takes the same masked reset."""
+    def make():
+        return gym.vector.AsyncVectorEnv([partial(CountingEnv, i) for i in range(2)], context="spawn",
+                                         autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+
+    rollouts, _ = collect(make, T=5, n_rollouts=6)
+    check_truncated(rollouts, [0, 1], 5)
 
 
 def test_truncate_small_episode_table_commits_short_and_loses_nothing():
