@@ -25,10 +25,10 @@ from shmbuf import _control
 from shmbuf._errors import PipelineClosed, SlotTimeout, StaleRollout, WriterError
 from shmbuf._handle import Handle
 from shmbuf._proc import alive
-from shmbuf._ring import Consumer, Producer, fence
+from shmbuf._ring import Consumer, Producer, fence, store_load_fence
 from shmbuf._schema import Schema
 from shmbuf._segment import (
-    L_FREE_HEAD, L_FREE_TAIL, L_PID, L_READY_HEAD, L_READY_TAIL, L_START, L_STATE,
+    L_FREE_HEAD, L_FREE_TAIL, L_FREE_WAIT, L_PID, L_READY_HEAD, L_READY_TAIL, L_START, L_STATE, L_WAKE_AT, NEVER,
     LANE_ACTIVE, LANE_FREE, LANE_RETIRED, MAILBOX_PAYLOAD_OFF, S_COMMIT_NS, S_FILL, S_GENERATION,
     S_POLICY, S_SEQ, SLOT_HELD, SLOT_LANE, SLOT_POOL, SLOT_READY, W_BAD_MESSAGES, W_CLOSED,
     W_DELIVERED, W_LANES_RECLAIMED, W_PARTIAL_DROPPED, W_POOL, W_READY_DEPTH, Segment, sem_name, unlink_all,
@@ -37,6 +37,7 @@ from shmbuf._segment import (
 # How often the reader looks at the lane table for writers that came, left or died.
 SCAN_INTERVAL = 0.05
 WAIT_SLICE = 0.1
+
 LATENCY_WINDOW = 8192
 
 
@@ -167,12 +168,15 @@ class Batch:
 class _Lane:
     """The reader's private view of one active lane."""
 
-    __slots__ = ("index", "ready", "free", "sem", "pid", "start", "label", "given", "stats", "mbox_word")
+    __slots__ = ("index", "ready", "free", "sem", "pid", "start", "label", "given", "stats", "mbox_word", "wake_word",
+                 "free_wait_word")
 
     def __init__(self, index: int, ready: Consumer, free: Producer, sem: posix_ipc.Semaphore, pid: int, start: int,
-                 mbox_word: int):
+                 mbox_word: int, lane_word: int):
         self.index = index
         self.mbox_word = mbox_word
+        self.wake_word = lane_word + L_WAKE_AT  # the reader's: when to ring the doorbell
+        self.free_wait_word = lane_word + L_FREE_WAIT  # the writer's: asleep for want of a slot
         self.ready = ready
         self.free = free
         self.sem = sem
@@ -205,6 +209,7 @@ class Reader:
         self._w = seg.words
         self._plan = seg.plan
         self._fence = fence()
+        self._sl_fence = store_load_fence()
         self._sems: list[posix_ipc.Semaphore] = []
         # Unlink at exit or collection if the user never closes: the owner's duty, in the owner's process only.
         self._finalizer = weakref.finalize(self, _unlink_if_owner, self.name, self.max_writers, self._pid)
@@ -274,7 +279,7 @@ class Reader:
         try:
             while taken < batch_size:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                idx[taken] = self._next_slot(left)
+                idx[taken] = self._next_slot(left, want=batch_size - taken)
                 taken += 1
         except BaseException:
             for k in range(taken):  # put them back at the front, in order: nothing is lost
@@ -291,6 +296,7 @@ class Reader:
             self._record_latency(now - int(meta[k, S_COMMIT_NS]))
             self._state[s] = SLOT_HELD
             self._recycle(s)
+        self._feed()  # once for the batch: one wake-up per waiting writer, not one per slot
         self._delivered += batch_size
         self._w[W_DELIVERED] = self._delivered
         data = optree.tree_map(np.array, tree) if copy else tree
@@ -307,7 +313,7 @@ class Reader:
 
     # -- the loop behind get ------------------------------------------------
 
-    def _next_slot(self, timeout: float | None) -> int:
+    def _next_slot(self, timeout: float | None, want: int = 1) -> int:
         if self._closed:
             raise PipelineClosed(f"pipeline {self.name} is closed")
         if os.getpid() != self._pid:
@@ -323,14 +329,40 @@ class Reader:
                 raise self.errors.pop(0)
             if self._ready:
                 return self._ready.popleft()
+            if self._pool:
+                self._feed()  # about to wait: every free slot should be out working
             wait = WAIT_SLICE if deadline is None else min(WAIT_SLICE, deadline - time.monotonic())
             if wait <= 0:
                 raise SlotTimeout(f"pipeline {self.name}: no rollout within timeout={timeout} s")
-            # Each commit posts once; a post we slept through is a spare wake-up, never a missed one.
+            if self._arm(want):
+                continue  # something came in while we armed: no sleep
             try:
                 self._doorbell.acquire(wait)
             except posix_ipc.BusyError:
                 self._next_scan = 0.0  # quiet for a while: look for dead writers now
+            finally:
+                self._disarm()
+
+    def _arm(self, want: int) -> bool:
+        """Ask the writers to ring once ``want`` more rollouts are in; True if some already are.
+
+        Each lane gets a quota of ceil(want / lanes): if the lanes together hold ``want``, one of
+        them holds its quota, so the reader wakes once per batch rather than once per commit.
+        """
+        lanes = self._lanes
+        if lanes:
+            quota = -(-want // len(lanes))
+            w = self._w
+            for lane in lanes.values():
+                w[lane.wake_word] = lane.ready.tail + quota
+        self._sl_fence()  # our stores before our loads of the heads: the writers' fence mirrors it
+        self._poll()
+        return bool(self._ready)
+
+    def _disarm(self) -> None:
+        w = self._w
+        for lane in self._lanes.values():
+            w[lane.wake_word] = NEVER
 
     def poll(self) -> int:
         """Serve the writers now, without waiting: take in commits and messages, lend free slots,
@@ -404,14 +436,24 @@ class Reader:
         self._check_live(r)
         self._held -= 1
         self._recycle(r.slot)
+        if len(self._pool) >= self._chunk():
+            self._feed()
+
+    def _chunk(self) -> int:
+        """Slots are lent in chunks of this many (or all at once before the reader waits).
+
+        A writer asleep for want of a slot costs a wake-up per lending; lending one slot at a time
+        to a writer faster than its reader would pay that per rollout.
+        """
+        return max(1, min(16, self.slots // (2 * max(1, len(self._lanes)))))
 
     def _recycle(self, slot: int) -> None:
+        """Back to the pool with a new generation; the caller decides when to lend."""
         g = self._gen[slot] + 1
         self._gen[slot] = g
         self._w[self._slot_words[slot] + S_GENERATION] = g
         self._state[slot] = SLOT_POOL
         self._pool.append(slot)
-        self._feed()
 
     def _feed(self) -> None:
         """Lend pool slots to the lanes holding fewest, so every writer gets its share."""
@@ -419,6 +461,9 @@ class Reader:
         if not lanes:
             return
         pool = self._pool
+        if not pool:
+            return
+        fed: set[_Lane] = set()
         while pool:
             lane = min(lanes.values(), key=_given) if len(lanes) > 1 else next(iter(lanes.values()))
             slot = pool.pop()
@@ -426,7 +471,15 @@ class Reader:
             self._owner[slot] = lane.index
             lane.given += 1
             lane.free.push(slot)
-            lane.sem.release()
+            fed.add(lane)
+        # Wake only a writer that sleeps for want of a slot, once, after every entry is in its ring.
+        # Our fence orders the head stores before the flag loads; the writer's orders its flag
+        # store before its head load (see Writer._wait_for_slot).
+        self._sl_fence()
+        w = self._w
+        for lane in fed:
+            if w[lane.free_wait_word]:
+                lane.sem.release()
 
     # -- lanes: arrivals, departures, deaths --------------------------------
 
@@ -439,26 +492,28 @@ class Reader:
             lane = self._lanes.get(i)
             if st == LANE_ACTIVE:
                 if lane is None:
-                    self._lanes[i] = _Lane(
-                        i,
-                        Consumer(w, p.ready_ring_word(i), p.n_slots, lw + L_READY_HEAD, lw + L_READY_TAIL),
-                        Producer(w, p.free_ring_word(i), p.n_slots, lw + L_FREE_HEAD, lw + L_FREE_TAIL),
-                        self._lane_sems[i], w[lw + L_PID], w[lw + L_START], p.mbox_off_of(i) // 8,
-                    )
+                    self._lanes[i] = self._new_lane(i)
                     changed = True
                 elif not alive(lane.pid, lane.start):
                     self._reclaim(lane, died=True)
             elif st == LANE_RETIRED:
                 if lane is None:  # retired before we ever saw it: give it a view, then take it back
-                    lane = _Lane(i, Consumer(w, p.ready_ring_word(i), p.n_slots, lw + L_READY_HEAD, lw + L_READY_TAIL),
-                                 Producer(w, p.free_ring_word(i), p.n_slots, lw + L_FREE_HEAD, lw + L_FREE_TAIL),
-                                 self._lane_sems[i], w[lw + L_PID], w[lw + L_START], p.mbox_off_of(i) // 8)
-                    self._lanes[i] = lane
+                    lane = self._lanes[i] = self._new_lane(i)
                 self._reclaim(lane, died=False)
         if changed:
             self._feed()
         self._w[W_READY_DEPTH] = len(self._ready)  # gauges for `shmbuf ls`, refreshed at each scan
         self._w[W_POOL] = len(self._pool)
+
+    def _new_lane(self, i: int) -> _Lane:
+        w, p = self._w, self._plan
+        lw = p.lane_word(i)
+        return _Lane(
+            i,
+            Consumer(w, p.ready_ring_word(i), p.n_slots, lw + L_READY_HEAD, lw + L_READY_TAIL),
+            Producer(w, p.free_ring_word(i), p.n_slots, lw + L_FREE_HEAD, lw + L_FREE_TAIL),
+            self._lane_sems[i], w[lw + L_PID], w[lw + L_START], p.mbox_off_of(i) // 8, lw,
+        )
 
     def _reclaim(self, lane: _Lane, died: bool) -> None:
         """Take back a lane whose writer left or died: deliver what it committed, pool what it held."""
@@ -491,7 +546,7 @@ class Reader:
                 lane.sem.acquire(0)
             except posix_ipc.BusyError:
                 break
-        for word in (L_READY_HEAD, L_READY_TAIL, L_FREE_HEAD, L_FREE_TAIL, L_PID, L_START):
+        for word in (L_READY_HEAD, L_READY_TAIL, L_FREE_HEAD, L_FREE_TAIL, L_FREE_WAIT, L_PID, L_START, L_WAKE_AT):
             w[lw + word] = 0
         w[mw + _control.M_POST] = 0
         w[mw + _control.M_ACK] = 0

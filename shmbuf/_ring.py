@@ -64,6 +64,16 @@ class Fence:
         self._lock.acquire()
 
 
+def store_load_fence() -> Fence:
+    """A full barrier on every CPU, x86-64 included.
+
+    TSO still lets a store be passed by a later load (the store-buffer litmus test), so a wake-up
+    handshake where each side stores its own word and then loads the other's needs an atomic
+    read-modify-write on both sides: see "Waking" in docs/design/rings.md.
+    """
+    return Fence()
+
+
 def fence() -> Fence | None:
     """A Fence where the CPU needs one; None on x86-64, whose stores already become visible in order.
 
@@ -75,9 +85,10 @@ def fence() -> Fence | None:
 class Producer:
     """The producing side of one ring: owns ``head``, reads ``tail`` only to check for overflow."""
 
-    __slots__ = ("_w", "_ring", "_cap", "_head_w", "_tail_w", "_head")
+    __slots__ = ("_w", "_ring", "_cap", "_head_w", "_tail_w", "_head", "_fence")
 
     def __init__(self, words: memoryview, ring_word: int, cap: int, head_word: int, tail_word: int):
+        self._fence = fence()
         self._w = words
         self._ring = ring_word
         self._cap = cap
@@ -85,12 +96,19 @@ class Producer:
         self._tail_w = tail_word
         self._head = words[head_word]
 
+    @property
+    def head(self) -> int:
+        """Entries published so far (this side's own copy of ``head``)."""
+        return self._head
+
     def push(self, value: int) -> None:
         w = self._w
         h = self._head
         if h - w[self._tail_w] >= self._cap:
             raise RuntimeError(f"ring overflow (head {h}, tail {w[self._tail_w]}, capacity {self._cap}): the segment is corrupt")
         w[self._ring + h % self._cap] = value
+        if self._fence:  # the entry before the head that publishes it
+            self._fence()
         self._head = h + 1
         w[self._head_w] = h + 1
 
@@ -107,6 +125,11 @@ class Consumer:
         self._head_w = head_word
         self._tail_w = tail_word
         self._tail = words[tail_word]
+
+    @property
+    def tail(self) -> int:
+        """Entries consumed so far (this side's own copy of ``tail``)."""
+        return self._tail
 
     def available(self) -> int:
         """How many entries are published and not yet consumed (a load of ``head``)."""

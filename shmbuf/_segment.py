@@ -60,10 +60,13 @@ W_READY_DEPTH = LIVE_OFF // 8 + 12
 W_POOL = LIVE_OFF // 8 + 13
 
 # Lane record words (relative to the lane's first word).
-# Line 0, written only by the lane's writer (its ready head counts its commits):
-L_PID, L_START, L_READY_HEAD, L_FREE_TAIL = 0, 1, 2, 3
-# Line 1, written only by the reader:
-L_READY_TAIL, L_FREE_HEAD = 8, 9
+# Line 0, written only by the lane's writer (its ready head counts its commits). L_FREE_WAIT:
+# 1 while the writer sleeps for want of a slot, so that the reader posts only then.
+L_PID, L_START, L_READY_HEAD, L_FREE_TAIL, L_FREE_WAIT = 0, 1, 2, 3, 4
+# Line 1, written only by the reader. L_WAKE_AT: ring the doorbell when the ready head reaches
+# this (0: always, the safe default; NEVER: the reader is busy and will look anyway).
+L_READY_TAIL, L_FREE_HEAD, L_WAKE_AT = 8, 9, 10
+NEVER = 1 << 62
 # Line 2, handed over between them (see docs/design/lanes.md):
 L_STATE, L_EPOCH = 16, 17
 LANE_FREE, LANE_ACTIVE, LANE_RETIRED = 0, 1, 2

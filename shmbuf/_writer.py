@@ -23,10 +23,10 @@ from shmbuf import _control
 from shmbuf._errors import BrokenPipeline, PipelineClosed, SchemaError, SlotTimeout
 from shmbuf._handle import Handle, name_of
 from shmbuf._proc import alive, start_time
-from shmbuf._ring import Consumer, Producer, fence
+from shmbuf._ring import Consumer, Producer, fence, store_load_fence
 from shmbuf._schema import Leaf, Schema, Timescale, flatten_like
 from shmbuf._segment import (
-    L_EPOCH, L_FREE_HEAD, L_FREE_TAIL, L_PID, L_READY_HEAD, L_READY_TAIL, L_START, L_STATE,
+    L_EPOCH, L_FREE_HEAD, L_FREE_TAIL, L_FREE_WAIT, L_PID, L_READY_HEAD, L_READY_TAIL, L_START, L_STATE, L_WAKE_AT,
     LANE_ACTIVE, LANE_FREE, LANE_RETIRED, S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment,
     header_fields, sem_name,
 )
@@ -43,7 +43,7 @@ _MISSING = object()
 class _Ts:
     """A timescale as the writer's hot path wants it: everything precomputed, nothing to look up."""
 
-    __slots__ = ("index", "spec", "leaves", "keys", "checks", "scratch", "capacity", "buffered")
+    __slots__ = ("index", "spec", "leaves", "keys", "checks", "whole_checks", "scratch", "capacity", "buffered")
 
     def __init__(self, index: int, spec: Timescale, treespec: optree.PyTreeSpec):
         self.index = index
@@ -57,6 +57,7 @@ class _Ts:
         # (key, dtype, item shape) per leaf: what an exact incoming array looks like
         self.checks = tuple(zip(self.keys or ("",) * len(spec.leaves), (lf.dtype for lf in spec.leaves),
                                 (lf.item_shape for lf in spec.leaves)))
+        self.whole_checks = tuple((k, dt, lf.shape) for (k, dt, _), lf in zip(self.checks, spec.leaves))  # for send()
         self.scratch: list[Any] = [None] * len(spec.leaves)
 
 
@@ -117,9 +118,11 @@ class Writer:
         self.schema = schema
         self._ts = {ts.name: _Ts(i, ts, treespecs[ts.name]) for i, ts in enumerate(schema.timescales)}
         self._treespecs = treespecs
+        self._ts_list = list(self._ts.values())
         self._w = seg.words
         self._plan = p = seg.plan
         self._fence = fence()
+        self._sl_fence = store_load_fence()
         hdr = header_fields(seg.mm)
         self._owner = (int(hdr["owner_pid"]), int(hdr["owner_start"]))
         self._doorbell = self._open_sem("r")
@@ -128,6 +131,7 @@ class Writer:
         self._claim_lane(label)
         lw = p.lane_word(self.lane)
         self._lane_w = lw
+        self._wake_w = lw + L_WAKE_AT
         self._free_sem = self._open_sem(f"f{self.lane}")
         self._ready = Producer(self._w, p.ready_ring_word(self.lane), p.n_slots, lw + L_READY_HEAD, lw + L_READY_TAIL)
         self._free = Consumer(self._w, p.free_ring_word(self.lane), p.n_slots, lw + L_FREE_HEAD, lw + L_FREE_TAIL)
@@ -315,7 +319,12 @@ class Writer:
         if self._fence:  # payload before the ring entry (not needed on x86-64: see _ring)
             self._fence()
         self._ready.push(slot)
-        self._doorbell.release()
+        # Ring the doorbell only if the reader sleeps and asked to be woken by now. The fence orders
+        # our head store before the load of its wake word, as its fence orders its store before
+        # its load of our head: one of the two always sees the other (docs/design/rings.md).
+        self._sl_fence()
+        if w[self._wake_w] <= self._ready.head:
+            self._doorbell.release()
         self._slot = -1
         self._seq = seq + 1
         self.stats["commits"] += 1
@@ -336,21 +345,33 @@ class Writer:
             self._raise_closed()
         if self._slot >= 0 and any(self._fill):
             raise RuntimeError(f"send() while a rollout is being built with add() on pipeline {self.name}; commit() or reset() it first")
-        if not isinstance(tree, dict) or tree.keys() != self._ts.keys():
+        if type(tree) is not dict or len(tree) != len(self._ts) or tree.keys() != self._ts.keys():
             got = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
             raise SchemaError(f"send: expected a dict with timescales {sorted(self._ts)}, got {got}")
-        staged = []
-        for name, ts in self._ts.items():
-            leaves = self._leaves_of(ts, tree[name], whole=True)
-            staged.append((ts, leaves))
+        for ts in self._ts_list:  # check everything before writing anything
+            sub = tree[ts.spec.name]
+            vals = ts.scratch
+            if ts.keys is not None and type(sub) is dict and len(sub) == len(vals):
+                j = 0
+                for k, dt, shape in ts.whole_checks:
+                    x = sub.get(k, _MISSING)
+                    if type(x) is not np.ndarray or x.dtype is not dt or x.shape != shape:
+                        if x is _MISSING:
+                            self._keys_mismatch(ts, sub)
+                        x = _check_whole(ts.leaves[j], x)
+                    vals[j] = x
+                    j += 1
+            else:
+                vals[:] = self._leaves_of(ts, sub, whole=True)
         if self._slot < 0:
             self._claim_slot()
         elif self._w[W_CLOSED]:
             self._raise_closed()
-        for ts, leaves in staged:
-            dst = self._cur[ts.index]
-            for j, x in enumerate(leaves):
-                np.copyto(dst[j], x, casting="same_kind")
+        for ts in self._ts_list:
+            vals = ts.scratch
+            for j, dst in enumerate(self._cur[ts.index]):
+                dst[...] = vals[j]  # dtype already checked against 'same_kind'
+                vals[j] = None  # hold no reference to the caller's arrays
             self._fill[ts.index] = ts.capacity
         return self.commit(policy_version)
 
@@ -366,14 +387,8 @@ class Writer:
             )
         if self._w[W_CLOSED]:
             self._raise_closed()
-        try:
-            self._free_sem.acquire(0)
-        except posix_ipc.BusyError:
+        if self._free.available() <= 0:
             self._wait_for_slot()
-        if self._w[W_CLOSED]:
-            self._raise_closed()
-        if self._free.available() <= 0:  # the post we took must cover an entry
-            raise RuntimeError(f"pipeline {self.name}: free-slot count and ring disagree; the segment is corrupt")
         if self._fence:
             self._fence()
         slot = self._free.pop()
@@ -389,6 +404,7 @@ class Writer:
         self._cur = views
 
     def _wait_for_slot(self) -> None:
+        w, flag = self._w, self._lane_w + L_FREE_WAIT
         t0 = time.monotonic()
         deadline = None if self.timeout is None else t0 + self.timeout
         self.stats["waits"] += 1
@@ -400,15 +416,24 @@ class Writer:
                         f"pipeline {self.name}: no free slot within timeout={self.timeout} s (Writer(timeout=...)); "
                         "the reader is not releasing rollouts as fast as writers commit them, or there are too few slots"
                     )
-                try:
-                    self._free_sem.acquire(wait)
+                # Say we sleep, then look once more: the reader stores its head, fences and reads our
+                # flag; we store the flag, fence and read its head; one of us sees the other.
+                w[flag] = 1
+                self._sl_fence()
+                if self._free.available() > 0:
                     return
+                try:
+                    self._free_sem.acquire(wait)  # a spare post from an earlier round only means one more look
                 except posix_ipc.BusyError:
                     pass
-                if self._w[W_CLOSED]:
+                w[flag] = 0
+                if w[W_CLOSED]:
                     self._raise_closed()
+                if self._free.available() > 0:
+                    return
                 self._check_reader()
         finally:
+            w[flag] = 0
             self.stats["wait_s"] += time.monotonic() - t0
 
     def _check_reader(self) -> None:
