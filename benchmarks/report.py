@@ -145,6 +145,9 @@ def _fmt(x: float | None, nd: int = 0) -> str:
     return f"{x:,.{nd}f}"
 
 
+LOADED = 0.75  # cores of other people's load above which a figure is marked
+
+
 def _cell(s: dict[str, Any] | None, key: str, nd: int = 0) -> str:
     if s is None:
         return ""
@@ -154,7 +157,8 @@ def _cell(s: dict[str, Any] | None, key: str, nd: int = 0) -> str:
     if v["median"] is None:
         return "–"
     spread = (v["max"] - v["min"]) / v["median"] * 100 if v["median"] else 0
-    return f"{_fmt(v['median'], nd)} ±{spread / 2:.0f}%"
+    mark = " ‡" if (s.get("other_load_cores") or 0) > LOADED else ""
+    return f"{_fmt(v['median'], nd)} ±{spread / 2:.0f}%{mark}"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -168,7 +172,8 @@ def markdown(result: dict[str, Any]) -> str:
              "", f"Sweep: B={result['config']['batch']} stacked rollouts per batch, queue depth {result['config']['depth']}, "
              f"{result['config']['windows']} windows of {result['config']['window_s']} s after {result['config']['warmup_s']} s "
              f"of warm-up; medians over windows, ± half the min–max spread. Load average at start "
-             f"{m['loadavg_start'][0]:.2f}, at end {m.get('loadavg_end', [0])[0]:.2f}.", ""]
+             f"{m['loadavg_start'][0]:.2f}, at end {m.get('loadavg_end', [0])[0]:.2f}. ‡: more than {LOADED} core of "
+             f"other people's load on the machine during that run (see the section on it below).", ""]
     for mode, title in (("transport", "Transport mode (actors send a built rollout)"),
                         ("step", "Step mode (actors add T steps, then commit / build + send)")):
         ms = [s for s in systems if any(x["mode"] == mode and x["system"] == s for x in S)]

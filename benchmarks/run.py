@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-s", type=float, default=None, help="warm-up seconds, dropped")
     p.add_argument("--stall-s", type=float, default=STALL_S, help="no batch for this long: the run is stalled")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--render", metavar="JSON", help="only rewrite the .md and .png of a results file (no run)")
     a = p.parse_args(argv)
     for name, allowed in (("systems", transports.SYSTEMS), ("payloads", payloads.NAMES), ("modes", MODES)):
         bad = [x for x in getattr(a, name) if x not in allowed]
@@ -109,12 +110,44 @@ def _microbench(a: argparse.Namespace) -> dict[str, Any] | None:
         rx.close()
 
 
+def render(path: str, plot: bool = True) -> dict[str, Any]:
+    """Rewrite the table page and the plot of a results file from its raw records (nothing is re-measured)."""
+    from benchmarks import report
+
+    with open(path) as f:
+        result = json.load(f)
+    result["summaries"] = [report.summarize(r) for r in result["runs"]]
+    result["stalls"] = [s for s in result["summaries"] if s["status"] != "ok"]
+    result["targets"] = report.targets(result["summaries"], result["microbench"], result["copy_bandwidth"],
+                                       result["stalls"], cores=result["machine"]["cores_usable"],
+                                       payload_bytes=result["payload_bytes"])
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    _write_page(result, path[: -len(".json")], plot)
+    return result
+
+
+def _write_page(result: dict[str, Any], stem: str, plot: bool) -> None:
+    from benchmarks import report
+
+    md = report.markdown(result)
+    if plot:
+        report.plot(result, stem + ".png")
+        md += f"\n![rollouts/s and MB/s]({os.path.basename(stem)}.png)\n"
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    print(md)
+    print(f"wrote {stem}.json, .md{'' if not plot else ', .png'}")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from tqdm import tqdm
 
     from benchmarks import harness, machine, payloads, report
 
     a = parse_args(argv)
+    if a.render:
+        return render(a.render, plot=not a.no_plot)
     runs = plan(a)
     m = machine.info()
     print(f"machine: {machine.line(m)}", flush=True)
@@ -163,14 +196,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stem = os.path.join(a.out, f"{date}-{m['host']}{'-quick' if a.quick else ''}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    md = report.markdown(result)
-    if not a.no_plot:
-        report.plot(result, stem + ".png")
-        md += f"\n![rollouts/s and MB/s]({os.path.basename(stem)}.png)\n"
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    print(md)
-    print(f"wrote {stem}.json, .md{'' if a.no_plot else ', .png'} in {result['sweep_s']} s")
+    _write_page(result, stem, plot=not a.no_plot)
+    print(f"sweep: {result['sweep_s']} s")
     result["paths"] = {"json": stem + ".json", "md": stem + ".md", "png": None if a.no_plot else stem + ".png"}
     return result
 
