@@ -257,11 +257,12 @@ def markdown(result: dict[str, Any]) -> str:
     if other:
         vals = [o for o, _ in other]
         busy = [x for o, x in other if o > 0.25]
+        named = ", ".join(f"{NAMES[x['system']]} {x['payload']} {x['mode']} x{x['actors']} ({x['other_load_cores']:.2f})"
+                          for x in busy)
         lines += ["## Other load on the machine during the runs", "",
                   f"Cores busy with processes outside the run (from /proc/stat, less the run's own CPU): median "
                   f"{np.median(vals):.2f}, max {max(vals):.2f}; {len(busy)} of {len(other)} runs saw more than 0.25 core"
-                  + (": " + ", ".join(f"{NAMES[x['system']]} {x['payload']} {x['mode']} x{x['actors']} ({x['other_load_cores']:.2f})"
-                                      for x in busy) if busy else "") + ".", ""]
+                  + (f": {named}" if busy else "") + ".", ""]
     lines += ["## Stalls", ""]
     if result["stalls"]:
         for s in result["stalls"]:
