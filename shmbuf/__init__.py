@@ -29,6 +29,7 @@ from shmbuf._errors import (
 from shmbuf._handle import Handle
 from shmbuf._reader import Batch, Reader, Rollout, create
 from shmbuf._schema import Leaf, Schema, Timescale
+from shmbuf._weights import WeightPublisher, WeightsHandle, WeightSubscriber
 from shmbuf._writer import Writer
 
 __version__ = "0.1.0"
@@ -49,6 +50,9 @@ __all__ = [
     "SlotTimeout",
     "StaleRollout",
     "Timescale",
+    "WeightPublisher",
+    "WeightSubscriber",
+    "WeightsHandle",
     "Writer",
     "WriterError",
     "__version__",

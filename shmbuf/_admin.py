@@ -10,6 +10,7 @@ import posix_ipc
 
 from shmbuf._errors import SegmentError
 from shmbuf._proc import alive
+from shmbuf._reader import read_label
 from shmbuf._segment import (
     L_PID, L_READY_HEAD, L_STATE, LANE_ACTIVE, LANE_RETIRED, PREFIX, W_CLOSED, W_DELIVERED, W_POOL, W_READY_DEPTH,
     Segment, header_fields, unlink_all,
@@ -17,6 +18,7 @@ from shmbuf._segment import (
 
 SHM_DIR = "/dev/shm"
 _SEG = re.compile(r"^shmbuf-([0-9a-f]{16})$")
+_WEIGHTS = re.compile(r"^shmbuf-w([0-9a-f]{16})$")
 _SEM = re.compile(r"^sem\.shmbuf-([0-9a-f]{16})-(r|f\d+)$")
 
 
@@ -37,8 +39,9 @@ class Found:
     pool: int = 0
     ready: int = 0
     delivered: int = 0
-    writers: list[tuple[int, int, bool, int]] = field(default_factory=list)  # lane, pid, alive, commits
+    writers: list[tuple[int, int, bool, int, str]] = field(default_factory=list)  # lane, pid, alive, commits, label
     error: str = ""
+    weights: bool = False  # a weight-broadcast object (shmbuf._weights), not a pipeline
 
     @property
     def removable(self) -> bool:
@@ -56,6 +59,10 @@ def scan(directory: str = SHM_DIR) -> list[Found]:
         return []
     found: dict[str, Found] = {}
     for entry in entries:
+        m = _WEIGHTS.match(entry)
+        if m:
+            f = found.setdefault("/" + entry, Found("/" + entry, segment=True, weights=True))
+            continue
         m = _SEG.match(entry)
         if m:
             found.setdefault(PREFIX + m.group(1), Found(PREFIX + m.group(1), segment=True)).segment = True
@@ -65,7 +72,9 @@ def scan(directory: str = SHM_DIR) -> list[Found]:
             name = PREFIX + m.group(1)
             found.setdefault(name, Found(name, segment=False)).semaphores.append(entry)
     for f in found.values():
-        if f.segment:
+        if f.weights:
+            _inspect_weights(f, directory)
+        elif f.segment:
             _inspect(f)
     return list(found.values())
 
@@ -91,9 +100,32 @@ def _inspect(f: Found) -> None:
             lw = seg.plan.lane_word(lane)
             if w[lw + L_STATE] in (LANE_ACTIVE, LANE_RETIRED):
                 pid = w[lw + L_PID]
-                f.writers.append((lane, pid, alive(pid, 0), w[lw + L_READY_HEAD]))  # its ready head counts its commits
+                label = read_label(seg.mm, w, lw)
+                f.writers.append((lane, pid, alive(pid, 0), w[lw + L_READY_HEAD], label))  # ready head = commits
     finally:
         seg.close()
+
+
+def _inspect_weights(f: Found, directory: str) -> None:
+    """A weight-broadcast object: check its magic and size, read its owner."""
+    from shmbuf._weights import _HEADER, W_MAGIC
+
+    try:
+        with open(os.path.join(directory, f.name[1:]), "rb") as fh:
+            raw = fh.read(_HEADER.size)
+            size = os.fstat(fh.fileno()).st_size
+    except OSError as exc:
+        f.error = str(exc)
+        return
+    if len(raw) < _HEADER.size:
+        f.error = "too small to be a shmbuf weights object"
+        return
+    magic, _lv, _hb, total, buffers, pid, started, *_ = _HEADER.unpack(raw)
+    if magic != W_MAGIC or total != size:
+        f.error = "not a shmbuf weights object (magic or size)"
+        return
+    f.owner_pid, f.size, f.slots = int(pid), size, int(buffers)
+    f.owner_alive = alive(int(pid), int(started))
 
 
 def remove(f: Found) -> list[str]:
@@ -101,6 +133,13 @@ def remove(f: Found) -> list[str]:
     if not f.removable:
         return []
     removed = []
+    if f.weights:
+        try:
+            posix_ipc.unlink_shared_memory(f.name)
+            removed.append(f.name)
+        except posix_ipc.ExistentialError:
+            pass
+        return removed
     if f.segment:
         unlink_all(f.name, f.lanes)
         removed.append(f.name)

@@ -22,12 +22,17 @@ def _ls(args: argparse.Namespace) -> int:
         if f.error:
             print(f"{f.name}  unreadable: {f.error}")
             continue
+        if f.weights:
+            state = "alive" if f.owner_alive else "DEAD (removable by `shmbuf clean`)"
+            print(f"{f.name}  weight broadcast, owner pid {f.owner_pid} {state}, {f.size / 2**20:.1f} MiB, {f.slots} buffers")
+            continue
         owner = f"owner pid {f.owner_pid} {'alive' if f.owner_alive else 'DEAD (removable by `shmbuf clean`)'}"
         state = "closed" if f.closed else "open"
         print(f"{f.name}  {state}, {owner}, {f.size / 2**20:.1f} MiB, {f.slots} slots, {f.lanes} lanes")
         print(f"    slots: {f.pool} in pool, {f.ready} ready; {f.delivered} rollouts delivered")
-        for lane, pid, ok, commits in f.writers:
-            print(f"    writer lane {lane}: pid {pid} {'alive' if ok else 'dead'}, {commits} commits")
+        for lane, pid, ok, commits, label in f.writers:
+            named = f" ({label})" if label else ""
+            print(f"    writer lane {lane}{named}: pid {pid} {'alive' if ok else 'dead'}, {commits} commits")
         if args.verbose:
             print(f"    schema: {f.schema}")
     return 0

@@ -14,7 +14,6 @@ same ordering argument as the rings (:mod:`shmbuf._ring`) applies.
 
 Message types (writer to reader, the ``type`` field; every field checked on receipt):
 
-- ``hello``: a writer took a lane (``pid``, ``label``).
 - ``error``: an exception in the writer (``exc_type``, ``message``, ``traceback``).
 - ``stats``: the writer's counters (``counters``: str to number).
 - ``bye``: the writer closed its lane (``reason``).
@@ -38,7 +37,6 @@ M_POST, M_LEN, M_MAGIC, M_ACK = 0, 1, 2, 8
 MAX_TEXT = 6000
 
 _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "hello": {"pid": int, "label": str},
     "error": {"exc_type": str, "message": str, "traceback": str},
     "stats": {"counters": dict},
     "bye": {"reason": str},
@@ -83,6 +81,6 @@ def decode(data: bytes) -> dict[str, Any]:
     extra = set(msg) - set(spec) - {"type"}
     if extra:
         raise BadMessage(f"{mtype}: unexpected fields {sorted(extra, key=str)}")
-    if mtype == "stats" and not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in msg["counters"].items()):
+    if mtype == "stats" and not all(isinstance(k, str) and type(v) in (int, float) for k, v in msg["counters"].items()):
         raise BadMessage("stats: counters must map str to numbers")
     return msg

@@ -67,8 +67,11 @@ L_PID, L_START, L_READY_HEAD, L_FREE_TAIL, L_FREE_WAIT = 0, 1, 2, 3, 4
 # this (0: always, the safe default; NEVER: the reader is busy and will look anyway).
 L_READY_TAIL, L_FREE_HEAD, L_WAKE_AT = 8, 9, 10
 NEVER = 1 << 62
-# Line 2, handed over between them (see docs/design/lanes.md):
+# Line 2, handed over between them (see docs/design/rings.md):
 L_STATE, L_EPOCH = 16, 17
+# Line 3, the writer's label (written before the lane turns ACTIVE): a length word, then the bytes.
+L_LABEL_LEN, L_LABEL = 24, 25
+LABEL_BYTES = 48
 LANE_FREE, LANE_ACTIVE, LANE_RETIRED = 0, 1, 2
 
 # Slot record words (relative to the slot's first word). The writer stores

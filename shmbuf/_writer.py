@@ -27,7 +27,7 @@ from shmbuf._ring import Consumer, Producer, fence, store_load_fence
 from shmbuf._schema import Leaf, Schema, Timescale, flatten_like
 from shmbuf._segment import (
     L_EPOCH, L_FREE_HEAD, L_FREE_TAIL, L_FREE_WAIT, L_PID, L_READY_HEAD, L_READY_TAIL, L_START, L_STATE, L_WAKE_AT,
-    LANE_ACTIVE, LANE_FREE, LANE_RETIRED, S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment,
+    L_LABEL, L_LABEL_LEN, LABEL_BYTES, LANE_ACTIVE, LANE_FREE, LANE_RETIRED, S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment,
     header_fields, sem_name,
 )
 
@@ -148,7 +148,6 @@ class Writer:
         self._seq = 0
         self.policy_version = 0
         self.stats = {"commits": 0, "adds": 0, "wait_s": 0.0, "waits": 0}
-        self._post(_control.encode("hello", pid=self._pid, label=str(label)[:200]))
 
     # -- set-up and tear-down -----------------------------------------------
 
@@ -181,6 +180,10 @@ class Writer:
                 # The reader reset the counters when it freed the lane; we own line 0 now.
                 w[lw + L_PID] = self._pid
                 w[lw + L_START] = start_time(self._pid)
+                raw = str(label).encode()[:LABEL_BYTES]
+                off = (lw + L_LABEL) * 8
+                self._seg.mm[off : off + len(raw)] = raw  # type: ignore[union-attr]
+                w[lw + L_LABEL_LEN] = len(raw)
                 w[lw + L_EPOCH] = w[lw + L_EPOCH] + 1
                 w[lw + L_STATE] = LANE_ACTIVE
                 self.lane = lane
@@ -278,7 +281,8 @@ class Writer:
             j = 0
             for k, dt, shape in ts.checks:
                 x = data.get(k, _MISSING)
-                if type(x) is not np.ndarray or x.dtype is not dt or x.shape != shape:
+                tx = type(x)  # an array, or a numpy scalar (reward[t]) of the leaf's own type
+                if (tx is not np.ndarray and tx is not dt.type) or x.dtype is not dt or x.shape != shape:
                     x = self._slow_item(ts, j, x, data)
                 vals[j] = x
                 j += 1
@@ -446,16 +450,23 @@ class Writer:
     # -- control messages ---------------------------------------------------
 
     def _post(self, payload: bytes, wait: float = 1.0) -> bool:
-        """Put one message in this lane's mailbox; False if the reader did not take the last one in time."""
+        """Put one message in this lane's mailbox; False if the reader did not take the last one in time,
+        closed the pipeline, or died."""
         from shmbuf._segment import MAILBOX_PAYLOAD_OFF
 
         w = self._w
         base = self._plan.mbox_off_of(self.lane)
         mw = base // 8
         deadline = time.monotonic() + wait
+        checked = time.monotonic()
         while w[mw + _control.M_ACK] != w[mw + _control.M_POST]:
-            if time.monotonic() >= deadline or w[W_CLOSED]:
+            now = time.monotonic()
+            if now >= deadline or w[W_CLOSED]:
                 return False
+            if now - checked > WAIT_SLICE:
+                if not alive(*self._owner):
+                    return False
+                checked = now
             time.sleep(0.001)
         off = base + MAILBOX_PAYLOAD_OFF
         self._seg.mm[off : off + len(payload)] = payload  # type: ignore[union-attr]
@@ -467,12 +478,17 @@ class Writer:
         self._doorbell.release()
         return True
 
-    def report_error(self, exc: BaseException) -> bool:
-        """Send an exception (with its traceback, as text) to the reader, which raises it as WriterError."""
+    def report_error(self, exc: BaseException, timeout: float = 10.0) -> bool:
+        """Send an exception (with its traceback, as text) to the reader, which raises it as WriterError.
+
+        Waits up to ``timeout`` seconds for the reader to take a message still in the mailbox (it
+        does at its next get, get_batch or poll). False if it did not, closed the pipeline, or died.
+        """
         if self._closed or self._seg is None:
             return False
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return self._post(_control.encode("error", exc_type=type(exc).__name__, message=str(exc)[:2000], traceback=tb))
+        msg = _control.encode("error", exc_type=type(exc).__name__, message=str(exc)[:2000], traceback=tb)
+        return self._post(msg, wait=timeout)
 
     def send_stats(self) -> bool:
         """Send this writer's counters to the reader (shown in ``reader.stats()``)."""

@@ -48,28 +48,48 @@ def child_pids() -> list[int]:
     return kids
 
 
+def leaked_since(before: set[str]) -> list[Any]:
+    """New shmbuf objects that are this process's, or whose owner is dead (so: left by this suite's children).
+
+    A live object of another process is not ours to judge, or to remove: other test runs and
+    programs may share this machine's /dev/shm.
+    """
+    from shmbuf import _admin
+
+    new = shm_objects() - before
+    out = []
+    for f in _admin.scan():
+        entries = ({f.name[1:]} if f.segment else set()) | set(f.semaphores)
+        if entries & new and (f.owner_pid == os.getpid() or f.removable):
+            out.append(f)
+    return out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leaks_at_end() -> Iterator[None]:
-    """Fails the suite if any shmbuf object or child process outlives it (and removes them, for the next run)."""
+    """Fails the suite if any shmbuf object of its own or child process outlives it (and removes them, for the next run)."""
+    from shmbuf import _admin
+
     before = shm_objects()
     yield
     deadline = time.monotonic() + 5.0
-    while (child_pids() or shm_objects() - before) and time.monotonic() < deadline:
+    while (child_pids() or leaked_since(before)) and time.monotonic() < deadline:
         for p in mp.active_children():  # reaps the finished ones
             p.join(0)
         time.sleep(0.05)
     kids = child_pids()
-    leaked = sorted(shm_objects() - before)
     for pid in kids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    for entry in leaked:
-        try:
-            os.unlink(os.path.join(SHM_DIR, entry))
-        except OSError:
-            pass
+    found = leaked_since(before)
+    leaked = sorted(e for f in found for e in ([f.name[1:]] if f.segment else []) + f.semaphores)
+    for f in found:
+        if f.owner_pid == os.getpid() and not f.removable:  # our own, still open: close it the hard way
+            f.owner_alive = False
+            f.error = ""
+        _admin.remove(f)
     problems = []
     if leaked:
         problems.append(f"left in {SHM_DIR}: {leaked}")

@@ -48,7 +48,7 @@ def test_ls_shows_live_and_dead_owners(make_reader: Any, orphan: str, capsys: An
     assert main(["ls", "-v"]) == 0
     out = capsys.readouterr().out
     assert f"{live.name}  open, owner pid {os.getpid()} alive" in out and "3 slots, 1 lanes" in out
-    assert f"writer lane 0: pid {os.getpid()} alive" in out
+    assert f"writer lane 0 (ls-test): pid {os.getpid()} alive" in out
     assert "schema: episode[single-item x1]" in out
     assert f"{orphan}  open, owner pid" in out and "DEAD (removable by `shmbuf clean`)" in out
     w.close()

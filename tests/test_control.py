@@ -40,13 +40,13 @@ BAD = [
     (msgpack.packb([1, 2, 3]), None, _control.MSG_MAGIC),  # not a map
     (msgpack.packb({"type": "launch_missiles"}), None, _control.MSG_MAGIC),  # unknown type
     (msgpack.packb({"type": "error", "exc_type": 3, "message": "m", "traceback": ""}), None, _control.MSG_MAGIC),
-    (msgpack.packb({"type": "hello", "pid": 1, "label": "x", "extra": 1}), None, _control.MSG_MAGIC),
+    (msgpack.packb({"type": "bye", "reason": "x", "extra": 1}), None, _control.MSG_MAGIC),
     (msgpack.packb({"type": "stats", "counters": {"a": "b"}}), None, _control.MSG_MAGIC),
-    (msgpack.packb({"type": "hello", "pid": 1, "label": "x"})[:-2], None, _control.MSG_MAGIC),  # truncated
+    (msgpack.packb({"type": "bye", "reason": "xyz"})[:-2], None, _control.MSG_MAGIC),  # truncated
     (b"x" * 10, 10**9, _control.MSG_MAGIC),  # oversized length
     (b"x" * 10, 0, _control.MSG_MAGIC),
-    (msgpack.packb({"type": "hello", "pid": 1, "label": "x"}), None, 12345),  # bad magic
-    (msgpack.packb({"type": "hello", "pid": True, "label": "x"}), None, _control.MSG_MAGIC),  # bool is not a pid
+    (msgpack.packb({"type": "bye", "reason": "x"}), None, 12345),  # bad magic
+    (msgpack.packb({"type": "stats", "counters": {"n": True}}), None, _control.MSG_MAGIC),  # bool is not a count
 ]
 
 

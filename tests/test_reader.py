@@ -25,7 +25,7 @@ def write(writer: shmbuf.Writer, tag: float, length: int = T) -> None:
 
 @pytest.fixture
 def pair(make_reader: Any) -> Any:
-    reader = make_reader(small_example(), slots=4, max_writers=2)
+    reader = make_reader(small_example(), slots=8, max_writers=2)  # one writer may queue 8 // 2 before a poll
     writer = shmbuf.Writer(reader.handle, timeout=2.0)
     reader.poll()
     yield reader, writer
