@@ -113,6 +113,22 @@ class Producer:
         w[self._head_w] = h + 1
 
 
+    def push_many(self, values: list[int]) -> None:
+        """Push several entries and publish them with one store of ``head``."""
+        w = self._w
+        h = self._head
+        n = len(values)
+        if h + n - w[self._tail_w] > self._cap:
+            raise RuntimeError(f"ring overflow (head {h} + {n}, tail {w[self._tail_w]}, capacity {self._cap}): the segment is corrupt")
+        ring, cap = self._ring, self._cap
+        for k, v in enumerate(values):
+            w[ring + (h + k) % cap] = v
+        if self._fence:
+            self._fence()
+        self._head = h + n
+        w[self._head_w] = h + n
+
+
 class Consumer:
     """The consuming side of one ring: owns ``tail``."""
 
@@ -137,6 +153,14 @@ class Consumer:
         if not 0 <= n <= self._cap:
             raise RuntimeError(f"ring counters out of range (head-tail = {n}, capacity {self._cap}): the segment is corrupt")
         return n
+
+    def pop_many(self, n: int) -> list[int]:
+        """The next ``n`` entries (call after :meth:`available` said there are), with one store of ``tail``."""
+        w, ring, cap, t = self._w, self._ring, self._cap, self._tail
+        out = [w[ring + (t + k) % cap] for k in range(n)]
+        self._tail = t + n
+        w[self._tail_w] = t + n
+        return out
 
     def pop(self) -> int:
         """The next entry; call only after :meth:`available` said there is one."""
