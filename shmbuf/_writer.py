@@ -45,7 +45,7 @@ class _Ts:
 
     __slots__ = ("index", "spec", "leaves", "keys", "checks", "whole_checks", "scratch", "capacity", "buffered")
 
-    def __init__(self, index: int, spec: Timescale, treespec: optree.PyTreeSpec):
+    def __init__(self, index: int, spec: Timescale):
         self.index = index
         self.spec = spec
         self.leaves = spec.leaves
@@ -103,6 +103,8 @@ class Writer:
         try:
             self._setup(seg, example, label)
         except BaseException:
+            if self.lane >= 0:  # claimed, then failed: hand the lane back for the reader to reclaim
+                seg.words[seg.plan.lane_word(self.lane) + L_STATE] = LANE_RETIRED
             self._teardown()
             raise
 
@@ -116,7 +118,7 @@ class Writer:
                 raise SchemaError(f"the example does not match pipeline {self.name}: {diff}")
             treespecs = {ts.name: ts.treespec for ts in mine.timescales}
         self.schema = schema
-        self._ts = {ts.name: _Ts(i, ts, treespecs[ts.name]) for i, ts in enumerate(schema.timescales)}
+        self._ts = {ts.name: _Ts(i, ts) for i, ts in enumerate(schema.timescales)}
         self._treespecs = treespecs
         self._ts_list = list(self._ts.values())
         self._w = seg.words
@@ -147,7 +149,7 @@ class Writer:
         self._fill = [0] * len(schema.timescales)
         self._seq = 0
         self.policy_version = 0
-        self.stats = {"commits": 0, "adds": 0, "wait_s": 0.0, "waits": 0}
+        self.stats = {"commits": 0, "wait_s": 0.0, "waits": 0}
 
     # -- set-up and tear-down -----------------------------------------------
 
