@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 import tracemalloc
 from typing import Any
@@ -333,6 +334,8 @@ def test_add_and_commit_allocate_nothing_in_steady_state(make_reader: Any) -> No
             writer.reset()
 
     rollouts(20)  # warm up: every slot's views built once
+    gc.collect()  # earlier tests' garbage must not be freed (or collected into) inside the window
+    gc.disable()
     tracemalloc.start()
     try:
         rollouts(5)
@@ -346,6 +349,7 @@ def test_add_and_commit_allocate_nothing_in_steady_state(make_reader: Any) -> No
         current, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
+        gc.enable()
     # Nothing kept per step or per rollout...
     assert grown - base < 1024, f"memory grew by {grown - base} bytes over 12,800 adds and 200 commits"
     assert current - base2 < 256, f"memory grew by {current - base2} bytes over 12,800 adds"
