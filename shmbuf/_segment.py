@@ -74,11 +74,10 @@ L_LABEL_LEN, L_LABEL = 24, 25
 LABEL_BYTES = 48
 LANE_FREE, LANE_ACTIVE, LANE_RETIRED = 0, 1, 2
 
-# Slot record words (relative to the slot's first word). The writer stores
-# only what the reader cannot know: the lane and pid follow from the ring the
-# slot arrives on.
-S_GENERATION = 0  # reader-owned: bumped each time the slot is recycled
-S_SEQ, S_COMMIT_NS, S_POLICY = 1, 2, 3  # written by the committing writer
+# Slot record words (relative to the slot's first word), written by the committing writer. It
+# stores only what the reader cannot know: the lane and pid follow from the ring the slot
+# arrives on, and the slot's generation lives in the reader's own table (word 0 is reserved).
+S_SEQ, S_COMMIT_NS, S_POLICY = 1, 2, 3
 S_FILL = SLOT_META_WORDS  # one word per timescale
 SLOT_POOL, SLOT_LANE, SLOT_READY, SLOT_HELD = 0, 1, 2, 3  # the reader's private bookkeeping
 
