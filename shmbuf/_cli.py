@@ -1,4 +1,4 @@
-"""``shmbuf`` on the command line: demo, ls, clean, bench."""
+"""shmbuf on the command line: demo, ls, clean, bench."""
 
 from __future__ import annotations
 

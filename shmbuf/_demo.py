@@ -94,7 +94,7 @@ def run(seconds: float = 10.0, actors: int = 2, envs_per_actor: int = 8, steps: 
         first.release()
         reader.stats()  # reset nothing, just serve
         t0 = time.monotonic()
-        with tqdm(total=round(seconds, 1), unit="s", bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} s {postfix}") as bar:
+        with tqdm(total=round(seconds, 1), unit="s", bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} s{postfix}") as bar:
             while (now := time.monotonic()) - t0 < seconds:
                 with reader.get(timeout=10) as r:
                     # the learner reads the rollout where the actor wrote it
