@@ -137,6 +137,11 @@ def targets(summaries: list[dict[str, Any]], micro: dict[str, Any] | None, copy_
     return out
 
 
+def _cells(row: list, fmt: Any) -> list[str]:
+    """One table cell per run: blank where a run is missing, its status where it did not finish, else ``fmt(run)``."""
+    return ["" if r is None else r["status"].upper() if r["status"] != "ok" else fmt(r) for r in row]
+
+
 def _fmt(x: float | None, nd: int = 0) -> str:
     if x is None:
         return "–"
@@ -213,15 +218,8 @@ def markdown(result: dict[str, Any]) -> str:
                 row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in ms]
                 if not any(row):
                     continue
-                cells = []
-                for r in row:
-                    if r is None:
-                        cells.append("")
-                    elif r["status"] != "ok":
-                        cells.append(r["status"].upper())
-                    else:
-                        c = r["cpu_us_per_rollout"]
-                        cells.append(f"{_fmt(c['actors'], 1)} / {_fmt(c['learner'], 1)}")
+                cells = _cells(row, lambda r: f"{_fmt(r['cpu_us_per_rollout']['actors'], 1)} / "
+                                              f"{_fmt(r['cpu_us_per_rollout']['learner'], 1)}")
                 lines.append(f"| {payload} | {n} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Latency, send/commit to the learner holding the batch: p50 / p99 µs", "",
@@ -233,14 +231,7 @@ def markdown(result: dict[str, Any]) -> str:
             row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in systems]
             if not any(row):
                 continue
-            cells = []
-            for r in row:
-                if r is None:
-                    cells.append("")
-                elif r["status"] != "ok":
-                    cells.append(r["status"].upper())
-                else:
-                    cells.append(f"{_fmt(_med(r, 'latency_us', 'p50'))} / {_fmt(_med(r, 'latency_us', 'p99'))}")
+            cells = _cells(row, lambda r: f"{_fmt(_med(r, 'latency_us', 'p50'))} / {_fmt(_med(r, 'latency_us', 'p99'))}")
             lines.append(f"| {payload} | {label}, {n} actors | " + " | ".join(cells) + " |")
     lines.append("")
     if result.get("microbench"):

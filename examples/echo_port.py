@@ -83,6 +83,15 @@ def shmbuf_actor(handle: shmbuf.Handle, n_rollouts: int, seed: int) -> None:
             buf.commit()  # was: client.send(buf.build()); only the slot index moves
 
 
+def _join_or_kill(procs: list) -> None:
+    """Give each actor 10 s to finish its rollouts, then kill it: a demo must never hang."""
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def run_echo(n_actors: int, n_rollouts: int, batch: int) -> tuple[float, float]:
     from echo import Server, TcpTransport
 
@@ -100,11 +109,7 @@ def run_echo(n_actors: int, n_rollouts: int, batch: int) -> tuple[float, float]:
             total += float(sample.batch["step"]["reward"].sum())
         return time.perf_counter() - t0, total
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _join_or_kill(procs)
         server.close()
 
 
@@ -122,11 +127,7 @@ def run_shmbuf(n_actors: int, n_rollouts: int, batch: int) -> tuple[float, float
             total += float(b.data["step"]["reward"].sum())
         return time.perf_counter() - t0, total
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _join_or_kill(procs)
         reader.close()
 
 
