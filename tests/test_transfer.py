@@ -21,7 +21,7 @@ ROLLOUTS = 2000
 TT = 8
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_every_committed_rollout_arrives_once_intact_and_in_order(make_reader: Any, procs: Any, method: str) -> None:
     slots = 6  # fewer than WRITERS * 4: writers wait on backpressure
     reader = make_reader(small_example(TT), slots=slots, max_writers=WRITERS)
