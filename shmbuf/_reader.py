@@ -31,7 +31,8 @@ from shmbuf._segment import (
     L_FREE_HEAD, L_FREE_TAIL, L_FREE_WAIT, L_LABEL, L_LABEL_LEN, LABEL_BYTES, L_PID, L_READY_HEAD, L_READY_TAIL, L_START, L_STATE, L_WAKE_AT, NEVER,
     LANE_ACTIVE, LANE_FREE, LANE_RETIRED, MAILBOX_PAYLOAD_OFF, S_COMMIT_NS, S_FILL,
     S_POLICY, S_SEQ, SLOT_HELD, SLOT_LANE, SLOT_POOL, SLOT_READY, W_BAD_MESSAGES, W_CLOSED,
-    W_DELIVERED, W_LANES_RECLAIMED, W_PARTIAL_DROPPED, W_POOL, W_READY_DEPTH, Segment, sem_name, unlink_all,
+    W_DELIVERED, W_LANES_RECLAIMED, W_NEWCOMER, W_PARTIAL_DROPPED, W_POOL, W_READY_DEPTH, Segment, sem_name,
+    unlink_all,
 )
 
 # How often the reader looks at the lane table for writers that came, left or died.
@@ -397,10 +398,13 @@ class Reader:
 
     def _poll(self) -> None:
         now = time.monotonic()
+        w = self._w
+        if w[W_NEWCOMER]:  # a writer took a lane: serve it now, not at the next periodic scan
+            w[W_NEWCOMER] = 0
+            self._next_scan = 0.0
         if now >= self._next_scan:
             self._scan_lanes()
             self._next_scan = now + SCAN_INTERVAL
-        w = self._w
         for lane in self._lanes.values():
             n = lane.ready.available()
             if n:

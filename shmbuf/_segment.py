@@ -52,6 +52,7 @@ MAX_LANES = 256
 
 # Live words (index into the int64 word view of the whole segment).
 W_CLOSED = LIVE_OFF // 8 + 0  # 0 open, 1 closed by the reader
+W_NEWCOMER = LIVE_OFF // 8 + 1  # set by a writer that just took a lane; the reader clears it and scans
 W_DELIVERED = LIVE_OFF // 8 + 8  # reader-owned counters start on their own cache line
 W_PARTIAL_DROPPED = LIVE_OFF // 8 + 9
 W_BAD_MESSAGES = LIVE_OFF // 8 + 10

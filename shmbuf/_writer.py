@@ -27,7 +27,8 @@ from shmbuf._ring import Consumer, Producer, fence, store_load_fence
 from shmbuf._schema import Leaf, Schema, Timescale, flatten_like
 from shmbuf._segment import (
     L_EPOCH, L_FREE_HEAD, L_FREE_TAIL, L_FREE_WAIT, L_PID, L_READY_HEAD, L_READY_TAIL, L_START, L_STATE, L_WAKE_AT,
-    L_LABEL, L_LABEL_LEN, LABEL_BYTES, LANE_ACTIVE, LANE_FREE, LANE_RETIRED, S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment,
+    L_LABEL, L_LABEL_LEN, LABEL_BYTES, LANE_ACTIVE, LANE_FREE, LANE_RETIRED, S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, W_CLOSED,
+    W_NEWCOMER, Segment,
     header_fields, sem_name,
 )
 
@@ -189,6 +190,11 @@ class Writer:
                 w[lw + L_EPOCH] = w[lw + L_EPOCH] + 1
                 w[lw + L_STATE] = LANE_ACTIVE
                 self.lane = lane
+                # Tell the reader now rather than at its next periodic scan: it lends slots only to
+                # lanes it knows. Setting a flag (not a count) loses nothing to a race that matters:
+                # at worst a second newcomer waits for that scan, 50 ms later.
+                w[W_NEWCOMER] = 1
+                self._doorbell.release()
                 return
             if self._w[W_CLOSED]:
                 raise PipelineClosed(f"pipeline {self.name} is closed")
