@@ -24,6 +24,9 @@ from shmbuf._errors import (
     ShmbufError,
     SlotTimeout,
     StaleRollout,
+    TimescaleFull,
+    UnknownTimescale,
+    UsageError,
     WriterError,
 )
 from shmbuf._handle import Handle
@@ -50,6 +53,9 @@ __all__ = [
     "SlotTimeout",
     "StaleRollout",
     "Timescale",
+    "TimescaleFull",
+    "UnknownTimescale",
+    "UsageError",
     "WeightPublisher",
     "WeightSubscriber",
     "WeightsHandle",

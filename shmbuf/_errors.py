@@ -18,6 +18,12 @@ works for bad input and ``except TimeoutError`` for a wait that ran out.
 - :class:`WriterError` (RuntimeError): an exception raised in a writer's
   process, delivered to the reader with the remote traceback as text.
 - :class:`NoSpace` (OSError): /dev/shm cannot hold the requested segment.
+- :class:`UsageError` (ValueError *and* TypeError): an argument or setting
+  of the wrong type or out of range (``slots``, ``max_writers``,
+  ``batch_size``, ``timeout``, a name, an empty commit); names the setting.
+- :class:`TimescaleFull` (IndexError): ``add`` past a timescale's capacity.
+- :class:`UnknownTimescale` (KeyError): ``add`` to a timescale the example
+  does not have.
 """
 
 from __future__ import annotations
@@ -85,3 +91,22 @@ class NoSpace(ShmbufError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[1])
+
+
+class UsageError(ShmbufError, ValueError, TypeError):
+    """An argument or setting has the wrong type or value; the message names the setting.
+
+    It is both a ValueError and a TypeError, so that code written against the builtins
+    (``except ValueError`` for a bad value, ``except TypeError`` for a bad type) still catches it.
+    """
+
+
+class TimescaleFull(ShmbufError, IndexError):
+    """``add`` past a timescale's capacity (echo's IndexError; names timescale, capacity and index)."""
+
+
+class UnknownTimescale(ShmbufError, KeyError):
+    """``add`` to a timescale the example does not have (echo's KeyError; names the known ones)."""
+
+    def __str__(self) -> str:  # KeyError's own str() would quote the whole message
+        return str(self.args[0]) if self.args else ""
