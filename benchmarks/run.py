@@ -36,10 +36,11 @@ def _csv(kind: Any) -> Any:
     return lambda s: tuple(kind(x) for x in s.split(",") if x)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None, prog: str = "benchmarks/run.py") -> argparse.Namespace:
+    """The sweep's options; ``prog`` is the name its usage and errors give (``shmbuf bench`` from the command line)."""
     from benchmarks import payloads, transports
 
-    p = argparse.ArgumentParser(prog="benchmarks/run.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog, description=" ".join(__doc__.split("\n\n")[1].split()))
     p.add_argument("--quick", action="store_true", help="CI-sized: 2 actors only, short windows (about a minute)")
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"), help="where to write the results")
     p.add_argument("--systems", type=_csv(str), default=transports.SYSTEMS, help="subset, comma-separated")
@@ -140,12 +141,12 @@ def _write_page(result: dict[str, Any], stem: str, plot: bool) -> None:
     print(f"wrote {stem}.json, .md{'' if not plot else ', .png'}")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None, prog: str = "benchmarks/run.py") -> dict[str, Any]:
     from tqdm import tqdm
 
     from benchmarks import harness, machine, payloads, report
 
-    a = parse_args(argv)
+    a = parse_args(argv, prog)
     if a.render:
         return render(a.render, plot=not a.no_plot)
     runs = plan(a)

@@ -63,28 +63,40 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
+    """Run benchmarks/run.py of this source checkout, named ``shmbuf bench`` in its usage and errors."""
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "run.py")
     if not os.path.exists(here):
         print("shmbuf bench runs from a source checkout (benchmarks/run.py was not found)", file=sys.stderr)
         return 2
-    sys.argv = [here, *rest]
-    runpy.run_path(here, run_name="__main__")
+    bench = runpy.run_path(here, run_name="shmbuf_bench")  # defines its functions; runs nothing
+    bench["main"](rest, prog="shmbuf bench")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line; every option's help ends with its default."""
+    defaults = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="shmbuf", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="collect CartPole rollouts with 2 actor processes and print the figures")
-    p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--actors", type=int, default=2)
+    p = sub.add_parser("demo", help="collect CartPole rollouts from actor processes and print the figures",
+                       description="Actor processes step vectorised CartPole-v1 envs and write rollouts into shared "
+                                   "memory; this process reads them, then prints steps/s, MB/s and latency.",
+                       formatter_class=defaults)
+    p.add_argument("--seconds", type=float, default=10.0, help="how long to collect, after the actors are up")
+    p.add_argument("--actors", type=int, default=2, help="actor processes")
     p.add_argument("--envs", type=int, default=8, help="vectorised CartPole envs per actor")
     p.add_argument("--steps", type=int, default=64, help="steps per rollout")
-    p = sub.add_parser("ls", help="list shmbuf segments and whether their owners live")
+    p = sub.add_parser("ls", help="list shmbuf segments and whether their owners live", formatter_class=defaults)
     p.add_argument("-v", "--verbose", action="store_true", help="also print each schema")
-    p = sub.add_parser("clean", help="remove what dead owners left in /dev/shm (never a live owner's)")
+    p = sub.add_parser("clean", help="remove what dead owners left in /dev/shm (never a live owner's)",
+                       formatter_class=defaults)
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
-    sub.add_parser("bench", help="run the benchmarks (arguments pass through; see --help)", add_help=False)
+    sub.add_parser("bench", help="run the benchmarks (arguments pass through; see shmbuf bench --help)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return _bench(args, rest)

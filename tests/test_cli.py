@@ -94,3 +94,26 @@ def test_unreadable_segment_is_kept_and_reported(capsys: Any) -> None:
 def test_command_line_entry_point_runs() -> None:
     out = subprocess.run([sys.executable, "-m", "shmbuf", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "demo" in out.stdout and "clean" in out.stdout
+
+
+def _help(argv: list[str], capsys: Any) -> str:
+    """What ``shmbuf <argv> --help`` prints, whitespace-normalised (argparse wraps to the terminal's width)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_demo_help_shows_every_default(capsys: Any) -> None:
+    out = _help(["demo", "--help"], capsys)
+    for option, default in (("--seconds", "10.0"), ("--actors", "2"), ("--envs", "8"), ("--steps", "64")):
+        assert f"{option} {option.upper()[2:]} " in out, out
+        text = out.split(f"{option} {option.upper()[2:]} ", 1)[1]
+        assert text.split("--", 1)[0].rstrip().endswith(f"(default: {default})"), (option, out)
+
+
+def test_bench_help_calls_itself_shmbuf_bench(capsys: Any) -> None:
+    pytest.importorskip("tqdm")  # the bench's own imports; `make test` installs them
+    out = _help(["bench", "--help"], capsys)
+    assert out.startswith("usage: shmbuf bench [-h] [--quick]"), out
+    assert "run.py" not in out.split("Runs shmbuf")[0]  # the usage line names the command the user typed
