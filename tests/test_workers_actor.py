@@ -15,8 +15,16 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf._weights import WeightPublisher, WeightSubscriber
-from tests.test_workers_envs import LENGTHS, CountingEnv, EchoPolicy, expected_stream, make_vector
+from shmbuf import WeightPublisher, WeightSubscriber
+from tests.test_workers_envs import (
+    LENGTHS,
+    CountingEnv,
+    EchoPolicy,
+    ReusingCountingEnv,
+    expected_stream,
+    make_async_vector,
+    make_vector,
+)
 from workers import ActorLoop, probe, rollout_example, successors
 
 MODES = ["NextStep", "SameStep", "Disabled"]
@@ -148,6 +156,53 @@ def test_truncate_async_vector_env_next_step():
 
     rollouts, _ = collect(make, T=5, n_rollouts=6)
     check_truncated(rollouts, [0, 1], 5)
+
+
+# -- envs that overwrite their observation buffer every step (copy=False) -------------------------------
+
+
+def check_successor_is_next_obs(rollouts, batch_mode):
+    """Stored obs[t+1] is the successor of step t wherever step t did not end an episode."""
+    for r in rollouts:
+        d, n = r["data"], r["fill"]["step"]
+        obs = np.asarray(d["step"]["obs"])[:n]
+        succ = successors(d, r["fill"], batch_mode=batch_mode)
+        ended = (np.asarray(d["step"]["terminated"]) | np.asarray(d["step"]["truncated"]))[:n]
+        keep = ~ended[:-1]
+        assert np.array_equal(obs[1:][keep], succ[:-1][keep])
+        assert (succ[..., 2] == obs[..., 2] + 1).all()  # CountingEnv's obs holds its step counter
+
+
+REUSING = {"sync-next": lambda: make_vector(3, "NextStep", copy=False),
+           "sync-same": lambda: make_vector(3, "SameStep", copy=False),
+           "sync-disabled": lambda: make_vector(3, "Disabled", copy=False),
+           "async-next": lambda: make_async_vector(2, "NextStep", copy=False),
+           "async-same": lambda: make_async_vector(2, "SameStep", copy=False)}
+
+
+@pytest.mark.parametrize("kind", list(REUSING))
+def test_truncate_vector_env_without_copy_stores_the_observation_acted_on(kind):
+    rollouts, loop = collect(REUSING[kind], T=5, n_rollouts=6)
+    check_successor_is_next_obs(rollouts, "truncate_episodes")
+    check_truncated(rollouts, list(range(loop.E)), 5)
+
+
+@pytest.mark.parametrize("T", [4, 8])  # 4: episodes longer than T are cut, and those sub-envs reset by the actor
+@pytest.mark.parametrize("kind", list(REUSING))
+def test_complete_vector_env_without_copy_stores_the_observation_acted_on(kind, T):
+    rollouts, loop = collect(REUSING[kind], T=T, n_rollouts=12, batch_mode="complete_episodes")
+    check_successor_is_next_obs(rollouts, "complete_episodes")
+    check_complete(rollouts, loop.E, T)
+
+
+@pytest.mark.parametrize("batch_mode", ["truncate_episodes", "complete_episodes"])
+def test_single_env_that_reuses_its_observation_array(batch_mode):
+    rollouts, _ = collect(lambda: ReusingCountingEnv(0), T=4, n_rollouts=8, batch_mode=batch_mode)
+    check_successor_is_next_obs(rollouts, batch_mode)
+    if batch_mode == "truncate_episodes":
+        check_truncated(rollouts, [0], 4)
+    else:
+        check_complete(rollouts, 1, 4)
 
 
 def test_truncate_small_episode_table_commits_short_and_loses_nothing():

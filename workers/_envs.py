@@ -20,14 +20,33 @@ Gymnasium 1.x vector envs autoreset in one of three modes, read from
 - ``DISABLED``: the same masked reset is what the mode asks of its user.
 - ``SAME_STEP``: the env already reset and put the final observation in
   ``info["final_obs"]``; we take it from there.
+
+Partial reset (``reset_mask``) and ``metadata["autoreset_mode"]`` came with
+gymnasium 1.1. Under 1.0 the masked reset above resets *every* sub-env, so
+unfinished episodes would restart unseen; :class:`EnvDriver` refuses a vector
+env under gymnasium < 1.1, and one that does not declare its autoreset mode.
+
+Observations: an env may hand back the same buffer every step (gymnasium
+vector envs with ``copy=False``, or an env returning its own state array), so
+the observation an action was taken on would change under the caller at the
+next ``step()``. The driver copies every observation it returns into one of
+two preallocated buffers it alternates between: one ``np.copyto`` per step
+(the cheapest correct option; writing the step before stepping cannot work,
+since reward and flags come from the step and a Writer row is added whole).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import re
+
 import numpy as np
 import optree
+
+from shmbuf import UsageError
+
+PARTIAL_RESET_SINCE = (1, 1)  # gymnasium 1.1.0: reset(options={"reset_mask": ...}) and metadata["autoreset_mode"]
 
 
 def _is_arr(x: Any) -> bool:
@@ -70,53 +89,107 @@ def is_vector_env(env: Any) -> bool:
     return isinstance(env, gymnasium.vector.VectorEnv)
 
 
+def check_partial_reset(env: Any, version: str) -> None:
+    """Raise :class:`shmbuf.UsageError` unless ``env`` (a vector env) can reset some sub-envs and says how it autoresets.
+
+    ``version``: the installed gymnasium's version string.
+    """
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None or (int(m[1]), int(m[2])) < PARTIAL_RESET_SINCE:
+        raise UsageError(
+            f"gymnasium {version} is installed; its vector envs have no partial reset (reset(options={{'reset_mask': "
+            f"...}})), so every episode still running would restart unseen whenever one ends. workers needs gymnasium "
+            f">= 1.1: pip install 'gymnasium>=1.1'"
+        )
+    if "autoreset_mode" not in getattr(env, "metadata", {}):
+        raise UsageError(
+            f"vector env {type(env).__name__}: metadata has no 'autoreset_mode', so how it resets finished sub-envs is "
+            "unknown. Set metadata['autoreset_mode'] to a gymnasium.vector.AutoresetMode (as SyncVectorEnv and "
+            "AsyncVectorEnv do) and support reset(options={'reset_mask': mask})"
+        )
+
+
 class EnvDriver:
-    """Batched ``reset``/``step``/``reset_some`` over a gymnasium Env or VectorEnv (see the module doc)."""
+    """Batched ``reset``/``step``/``reset_some`` over a gymnasium Env or VectorEnv (see the module doc).
+
+    Lifetime of what it returns: the observation from ``reset``, ``step``
+    (``next_obs``) or ``reset_some`` is a driver buffer, valid until the
+    second driver call after the one that returned it (so it survives the
+    ``step`` it is acted on). A successor that differs from ``next_obs`` (an
+    episode ended) is a fresh array, the caller's to keep.
+
+    Raises:
+        shmbuf.UsageError: a vector env without partial reset (gymnasium < 1.1,
+            or no declared autoreset mode).
+    """
 
     def __init__(self, env: Any):
         self.env = env
         self.vector = is_vector_env(env)
         self.num_envs = int(env.num_envs) if self.vector else 1
+        if self.vector:
+            import gymnasium
+
+            check_partial_reset(env, gymnasium.__version__)
         self.mode = autoreset_mode(env) if self.vector else "manual"
+        self._bufs: list[Any] = [None, None]
+        self._flip = 0
+
+    def _own(self, o: Any) -> Any:
+        """Copy ``o`` (batched) into the next of the driver's two buffers, and return that buffer."""
+        self._flip ^= 1
+        buf = self._bufs[self._flip]
+        if buf is None:
+            buf = self._bufs[self._flip] = tree_copy(o)
+        elif _is_arr(buf):
+            np.copyto(buf, o)
+        else:
+            for d, s in zip(optree.tree_leaves(buf), optree.tree_leaves(o), strict=True):
+                np.copyto(d, s)
+        return buf
 
     def reset(self, seed: int | None = None) -> Any:
         obs, _ = self.env.reset(seed=seed)
-        return obs if self.vector else tree_batch1(obs)
+        return self._own(obs if self.vector else tree_batch1(obs))
 
     def step(self, action: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, Any]:
         """``(next_obs, reward, terminated, truncated, successor)``, each batched over sub-envs."""
         if not self.vector:
             a = tree_index(action, 0)
             o, r, te, tr, _ = self.env.step(a)
-            succ = tree_batch1(o)
-            nobs = succ
-            if te or tr:
-                o, _ = self.env.reset()
-                nobs = tree_batch1(o)
-            return nobs, np.array([r], np.float64), np.array([te], bool), np.array([tr], bool), succ
+            rte, rtr = np.array([te], bool), np.array([tr], bool)
+            if not (te or tr):
+                nobs = self._own(tree_batch1(o))
+                return nobs, np.array([r], np.float64), rte, rtr, nobs
+            succ = tree_copy(tree_batch1(o))  # the reset below may write into the env's own observation
+            o, _ = self.env.reset()
+            return self._own(tree_batch1(o)), np.array([r], np.float64), rte, rtr, succ
         o, r, te, tr, info = self.env.step(action)
         te = np.asarray(te, bool)
         tr = np.asarray(tr, bool)
         done = te | tr
         if not done.any():
-            return o, np.asarray(r), te, tr, o
+            nobs = self._own(o)
+            return nobs, np.asarray(r), te, tr, nobs
+        succ = tree_copy(o)  # same-step: the final rows go in below; next-step: the reset may overwrite o
         if self.mode == "same_step":
-            succ = tree_copy(o)
             final = info["final_obs"]
             for e in np.flatnonzero(done):
                 tree_set(succ, e, final[e])
-            return o, np.asarray(r), te, tr, succ
-        succ = tree_copy(o)  # the reset below may write into the env's own observation buffer
+            return self._own(o), np.asarray(r), te, tr, succ
         nobs, _ = self.env.reset(options={"reset_mask": done})
-        return nobs, np.asarray(r), te, tr, succ
+        return self._own(nobs), np.asarray(r), te, tr, succ
 
     def reset_some(self, mask: np.ndarray, obs: Any) -> Any:
-        """Reset the sub-envs where ``mask`` (episodes cut by the actor); return ``obs`` with those rows replaced."""
+        """Reset the sub-envs where ``mask`` (episodes cut by the actor); return ``obs`` with those rows replaced.
+
+        The result is a driver buffer (see the class doc); ``obs`` is not changed.
+        """
         if not self.vector:
             o, _ = self.env.reset()
-            return tree_batch1(o)
+            return self._own(tree_batch1(o))
         nobs, _ = self.env.reset(options={"reset_mask": np.asarray(mask, bool)})
-        return nobs
+        return self._own(nobs)
 
     def close(self) -> None:
         self.env.close()
