@@ -28,6 +28,7 @@ from shmbuf._errors import (
     UnknownTimescale,
     UsageError,
     WriterError,
+    WrongProcess,
 )
 from shmbuf._handle import Handle
 from shmbuf._reader import Batch, Reader, Rollout, create
@@ -61,6 +62,7 @@ __all__ = [
     "WeightsHandle",
     "Writer",
     "WriterError",
+    "WrongProcess",
     "__version__",
     "create",
 ]

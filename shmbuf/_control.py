@@ -9,8 +9,9 @@ A lane's mailbox is an 8 KiB region of the segment::
 
 The writer may post when ``ack == post``: it writes the payload, then the
 length and magic, then ``post + 1``, then rings the reader's doorbell. The
-reader reads the payload once ``post != ack`` and stores ``ack = post``. The
-same ordering argument as the rings (:mod:`shmbuf._ring`) applies.
+reader reads the payload once ``post != ack`` and stores ``ack = post``.
+Both halves, and the fences that order them, are in :mod:`shmbuf._lane`;
+this module only packs and checks what travels.
 
 Message types (writer to reader, the ``type`` field; every field checked on receipt):
 
@@ -31,10 +32,7 @@ import msgpack
 
 from shmbuf._segment import MAILBOX_BYTES, MAILBOX_PAYLOAD_OFF
 
-MSG_MAGIC = 0x53424D5300000001  # "SBMS", version 1
 MAX_PAYLOAD = MAILBOX_BYTES - MAILBOX_PAYLOAD_OFF
-M_POST, M_LEN, M_MAGIC, M_ACK = 0, 1, 2, 8
-MAX_TEXT = 6000
 
 _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "error": {"exc_type": str, "message": str, "traceback": str},
@@ -48,15 +46,23 @@ class BadMessage(ValueError):
 
 
 def encode(msg_type: str, **fields: Any) -> bytes:
-    """Pack a message, trimming long text so that it always fits a mailbox."""
+    """Pack a message; long text is cut from its start, by bytes, until the message fits a mailbox.
+
+    The end of a traceback is the part that matters, so that is what is kept.
+    """
     if msg_type not in _FIELDS:
         raise ValueError(f"unknown control message type {msg_type!r}; known: {sorted(_FIELDS)}")
-    for key, value in fields.items():
-        if isinstance(value, str) and len(value) > MAX_TEXT:
-            fields[key] = "…" + value[-MAX_TEXT:]  # the end of a traceback is the part that matters
-    data = msgpack.packb({"type": msg_type, **fields}, use_bin_type=True)
-    if len(data) > MAX_PAYLOAD:
-        raise ValueError(f"control message {msg_type!r} is {len(data)} bytes, the mailbox holds {MAX_PAYLOAD}")
+    msg = {"type": msg_type, **fields}
+    data = msgpack.packb(msg, use_bin_type=True)
+    while len(data) > MAX_PAYLOAD:
+        texts = [k for k, v in msg.items() if isinstance(v, str) and v and k != "type"]
+        if not texts:
+            raise ValueError(f"control message {msg_type!r} is {len(data)} bytes, the mailbox holds {MAX_PAYLOAD}")
+        key = max(texts, key=lambda k: len(msg[k].encode()))
+        raw = msg[key].encode()
+        keep = max(0, len(raw) - (len(data) - MAX_PAYLOAD) - 8)  # 8: the marker and msgpack's length header
+        msg[key] = "…" + raw[len(raw) - keep :].decode(errors="ignore") if keep else ""
+        data = msgpack.packb(msg, use_bin_type=True)
     return data
 
 

@@ -22,6 +22,8 @@ works for bad input and ``except TimeoutError`` for a wait that ran out.
   of the wrong type or out of range (``slots``, ``max_writers``,
   ``batch_size``, ``timeout``, a name, an empty commit); names the setting.
 - :class:`TimescaleFull` (IndexError): ``add`` past a timescale's capacity.
+- :class:`WrongProcess` (RuntimeError): a Writer, Reader or Rollout used in
+  a process it was copied into by ``fork``; make a new one there.
 - :class:`UnknownTimescale` (KeyError): ``add`` to a timescale the example
   does not have.
 """
@@ -110,3 +112,7 @@ class UnknownTimescale(ShmbufError, KeyError):
 
     def __str__(self) -> str:  # KeyError's own str() would quote the whole message
         return str(self.args[0]) if self.args else ""
+
+
+class WrongProcess(ShmbufError, RuntimeError):
+    """A Writer, Reader or Rollout was used in a process that it was copied into by fork."""

@@ -5,7 +5,8 @@ its pool, which it lent to which lane, which are ready and which the user
 holds. Writers never decide where a slot goes; they only consume the slots
 the reader put in their lane's free ring, and publish them back on the ready
 ring. So a writer that dies can only lose what its lane held, and the reader
-knows exactly what that was.
+knows exactly what that was. The lane protocol itself (adopt, lend, wake,
+take commits and mail, free) is :mod:`shmbuf._lane`'s; this module is its user.
 """
 
 from __future__ import annotations
@@ -21,24 +22,21 @@ import numpy as np
 import optree
 import posix_ipc
 
-from shmbuf import _control
-from shmbuf._errors import PipelineClosed, SlotTimeout, StaleRollout, WriterError
+from shmbuf import _control, _fork
+from shmbuf._errors import PipelineClosed, SegmentError, SlotTimeout, StaleRollout, UsageError, WriterError, WrongProcess
 from shmbuf._handle import Handle
+from shmbuf._lane import WAIT_SLICE, ReaderLane, Record, wake_waiting
 from shmbuf._proc import alive
-from shmbuf._ring import Consumer, Producer, fence, store_load_fence
+from shmbuf._ring import store_load_fence
 from shmbuf._schema import Schema
 from shmbuf._segment import (
-    L_FREE_HEAD, L_FREE_TAIL, L_FREE_WAIT, L_LABEL, L_LABEL_LEN, LABEL_BYTES, L_PID, L_READY_HEAD, L_READY_TAIL, L_START, L_STATE, L_WAKE_AT, NEVER,
-    LANE_ACTIVE, LANE_FREE, LANE_RETIRED, MAILBOX_PAYLOAD_OFF, S_COMMIT_NS, S_FILL,
-    S_POLICY, S_SEQ, SLOT_HELD, SLOT_LANE, SLOT_POOL, SLOT_READY, W_BAD_MESSAGES, W_CLOSED,
-    W_DELIVERED, W_LANES_RECLAIMED, W_NEWCOMER, W_PARTIAL_DROPPED, W_POOL, W_READY_DEPTH, Segment, sem_name,
-    unlink_all,
+    LANE_ACTIVE, LANE_RETIRED, S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, SLOT_HELD, SLOT_LANE, SLOT_POOL, SLOT_READY,
+    W_BAD_MESSAGES, W_CLOSED, W_DELIVERED, W_LANES_RECLAIMED, W_NEWCOMER, W_PARTIAL_DROPPED, W_POOL, W_READY_DEPTH,
+    Segment, sem_name, unlink_all,
 )
 
 # How often the reader looks at the lane table for writers that came, left or died.
 SCAN_INTERVAL = 0.05
-WAIT_SLICE = 0.1
-
 LATENCY_WINDOW = 8192
 
 
@@ -77,7 +75,9 @@ class Rollout:
     handed to a writer and overwritten; ``data`` then raises
     :class:`StaleRollout`, but arrays you took out earlier cannot know, so
     do not keep them: use :meth:`copy` (or ``np.array(leaf)``) for anything
-    that must outlive the rollout.
+    that must outlive the rollout. Each access to ``data`` builds new dicts
+    (the arrays in them are the slot's views), so what you put into them is
+    yours and never seen by the next rollout.
 
     Metadata: ``lane``, ``pid`` (the writer's), ``seq`` (per lane, from 0),
     ``commit_ns`` (``time.monotonic_ns()`` at commit), ``policy_version``,
@@ -127,14 +127,22 @@ class Rollout:
 
     @property
     def released(self) -> bool:
-        return self._reader._generation_of(self.slot) != self.generation
+        """True once released, or once the reader was closed (the slot is gone either way)."""
+        return self._reader.closed or self._reader._generation_of(self.slot) != self.generation
 
     def __enter__(self) -> Rollout:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        if not self.released:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if self.released:
+            return
+        if exc is None:
             self.release()
+            return
+        try:  # the body's exception is the one to see; a failed release must not replace it
+            self.release()
+        except Exception:
+            pass
 
     def __repr__(self) -> str:
         return f"Rollout(lane={self.lane}, seq={self.seq}, pid={self.pid}, fill={self.fill}, slot={self.slot})"
@@ -143,9 +151,10 @@ class Rollout:
 class Batch:
     """``size`` rollouts gathered leaf by leaf into one buffer: ``data`` leaves have a leading dim ``size``.
 
-    Lifetime: with ``copy=False`` the buffer is the reader's and is refilled
-    by the next batch of the same size; with ``copy=True`` it is yours. The
-    slots themselves were released as soon as they were copied.
+    Lifetime: with ``copy=False`` the arrays are the reader's and are refilled
+    by the next batch of the same size (the dicts holding them are this
+    batch's own); with ``copy=True`` they are yours. The slots themselves
+    were released as soon as they were copied.
     Metadata arrays, shape (size,): ``lane``, ``pid``, ``seq``,
     ``commit_ns``, ``policy_version``; ``fill`` maps timescale to counts.
     """
@@ -167,29 +176,6 @@ class Batch:
         return f"Batch(size={self.size}, fill={ {k: v.tolist() for k, v in self.fill.items()} })"
 
 
-class _Lane:
-    """The reader's private view of one active lane."""
-
-    __slots__ = ("index", "ready", "free", "sem", "pid", "start", "label", "given", "stats", "mbox_word", "wake_word",
-                 "free_wait_word", "free_tail_word")
-
-    def __init__(self, index: int, ready: Consumer, free: Producer, sem: posix_ipc.Semaphore, pid: int, start: int,
-                 mbox_word: int, lane_word: int):
-        self.index = index
-        self.mbox_word = mbox_word
-        self.wake_word = lane_word + L_WAKE_AT  # the reader's: when to ring the doorbell
-        self.free_wait_word = lane_word + L_FREE_WAIT  # the writer's: asleep for want of a slot
-        self.free_tail_word = lane_word + L_FREE_TAIL  # the writer's: slots it took from its free ring
-        self.ready = ready
-        self.free = free
-        self.sem = sem
-        self.pid = pid
-        self.start = start
-        self.label = ""
-        self.given = 0
-        self.stats: dict[str, Any] = {}
-
-
 class Reader:
     """The receiving end of a pipeline; made by :func:`create`, owner of the segment.
 
@@ -197,6 +183,8 @@ class Reader:
     sends only its :class:`Handle`; the child attaches a :class:`Writer` with it.
     ``close()`` stops the pipeline: every writer's next call raises
     :class:`PipelineClosed`, and the segment and its semaphores are unlinked.
+    A Reader that is garbage-collected (or still open at exit) without
+    ``close()`` stops the pipeline the same way.
     """
 
     def __init__(self, seg: Segment, *, raise_writer_errors: bool = True):
@@ -212,16 +200,17 @@ class Reader:
         self.policy_version: int | None = None
         self._pid = os.getpid()
         self._closed = False
+        self._foreign = False
         self._w = seg.words
         self._plan = seg.plan
-        self._fence = fence()
         self._sl_fence = store_load_fence()
         self._sems: list[posix_ipc.Semaphore] = []
-        # Unlink at exit or collection if the user never closes: the owner's duty, in the owner's process only.
-        self._finalizer = weakref.finalize(self, _unlink_if_owner, self.name, self.max_writers, self._pid)
         self._doorbell = self._make_sem("r")
         self._lane_sems = [self._make_sem(f"f{i}") for i in range(self.max_writers)]
+        # Stop the pipeline at collection or exit if the user never closes: the owner's duty, in the owner's process only.
+        self._finalizer = weakref.finalize(self, _stop, seg.words, list(self._sems), self.name, self.max_writers, self._pid)
         n = self.slots
+        self._records = [Record(self._plan, i) for i in range(self.max_writers)]
         self._state = [SLOT_POOL] * n
         self._owner = [-1] * n
         self._gen = [0] * n
@@ -230,20 +219,21 @@ class Reader:
         self._slot_words = [self._plan.slot_word(i) for i in range(n)]
         self._pool = list(range(n - 1, -1, -1))
         self._ready: collections.deque[int] = collections.deque()
-        self._lanes: dict[int, _Lane] = {}
+        self._lanes: dict[int, ReaderLane] = {}
         self._next_scan = 0.0
         self._held = 0
         self._delivered = 0
         self._leaf_all = [seg.leaf_view(i) for i in range(len(self.schema.leaves))]
         self._slot_table = np.ndarray((n, self._plan.slot_bytes // 8), np.int64, buffer=seg.mm, offset=self._plan.slots_off)
-        self._trees: dict[int, dict[str, Any]] = {}
-        self._batch_bufs: dict[int, tuple[np.ndarray, list[np.ndarray], dict[str, Any]]] = {}
+        self._slot_leaves: dict[int, list[np.ndarray]] = {}  # views of one slot's leaves; never the containers
+        self._batch_bufs: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
         self._lat = np.zeros(LATENCY_WINDOW, np.int64)
         self._lag = np.zeros(LATENCY_WINDOW, np.int64)  # policy lag of the same rollouts
         self._lat_n = 0
         self._ts_names = [ts.name for ts in self.schema.timescales]
         self._rollout_bytes = sum(lf.nbytes for lf in self.schema.leaves)
         self._w[W_POOL] = n
+        _fork.track(self)
 
     def _make_sem(self, role: str) -> posix_ipc.Semaphore:
         sem = posix_ipc.Semaphore(sem_name(self.name, role), posix_ipc.O_CREX, mode=0o600, initial_value=0)
@@ -258,6 +248,16 @@ class Reader:
     def __reduce__(self) -> Any:
         return (Handle, (self.name,))
 
+    def _after_fork_in_child(self) -> None:
+        self._foreign = True
+
+    def _guard(self) -> None:
+        if self._foreign:
+            raise WrongProcess(f"this Reader belongs to process {self._pid}, and this is a copy made by fork in "
+                               f"{os.getpid()}; in a child, attach a Writer with the reader's handle")
+        if self._closed:
+            raise PipelineClosed(f"pipeline {self.name} is closed")
+
     # -- receiving ----------------------------------------------------------
 
     def get(self, timeout: float | None = None) -> Rollout:
@@ -268,7 +268,7 @@ class Reader:
             WriterError: a writer reported an exception (``raise_writer_errors``).
             PipelineClosed: this reader was closed.
         """
-        slot = self._next_slot(timeout)
+        slot = self._next_slot(_check_timeout(timeout))
         return self._deliver(slot)
 
     def __iter__(self) -> Iterator[Rollout]:
@@ -277,11 +277,15 @@ class Reader:
             yield self.get()
 
     def get_batch(self, batch_size: int, timeout: float | None = None, *, copy: bool = False) -> Batch:
-        """Gather ``batch_size`` rollouts into one buffer (one copy per byte) and release their slots."""
-        if not isinstance(batch_size, int) or not 1 <= batch_size <= self.slots:
-            raise ValueError(f"batch_size: expected an int from 1 to slots={self.slots}, got {batch_size!r}")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        idx, bufs, tree = self._batch_buffer(batch_size)
+        """Gather ``batch_size`` rollouts into one buffer (one copy per byte) and release their slots.
+
+        Nothing is lost to an exception: slots taken before it are put back, in order, for the next call.
+        """
+        self._guard()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= self.slots:
+            raise UsageError(f"get_batch(batch_size=...): expected an int from 1 to slots={self.slots}, got {batch_size!r}")
+        deadline = None if _check_timeout(timeout) is None else time.monotonic() + timeout  # type: ignore[operator]
+        idx, bufs = self._batch_buffer(batch_size)
         taken = 0
         ready = self._ready
         try:
@@ -292,19 +296,19 @@ class Reader:
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     idx[taken] = self._next_slot(left, want=batch_size - taken)
                 taken += 1
+            for leaf_all, out in zip(self._leaf_all, bufs):
+                # mode="clip": the indices are ours and in range; the default "raise" makes numpy gather
+                # into a scratch buffer and copy again (measured here: 421 vs 91 us per atari rollout)
+                leaf_all.take(idx, axis=0, out=out, mode="clip")
+            meta = self._slot_table.take(idx, axis=0, mode="clip")
         except BaseException:
             for k in range(taken):  # put them back at the front, in order: nothing is lost
-                self._ready.appendleft(int(idx[taken - 1 - k]))
+                ready.appendleft(int(idx[taken - 1 - k]))
             raise
-        for leaf_all, out in zip(self._leaf_all, bufs):
-            # mode="clip": the indices are ours and in range; the default "raise" makes numpy gather
-            # into a scratch buffer and copy again (measured here: 421 vs 91 us per atari rollout)
-            leaf_all.take(idx, axis=0, out=out, mode="clip")
-        meta = self._slot_table.take(idx, axis=0, mode="clip")
+        # The data is in the batch: from here on the slots go back whatever happens.
         slots = idx.tolist()
         lanes = np.array([self._lane_of[s] for s in slots], np.int64)
         pids = np.array([self._pid_of[s] for s in slots], np.int64)
-        self._record_latencies(time.monotonic_ns() - meta[:, S_COMMIT_NS], meta[:, S_POLICY])
         gen, state, pool = self._gen, self._state, self._pool
         for s in slots:  # _recycle, inline: this loop runs once per rollout
             gen[s] += 1
@@ -313,11 +317,12 @@ class Reader:
         self._feed()  # once for the batch: one wake-up per waiting writer, not one per slot
         self._delivered += batch_size
         self._w[W_DELIVERED] = self._delivered
-        data = optree.tree_map(np.array, tree) if copy else tree
-        return Batch(data, meta, lanes, pids, self.schema)
+        self._record(time.monotonic_ns() - meta[:, S_COMMIT_NS], meta[:, S_POLICY])
+        leaves = [np.array(b) for b in bufs] if copy else bufs
+        return Batch(self._unflatten(leaves), meta, lanes, pids, self.schema)
 
     def batches(self, batch_size: int, *, timeout: float | None = None, copy: bool = False) -> Iterator[Batch]:
-        """Batches for ever (until closed). With ``copy=False`` each batch is valid until the next."""
+        """Batches for ever (until closed). With ``copy=False`` each batch's arrays are valid until the next."""
         while not self._closed:
             yield self.get_batch(batch_size, timeout, copy=copy)
 
@@ -328,16 +333,13 @@ class Reader:
     # -- the loop behind get ------------------------------------------------
 
     def _next_slot(self, timeout: float | None, want: int = 1) -> int:
-        if self._closed:
-            raise PipelineClosed(f"pipeline {self.name} is closed")
-        if os.getpid() != self._pid:
-            raise RuntimeError(f"this Reader belongs to process {self._pid}; in a child, attach a Writer with its handle")
+        self._guard()
         if self.errors and self.raise_writer_errors:
             raise self.errors.pop(0)
-        if self._ready:
-            return self._ready.popleft()
-        deadline = None if timeout is None else time.monotonic() + timeout
         ready = self._ready
+        if ready:
+            return ready.popleft()
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._poll()
             if self.errors and self.raise_writer_errors:
@@ -345,15 +347,16 @@ class Reader:
             # A batch waits for all it wants in one sleep, rather than waking for each rollout.
             if len(ready) >= want:
                 return ready.popleft()
-            if self._pool:
-                self._feed()  # about to wait: top up the lanes first
             wait = WAIT_SLICE if deadline is None else min(WAIT_SLICE, deadline - time.monotonic())
             if wait <= 0:
                 if ready and want > 1:
                     return ready.popleft()  # the caller's deadline decides what a short batch means
                 raise SlotTimeout(f"pipeline {self.name}: no rollout within timeout={timeout} s")
-            if self._arm(want - len(ready)) and len(ready) >= want:
-                continue  # all we want came in while we armed: no sleep
+            missing = want - len(ready)
+            self._feed(need=missing)  # about to wait: make sure the writers hold enough slots to send it
+            if self._arm(missing):
+                self._disarm()
+                continue  # something came in while we armed: take it in before sleeping
             try:
                 self._doorbell.acquire(wait)
             except posix_ipc.BusyError:
@@ -362,25 +365,32 @@ class Reader:
                 self._disarm()
 
     def _arm(self, want: int) -> bool:
-        """Ask the writers to ring once ``want`` more rollouts are in; True if some came in meanwhile.
+        """Ask the writers to ring once ``want`` more rollouts are in; True if some are already published.
 
-        Each lane gets a quota of ceil(want / lanes): if the lanes together hold ``want``, one of
-        them holds its quota, so the reader wakes once per batch rather than once per commit.
+        Only lanes holding slots can commit, and lane ``i`` can commit at most ``given_i`` before the
+        reader lends again, so its quota is ``min(ceil(want / L), given_i)`` over the ``L`` lanes
+        that hold any. Then ``want`` commits, however they are spread over those lanes, bring at
+        least one lane to its quota: the reader wakes once per batch, and never waits out a slice
+        for commits that did arrive.
         """
-        lanes = self._lanes
-        if lanes:
-            quota = -(-want // len(lanes))
-            w = self._w
-            for lane in lanes.values():
-                w[lane.wake_word] = lane.ready.tail + quota
-        self._sl_fence()  # our stores before our loads of the heads: the writers' fence mirrors it
-        self._poll()
-        return bool(self._ready)
+        holding = 0
+        for lane in self._lanes.values():
+            if lane.given > 0:
+                holding += 1
+        if holding:
+            quota = -(-want // holding)
+            for lane in self._lanes.values():
+                if lane.given > 0:
+                    lane.arm(min(quota, lane.given))
+        self._sl_fence()  # our WAKE_AT stores before our loads of their heads: the writers' fence mirrors it
+        for lane in self._lanes.values():
+            if lane.given > 0 and lane.ready.available():
+                return True
+        return False
 
     def _disarm(self) -> None:
-        w = self._w
         for lane in self._lanes.values():
-            w[lane.wake_word] = NEVER
+            lane.disarm()
 
     def poll(self) -> int:
         """Serve the writers now, without waiting: take in commits and messages, lend free slots,
@@ -390,10 +400,10 @@ class Reader:
         in the reader's own thread (it gets its first slots here), or when the
         learner is busy for a while and writers should not wait on it.
         """
-        if self._closed:
-            raise PipelineClosed(f"pipeline {self.name} is closed")
+        self._guard()
         self._next_scan = 0.0
         self._poll()
+        self._feed()
         return len(self._ready)
 
     def _poll(self) -> None:
@@ -405,17 +415,22 @@ class Reader:
         if now >= self._next_scan:
             self._scan_lanes()
             self._next_scan = now + SCAN_INTERVAL
+        corrupt = None
         for lane in self._lanes.values():
-            n = lane.ready.available()
-            if n:
-                if self._fence:
-                    self._fence()
-                self._accept_many(lane, lane.ready.pop_many(n))
-            mw = lane.mbox_word
-            if w[mw + _control.M_POST] != w[mw + _control.M_ACK]:
+            try:
+                slots = lane.take_commits()
+            except SegmentError:
+                corrupt = [lane] if corrupt is None else [*corrupt, lane]
+                continue
+            if slots:
+                self._accept_many(lane, slots)
+            if lane.has_mail():
                 self._read_mail(lane)
+        if corrupt is not None:  # its counters are scribbled over: take the lane back, slots and all
+            for lane in corrupt:
+                self._reclaim(lane, died=True, corrupt=True)
 
-    def _accept_many(self, lane: _Lane, slots: list[int]) -> None:
+    def _accept_many(self, lane: ReaderLane, slots: list[int]) -> None:
         state, owner, lane_of, pid_of, ready = self._state, self._owner, self._lane_of, self._pid_of, self._ready
         i, pid, n = lane.index, lane.pid, self.slots
         for slot in slots:
@@ -429,22 +444,24 @@ class Reader:
             ready.append(slot)
 
     def _deliver(self, slot: int) -> Rollout:
-        sw = self._slot_words[slot]
         w = self._w
-        fill = {name: w[sw + S_FILL + t] for t, name in enumerate(self._ts_names)}
-        commit_ns = w[sw + S_COMMIT_NS]
-        policy = w[sw + S_POLICY]
-        self._record_latency(time.monotonic_ns() - commit_ns, policy)
+        row = self._slot_table[slot]
+        fill = {name: int(row[S_FILL + t]) for t, name in enumerate(self._ts_names)}
+        commit_ns = int(row[S_COMMIT_NS])
+        policy = int(row[S_POLICY])
+        self._record(time.monotonic_ns() - row[S_COMMIT_NS : S_COMMIT_NS + 1], row[S_POLICY : S_POLICY + 1])
         self._state[slot] = SLOT_HELD
         self._held += 1
         self._delivered += 1
         w[W_DELIVERED] = self._delivered
-        return Rollout(self, slot, self._gen[slot], self._lane_of[slot], self._pid_of[slot], w[sw + S_SEQ], commit_ns,
+        return Rollout(self, slot, self._gen[slot], self._lane_of[slot], self._pid_of[slot], int(row[S_SEQ]), commit_ns,
                        policy, fill)
 
     # -- slots going back ---------------------------------------------------
 
     def _check_live(self, r: Rollout) -> None:
+        if self._foreign:
+            self._guard()
         if self._closed:
             raise StaleRollout(f"pipeline {self.name} is closed; rollout lane={r.lane} seq={r.seq} is gone")
         if self._gen[r.slot] != r.generation:
@@ -459,162 +476,140 @@ class Reader:
     def _release(self, r: Rollout) -> None:
         self._check_live(r)
         self._held -= 1
-        self._recycle(r.slot)
+        self._gen[r.slot] += 1  # stale handles to this slot fail to match from now on
+        self._state[r.slot] = SLOT_POOL
+        self._pool.append(r.slot)
         if len(self._pool) >= self._chunk():
             self._feed()
 
     def _chunk(self) -> int:
-        """Slots are lent in chunks of this many (or all at once before the reader waits).
+        """Slots are lent in chunks of this many (or all that are needed before the reader waits).
 
         A writer asleep for want of a slot costs a wake-up per lending; lending one slot at a time
         to a writer faster than its reader would pay that per rollout.
         """
         return max(1, min(16, self.slots // (2 * max(1, len(self._lanes)))))
 
-    def _recycle(self, slot: int) -> None:
-        """Back to the pool with a new generation (which stale handles fail to match); the caller decides when to lend."""
-        self._gen[slot] += 1
-        self._state[slot] = SLOT_POOL
-        self._pool.append(slot)
-
-    def _feed(self) -> None:
+    def _feed(self, need: int = 0) -> None:
         """Lend pool slots, fewest-held lanes first, keeping each lane's free ring shallow.
 
         A lane gets at most ``slots // (2 * lanes)`` untaken slots queued (and at least one), so a
         writer that goes idle can hold only that many, and a writer that arrives later finds slots
-        in the pool instead of waiting for rollouts to be released.
+        in the pool instead of waiting for rollouts to be released. Before the reader sleeps for
+        ``need`` more commits it lends past that depth until the lanes hold ``need`` slots between
+        them (writers asleep for want of a slot first): commits it waits for must be possible
+        without it.
         """
-        lanes = self._lanes
-        pool = self._pool
+        lanes, pool = self._lanes, self._pool
         if not lanes or not pool:
             return
+        order = sorted(lanes.values(), key=_given) if len(lanes) > 1 else lanes.values()
         depth = max(1, self.slots // (2 * len(lanes)))
-        w = self._w
-        fed = []
-        for lane in sorted(lanes.values(), key=_given) if len(lanes) > 1 else lanes.values():
-            queued = lane.free.head - w[lane.free_tail_word]
-            if queued >= depth:
-                continue
-            k = min(depth - queued, len(pool))
-            lent = pool[-k:]
-            del pool[-k:]
-            state, owner, i = self._state, self._owner, lane.index
-            for slot in lent:
-                state[slot] = SLOT_LANE
-                owner[slot] = i
-            lane.given += k
-            lane.free.push_many(lent)
-            fed.append(lane)
+        fed: list[ReaderLane] = []
+        corrupt = None
+        for lane in order:
+            k = min(depth - lane.queued(), len(pool))
+            if k > 0 and not self._lend(lane, k, fed):
+                corrupt = [lane] if corrupt is None else [*corrupt, lane]
             if not pool:
                 break
-        # Wake only a writer that sleeps for want of a slot, once, after every entry is in its ring.
-        # Our fence orders the head stores before the flag loads; the writer's orders its flag
-        # store before its head load (see Writer._wait_for_slot).
-        if fed:
-            self._sl_fence()
-            for lane in fed:
-                if w[lane.free_wait_word]:
-                    lane.sem.release()
+        if need > 0 and pool:
+            short = need
+            for lane in lanes.values():
+                short -= lane.given
+            if short > 0:
+                order = sorted(lanes.values(), key=_hungry)
+                each = -(-short // len(order))
+                for lane in order:
+                    k = min(each, short, len(pool))
+                    if k > 0 and self._lend(lane, k, fed):
+                        short -= k
+        wake_waiting(fed, self._sl_fence)
+        if corrupt is not None:
+            for lane in corrupt:
+                self._reclaim(lane, died=True, corrupt=True)
+
+    def _lend(self, lane: ReaderLane, k: int, fed: list[ReaderLane]) -> bool:
+        """Move ``k`` pool slots into ``lane``'s free ring; False if its counters are corrupt (nothing lent)."""
+        pool = self._pool
+        lent = pool[-k:]
+        try:
+            lane.lend(lent)
+        except SegmentError:
+            return False
+        del pool[-k:]
+        state, owner, i = self._state, self._owner, lane.index
+        for slot in lent:
+            state[slot] = SLOT_LANE
+            owner[slot] = i
+        if lane not in fed:
+            fed.append(lane)
+        return True
 
     # -- lanes: arrivals, departures, deaths --------------------------------
 
     def _scan_lanes(self) -> None:
-        w, p = self._w, self._plan
+        w = self._w
         changed = False
-        for i in range(p.n_lanes):
-            lw = p.lane_word(i)
-            st = w[lw + L_STATE]
-            lane = self._lanes.get(i)
+        for rec in self._records:
+            st = w[rec.state]
+            lane = self._lanes.get(rec.index)
             if st == LANE_ACTIVE:
                 if lane is None:
-                    self._lanes[i] = self._new_lane(i)
+                    self._lanes[rec.index] = ReaderLane(rec, w, self._seg.mm, self._lane_sems[rec.index])
                     changed = True
                 elif not alive(lane.pid, lane.start):
                     self._reclaim(lane, died=True)
             elif st == LANE_RETIRED:
                 if lane is None:  # retired before we ever saw it: give it a view, then take it back
-                    lane = self._lanes[i] = self._new_lane(i)
+                    lane = self._lanes[rec.index] = ReaderLane(rec, w, self._seg.mm, self._lane_sems[rec.index])
                 self._reclaim(lane, died=False)
         if changed:
             self._feed()
-        self._w[W_READY_DEPTH] = len(self._ready)  # gauges for `shmbuf ls`, refreshed at each scan
-        self._w[W_POOL] = len(self._pool)
+        w[W_READY_DEPTH] = len(self._ready)  # gauges for `shmbuf ls`, refreshed at each scan
+        w[W_POOL] = len(self._pool)
 
-    def _new_lane(self, i: int) -> _Lane:
-        w, p = self._w, self._plan
-        lw = p.lane_word(i)
-        lane = _Lane(
-            i,
-            Consumer(w, p.ready_ring_word(i), p.n_slots, lw + L_READY_HEAD, lw + L_READY_TAIL),
-            Producer(w, p.free_ring_word(i), p.n_slots, lw + L_FREE_HEAD, lw + L_FREE_TAIL),
-            self._lane_sems[i], w[lw + L_PID], w[lw + L_START], p.mbox_off_of(i) // 8, lw,
-        )
-        lane.label = read_label(self._seg.mm, w, lw)
-        return lane
-
-    def _reclaim(self, lane: _Lane, died: bool) -> None:
-        """Take back a lane whose writer left or died: deliver what it committed, pool what it held."""
-        w, p = self._w, self._plan
+    def _reclaim(self, lane: ReaderLane, died: bool, corrupt: bool = False) -> None:
+        """Take back a lane whose writer left, died, or scribbled over it: deliver what it committed,
+        pool what it held. A corrupt lane's commits are not trusted: they go back to the pool too."""
         i = lane.index
-        lw = p.lane_word(i)
-        mw = p.mbox_off_of(i) // 8
-        if w[mw + _control.M_POST] != w[mw + _control.M_ACK]:
-            self._read_mail(lane)
-        n = lane.ready.available()
-        if n:
-            if self._fence:
-                self._fence()
-            self._accept_many(lane, lane.ready.pop_many(n))
+        if not corrupt:
+            if lane.has_mail():
+                self._read_mail(lane)
+            try:
+                slots = lane.take_commits()
+            except SegmentError:
+                slots, corrupt = [], True
+            self._accept_many(lane, slots)
         # What the lane still holds is in its free ring, untaken, or in the writer's hands (a partial rollout).
-        tail, head = w[lw + L_FREE_TAIL], w[lw + L_FREE_HEAD]
-        untaken = {w[p.free_ring_word(i) + k % p.n_slots] for k in range(tail, head)} if 0 <= head - tail <= p.n_slots else set()
-        in_hand = [s for s in range(self.slots) if self._state[s] == SLOT_LANE and self._owner[s] == i and s not in untaken]
+        untaken = lane.untaken()
+        mine = [s for s in range(self.slots) if self._state[s] == SLOT_LANE and self._owner[s] == i]
+        in_hand = [s for s in mine if s not in untaken]
+        w = self._w
         if died and in_hand:
             w[W_PARTIAL_DROPPED] = w[W_PARTIAL_DROPPED] + len(in_hand)
         del self._lanes[i]
-        for s in range(self.slots):
-            if self._state[s] == SLOT_LANE and self._owner[s] == i:
-                self._owner[s] = -1
-                self._state[s] = SLOT_POOL
-                self._pool.append(s)
-        while True:  # drain posts the writer never took
-            try:
-                lane.sem.acquire(0)
-            except posix_ipc.BusyError:
-                break
-        for word in (L_READY_HEAD, L_READY_TAIL, L_FREE_HEAD, L_FREE_TAIL, L_FREE_WAIT, L_PID, L_START, L_WAKE_AT,
-                     L_LABEL_LEN):
-            w[lw + word] = 0
-        w[mw + _control.M_POST] = 0
-        w[mw + _control.M_ACK] = 0
+        for s in mine:
+            self._owner[s] = -1
+            self._state[s] = SLOT_POOL
+            self._pool.append(s)
+        if corrupt:
+            self._bad_message()
         if died:
             w[W_LANES_RECLAIMED] = w[W_LANES_RECLAIMED] + 1
-        w[lw + L_STATE] = LANE_FREE  # last: only now may a new writer take the lane
+        lane.free_lane(taken_back=corrupt)
         self._feed()
 
     # -- control messages ---------------------------------------------------
 
-    def _read_mail(self, lane: _Lane) -> None:
-        w = self._w
-        base = self._plan.mbox_off_of(lane.index)
-        mw = base // 8
-        post = w[mw + _control.M_POST]
-        length = w[mw + _control.M_LEN]
-        magic = w[mw + _control.M_MAGIC]
-        if self._fence:
-            self._fence()
+    def _read_mail(self, lane: ReaderLane) -> None:
+        data = lane.take_mail(self._seg.mm, _control.MAX_PAYLOAD)
         try:
-            if magic != _control.MSG_MAGIC:
-                raise _control.BadMessage(f"bad magic {magic:#x}")
-            if not 0 < length <= _control.MAX_PAYLOAD:
-                raise _control.BadMessage(f"length {length} outside 1..{_control.MAX_PAYLOAD}")
-            off = base + MAILBOX_PAYLOAD_OFF
-            msg = _control.decode(bytes(self._seg.mm[off : off + length]))
+            if data is None:
+                raise _control.BadMessage("malformed mailbox header")
+            msg = _control.decode(data)
         except _control.BadMessage:
             self._bad_message()
-            msg = None
-        w[mw + _control.M_ACK] = post
-        if msg is None:
             return
         mtype = msg["type"]
         if mtype == "stats":
@@ -631,51 +626,56 @@ class Reader:
     # -- views and buffers --------------------------------------------------
 
     def _tree(self, slot: int) -> dict[str, Any]:
-        tree = self._trees.get(slot)
-        if tree is None:
-            leaves = iter(self._leaf_all)
-            tree = self._trees[slot] = {
-                ts.name: optree.tree_unflatten(ts.treespec, [next(leaves)[slot, ...] for _ in ts.leaves])
-                for ts in self.schema.timescales
-            }
-        return tree
+        """New containers around the slot's (cached) leaf views."""
+        leaves = self._slot_leaves.get(slot)
+        if leaves is None:
+            leaves = self._slot_leaves[slot] = [leaf_all[slot, ...] for leaf_all in self._leaf_all]
+        return self._unflatten(leaves)
 
-    def _batch_buffer(self, b: int) -> tuple[np.ndarray, list[np.ndarray], dict[str, Any]]:
+    def _unflatten(self, leaves: list[np.ndarray]) -> dict[str, Any]:
+        out, k = {}, 0
+        for ts in self.schema.timescales:
+            n = len(ts.leaves)
+            out[ts.name] = optree.tree_unflatten(ts.treespec, leaves[k : k + n])
+            k += n
+        return out
+
+    def _batch_buffer(self, b: int) -> tuple[np.ndarray, list[np.ndarray]]:
         buf = self._batch_bufs.get(b)
         if buf is None:
-            tree = self.schema.zeros((b,))
-            bufs = [leaf for ts in self.schema.timescales for leaf in optree.tree_leaves(tree[ts.name])]
-            buf = self._batch_bufs[b] = (np.zeros(b, np.intp), bufs, tree)
+            bufs = [np.zeros((b, *lf.shape), lf.dtype) for lf in self.schema.leaves]
+            buf = self._batch_bufs[b] = (np.zeros(b, np.intp), bufs)
         return buf
 
-    def _record_latency(self, ns: int, policy: int) -> None:
-        i = self._lat_n % LATENCY_WINDOW
-        self._lat[i] = ns
-        if self.policy_version is not None:
-            self._lag[i] = self.policy_version - policy
-        self._lat_n += 1
-
-    def _record_latencies(self, ns: np.ndarray, policy: np.ndarray) -> None:
+    def _record(self, ns: np.ndarray, policy: np.ndarray) -> None:
+        """Latency and policy lag of delivered rollouts, keeping the newest LATENCY_WINDOW (any count)."""
+        k = len(ns)
+        if k > LATENCY_WINDOW:
+            ns, policy = ns[-LATENCY_WINDOW:], policy[-LATENCY_WINDOW:]
+            self._lat_n += k - LATENCY_WINDOW
+            k = LATENCY_WINDOW
         start = self._lat_n % LATENCY_WINDOW
-        n = min(len(ns), LATENCY_WINDOW - start)
+        n = min(k, LATENCY_WINDOW - start)  # up to the end of the window, then wrap to its start
         self._lat[start : start + n] = ns[:n]
-        self._lat[: len(ns) - n] = ns[n:]
+        self._lat[: k - n] = ns[n:]
         if self.policy_version is not None:
             lag = self.policy_version - policy
             self._lag[start : start + n] = lag[:n]
-            self._lag[: len(ns) - n] = lag[n:]
-        self._lat_n += len(ns)
+            self._lag[: k - n] = lag[n:]
+        self._lat_n += k
 
     # -- introspection ------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges: rollouts and bytes delivered, queue depth, commit-to-get latency, losses."""
-        w = self._w
-        if not self._closed:
+        if self._foreign:
+            self._guard()
+        w = self._w if not self._closed else None
+        if w is not None:
             self._poll()
         n = min(self._lat_n, LATENCY_WINDOW)
         lat = self._lat[:n] / 1e3
-        in_rings = sum(lane.ready.available() for lane in self._lanes.values()) if not self._closed else 0
+        in_rings = sum(lane.ready.available() for lane in self._lanes.values()) if w is not None else 0
         return {
             "rollouts": self._delivered,
             "bytes": self._delivered * self._rollout_bytes,
@@ -685,9 +685,9 @@ class Reader:
             # over the same window, when the learner sets reader.policy_version
             "policy_lag_mean": float(self._lag[:n].mean()) if n and self.policy_version is not None else None,
             "policy_lag_max": int(self._lag[:n].max()) if n and self.policy_version is not None else None,
-            "partial_dropped": w[W_PARTIAL_DROPPED],
-            "bad_messages": w[W_BAD_MESSAGES],
-            "lanes_reclaimed": w[W_LANES_RECLAIMED],
+            "partial_dropped": w[W_PARTIAL_DROPPED] if w is not None else None,
+            "bad_messages": w[W_BAD_MESSAGES] if w is not None else None,
+            "lanes_reclaimed": w[W_LANES_RECLAIMED] if w is not None else None,
             "writers": len(self._lanes),
             # every slot is in exactly one place: the pool, lent to a lane (being written, or
             # committed and not yet taken in), ready here, or held by the user
@@ -707,17 +707,13 @@ class Reader:
         if self._closed:
             return
         self._closed = True
-        if os.getpid() != self._pid:  # a forked copy: the pipeline is not ours to stop
+        if self._foreign:  # a forked copy: the pipeline is not ours to stop
             return
-        self._w[W_CLOSED] = 1
-        for sem in self._lane_sems:  # wake writers waiting for a slot, so they see the flag now
-            sem.release()
-        self._doorbell.release()
-        self._finalizer()  # unlink names: new attaches fail, current mappings stay valid
+        self._finalizer()  # stop, wake every writer, unlink names: new attaches fail, current mappings stay valid
         for sem in self._sems:
             sem.close()
         self._sems = []
-        self._trees = {}
+        self._slot_leaves = {}
         self._batch_bufs = {}
         self._leaf_all = []
         del self._slot_table
@@ -738,17 +734,33 @@ class Reader:
         return f"Reader({self.name!r}, slots={self.slots}, {state}, {self.schema!r})"
 
 
-def read_label(mm: Any, w: memoryview, lane_word: int) -> str:
-    """A writer's label from its lane record, its length clamped: the bytes are the writer's, not trusted."""
-    n = min(max(w[lane_word + L_LABEL_LEN], 0), LABEL_BYTES)
-    off = (lane_word + L_LABEL) * 8
-    return bytes(mm[off : off + n]).decode(errors="replace")
+def _check_timeout(timeout: Any) -> float | None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
+        raise UsageError(f"timeout: expected None or a number of seconds >= 0, got {timeout!r}")
+    return timeout
 
 
-def _given(lane: _Lane) -> int:
+def _given(lane: ReaderLane) -> int:
     return lane.given
 
 
-def _unlink_if_owner(name: str, n_lanes: int, pid: int) -> None:
-    if os.getpid() == pid:
-        unlink_all(name, n_lanes)
+def _hungry(lane: ReaderLane) -> tuple[bool, int]:
+    """Writers asleep for want of a slot first, then the lanes holding fewest."""
+    return not lane.w[lane.rec.free_wait], lane.given
+
+
+def _stop(words: memoryview, sems: list[posix_ipc.Semaphore], name: str, n_lanes: int, pid: int) -> None:
+    """Close the pipeline for its writers and remove its names: ``close()``, or the finalizer of a Reader never closed.
+
+    Writers see the closed word at their next call, and the posts wake those asleep for a slot or
+    a lane now rather than at their next 0.1 s look.
+    """
+    if os.getpid() != pid:
+        return
+    try:
+        words[W_CLOSED] = 1
+        for sem in sems:
+            sem.release()
+    except (ValueError, posix_ipc.Error):
+        pass  # already released by an earlier close: the names below are what is left to do
+    unlink_all(name, n_lanes)

@@ -47,6 +47,8 @@ from __future__ import annotations
 import platform
 import threading
 
+from shmbuf._errors import SegmentError
+
 _TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
@@ -105,13 +107,12 @@ class Producer:
         w = self._w
         h = self._head
         if h - w[self._tail_w] >= self._cap:
-            raise RuntimeError(f"ring overflow (head {h}, tail {w[self._tail_w]}, capacity {self._cap}): the segment is corrupt")
+            raise SegmentError(f"ring overflow (head {h}, tail {w[self._tail_w]}, capacity {self._cap}): the segment is corrupt")
         w[self._ring + h % self._cap] = value
         if self._fence:  # the entry before the head that publishes it
             self._fence()
         self._head = h + 1
         w[self._head_w] = h + 1
-
 
     def push_many(self, values: list[int]) -> None:
         """Push several entries and publish them with one store of ``head``."""
@@ -119,7 +120,7 @@ class Producer:
         h = self._head
         n = len(values)
         if h + n - w[self._tail_w] > self._cap:
-            raise RuntimeError(f"ring overflow (head {h} + {n}, tail {w[self._tail_w]}, capacity {self._cap}): the segment is corrupt")
+            raise SegmentError(f"ring overflow (head {h} + {n}, tail {w[self._tail_w]}, capacity {self._cap}): the segment is corrupt")
         ring, cap = self._ring, self._cap
         for k, v in enumerate(values):
             w[ring + (h + k) % cap] = v
@@ -151,7 +152,7 @@ class Consumer:
         """How many entries are published and not yet consumed (a load of ``head``)."""
         n = self._w[self._head_w] - self._tail
         if not 0 <= n <= self._cap:
-            raise RuntimeError(f"ring counters out of range (head-tail = {n}, capacity {self._cap}): the segment is corrupt")
+            raise SegmentError(f"ring counters out of range (head-tail = {n}, capacity {self._cap}): the segment is corrupt")
         return n
 
     def pop_many(self, n: int) -> list[int]:

@@ -69,9 +69,9 @@ def loop_writer(name: str, tag: int, committed: Any, rollouts: int = -1, timeout
     """Commit rollouts until killed (or ``rollouts`` done); publish the last committed seq in ``committed``."""
     step = {k: np.zeros(v.shape[1:], v.dtype) for k, v in small_example(FT)["step"].items()}
     buf = {k: np.zeros((FT, *v.shape), v.dtype) for k, v in step.items()}
+    seq = 0
     try:
         with shmbuf.Writer(name, timeout=timeout, label=f"tag{tag}") as w:
-            seq = 0
             while seq != rollouts:
                 length = 1 + (seq * 5 + tag) % FT
                 for i in range(length):
@@ -84,8 +84,10 @@ def loop_writer(name: str, tag: int, committed: Any, rollouts: int = -1, timeout
                 w.commit()
                 committed.value = seq
                 seq += 1
-    except (shmbuf.PipelineClosed, shmbuf.BrokenPipeline):
-        os._exit(3)  # the reader went away: the expected way out, told apart from a crash
+    except shmbuf.BrokenPipeline:
+        os._exit(3)  # the reader died: the expected way out, told apart from a crash
+    if seq != rollouts:  # left the loop early: the reader closed, and the with block ended quietly on PipelineClosed
+        os._exit(3)
 
 
 def verify(r: shmbuf.Rollout) -> tuple[int, int]:

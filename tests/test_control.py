@@ -9,44 +9,44 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf import _control
+from shmbuf import _control, _lane
 from shmbuf._segment import MAILBOX_PAYLOAD_OFF
 from tests.conftest import small_example
 
 
-def post_raw(writer: shmbuf.Writer, payload: bytes, length: int | None = None, magic: int = _control.MSG_MAGIC) -> None:
+def post_raw(writer: shmbuf.Writer, payload: bytes, length: int | None = None, magic: int = _lane.MSG_MAGIC) -> None:
     """Put bytes in the writer's mailbox as a hostile or broken writer would."""
     seg, w = writer._seg, writer._w
     base = writer._plan.mbox_off_of(writer.lane)
     mw = base // 8
     n = min(len(payload), _control.MAX_PAYLOAD)
     seg.mm[base + MAILBOX_PAYLOAD_OFF : base + MAILBOX_PAYLOAD_OFF + n] = payload[:n]
-    w[mw + _control.M_LEN] = len(payload) if length is None else length
-    w[mw + _control.M_MAGIC] = magic
-    w[mw + _control.M_POST] = w[mw + _control.M_POST] + 1
+    w[mw + _lane.M_LEN] = len(payload) if length is None else length
+    w[mw + _lane.M_MAGIC] = magic
+    w[mw + _lane.M_POST] = w[mw + _lane.M_POST] + 1
 
 
 def wait_acked(reader: shmbuf.Reader, writer: shmbuf.Writer) -> None:
     mw = writer._plan.mbox_off_of(writer.lane) // 8
     for _ in range(100):
         reader.poll()
-        if writer._w[mw + _control.M_ACK] == writer._w[mw + _control.M_POST]:
+        if writer._w[mw + _lane.M_ACK] == writer._w[mw + _lane.M_POST]:
             return
     raise AssertionError("the reader never took the message")
 
 
 BAD = [
-    (b"\xc1\xc1\xc1", None, _control.MSG_MAGIC),  # not msgpack
-    (msgpack.packb([1, 2, 3]), None, _control.MSG_MAGIC),  # not a map
-    (msgpack.packb({"type": "launch_missiles"}), None, _control.MSG_MAGIC),  # unknown type
-    (msgpack.packb({"type": "error", "exc_type": 3, "message": "m", "traceback": ""}), None, _control.MSG_MAGIC),
-    (msgpack.packb({"type": "bye", "reason": "x", "extra": 1}), None, _control.MSG_MAGIC),
-    (msgpack.packb({"type": "stats", "counters": {"a": "b"}}), None, _control.MSG_MAGIC),
-    (msgpack.packb({"type": "bye", "reason": "xyz"})[:-2], None, _control.MSG_MAGIC),  # truncated
-    (b"x" * 10, 10**9, _control.MSG_MAGIC),  # oversized length
-    (b"x" * 10, 0, _control.MSG_MAGIC),
+    (b"\xc1\xc1\xc1", None, _lane.MSG_MAGIC),  # not msgpack
+    (msgpack.packb([1, 2, 3]), None, _lane.MSG_MAGIC),  # not a map
+    (msgpack.packb({"type": "launch_missiles"}), None, _lane.MSG_MAGIC),  # unknown type
+    (msgpack.packb({"type": "error", "exc_type": 3, "message": "m", "traceback": ""}), None, _lane.MSG_MAGIC),
+    (msgpack.packb({"type": "bye", "reason": "x", "extra": 1}), None, _lane.MSG_MAGIC),
+    (msgpack.packb({"type": "stats", "counters": {"a": "b"}}), None, _lane.MSG_MAGIC),
+    (msgpack.packb({"type": "bye", "reason": "xyz"})[:-2], None, _lane.MSG_MAGIC),  # truncated
+    (b"x" * 10, 10**9, _lane.MSG_MAGIC),  # oversized length
+    (b"x" * 10, 0, _lane.MSG_MAGIC),
     (msgpack.packb({"type": "bye", "reason": "x"}), None, 12345),  # bad magic
-    (msgpack.packb({"type": "stats", "counters": {"n": True}}), None, _control.MSG_MAGIC),  # bool is not a count
+    (msgpack.packb({"type": "stats", "counters": {"n": True}}), None, _lane.MSG_MAGIC),  # bool is not a count
 ]
 
 

@@ -208,7 +208,7 @@ def test_closing_the_reader_mid_rollout_stops_every_writer(make_reader: Any, sta
     reader.close()
     for p in writers:
         p.join(5)
-        assert p.exitcode == 3, f"writer exited with {p.exitcode}, not by PipelineClosed"  # see loop_writer
+        assert p.exitcode == 3, f"writer exited with {p.exitcode}, not by the reader's close"  # see loop_writer
     assert not [e for e in shm_objects() if name[1:] in e]  # unlinked, once, by the owner
     reader.close()  # a second close is a no-op
 
@@ -260,4 +260,4 @@ def test_another_user_cannot_attach(make_reader: Any) -> None:
     p.start()
     p.join(10)
     assert rx.poll(1)
-    assert "belongs to another user" in rx.recv_bytes().decode()
+    assert "not by this user" in rx.recv_bytes().decode()

@@ -8,7 +8,7 @@ def test_public_names_are_pinned() -> None:
         "Batch", "BrokenPipeline", "Handle", "Leaf", "NoSpace", "PipelineClosed", "Reader", "Rollout", "Schema",
         "SchemaError", "SegmentError", "ShmbufError", "SlotTimeout", "StaleRollout", "Timescale", "TimescaleFull", "UnknownTimescale", "UsageError", "WeightPublisher",
         "WeightSubscriber", "WeightsHandle", "Writer",
-        "WriterError", "__version__", "create",
+        "WriterError", "WrongProcess", "__version__", "create",
     ])
     for name in shmbuf.__all__:
         assert hasattr(shmbuf, name)
@@ -17,7 +17,7 @@ def test_public_names_are_pinned() -> None:
 def test_errors_subclass_the_builtins_a_caller_would_catch() -> None:
     assert issubclass(shmbuf.SchemaError, ValueError) and issubclass(shmbuf.SegmentError, ValueError)
     assert issubclass(shmbuf.SlotTimeout, TimeoutError) and issubclass(shmbuf.NoSpace, OSError)
-    for e in (shmbuf.PipelineClosed, shmbuf.BrokenPipeline, shmbuf.StaleRollout, shmbuf.WriterError):
+    for e in (shmbuf.PipelineClosed, shmbuf.BrokenPipeline, shmbuf.StaleRollout, shmbuf.WriterError, shmbuf.WrongProcess):
         assert issubclass(e, RuntimeError) and issubclass(e, shmbuf.ShmbufError)
     assert issubclass(shmbuf.UsageError, ValueError) and issubclass(shmbuf.UsageError, TypeError)
     assert issubclass(shmbuf.TimescaleFull, IndexError) and issubclass(shmbuf.UnknownTimescale, KeyError)
