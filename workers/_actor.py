@@ -41,9 +41,14 @@ reward, successor)``; gymnasium's next-step autoreset is handled by
 Policy: a callable ``policy(obs) -> action`` or ``-> (action, extras)``,
 ``obs`` batched over sub-envs (``(E, ...)``; ``E = 1`` for a single env),
 ``action`` likewise, ``extras`` a dict of ``(E, ...)`` arrays stored as step
-leaves. New weights from a :class:`shmbuf._weights.WeightSubscriber` are
-applied at rollout boundaries by ``policy.load_weights(params)``, or, for a
-``torch.nn.Module``, ``load_state_dict`` of the (flat dict) params.
+leaves. ``obs`` is a view, valid during the call (the env driver reuses its
+buffer two steps later): copy what the policy keeps. A ``torch.nn.Module``
+is called on tensors (``torch.from_numpy`` of ``obs``, under
+``torch.no_grad()``) and what it returns, a tensor or ``(tensor, dict of
+tensors)``, is turned back into numpy (see :class:`TorchPolicy`). New weights
+from a :class:`shmbuf.WeightSubscriber` are applied at rollout boundaries by
+``policy.load_weights(params)``, or, for a ``torch.nn.Module``,
+``load_state_dict`` of the (flat dict) params.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from typing import Any
 import numpy as np
 import optree
 
+import shmbuf
 from workers._envs import EnvDriver, tree_copy, tree_index
 
 MODES = ("truncate_episodes", "complete_episodes")
@@ -130,6 +136,37 @@ def split_policy_output(out: Any) -> tuple[Any, dict[str, Any]]:
     return out, {}
 
 
+def _torch_module(policy: Any) -> Any:
+    """torch, if ``policy`` is a ``torch.nn.Module`` (torch is then loaded already: it made the policy), else None."""
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and isinstance(policy, torch.nn.Module) else None
+
+
+class TorchPolicy:
+    """A ``torch.nn.Module`` as a numpy policy: observations in as tensors, actions and extras out as numpy.
+
+    ``torch.from_numpy`` shares memory with the observation (no copy; the
+    module must not write into its input); the call runs under
+    ``torch.no_grad()``; every tensor the module returns (an action, or
+    ``(action, {name: tensor})``) comes back as ``detach().cpu().numpy()``.
+    """
+
+    def __init__(self, module: Any):
+        self.module = module
+        self._torch = sys.modules["torch"]
+
+    def __call__(self, obs: Any) -> Any:
+        torch = self._torch
+        with torch.no_grad():
+            out = self.module(optree.tree_map(torch.from_numpy, obs))
+        return optree.tree_map(lambda x: x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x, out)
+
+
+def as_numpy_policy(policy: Any) -> Callable[[Any], Any]:
+    """What :class:`ActorLoop` calls: ``policy`` itself, or a :class:`TorchPolicy` around a torch module."""
+    return TorchPolicy(policy) if _torch_module(policy) is not None else policy
+
+
 def apply_weights(policy: Any, params: Any) -> None:
     """Give new parameters to a policy: ``load_weights(params)``, or a torch module's ``load_state_dict``."""
     load = getattr(policy, "load_weights", None)
@@ -154,7 +191,7 @@ def probe(env: Any, policy: Callable[[Any], Any], seed: int | None = None) -> di
     """
     driver = EnvDriver(env)
     obs = driver.reset(seed)
-    action, extras = split_policy_output(policy(obs))
+    action, extras = split_policy_output(as_numpy_policy(policy)(obs))
     action = optree.tree_map(np.asarray, action)
     return {
         "obs": tree_copy(tree_index(obs, 0)),
@@ -170,7 +207,7 @@ class ActorLoop:
 
     Args:
         env: a gymnasium Env or VectorEnv (its owner closes it).
-        policy: see the module doc.
+        policy: see the module doc (a callable, or a torch module).
         writers: one :class:`shmbuf.Writer` (truncate-episodes) or one per
             sub-env (complete-episodes).
         rollout_len: T; must match the pipeline's example.
@@ -186,6 +223,7 @@ class ActorLoop:
         self.E = self.driver.num_envs
         self.single = not self.driver.vector
         self.policy = policy
+        self._call = as_numpy_policy(policy)
         self.writers = list(writers)
         need = self.E if batch_mode == "complete_episodes" else 1
         if len(self.writers) != need:
@@ -221,7 +259,7 @@ class ActorLoop:
         return True
 
     def _act(self, obs: Any) -> tuple[Any, dict[str, Any]]:
-        action, extras = split_policy_output(self.policy(obs))
+        action, extras = split_policy_output(self._call(obs))
         if type(action) is not np.ndarray:
             action = optree.tree_map(np.asarray, action)
         return action, extras
@@ -250,7 +288,7 @@ class ActorLoop:
             if self.should_stop():
                 w.reset()
                 return False
-            obs = self.obs
+            obs = self.obs  # a driver buffer: still this step's observation after step() (see EnvDriver)
             action, extras = self._act(obs)
             nobs, rew, term, trunc, succ = self.driver.step(action)
             # Exact dtypes and shapes take the Writer's fast path (no per-leaf coercion).
@@ -290,7 +328,7 @@ class ActorLoop:
                 for w in self.writers:
                     w.reset()
                 return
-            obs = self.obs
+            obs = self.obs  # a driver buffer: still this step's observation after step() (see EnvDriver)
             action, extras = self._act(obs)
             nobs, rew, term, trunc, succ = self.driver.step(action)
             self.ep_ret += rew
@@ -397,10 +435,6 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
     Ends quietly when the pool asks it to stop or the reader closes the
     pipeline; an exception goes to the learner through the pool.
     """
-    from shmbuf._errors import BrokenPipeline, PipelineClosed
-    from shmbuf._weights import WeightSubscriber
-    from shmbuf._writer import Writer
-
     if (spec.policy is None) == (spec.policy_factory is None):
         raise ValueError("ActorSpec: give exactly one of policy and policy_factory")
     torch_threads(spec.torch_threads)
@@ -413,9 +447,9 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         n_writers = EnvDriver(env).num_envs if spec.batch_mode == "complete_episodes" else 1
         for k in range(n_writers):
             label = f"{spec.label}-{ctx.index}" + (f"/{k}" if n_writers > 1 else "")
-            writers.append(Writer(spec.pipeline, timeout=None, label=label))
+            writers.append(shmbuf.Writer(spec.pipeline, timeout=None, label=label))
         if spec.weights is not None:
-            sub = WeightSubscriber(spec.weights)
+            sub = shmbuf.WeightSubscriber(spec.weights)
         ready = getattr(ctx, "ready", None)
         if ready is not None:
             ready()  # every lane is registered: the learner may start reading
@@ -426,7 +460,8 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         loop.run(spec.max_rollouts)
     except BaseException as exc:
         # Also tell the reader (it raises WriterError from its next get); the pool gets it from our caller.
-        if writers and not isinstance(exc, (KeyboardInterrupt, SystemExit, PipelineClosed, BrokenPipeline)):
+        quiet = (KeyboardInterrupt, SystemExit, shmbuf.PipelineClosed, shmbuf.BrokenPipeline)
+        if writers and not isinstance(exc, quiet):
             try:
                 writers[0].report_error(exc)
             except Exception:

@@ -16,6 +16,7 @@ checks the pool, so an actor's exception is raised here with its traceback.
 from __future__ import annotations
 
 import math
+import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -24,11 +25,9 @@ from typing import Any
 import numpy as np
 import optree
 
-from shmbuf._errors import SlotTimeout
-from shmbuf._reader import create
-from shmbuf._weights import WeightPublisher
+import shmbuf
 from workers._actor import MODES, ActorSpec, probe, rollout_example, run_actor
-from workers._pool import ActorPool
+from workers._pool import ActorPool, default_start_method
 
 WAIT_SLICE = 0.1
 
@@ -36,6 +35,24 @@ WAIT_SLICE = 0.1
 def _numpy_state(policy: Any) -> dict[str, np.ndarray]:
     """A torch module's state_dict as numpy arrays (copies, CPU)."""
     return {k: v.detach().cpu().numpy().copy() for k, v in policy.state_dict().items()}
+
+
+def check_picklable(what: str, obj: Any, start_method: str, fix: str) -> None:
+    """Raise :class:`shmbuf.UsageError` if ``obj`` cannot be pickled and ``start_method`` would pickle it.
+
+    Only ``fork`` hands the actors their arguments without pickling them.
+    This is a trial ``pickle.dumps`` in this process; nothing crosses to another.
+    """
+    if start_method == "fork":
+        return
+    try:
+        pickle.dumps(obj)
+    except Exception as exc:  # pickle raises PicklingError, AttributeError, TypeError... for what it cannot pickle
+        name = getattr(obj, "__qualname__", type(obj).__name__)
+        raise shmbuf.UsageError(
+            f"{what}: {name} cannot be pickled ({type(exc).__name__}: {exc}), and start_method={start_method!r} "
+            f"pickles it to send it to each actor process. {fix}, or use start_method='fork'"
+        ) from exc
 
 
 class CollectedBatch:
@@ -75,10 +92,14 @@ class Collector:
         create_env_fn: an env factory, or a list of them (one per actor).
             A factory may return a vector env (``gymnasium.vector``); every
             autoreset mode is handled (see ``workers._envs``).
-        policy: a picklable callable (see ``workers._actor`` for the protocol),
-            or None with ``policy_factory``.
-        policy_factory: a zero-argument callable returning the policy, called
-            once in each actor and once here to probe output shapes.
+        policy: a picklable callable or ``torch.nn.Module`` (see
+            ``workers._actor`` for the protocol), or None with ``policy_factory``.
+            Unless ``start_method="fork"``, it is pickled to reach the actors:
+            one that cannot be (a lambda, a closure) raises
+            :class:`shmbuf.UsageError` here.
+        policy_factory: a zero-argument picklable callable (a module-level
+            function) returning the policy, called once in each actor and once
+            here to probe output shapes: for policies that cannot be pickled.
         frames_per_batch: env steps per batch. Truncate-episodes: a multiple
             of ``rollout_len * E``. Complete-episodes: a minimum; whole
             episodes are added until it is reached.
@@ -116,6 +137,16 @@ class Collector:
         env_fns = tuple(create_env_fn) if isinstance(create_env_fn, Sequence) else (create_env_fn,)
         if not env_fns or not all(callable(f) for f in env_fns):
             raise TypeError("create_env_fn: expected a callable returning an env, or a list of them")
+        method = start_method or default_start_method()
+        if policy is not None:
+            check_picklable("policy", policy, method, "Give a picklable policy (a module-level function, or an instance "
+                            "of a module-level class), or pass policy_factory=<a module-level function that builds "
+                            "it in each actor>")
+        else:
+            check_picklable("policy_factory", policy_factory, method, "Give a module-level function (or a "
+                            "functools.partial of one)")
+        for f in env_fns:
+            check_picklable("create_env_fn", f, method, "Give a module-level function (or a functools.partial of one)")
         if num_actors is None:
             num_actors = len(env_fns) if len(env_fns) > 1 else 2
         if not isinstance(frames_per_batch, int) or frames_per_batch < 1:
@@ -175,9 +206,9 @@ class Collector:
         if slots is None:
             slots = 2 * self.rollouts_per_batch + 2 * n_writers if self.rollouts_per_batch else 4 * n_writers + 8
         try:
-            self.reader = create(example, slots, max_writers=n_writers, raise_writer_errors=False)
+            self.reader = shmbuf.create(example, slots, max_writers=n_writers, raise_writer_errors=False)
             if weights is not None:
-                self.publisher = WeightPublisher(weights)
+                self.publisher = shmbuf.WeightPublisher(weights)
                 self.publisher.publish(weights, version=0)
             spec = ActorSpec(
                 pipeline=self.reader.name, env_fns=env_fns, rollout_len=T, policy=policy, policy_factory=policy_factory,
@@ -185,7 +216,7 @@ class Collector:
                 weights=self.publisher.name if self.publisher is not None else None, seed=seed,
                 torch_threads=torch_threads,
             )
-            self.pool = ActorPool(run_actor, num_actors, args=(spec,), start_method=start_method, restart=restart,
+            self.pool = ActorPool(run_actor, num_actors, args=(spec,), start_method=method, restart=restart,
                                   max_restarts=max_restarts, name="shmbuf-collector")
             self.pool.start()
             if progress:
@@ -250,10 +281,10 @@ class Collector:
         while True:
             try:
                 out = get()
-            except SlotTimeout:
+            except shmbuf.SlotTimeout:
                 self._check_actors()
                 if deadline is not None and time.monotonic() > deadline:
-                    raise SlotTimeout(f"no batch within timeout={self.timeout} s (Collector(timeout=...)); the actors are "
+                    raise shmbuf.SlotTimeout(f"no batch within timeout={self.timeout} s (Collector(timeout=...)); the actors are "
                                       f"alive but not delivering: {self.reader.stats()['slots']}") from None
                 continue
             return out
