@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import multiprocessing as mp
 import os
+import pathlib
+import pickle
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -23,6 +28,7 @@ from tests.test_workers_envs import (
     target_segfault,
 )
 from workers import ActorError, ActorPool, ActorSpec, default_start_method, run_actor
+from workers._pool import LearnerWatch
 
 
 @pytest.fixture
@@ -139,7 +145,7 @@ def _learner(conn, method: str) -> None:
         np.zeros(1)
 
 
-@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
 def test_no_orphans_after_the_learner_is_killed(method):
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe(duplex=False)
@@ -191,3 +197,53 @@ def test_run_actor_error_also_reaches_a_bare_reader_as_writer_error(pools):
         assert "got action" in str(info.value) and "in step" in info.value.remote_traceback
     finally:
         reader.close()
+
+
+def test_learner_watch_sees_its_process_exit():
+    """The pidfd is readable once the process it was taken on has exited (here a child, killed)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watch = LearnerWatch.open(child.pid)
+    try:
+        assert watch.fd >= 0, "os.pidfd_open is expected on this Linux"
+        assert watch.alive()
+        child.kill()
+        wait_until(lambda: not watch.alive(), 5.0, "the watch to see the exit")
+    finally:
+        watch.close()
+        child.kill()
+        child.wait(5)
+
+
+def test_learner_watch_without_pidfd_falls_back_to_the_pid():
+    """Where os.pidfd_open is missing the watch checks the pid; it pickles as the pid alone."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        watch = pickle.loads(pickle.dumps(LearnerWatch(child.pid, -1)))
+        assert watch.fd == -1 and watch.waitable() == [] and watch.alive()
+        child.kill()
+        child.wait(5)  # reaped: the pid is gone
+        assert not watch.alive()
+    finally:
+        child.kill()
+        child.wait(5)
+
+
+def test_workers_uses_only_shmbuf_public_api():
+    """workers is a user of shmbuf: no import of, or attribute from, a private module, and only names in __all__."""
+    import shmbuf
+
+    used = []
+    for path in sorted((pathlib.Path(__file__).parent.parent / "workers").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shmbuf"):
+                assert node.module == "shmbuf", f"{path.name}:{node.lineno} imports {node.module}"
+                used += [(path.name, node.lineno, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    assert not a.name.startswith("shmbuf."), f"{path.name}:{node.lineno} imports {a.name}"
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "shmbuf":
+                used.append((path.name, node.lineno, node.attr))
+    assert used, "workers is expected to use shmbuf"
+    private = [u for u in used if u[2] not in shmbuf.__all__]
+    assert not private, f"names outside shmbuf.__all__: {private}"

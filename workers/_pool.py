@@ -8,11 +8,16 @@ message and traceback as text. Nothing on it is ever pickled; the start
 method pickles only ``target`` and its arguments, once, to start the process.
 
 Inside each actor a small watchdog thread (started by the pool's child
-wrapper, never in the learner) reads the pipe and checks every 0.2 s that the
-learner process is still the one that started it (pid and start time). If
-the learner died, the actor exits at once with code 75 (``EX_TEMPFAIL``)
-from that thread, even if its main thread hangs inside an env. A learner
-killed with SIGKILL therefore leaves no actor behind for more than ~0.3 s.
+wrapper, never in the learner) waits on the pipe and on a pidfd of the
+learner (``os.pidfd_open``, Linux >= 5.3), which becomes readable when the
+learner exits. The learner opens that pidfd on itself, so it is certainly
+the learner's (no recycled pid), and hands it to the actor as the start
+method hands over any fd: inherited under ``fork``, passed with the new
+process under ``spawn`` and ``forkserver`` (where the actor's parent is the
+fork server, not the learner). If the learner died, the actor exits at once
+with code 75 (``EX_TEMPFAIL``) from that thread, even if its main thread
+hangs inside an env. Where there is no pidfd, the watchdog polls the
+learner's pid every 0.2 s instead (a recycled pid would fool it).
 
 Actors ignore SIGINT: Ctrl-C in a terminal reaches the whole process group,
 and it is the learner's job to stop its actors.
@@ -24,6 +29,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.util
 import os
+import select
 import signal
 import threading
 import time
@@ -33,7 +39,7 @@ from typing import Any
 
 import msgpack
 
-from shmbuf._proc import alive, start_time
+import shmbuf
 
 EXIT_ERROR = 1
 EXIT_ORPHANED = 75
@@ -90,6 +96,66 @@ def _decode(data: bytes) -> dict[str, Any] | None:
     return msg
 
 
+def _error_of(msg: dict[str, Any], index: int, pid: int | None) -> ActorError:
+    """The :class:`ActorError` an actor's ``error`` message stands for."""
+    return ActorError(f"actor {index} (pid {pid}) raised {msg['type']}: {msg['message']}", index=index, pid=pid,
+                      kind=msg["type"], remote_traceback=msg["traceback"])
+
+
+class LearnerWatch:
+    """In an actor: is the learner still alive? A pidfd of the learner, readable once the learner has exited.
+
+    Made in the learner (:meth:`open`, on itself, so that the pidfd is
+    certainly the learner's) and given to the actor in the process's
+    arguments: ``fork`` inherits the fd; ``spawn`` and ``forkserver`` pass it
+    with the new process, as they pass a ``multiprocessing`` Connection's fd
+    (``multiprocessing.reduction.DupFd``). ``fd`` is -1 where ``os.pidfd_open``
+    is missing or refused: then the pid alone is checked.
+    """
+
+    def __init__(self, pid: int, fd: int):
+        self.pid = pid
+        self.fd = fd
+        self._poll: Any = None
+
+    @classmethod
+    def open(cls, pid: int) -> LearnerWatch:
+        try:
+            return cls(pid, os.pidfd_open(pid))
+        except (AttributeError, OSError):  # not Linux >= 5.3 (or seccomp says no)
+            return cls(pid, -1)
+
+    def __reduce__(self) -> Any:
+        return _rebuild_watch, (self.pid, mp.reduction.DupFd(self.fd) if self.fd >= 0 else None)
+
+    def alive(self) -> bool:
+        if self.fd < 0:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                pass
+            return True
+        if self._poll is None:
+            self._poll = select.poll()
+            self._poll.register(self.fd, select.POLLIN)
+        return not self._poll.poll(0)
+
+    def waitable(self) -> list[int]:
+        """What ``multiprocessing.connection.wait`` can wait on to hear of the learner's exit."""
+        return [self.fd] if self.fd >= 0 else []
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _rebuild_watch(pid: int, dup: Any) -> LearnerWatch:
+    return LearnerWatch(pid, dup.detach() if dup is not None else -1)
+
+
 class ActorContext:
     """What an actor process knows about its pool: its index, and whether it was asked to stop.
 
@@ -98,17 +164,17 @@ class ActorContext:
     to the learner with its traceback and raised there by the pool.
     """
 
-    def __init__(self, index: int, incarnation: int, conn: Any, learner: tuple[int, int]):
+    def __init__(self, index: int, incarnation: int, conn: Any, learner: LearnerWatch):
         self.index = index
         self.incarnation = incarnation
-        self.learner_pid = learner[0]
+        self.learner_pid = learner.pid
         self._learner = learner
         self._conn = conn
         self._send_lock = threading.Lock()
         self.stop_requested = False
 
     def learner_alive(self) -> bool:
-        return alive(*self._learner)
+        return self._learner.alive()
 
     def ready(self) -> None:
         """Tell the pool this actor is set up (e.g. its Writers are attached): see :meth:`ActorPool.wait_ready`."""
@@ -131,33 +197,35 @@ class ActorContext:
 
     def _watch(self) -> None:
         conn = self._conn
+        learner = self._learner.waitable()
+        waitables = [conn, *learner]
         while True:
             try:
-                if conn.poll(WATCH_INTERVAL):
+                if conn in mp.connection.wait(waitables, WATCH_INTERVAL):
                     msg = _decode(conn.recv_bytes())
                     if msg is not None and msg["kind"] == "stop":
                         self.stop_requested = True
             except (EOFError, OSError):
                 self.stop_requested = True  # the pool closed its end: stopping, or gone
-                time.sleep(WATCH_INTERVAL)
-            if not alive(*self._learner):
+                waitables = learner
+                if not learner:
+                    time.sleep(WATCH_INTERVAL)
+            if not self._learner.alive():
                 os._exit(EXIT_ORPHANED)  # the learner died: leave now, whatever the main thread is doing
 
 
-def _child_main(target: Callable[..., Any], index: int, incarnation: int, conn: Any, learner: tuple[int, int],
+def _child_main(target: Callable[..., Any], index: int, incarnation: int, conn: Any, learner: LearnerWatch,
                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = ActorContext(index, incarnation, conn, learner)
     if not ctx.learner_alive():
         os._exit(EXIT_ORPHANED)
     threading.Thread(target=ctx._watch, name="shmbuf-actor-watchdog", daemon=True).start()
-    from shmbuf._errors import BrokenPipeline, PipelineClosed
-
     try:
         target(ctx, *args, **kwargs)
-    except PipelineClosed:
+    except shmbuf.PipelineClosed:
         pass  # the learner closed the pipeline: a normal way to be told to stop
-    except BrokenPipeline:
+    except shmbuf.BrokenPipeline:
         os._exit(EXIT_ORPHANED)
     except SystemExit:
         raise
@@ -228,7 +296,6 @@ class ActorPool:
         self.failures: list[ActorError] = []
         self._ctx = mp.get_context(method)
         self._pid = os.getpid()
-        self._learner = (self._pid, start_time(self._pid))
         self._actors = [_Actor(i) for i in range(num_actors)]
         self._started = False
         self._stopped = False
@@ -251,17 +318,19 @@ class ActorPool:
 
     def _spawn(self, a: _Actor) -> None:
         here, there = self._ctx.Pipe(duplex=True)
+        learner = LearnerWatch.open(self._pid)  # taken here, where the learner is certainly alive
         a.incarnation += 1
         p = self._ctx.Process(
             target=_child_main,
-            args=(self.target, a.index, a.incarnation, there, self._learner, self.args, self.kwargs),
+            args=(self.target, a.index, a.incarnation, there, learner, self.args, self.kwargs),
             name=f"{self.name}-{a.index}",
             daemon=False,  # an actor may start processes of its own (e.g. an AsyncVectorEnv)
         )
         try:
             p.start()
         finally:
-            there.close()
+            there.close()  # the child has its own copies of both fds now
+            learner.close()
         a.proc, a.pid, a.conn, a.state, a.error, a.exitcode, a.ready = p, p.pid, here, "running", None, None, False
 
     # -- watching -----------------------------------------------------------
@@ -299,11 +368,11 @@ class ActorPool:
         for a in self._actors:
             if a.state != "running":
                 continue
-            self._drain(a)
+            _drain(a)
             if a.proc.exitcode is None:
                 continue
             a.proc.join(0)
-            self._drain(a)
+            _drain(a)
             a.exitcode = a.proc.exitcode
             if a.exitcode == 0 and a.error is None:
                 a.state = "done"
@@ -340,26 +409,8 @@ class ActorPool:
                 raise TimeoutError(f"actors {waiting} were not ready within {timeout} s")
             self.check(timeout=min(left, 0.1))
 
-    def _drain(self, a: _Actor) -> None:
-        conn = a.conn
-        try:
-            while conn.poll(0):
-                msg = _decode(conn.recv_bytes())
-                if msg is not None and msg["kind"] == "ready":
-                    a.ready = True
-                elif msg is not None and msg["kind"] == "error" and a.error is None:
-                    a.error = ActorError(
-                        f"actor {a.index} (pid {a.pid}) raised {msg['type']}: {msg['message']}",
-                        index=a.index, pid=a.pid, kind=msg["type"], remote_traceback=msg["traceback"],
-                    )
-        except (EOFError, OSError):
-            pass
-
     def _close_actor(self, a: _Actor) -> None:
-        try:
-            a.conn.close()
-        except OSError:
-            pass
+        _close_conn(a)
         try:
             a.proc.close()
         except ValueError:
@@ -409,6 +460,26 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def _drain(a: _Actor) -> None:
+    """Take in every message an actor has sent: ``ready``, and its first ``error`` (kept in ``a.error``)."""
+    try:
+        while a.conn.poll(0):
+            msg = _decode(a.conn.recv_bytes())
+            if msg is not None and msg["kind"] == "ready":
+                a.ready = True
+            elif msg is not None and msg["kind"] == "error" and a.error is None:
+                a.error = _error_of(msg, a.index, a.pid)
+    except (EOFError, OSError, ValueError):  # ValueError: the pipe is closed already
+        pass
+
+
+def _close_conn(a: _Actor) -> None:
+    try:
+        a.conn.close()
+    except OSError:
+        pass
+
+
 def _stop_all(actors: list[_Actor], timeout: float) -> dict[int, int | None]:
     t0 = time.monotonic()
     deadline = t0 + timeout
@@ -438,20 +509,9 @@ def _stop_all(actors: list[_Actor], timeout: float) -> dict[int, int | None]:
     wait_until(deadline)
     codes: dict[int, int | None] = {}
     for a in running:
-        try:
-            while a.conn.poll(0):  # keep an error reported on the way out
-                msg = _decode(a.conn.recv_bytes())
-                if msg is not None and msg["kind"] == "error" and a.error is None:
-                    a.error = ActorError(f"actor {a.index} (pid {a.pid}) raised {msg['type']}: {msg['message']}",
-                                         index=a.index, pid=a.pid, kind=msg["type"],
-                                         remote_traceback=msg["traceback"])
-        except (EOFError, OSError, ValueError):
-            pass
+        _drain(a)  # keep an error reported on the way out
         a.exitcode = codes[a.index] = a.proc.exitcode
-        try:
-            a.conn.close()
-        except OSError:
-            pass
+        _close_conn(a)
         if a.proc.exitcode is not None:
             a.proc.join(0)
             a.proc.close()
