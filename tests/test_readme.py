@@ -1,36 +1,104 @@
-"""The README's learner and actor blocks run as written (with a stand-in env, policy and trainer)."""
+"""Every code block of the README runs as written, and what its prose promises holds.
+
+The README leaves a few names to the reader (``start_actors``, ``train``, ``env``, ``policy``) and
+says so in its comments; the tests here supply them, as stand-ins or as real gymnasium envs.
+Python blocks run in this process (threads) or as scripts in child processes; the command-line
+blocks run as subprocesses. Every wait has a deadline.
+"""
 
 from __future__ import annotations
 
+import builtins
+import json
+import os
 import pathlib
 import re
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import pytest
 
 import shmbuf
 
-README = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+ROOT = pathlib.Path(__file__).parent.parent
+README = (ROOT / "README.md").read_text()
+DEADLINE = 120.0  # seconds, for any one child process (they take a few: importing gymnasium, torch)
+
+# Which test runs each ```python block: a block is known by a line only it has.
+PYTHON_BLOCKS = {
+    "shmbuf.create(": "test_readme_learner_and_actor_blocks_run",
+    "def actor(handle):": "test_readme_learner_and_actor_blocks_run, test_readme_actors_exit_cleanly_when_the_learner_closes",
+    "from workers import Collector": "test_readme_collector_script_runs",
+}
+# The README's shell lines that run the command line, and why a test may leave one out.
+CLI_RUN = {"demo --help", "ls", "clean --dry-run", "bench --help"}
+CLI_NOT_RUN = {
+    "clean": "would remove what other test runs on this machine left, under their feet; test_cli covers it",
+}
 
 
-class CountingEnv:
+def blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README, re.S)
+
+
+def python_block(marker: str) -> str:
+    (block,) = [b for b in blocks("python") if marker in b]
+    return block
+
+
+def section(title: str) -> str:
+    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_every_python_block_is_run_by_a_test() -> None:
+    for block in blocks("python"):
+        known = [m for m in PYTHON_BLOCKS if m in block]
+        assert len(known) == 1, f"a README python block that no test runs (add it to PYTHON_BLOCKS):\n{block}"
+    assert len(blocks("python")) == len(PYTHON_BLOCKS)
+
+
+# -- the first screen: learner and actor ------------------------------------
+
+
+class EpisodicEnv:
+    """Episodes of 10 (terminated), 30 (truncated) and 100 steps (terminated; longer than T).
+
+    The observation is the step count within the episode. Stepping a finished episode fails:
+    gymnasium warns there, and warnings are errors in this suite.
+    """
+
+    LENGTHS = ((10, "terminated"), (30, "truncated"), (100, "terminated"))
+
     def __init__(self) -> None:
-        self.t = 0
+        self.t: int | None = None
+        self.episodes = 0
 
-    def reset(self) -> tuple[np.ndarray, dict]:
+    def reset(self, seed: int | None = None) -> tuple[np.ndarray, dict]:
+        self.t = 0
+        self.length, self.end = self.LENGTHS[self.episodes % len(self.LENGTHS)]
+        self.episodes += 1
         return np.zeros(4, np.float32), {}
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        if self.t is None:
+            raise AssertionError("step() after the episode ended: reset() first")
         self.t += 1
-        return np.full(4, self.t, np.float32), 1.0, False, False, {}
+        done = self.t == self.length
+        terminated, truncated = done and self.end == "terminated", done and self.end == "truncated"
+        obs = np.full(4, self.t, np.float32)
+        if done:
+            self.t = None
+        return obs, 1.0, terminated, truncated, {}
 
 
 def test_readme_learner_and_actor_blocks_run() -> None:
-    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
-    learner, actor = blocks[0], blocks[1]
-    assert "shmbuf.create" in learner and "shmbuf.Writer" in actor
-    trained: list[tuple[int, ...]] = []
+    """The learner block with the actor block in a thread, over an env whose episodes end."""
+    learner, actor = python_block("shmbuf.create("), python_block("def actor(handle):")
+    trained: list[np.ndarray] = []
     errors: list[BaseException] = []
     threads: list[threading.Thread] = []
 
@@ -38,7 +106,7 @@ def test_readme_learner_and_actor_blocks_run() -> None:
         try:
             ns["actor"](handle)
         except shmbuf.PipelineClosed:
-            pass  # the learner left its `with` block: the normal end
+            pass  # the quiet end is test_readme_actors_exit_cleanly_when_the_learner_closes's to check
         except BaseException as exc:  # reported below
             errors.append(exc)
 
@@ -47,7 +115,7 @@ def test_readme_learner_and_actor_blocks_run() -> None:
         t.start()
         threads.append(t)
 
-    ns: dict[str, Any] = {"env": CountingEnv(), "policy": lambda obs: 0, "train": lambda obs: trained.append(obs.shape),
+    ns: dict[str, Any] = {"env": EpisodicEnv(), "policy": lambda obs: 0, "train": lambda obs: trained.append(obs.copy()),
                           "start_actors": start_actors}
     exec(actor, ns)  # defines actor(handle)
     exec(learner, ns)  # creates the pipeline, trains on 1000 rollouts, takes a batch, closes
@@ -55,5 +123,182 @@ def test_readme_learner_and_actor_blocks_run() -> None:
         t.join(10)
         assert not t.is_alive()
     assert not errors, errors
-    assert trained == [(64, 4)] * 1000
+    assert len(trained) == 1000
+    # One episode per rollout, cut at T = 64; each stored obs is the one the action was taken on.
+    assert {len(obs) for obs in trained} == {10, 30, 64}
+    for obs in trained:
+        assert (obs[:, 0] == np.arange(len(obs))).all()
     assert ns["batch"].data["step"]["obs"].shape == (16, 64, 4)
+
+
+ACTOR_SCRIPT = '''\
+import sys
+
+import gymnasium as gym
+import numpy as np
+import shmbuf
+
+T = 64
+env = gym.make("CartPole-v1")
+
+
+def policy(obs):
+    return int(obs[2] > 0)  # push toward where the pole leans
+
+
+{actor}
+
+actor(sys.argv[1])
+'''
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen]]:
+    """Child processes, killed and reaped at teardown even when the test fails."""
+    made: list[subprocess.Popen] = []
+    yield made
+    for p in made:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=10)
+
+
+def test_readme_actors_exit_cleanly_when_the_learner_closes(tmp_path: pathlib.Path, children: list[Any]) -> None:
+    """The actor block in processes of their own over CartPole: no gymnasium warning, and when the
+    learner block closes the pipeline they end with exit code 0 and no traceback."""
+    pytest.importorskip("gymnasium")
+    script = tmp_path / "actor.py"
+    script.write_text(ACTOR_SCRIPT.format(actor=python_block("def actor(handle):")))
+    trained: list[np.ndarray] = []
+
+    def start_actors(handle: shmbuf.Handle) -> None:
+        for _ in range(2):
+            children.append(subprocess.Popen([sys.executable, "-W", "error", str(script), handle.name],
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+
+    ns: dict[str, Any] = {"start_actors": start_actors, "train": lambda obs: trained.append(obs.copy())}
+    exec(python_block("shmbuf.create("), ns)
+    assert len(trained) == 1000
+    assert all(1 <= len(obs) <= 64 for obs in trained) and any(len(obs) < 64 for obs in trained)  # episodes ended
+    assert all((np.abs(obs[0]) <= 0.05).all() for obs in trained)  # each rollout starts at a reset observation
+    for p in children:
+        _, err = p.communicate(timeout=DEADLINE)
+        assert p.returncode == 0 and "Traceback" not in err, f"actor exit code {p.returncode}; stderr:\n{err}"
+
+
+def test_readme_single_item_timescale_rule(make_reader: Any) -> None:
+    """What the README says of `episode`: capacity 1, one add writes the whole leaf, a second add
+    raises TimescaleFull (an IndexError) until commit() or reset() clears it."""
+    ns: dict[str, Any] = {}
+    exec(python_block("shmbuf.create(").split("with shmbuf.create")[0], ns)  # T and the example
+    assert "one `add` writes the whole leaf" in README and "raises\n`TimescaleFull`" in README
+    reader = make_reader(ns["example"], slots=2)
+    with shmbuf.Writer(reader.handle, timeout=10) as writer:
+        reader.poll()  # the reader lends its slots
+        writer.add("episode", {"return": 1.0})
+        with pytest.raises(shmbuf.TimescaleFull) as full:
+            writer.add("episode", {"return": 2.0})
+        assert isinstance(full.value, IndexError)
+        writer.reset()
+        writer.add("episode", {"return": 3.0})
+        writer.commit()
+        with reader.get(timeout=10) as rollout:
+            assert rollout.data["episode"]["return"] == 3.0 and rollout.fill["episode"] == 1
+        reader.poll()  # lends the released slot again
+        writer.add("episode", {"return": 4.0})  # after commit(): a fresh slot, empty again
+        writer.reset()
+
+
+# -- workers ------------------------------------------------------------------
+
+COLLECTOR_PRELUDE = '''\
+import json
+
+import numpy as np
+
+batches = []
+
+
+def train(model, data):  # the README leaves train to the reader
+    obs = data["step"]["obs"]
+    assert obs.dtype == np.float32 and obs.shape[-1] == 4 and np.isfinite(obs).all()
+    batches.append(int(np.prod(obs.shape[:-1])))
+
+'''
+COLLECTOR_EPILOGUE = '''
+
+if __name__ == "__main__":
+    print("FRAMES", json.dumps(batches))
+'''
+
+
+def test_readme_collector_script_runs(tmp_path: pathlib.Path) -> None:
+    """The workers block as the whole script it says it is, with a `train` of ours in front."""
+    pytest.importorskip("gymnasium")
+    pytest.importorskip("torch")
+    script = tmp_path / "collect.py"
+    script.write_text(COLLECTOR_PRELUDE + python_block("from workers import Collector") + COLLECTOR_EPILOGUE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True, text=True, timeout=DEADLINE,
+                         cwd=tmp_path, env=env)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-4000:]
+    frames = json.loads(out.stdout.split("FRAMES", 1)[1])
+    assert set(frames) == {1024} and sum(frames) >= 20_000
+
+
+# -- prose --------------------------------------------------------------------
+
+
+def test_readme_errors_section_matches_the_taxonomy() -> None:
+    text = section("Errors")
+    assert "Every error shmbuf raises on purpose is a `shmbuf.ShmbufError`" in text
+    listed: set[str] = set()
+    for names, bases in re.findall(r"^- (.*?) \(([\w ]+?)\):", text, re.M):
+        for name in re.findall(r"`(\w+)`", names):
+            cls = getattr(shmbuf, name)
+            assert issubclass(cls, shmbuf.ShmbufError), name
+            for base in re.findall(r"[A-Z]\w+", bases):
+                assert issubclass(cls, getattr(builtins, base)), (name, base)
+            listed.add(name)
+    exported = {n for n in shmbuf.__all__ if isinstance(getattr(shmbuf, n), type)
+                and issubclass(getattr(shmbuf, n), shmbuf.ShmbufError) and n != "ShmbufError"}
+    assert listed == exported
+
+
+def test_readme_says_where_make_puts_the_command_line() -> None:
+    """`make` installs into .venv/, not on the PATH: the first screen says to type .venv/bin/shmbuf, and that is true."""
+    first_screen = README.split("\n## ", 1)[0]
+    assert "`.venv/bin/shmbuf ls`" in first_screen and "not on your PATH" in first_screen
+    assert re.search(r"^VENV := \.venv$", (ROOT / "Makefile").read_text(), re.M)
+    assert 'shmbuf = "shmbuf._cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert (pathlib.Path(sys.prefix) / "bin" / "shmbuf").exists()  # what pip made in the env the tests run in
+
+
+def _cli_lines() -> list[str]:
+    """The arguments of every README shell line that runs the command line (`shmbuf ...` or `.venv/bin/shmbuf ...`)."""
+    out = []
+    for block in blocks("bash") + blocks("text"):
+        for line in block.splitlines():
+            m = re.match(r"^(?:\.venv/bin/)?shmbuf\s+([^#]*)", line.strip())
+            if m:
+                out.append(" ".join(m.group(1).split()))
+    return out
+
+
+@pytest.mark.parametrize("args", sorted(CLI_RUN))
+def test_readme_command_line_runs(args: str) -> None:
+    assert args in _cli_lines(), f"the README no longer shows `shmbuf {args}`"
+    exe = pathlib.Path(sys.prefix) / "bin" / "shmbuf"
+    out = subprocess.run([str(exe), *args.split()], capture_output=True, text=True, timeout=DEADLINE)
+    assert out.returncode == 0, out.stderr
+    if args.endswith("--help"):
+        assert out.stdout.startswith(f"usage: shmbuf {args.split()[0]} ")
+    else:
+        assert out.stdout.strip() and not out.stderr
+
+
+def test_readme_shows_no_command_line_that_no_test_runs() -> None:
+    lines = _cli_lines()
+    assert CLI_RUN <= set(lines)
+    for args in lines:
+        assert args in CLI_RUN or args in CLI_NOT_RUN, f"README shows `shmbuf {args}`: run it in test_readme_command_line_runs"
