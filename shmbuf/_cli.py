@@ -49,7 +49,9 @@ def _clean(args: argparse.Namespace) -> int:
         else:
             print("removed:", " ".join(_admin.remove(f)) or "(already gone)")
     for f in kept:
-        why = f"owner pid {f.owner_pid} is alive" if not f.error else f"unreadable ({f.error}); remove it by hand if you know it is dead"
+        why = f"owner pid {f.owner_pid} is alive"
+        if f.error:
+            why = f"unreadable ({f.error}); remove it by hand if you know it is dead"
         print(f"kept {f.name}: {why}")
     if not found:
         print("nothing to clean")

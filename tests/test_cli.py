@@ -117,3 +117,12 @@ def test_bench_help_calls_itself_shmbuf_bench(capsys: Any) -> None:
     out = _help(["bench", "--help"], capsys)
     assert out.startswith("usage: shmbuf bench [-h] [--quick]"), out
     assert "run.py" not in out.split("Runs shmbuf")[0]  # the usage line names the command the user typed
+
+
+def test_demo_runs_and_its_actors_leave_cleanly(capsys: Any) -> None:
+    """`make demo`, the README's first command, in miniature: every actor exits 0 and nothing is left in /dev/shm."""
+    pytest.importorskip("gymnasium")
+    pytest.importorskip("tqdm")
+    assert main(["demo", "--seconds", "1", "--actors", "1", "--envs", "2", "--steps", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "actors exited        1/1 cleanly" in out and "left in /dev/shm     nothing" in out
