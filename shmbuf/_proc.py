@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+
+# pid_t is a signed 32-bit int: a larger "pid" (read from a corrupt header) is no process, and
+# os.kill would raise OverflowError on it. Linux's own ceiling (PID_MAX_LIMIT) is 2**22.
+PID_MAX = 2**31 - 1
 
 
 def start_time(pid: int) -> int:
@@ -20,9 +25,46 @@ def start_time(pid: int) -> int:
         return 0
 
 
+def valid_pid(pid: object) -> bool:
+    """An int that a process id can be (1 to 2**31-1); bool is not one."""
+    return isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid <= PID_MAX
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (the inode of /proc/self/ns/pid), or 0 where /proc cannot tell."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The process that created a shared object, as the object's header records it.
+
+    ``start`` (clock ticks since boot) and ``pidns`` (its pid namespace) are 0 where the creator
+    could not tell. A pid means nothing outside its own pid namespace (a container with its own
+    ``--pid`` but a shared /dev/shm): there the owner's liveness is unknown, never "dead".
+    """
+
+    pid: int
+    start: int
+    pidns: int
+
+    @property
+    def elsewhere(self) -> bool:
+        """True when the owner lives in another pid namespace (both namespaces known, and different)."""
+        mine = pid_namespace()
+        return bool(self.pidns and mine and self.pidns != mine)
+
+    def alive(self) -> bool:
+        """True while the owner runs, and True when that cannot be known (another pid namespace)."""
+        return self.elsewhere or alive(self.pid, self.start)
+
+
 def alive(pid: int, started: int) -> bool:
     """True while ``pid`` runs and (where known) is the same process that started at ``started``."""
-    if pid <= 0:
+    if not valid_pid(pid):
         return False
     try:
         os.kill(pid, 0)

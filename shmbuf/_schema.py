@@ -43,6 +43,9 @@ _DTYPE_KINDS = frozenset("biufc")
 # build millions of views before the size check catches it.
 MAX_LEAVES = 65536
 MAX_NDIM = 32
+# Containers nested deeper than this are refused, in an example and in bytes read from a segment:
+# every walk over a tree recurses once per level, and Python's stack ends near 1000 frames.
+MAX_DEPTH = 64
 
 PathEntry = str | int
 Path = tuple[PathEntry, ...]
@@ -115,7 +118,13 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
+def _too_deep(path: Path) -> bool:
+    return len(path) > MAX_DEPTH  # a path grows by one entry per level (the timescale is its first)
+
+
 def _encode(node: Any, path: Path, out: list[tuple[Path, Any]]) -> Any:
+    if _too_deep(path):
+        raise SchemaError(f"at {format_path(path[:4])}/...: containers are nested more than {MAX_DEPTH} deep")
     if isinstance(node, (np.ndarray, np.generic)):
         out.append((path, node))
         return ["leaf", len(out) - 1]
@@ -144,8 +153,14 @@ def _encode(node: Any, path: Path, out: list[tuple[Path, Any]]) -> Any:
     )
 
 
-def _decode(node: Any, leaves: list[Any], where: str) -> Any:
-    """Rebuild a template tree from its encoding, leaves taken from ``leaves``."""
+def _decode(node: Any, leaves: list[Any], where: str, depth: int = 1) -> Any:
+    """Rebuild a template tree from its encoding, leaves taken from ``leaves``.
+
+    The encoding may come from shared memory, so its depth is bounded before the recursion could
+    be (at MAX_DEPTH, as for an example), and only the node types listed here are built.
+    """
+    if depth > MAX_DEPTH:
+        raise SegmentError(f"schema structure at {where[:120]}: containers are nested more than {MAX_DEPTH} deep")
     if not isinstance(node, list) or not node or not isinstance(node[0], str):
         raise SegmentError(f"schema structure at {where}: malformed node {node!r:.80}")
     tag = node[0]
@@ -158,17 +173,19 @@ def _decode(node: Any, leaves: list[Any], where: str) -> Any:
             keys, children = node[1], node[2]
             if len(keys) != len(children) or not all(isinstance(k, str) for k in keys):
                 raise SegmentError(f"schema structure at {where}: bad dict node")
-            pairs = [(k, _decode(c, leaves, f"{where}/{k}")) for k, c in zip(keys, children)]
+            pairs = [(k, _decode(c, leaves, f"{where}/{k}", depth + 1)) for k, c in zip(keys, children)]
             return collections.OrderedDict(pairs) if tag == "odict" else dict(pairs)
         if tag in ("list", "tuple"):
-            items = [_decode(c, leaves, f"{where}/{i}") for i, c in enumerate(node[1])]
+            items = [_decode(c, leaves, f"{where}/{i}", depth + 1) for i, c in enumerate(node[1])]
             return items if tag == "list" else tuple(items)
         if tag == "namedtuple":
             typename, fields, children = node[1], node[2], node[3]
             cls = collections.namedtuple(typename, fields)  # type: ignore[misc]  # rebuilt by name
-            return cls(*[_decode(c, leaves, f"{where}/{f}") for f, c in zip(fields, children)])
+            return cls(*[_decode(c, leaves, f"{where}/{f}", depth + 1) for f, c in zip(fields, children)])
+    except SegmentError:
+        raise  # from a deeper node: already names where
     except (IndexError, TypeError, ValueError) as exc:
-        raise SegmentError(f"schema structure at {where}: malformed {tag!r} node ({exc})") from None
+        raise SegmentError(f"schema structure at {where[:120]}: malformed {tag!r} node ({exc})") from None
     raise SegmentError(f"schema structure at {where}: unknown node type {tag!r}")
 
 
@@ -348,7 +365,7 @@ class Schema:
                     raise SegmentError(f"schema timescale '{name}' leaf #{j}: malformed path, dtype or shape")
                 try:
                     dtype = np.dtype(dstr)
-                except TypeError:
+                except Exception:  # TypeError mostly, but numpy parses some strings as Python: SyntaxError
                     raise SegmentError(f"schema leaf {format_path(tuple(path))}: unknown dtype {dstr!r}") from None
                 if dtype.kind not in _DTYPE_KINDS or dtype.fields is not None:
                     raise SegmentError(f"schema leaf {format_path(tuple(path))}: dtype {dstr!r} is not allowed")

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmbuf import Schema, SchemaError, SegmentError
+from shmbuf._schema import MAX_DEPTH
 
 DTYPES = ["bool", "int8", "uint8", "int16", "int32", "int64", "uint32", "float16", "float32", "float64", "complex64"]
 
@@ -157,3 +158,42 @@ def test_non_canonical_schema_is_refused() -> None:
     obj["timescales"][0]["capacity"] = 7  # inconsistent with the leaves
     with pytest.raises(SegmentError, match="inconsistent"):
         Schema.from_msgpack(msgpack.packb(obj))
+
+
+def test_a_dtype_numpy_parses_as_python_is_a_segment_error() -> None:
+    """np.dtype(',f4') raises SyntaxError (numpy hands comma strings to Python's parser): one flipped byte of '<f4'."""
+    good = Schema.from_example({"s": {"x": np.zeros(3, np.float32)}}).to_msgpack()
+    assert good.count(b"<f4") == 1
+    for flipped in (b",f4", b"(f4", b"<f,"):
+        with pytest.raises(SegmentError, match="dtype"):
+            Schema.from_msgpack(good.replace(b"<f4", flipped))
+
+
+def _nested_list(depth: int) -> list:
+    node: list = ["leaf", 0]
+    for _ in range(depth):
+        node = ["list", [node]]
+    return node
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH, 250])
+def test_schema_structure_nested_too_deep_is_a_segment_error(depth: int) -> None:
+    """Hundreds deep was a RecursionError; the bound is MAX_DEPTH levels, for bytes as for examples."""
+    obj = msgpack.unpackb(Schema.from_example({"s": {"x": np.zeros(3)}}).to_msgpack())
+    obj["timescales"][0]["structure"] = _nested_list(depth)
+    obj["timescales"][0]["leaves"][0][0] = ["s"] + [0] * depth
+    with pytest.raises(SegmentError, match=f"nested more than {MAX_DEPTH} deep"):
+        Schema.from_msgpack(msgpack.packb(obj))
+
+
+def test_example_nested_too_deep_is_a_schema_error() -> None:
+    ok: object = np.zeros(3)
+    for _ in range(MAX_DEPTH - 1):
+        ok = [ok]
+    assert len(Schema.from_example({"s": ok}).leaves[0].path) == MAX_DEPTH  # the deepest allowed
+    for depth in (MAX_DEPTH, 2000):  # 2000 was a RecursionError
+        deep: object = np.zeros(3)
+        for _ in range(depth):
+            deep = [deep]
+        with pytest.raises(SchemaError, match=f"nested more than {MAX_DEPTH} deep"):
+            Schema.from_example({"s": deep})
