@@ -1,4 +1,11 @@
-"""What ``shmbuf ls`` and ``shmbuf clean`` see: every shmbuf object in /dev/shm, and whether its owner lives."""
+"""What ``shmbuf ls`` and ``shmbuf clean`` see: every shmbuf object in /dev/shm, and whether its owner lives.
+
+/dev/shm is writable by every local user, so nothing found there is trusted: a pipeline is read
+through ``Segment.attach`` (no links followed, a 0600 regular file of ours, every header field
+checked), a weight broadcast through ``WeightSubscriber``, a semaphore file is lstat'ed. What
+fails is listed with the reason (``error``, or ``kept`` for single files) and never removed; an
+owner in another pid namespace is never judged dead. Nothing here raises on what it finds.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +13,14 @@ import os
 import re
 from dataclasses import dataclass, field
 
-import posix_ipc
-
-from shmbuf._errors import SegmentError
-from shmbuf._proc import alive
-from shmbuf._reader import read_label
+from shmbuf._errors import ShmbufError
+from shmbuf._proc import Owner, alive
+from shmbuf._lane import Record, read_label
 from shmbuf._segment import (
     L_PID, L_READY_HEAD, L_STATE, LANE_ACTIVE, LANE_RETIRED, PREFIX, W_CLOSED, W_DELIVERED, W_POOL, W_READY_DEPTH,
-    Segment, header_fields, unlink_all,
+    SHM_DIR, Segment, path_problem,
 )
 
-SHM_DIR = "/dev/shm"
 _SEG = re.compile(r"^shmbuf-([0-9a-f]{16})$")
 _WEIGHTS = re.compile(r"^shmbuf-w([0-9a-f]{16})$")
 _SEM = re.compile(r"^sem\.shmbuf-([0-9a-f]{16})-(r|f\d+)$")
@@ -24,7 +28,11 @@ _SEM = re.compile(r"^sem\.shmbuf-([0-9a-f]{16})-(r|f\d+)$")
 
 @dataclass
 class Found:
-    """One pipeline's objects as found in /dev/shm."""
+    """One pipeline's (or weight broadcast's) objects as found in /dev/shm.
+
+    ``semaphores`` holds only semaphore files shmbuf could have made (regular, ours, 0600);
+    anything else under a shmbuf name is in ``kept`` as ``(entry, why)`` and is never removed.
+    """
 
     name: str
     segment: bool
@@ -42,53 +50,86 @@ class Found:
     writers: list[tuple[int, int, bool, int, str]] = field(default_factory=list)  # lane, pid, alive, commits, label
     error: str = ""
     weights: bool = False  # a weight-broadcast object (shmbuf._weights), not a pipeline
+    owner_elsewhere: bool = False  # the owner is in another pid namespace: whether it lives cannot be known here
+    kept: list[tuple[str, str]] = field(default_factory=list)  # (entry in /dev/shm, why clean leaves it alone)
+    directory: str = SHM_DIR
 
     @property
     def removable(self) -> bool:
-        """Left by a dead owner, or semaphores whose segment is gone: safe to remove."""
+        """Left by a dead owner, or semaphores whose segment is gone: safe to remove (``kept`` entries never are)."""
         if not self.segment:
             return True
-        return not self.error and not self.owner_alive
+        return not self.error and not self.owner_alive and not self.owner_elsewhere
+
+    @property
+    def why_kept(self) -> str:
+        """Why ``clean`` leaves this pipeline's segment alone ("" when it is removable)."""
+        if self.removable:
+            return ""
+        if self.error:
+            return f"unreadable ({self.error}); remove it by hand if you know it is dead"
+        if self.owner_elsewhere:
+            return f"owner (pid {self.owner_pid} there) is in another pid namespace: whether it lives cannot be told from here"
+        return f"owner pid {self.owner_pid} is alive"
 
 
-def scan(directory: str = SHM_DIR) -> list[Found]:
-    """Every shmbuf pipeline with an object in ``directory``, read without changing anything."""
+def scan(directory: str = SHM_DIR, *, name: str | None = None) -> list[Found]:
+    """Every shmbuf pipeline with an object in ``directory``, read without changing anything; never raises on content.
+
+    ``name`` (a pipeline's or weight broadcast's) limits the scan to that one's objects. Objects
+    that vanish while we look (their owner closed them) are left out.
+    """
     try:
         entries = sorted(os.listdir(directory))
     except OSError:
         return []
+    if name is not None:
+        entries = [e for e in entries if e == name[1:] or e.startswith(f"sem.{name[1:]}-")]
     found: dict[str, Found] = {}
     for entry in entries:
         m = _WEIGHTS.match(entry)
         if m:
-            f = found.setdefault("/" + entry, Found("/" + entry, segment=True, weights=True))
+            found.setdefault("/" + entry, Found("/" + entry, segment=True, weights=True, directory=directory))
             continue
         m = _SEG.match(entry)
         if m:
-            found.setdefault(PREFIX + m.group(1), Found(PREFIX + m.group(1), segment=True)).segment = True
+            pipeline = PREFIX + m.group(1)
+            found.setdefault(pipeline, Found(pipeline, segment=True, directory=directory)).segment = True
             continue
         m = _SEM.match(entry)
         if m:
-            name = PREFIX + m.group(1)
-            found.setdefault(name, Found(name, segment=False)).semaphores.append(entry)
+            pipeline = PREFIX + m.group(1)
+            f = found.setdefault(pipeline, Found(pipeline, segment=False, directory=directory))
+            why = path_problem(os.path.join(directory, entry))
+            if why:
+                f.kept.append((entry, why))
+            elif why is not None:  # None: gone since the listing
+                f.semaphores.append(entry)
+    out = []
     for f in found.values():
-        if f.weights:
-            _inspect_weights(f, directory)
-        elif f.segment:
-            _inspect(f)
-    return list(found.values())
+        if f.segment:
+            (_inspect_weights if f.weights else _inspect)(f)
+            if f.error and path_problem(os.path.join(directory, f.name[1:])) is None:
+                f.segment, f.error = False, ""  # removed while we looked: what remains are its semaphores, if any
+        if f.segment or f.semaphores or f.kept:
+            out.append(f)
+    return out
+
+
+def _owner(f: Found, owner: Owner) -> None:
+    f.owner_pid = owner.pid
+    f.owner_elsewhere = owner.elsewhere
+    f.owner_alive = not f.owner_elsewhere and alive(owner.pid, owner.start)
 
 
 def _inspect(f: Found) -> None:
     try:
         seg = Segment.attach(f.name, readonly=True)
-    except SegmentError as exc:
+    except ShmbufError as exc:
         f.error = str(exc)
         return
     try:
-        hdr = header_fields(seg.mm)
-        f.owner_pid = int(hdr["owner_pid"])
-        f.owner_alive = alive(f.owner_pid, int(hdr["owner_start"]))
+        _owner(f, seg.creator)
         f.size = len(seg.mm)
         f.slots = seg.plan.n_slots
         f.lanes = seg.plan.n_lanes
@@ -100,53 +141,55 @@ def _inspect(f: Found) -> None:
             lw = seg.plan.lane_word(lane)
             if w[lw + L_STATE] in (LANE_ACTIVE, LANE_RETIRED):
                 pid = w[lw + L_PID]
-                label = read_label(seg.mm, w, lw)
+                label = read_label(seg.mm, w, Record(seg.plan, lane))
                 f.writers.append((lane, pid, alive(pid, 0), w[lw + L_READY_HEAD], label))  # ready head = commits
     finally:
         seg.close()
 
 
-def _inspect_weights(f: Found, directory: str) -> None:
-    """A weight-broadcast object: check its magic and size, read its owner."""
-    from shmbuf._weights import _HEADER, W_MAGIC
+def _inspect_weights(f: Found) -> None:
+    """A weight-broadcast object, read through the subscriber's own checks; its owner, size and buffers."""
+    from shmbuf._weights import WeightSubscriber
 
     try:
-        with open(os.path.join(directory, f.name[1:]), "rb") as fh:
-            raw = fh.read(_HEADER.size)
-            size = os.fstat(fh.fileno()).st_size
-    except OSError as exc:
+        sub = WeightSubscriber(f.name)
+    except ShmbufError as exc:
         f.error = str(exc)
         return
-    if len(raw) < _HEADER.size:
-        f.error = "too small to be a shmbuf weights object"
-        return
-    magic, _lv, _hb, total, buffers, pid, started, *_ = _HEADER.unpack(raw)
-    if magic != W_MAGIC or total != size:
-        f.error = "not a shmbuf weights object (magic or size)"
-        return
-    f.owner_pid, f.size, f.slots = int(pid), size, int(buffers)
-    f.owner_alive = alive(int(pid), int(started))
+    try:
+        _owner(f, sub.owner)
+        f.size, f.slots = len(sub._mm), sub.buffers
+    finally:
+        sub.close()
 
 
 def remove(f: Found) -> list[str]:
-    """Unlink a removable pipeline's objects; return what was removed. Never a live owner's."""
+    """Unlink a removable pipeline's objects; return what was removed. Never raises on what it finds.
+
+    Never a live owner's, nor one whose owner is in another pid namespace, nor anything in
+    ``f.kept``. Each file is lstat'ed again just before its unlink and left alone (added to
+    ``f.kept`` with the reason) unless it is still a 0600 regular file of ours; unlink removes
+    a name, never what a link points to. An unlink that fails (another user's file: EPERM) is
+    recorded in ``f.kept`` too, and the rest go on.
+    """
     if not f.removable:
         return []
+    entries = ([f.name[1:]] if f.segment else []) + list(f.semaphores)
     removed = []
-    if f.weights:
-        try:
-            posix_ipc.unlink_shared_memory(f.name)
-            removed.append(f.name)
-        except posix_ipc.ExistentialError:
-            pass
-        return removed
-    if f.segment:
-        unlink_all(f.name, f.lanes)
-        removed.append(f.name)
-    for sem in f.semaphores:
-        try:
-            posix_ipc.unlink_semaphore("/" + sem[len("sem."):])
-            removed.append(sem)
-        except posix_ipc.ExistentialError:
-            pass
+    for entry in entries:
+        path = os.path.join(f.directory, entry)
+        why = path_problem(path)
+        if why is None:
+            continue  # already gone
+        if not why:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                why = f"could not remove it: {exc.strerror or exc}"
+            else:
+                removed.append("/" + entry if entry == f.name[1:] else entry)
+                continue
+        f.kept.append((entry, why))
     return removed

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shmbuf._segment import PREFIX
+from shmbuf._errors import UsageError
+from shmbuf._segment import check_name
 
 
 @dataclass(frozen=True)
@@ -14,21 +15,21 @@ class Handle:
 
     Pickling it (for ``multiprocessing`` under any start method, or
     ``torch.multiprocessing``) carries the name only; nothing else about the
-    pipeline is ever pickled.
+    pipeline is ever pickled. A malformed name is refused here (UsageError),
+    before anything could pass it to posix_ipc.
     """
 
     name: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name.startswith(PREFIX):
-            raise ValueError(f"a pipeline name starts with '{PREFIX}', got {self.name!r}")
+        check_name(self.name)
 
 
 def name_of(pipeline: Any) -> str:
-    """Accept a Handle, a name, or anything with a ``.name`` that is one (a Reader)."""
+    """Accept a Handle, a name, or anything with a ``.name`` that is one (a Reader); else UsageError."""
     if isinstance(pipeline, str):
         return Handle(pipeline).name
     name = getattr(pipeline, "name", None)
     if isinstance(name, str):
         return Handle(name).name
-    raise TypeError(f"expected a shmbuf Handle, pipeline name or Reader, got {type(pipeline).__name__}")
+    raise UsageError(f"expected a shmbuf Handle, pipeline name or Reader, got {type(pipeline).__name__}")

@@ -9,13 +9,18 @@ buffer it was copying, which takes ``buffers`` publishes during one copy.
 
 Layout (every region 64-byte aligned)::
 
-    0     header   magic, layout version, sizes, buffer count, owner pid
+    0     header   magic, layout version, sizes, owner pid, buffer count; last word: owner's pid namespace
     256   latest   the publish count of the newest complete buffer (0: none yet)
     320   seq[b]   one word per buffer, each on its own cache line
     ...   schema   msgpack (never pickle): the tree's structure, paths, dtypes, shapes
     ...   data     buffers x (the tree's leaves, then its int64 version)
 
 Publish ``n`` (n = 1, 2, ...) goes to buffer ``b = n % buffers``.
+
+The object is made, opened and checked by the segment's own code
+(:mod:`shmbuf._segment`: ``create_object``, ``map_object``, ``check_head``): the
+same name rules, the same refusal of links, FIFOs, directories and other users'
+files, the same header head (magic, version, sizes, owner) and pid namespace.
 
 Memory ordering (a sequence lock per buffer)
 --------------------------------------------
@@ -79,18 +84,20 @@ import numpy as np
 import optree
 import posix_ipc
 
-from shmbuf._errors import PipelineClosed, SchemaError, SegmentError, SlotTimeout
-from shmbuf._proc import alive, start_time
+from shmbuf._errors import PipelineClosed, SchemaError, SegmentError, SlotTimeout, UsageError
+from shmbuf._proc import Owner, start_time
 from shmbuf._ring import Fence
 from shmbuf._schema import Schema, _align
+from shmbuf._segment import (
+    HEAD, HEADER_BYTES, WEIGHTS_PREFIX, _fmt_bytes, check_head, check_name, create_object, map_object, stamp_pidns,
+)
 
-W_PREFIX = "/shmbuf-w"
+W_PREFIX = WEIGHTS_PREFIX
 W_MAGIC = b"\x89SHMBUFW"
-W_LAYOUT_VERSION = 1
-# <magic, layout version, header bytes, total, n_buffers, owner pid, owner start, schema off, schema len,
-#  data off, buffer bytes>
-_HEADER = struct.Struct("<8sIIQIQQQQQQ")
-HEADER_BYTES = 256
+W_LAYOUT_VERSION = 2  # 2: the segment's header head (owner before buffer count), pid namespace in the last word
+# <the head every shmbuf header starts with: magic, layout version, header bytes, total, owner pid, owner start>
+# <n_buffers, schema off, schema len, data off, buffer bytes>
+_HEADER = struct.Struct(HEAD.format + "IQQQQ")
 LATEST_WORD = 256 // 8
 CLOSED_WORD = LATEST_WORD + 1
 SEQ_OFF = 320
@@ -110,8 +117,7 @@ class WeightsHandle:
     name: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name.startswith(W_PREFIX) or len(self.name) > 31:
-            raise ValueError(f"a weight broadcast name starts with '{W_PREFIX}' (31 characters at most), got {self.name!r}")
+        check_name(self.name, "weights")  # UsageError unless '/shmbuf-w' and 16 hex digits
 
 
 class _Layout:
@@ -155,33 +161,21 @@ class WeightPublisher:
     """
 
     def __init__(self, example: Any, *, buffers: int = 3):
-        if not isinstance(buffers, int) or not 1 <= buffers <= MAX_BUFFERS:
-            raise ValueError(f"buffers: expected an int from 1 to {MAX_BUFFERS}, got {buffers!r}")
+        if isinstance(buffers, bool) or not isinstance(buffers, int) or not 1 <= buffers <= MAX_BUFFERS:
+            raise UsageError(f"WeightPublisher(buffers=...): expected an int from 1 to {MAX_BUFFERS}, got {buffers!r:.80}")
         self.schema = _schema_of(example)
         self._lay = lay = _Layout(self.schema, buffers)
         self._treespec = self.schema.timescales[0].treespec
         self.name = W_PREFIX + secrets.token_hex(8)
         self._pid = os.getpid()
         self._closed = False
-        shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREX, mode=0o600, size=0)
-        try:
-            try:
-                os.posix_fallocate(shm.fd, 0, lay.total)
-            except OSError as exc:
-                from shmbuf._errors import NoSpace
-
-                raise NoSpace(f"weight broadcast {self.name} needs {lay.total} bytes of shared memory: {exc}") from exc
-            self._mm = mmap.mmap(shm.fd, lay.total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            shm.close_fd()
-            posix_ipc.unlink_shared_memory(self.name)
-            raise
-        shm.close_fd()
+        fd, self._mm = create_object(self.name, lay.total, f"{buffers} buffers of {_fmt_bytes(lay.buffer_bytes)}")
+        os.close(fd)  # the mapping is all the publisher needs
         packed = self.schema.to_msgpack()
         pid = os.getpid()
-        self._mm[: _HEADER.size] = _HEADER.pack(W_MAGIC, W_LAYOUT_VERSION, HEADER_BYTES, lay.total, buffers, pid,
-                                                start_time(pid), lay.schema_off, lay.schema_len, lay.data_off,
-                                                lay.buffer_bytes)
+        self._mm[: _HEADER.size] = _HEADER.pack(W_MAGIC, W_LAYOUT_VERSION, HEADER_BYTES, lay.total, pid, start_time(pid),
+                                                buffers, lay.schema_off, lay.schema_len, lay.data_off, lay.buffer_bytes)
+        stamp_pidns(self._mm)
         self._mm[lay.schema_off : lay.schema_off + lay.schema_len] = packed
         self._w = memoryview(self._mm).cast("q")
         self._bufs = [lay.views(self._mm, b) for b in range(buffers)]
@@ -209,7 +203,7 @@ class WeightPublisher:
         if version is None:
             version = 0 if self.version is None else self.version + 1
         elif not isinstance(version, (int, np.integer)) or (self.version is not None and version <= self.version):
-            raise ValueError(f"version: expected an int larger than the last one ({self.version}), got {version!r}")
+            raise UsageError(f"version: expected an int larger than the last one ({self.version}), got {version!r}")
         leaves = self._check(params)
         n = self._count + 1
         b = n % self._lay.buffers
@@ -305,19 +299,10 @@ class WeightSubscriber:
     def __init__(self, weights: WeightsHandle | str | Any):
         name = weights if isinstance(weights, str) else getattr(weights, "name", None)
         self.name = WeightsHandle(name).name if isinstance(name, str) else WeightsHandle(str(weights)).name
+        fd, self._mm = map_object(self.name, readonly=True, min_size=HEADER_BYTES + 64, what="weight broadcast")
+        os.close(fd)  # the mapping is all a subscriber needs
         try:
-            shm = posix_ipc.SharedMemory(self.name, 0, read_only=True)
-        except posix_ipc.ExistentialError:
-            raise SegmentError(f"no weight broadcast named {self.name!r}: its publisher closed it or never made it") from None
-        try:
-            size = os.fstat(shm.fd).st_size
-            if size < HEADER_BYTES + 64:
-                raise SegmentError(f"{self.name}: {size} bytes is too small to be a weight broadcast")
-            self._mm = mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            shm.close_fd()
-        try:
-            self._setup(size)
+            self._setup(len(self._mm))
         except BaseException:
             self._mm.close()
             raise
@@ -327,13 +312,10 @@ class WeightSubscriber:
 
     def _setup(self, size: int) -> None:
         mm = self._mm
-        magic, lv, hb, total, buffers, pid, started, schema_off, schema_len, data_off, buffer_bytes = _HEADER.unpack_from(mm, 0)
-        if magic != W_MAGIC:
-            raise SegmentError(f"{self.name}: not a weight broadcast (magic {magic!r})")
-        if lv != W_LAYOUT_VERSION:
-            raise SegmentError(f"{self.name}: layout version {lv}, this shmbuf reads {W_LAYOUT_VERSION}")
-        if hb != HEADER_BYTES or total != size or not 1 <= buffers <= MAX_BUFFERS:
-            raise SegmentError(f"{self.name}: header does not describe a {size}-byte object")
+        owner = check_head(mm, self.name, magic=W_MAGIC, version=W_LAYOUT_VERSION, what="weight broadcast")
+        *_, buffers, schema_off, schema_len, data_off, buffer_bytes = _HEADER.unpack_from(mm, 0)
+        if not 1 <= buffers <= MAX_BUFFERS:
+            raise SegmentError(f"{self.name}: header declares {buffers} buffers (limit {MAX_BUFFERS})")
         if not 0 < schema_len <= size or not SEQ_OFF <= schema_off <= size - schema_len:
             raise SegmentError(f"{self.name}: schema lies outside the object")
         schema = Schema.from_msgpack(bytes(mm[schema_off : schema_off + schema_len]))
@@ -342,7 +324,7 @@ class WeightSubscriber:
             raise SegmentError(f"{self.name}: the schema calls for a different layout than the header states")
         self.schema = schema
         self._lay = lay
-        self._owner = (pid, started)
+        self.owner: Owner = owner  # the publisher's process
         self._w = memoryview(mm).cast("q")
         self._bufs = [lay.views(mm, b) for b in range(buffers)]
         self._treespec = schema.timescales[0].treespec
@@ -393,8 +375,13 @@ class WeightSubscriber:
             return None
         return self.read(timeout)
 
+    @property
+    def buffers(self) -> int:
+        return self._lay.buffers
+
     def publisher_alive(self) -> bool:
-        return alive(*self._owner)
+        """True while the publisher's process runs (and when that cannot be known: another pid namespace)."""
+        return self.owner.alive()
 
     def close(self) -> None:
         """Unmap (detach). Arrays returned by read() are this process's own and stay valid."""

@@ -76,7 +76,8 @@ def _foreign(size: int, content: bytes) -> str:
     [
         (b"\x00" * 64, "not a shmbuf segment"),
         (b"hello world", "not a shmbuf segment"),
-        (MAGIC + struct.pack("<I", LAYOUT_VERSION + 1), "layout version 2, this shmbuf reads version 1"),
+        (MAGIC + struct.pack("<I", LAYOUT_VERSION + 1),
+         f"layout version {LAYOUT_VERSION + 1}, this shmbuf reads version {LAYOUT_VERSION}"),
     ],
 )
 def test_foreign_or_other_version_segments_are_refused(content: bytes, pattern: str) -> None:
@@ -144,3 +145,25 @@ def test_header_fuzz_never_gives_a_wild_view(make_reader: Any) -> None:
         mm.close()
     assert outcomes["refused"] > 1000  # corruptions of layout fields are caught...
     assert sum(outcomes.values()) == 3000  # ...and none crashed, escaped the mapping or changed the layout
+
+
+def test_create_and_attach_keep_the_file_open_until_close(make_reader: Any) -> None:
+    """seg.fd is the object's own file (a writer locks its lane on it); close() closes it."""
+    reader = make_reader(small_example(), slots=2, max_writers=1)
+    seg = Segment.attach(reader.name)
+    try:
+        assert os.fstat(seg.fd).st_ino == os.stat("/dev/shm/" + reader.name[1:]).st_ino
+        assert seg.creator.pid == os.getpid() and seg.creator.alive()
+    finally:
+        seg.close()
+    assert seg.fd == -1
+    seg.close()  # twice is fine
+
+
+def test_segments_are_0600_whatever_the_umask(make_reader: Any) -> None:
+    old = os.umask(0o277)  # would leave the owner without write
+    try:
+        reader = make_reader(small_example(), slots=1)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat("/dev/shm/" + reader.name[1:]).st_mode) == 0o600

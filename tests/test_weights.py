@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf._weights import WeightPublisher, WeightsHandle, WeightSubscriber
+from shmbuf._weights import MAX_BUFFERS, W_LAYOUT_VERSION, W_MAGIC, WeightPublisher, WeightsHandle, WeightSubscriber
 
 N_A = 16384  # float64: 128 KiB, so a copy takes long enough to be overtaken
 N_B = 4096
@@ -66,7 +66,6 @@ def _shm_names() -> set[str]:
 
 @pytest.fixture
 def publisher():
-    before = _shm_names()
     pubs = []
 
     def make(example, **kw):
@@ -77,7 +76,9 @@ def publisher():
     yield make
     for p in pubs:
         p.close()
-    assert _shm_names() <= before, "a weight broadcast object was left in /dev/shm"
+    # only our own names: other programs on this machine may make weight broadcasts meanwhile
+    left = _shm_names() & {p.name[1:] for p in pubs}
+    assert not left, f"a weight broadcast object was left in /dev/shm: {left}"
 
 
 def test_roundtrip_versions_and_poll(publisher):
@@ -182,3 +183,30 @@ def test_no_torn_reads_under_a_publisher_going_flat_out(publisher, buffers):
     assert sum(r["distinct"] for r in results) >= 20
     if buffers == 1:  # a retry means the publisher was writing the buffer being read: the readers raced it
         assert sum(r["retries"] for r in results) > 0
+
+
+def test_bad_settings_and_names_are_usage_errors(publisher):
+    for buffers in (True, 0, 2.0, MAX_BUFFERS + 1):
+        with pytest.raises(shmbuf.UsageError, match=r"WeightPublisher\(buffers=...\)"):
+            WeightPublisher({"w": np.zeros(3, np.float32)}, buffers=buffers)
+    for name in ("/shmbuf-w" + "0" * 15 + "/", "/shmbuf-w" + "a" * 300, "/shmbuf-w0123456789abcdeg", 7):
+        with pytest.raises(shmbuf.UsageError):
+            WeightsHandle(name)
+        with pytest.raises(shmbuf.UsageError):
+            WeightSubscriber(name)
+
+
+def test_header_shares_the_segments_head_and_owner(publisher):
+    """Same head as a pipeline's (magic, version, sizes, owner pid and start), same pid namespace word."""
+    from shmbuf._proc import pid_namespace
+    from shmbuf._segment import HEAD, PIDNS_OFF
+
+    pub = publisher({"w": np.zeros(3, np.float32)})
+    with open("/dev/shm/" + pub.name[1:], "rb") as f:
+        raw = f.read(256)
+    magic, version, hbytes, total, pid, _start = HEAD.unpack_from(raw)
+    assert (magic, version, hbytes, total, pid) == (W_MAGIC, W_LAYOUT_VERSION, 256, os.path.getsize(
+        "/dev/shm/" + pub.name[1:]), os.getpid())
+    assert int.from_bytes(raw[PIDNS_OFF:PIDNS_OFF + 8], "little") == pid_namespace()
+    with WeightSubscriber(pub.handle) as sub:
+        assert sub.owner.pid == os.getpid() and sub.publisher_alive() and sub.buffers == 3
