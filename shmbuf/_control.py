@@ -60,7 +60,9 @@ def encode(msg_type: str, **fields: Any) -> bytes:
             raise ValueError(f"control message {msg_type!r} is {len(data)} bytes, the mailbox holds {MAX_PAYLOAD}")
         key = max(texts, key=lambda k: len(msg[k].encode()))
         raw = msg[key].encode()
-        keep = max(0, len(raw) - (len(data) - MAX_PAYLOAD) - 8)  # 8: the marker and msgpack's length header
+        # Cut what is over (8: the marker and msgpack's length header), but at most half of this field at a
+        # time, so that two long fields (a message and the traceback that repeats it) both keep a share.
+        keep = max(0, len(raw) - (len(data) - MAX_PAYLOAD) - 8, len(raw) // 2)
         msg[key] = "…" + raw[len(raw) - keep :].decode(errors="ignore") if keep else ""
         data = msgpack.packb(msg, use_bin_type=True)
     return data

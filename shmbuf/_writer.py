@@ -20,7 +20,7 @@ import numpy as np
 import optree
 import posix_ipc
 
-from shmbuf import _control, _fork
+from shmbuf import _control, _fork, _segment
 from shmbuf._errors import (
     BrokenPipeline, PipelineClosed, SchemaError, SegmentError, TimescaleFull, UnknownTimescale, UsageError, WrongProcess,
 )
@@ -173,8 +173,9 @@ class Writer:
         doorbell = self._open_sem("r")
         if self._w[W_CLOSED]:
             raise PipelineClosed(f"pipeline {self.name} is closed")
-        self._lane = WriterLane.claim(self.name, p, self._w, seg.mm, seg.fd, doorbell, lambda i: self._open_sem(f"f{i}"),
-                                      label, self.timeout, self._check_reader)
+        self._lock_fd = self._open_lock_fd(seg)
+        self._lane = WriterLane.claim(self.name, p, self._w, seg.mm, self._lock_fd, doorbell,
+                                      lambda i: self._open_sem(f"f{i}"), label, self.timeout, self._check_reader)
         self.lane = self._lane.rec.index
         self._leaf_all = [seg.leaf_view(i) for i in range(len(schema.leaves))]
         first = 0
@@ -191,13 +192,27 @@ class Writer:
 
     # -- set-up and tear-down -----------------------------------------------
 
+    def _open_lock_fd(self, seg: Segment) -> int:
+        """A descriptor of the segment that only this Writer holds, for its lane lock.
+
+        An open-file-description lock lives as long as any descriptor of that description, and
+        ``mmap`` keeps a ``dup`` of the descriptor it mapped; locking through the mapping's own
+        description would let a forked child's copy of the mapping keep the lane locked. So the
+        lock gets a description of its own, checked to be the file we mapped.
+        """
+        fd, _ = _segment.open_object(self.name, readonly=False)
+        try:
+            a, b = os.fstat(fd), os.fstat(seg.fd)
+            if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+                raise SegmentError(f"pipeline {self.name} was replaced while this Writer attached to it")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def _open_sem(self, role: str) -> posix_ipc.Semaphore:
         name = sem_name(self.name, role)
-        from shmbuf import _segment
-
-        check = getattr(_segment, "check_semaphore", None)
-        if check is not None:
-            check(name)  # a symlink, a FIFO or another user's file under the name: refused before sem_open
+        _segment.check_semaphore(name)  # a symlink, a FIFO or another user's file under the name: refused before sem_open
         try:
             sem = posix_ipc.Semaphore(name, 0)
         except posix_ipc.ExistentialError:
@@ -218,11 +233,14 @@ class Writer:
                 pass
         self._sems = []
         self._lane = None
+        if getattr(self, "_lock_fd", -1) >= 0:
+            os.close(self._lock_fd)  # drops the lane lock
+            self._lock_fd = -1
         if self._seg is not None:
             self._cur = []
             self._slot_views = {}
             self._leaf_all = []
-            self._seg.close()  # closes the segment's descriptor, which drops the lane lock
+            self._seg.close()
             self._seg = None
 
     def close(self, reason: str = "closed") -> None:
@@ -251,13 +269,12 @@ class Writer:
         watch = getattr(self, "_reader_watch", None)
         if watch is not None:
             watch.close()
-        seg = self._seg
-        if seg is not None and getattr(seg, "fd", -1) >= 0:
+        if getattr(self, "_lock_fd", -1) >= 0:
             try:
-                os.close(seg.fd)  # our copy of the descriptor: while it is open the lane's lock outlives the parent's
+                os.close(self._lock_fd)  # our copy: while it is open, the lane's lock outlives the parent's writer
             except OSError:
                 pass
-            seg.fd = -1
+            self._lock_fd = -1
 
     def __enter__(self) -> Writer:
         return self
