@@ -89,6 +89,7 @@ M_POST, M_LEN, M_MAGIC, M_ACK = 0, 1, 2, 8
 MSG_MAGIC = 0x53424D5300000001  # "SBMS", version 1
 
 _OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK)
+_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", fcntl.F_GETLK)
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock: type, whence, start, len, pid
 _LOCK_BASE = 1 << 40  # lane locks sit on bytes past the end of any real segment
 
@@ -123,6 +124,21 @@ def read_label(mm: Any, w: memoryview, rec: Record) -> str:
 
 def _lock(fd: int, lane: int, kind: int) -> None:
     fcntl.fcntl(fd, _OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, _LOCK_BASE + lane, 1, 0))
+
+
+def lane_held(fd: int, lane: int) -> bool | None:
+    """Does a writer's process still hold the lane's lock? None where the kernel cannot say.
+
+    This is the reader's test of a writer's life. The kernel drops the lock when the last
+    descriptor of the writer's description closes, which is when its process exits (the
+    descriptor is close-on-exec, and a forked child closes its copy at once). Unlike a pid, it
+    means the same thing in every pid namespace, and no other process can inherit it by reuse.
+    """
+    try:
+        got = fcntl.fcntl(fd, _OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, _LOCK_BASE + lane, 1, 0))
+    except OSError:
+        return None
+    return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
 
 
 # ------------------------------------------------------------------ writer half

@@ -25,7 +25,7 @@ import posix_ipc
 from shmbuf import _control, _fork
 from shmbuf._errors import PipelineClosed, SegmentError, SlotTimeout, StaleRollout, UsageError, WriterError, WrongProcess
 from shmbuf._handle import Handle
-from shmbuf._lane import WAIT_SLICE, ReaderLane, Record, wake_waiting
+from shmbuf._lane import WAIT_SLICE, ReaderLane, Record, lane_held, wake_waiting
 from shmbuf._proc import alive
 from shmbuf._ring import store_load_fence
 from shmbuf._schema import Schema
@@ -558,7 +558,7 @@ class Reader:
                 if lane is None:
                     self._lanes[rec.index] = ReaderLane(rec, w, self._seg.mm, self._lane_sems[rec.index])
                     changed = True
-                elif not alive(lane.pid, lane.start):
+                elif not self._writer_alive(lane):
                     self._reclaim(lane, died=True)
             elif st == LANE_RETIRED:
                 if lane is None:  # retired before we ever saw it: give it a view, then take it back
@@ -568,6 +568,11 @@ class Reader:
             self._feed()
         w[W_READY_DEPTH] = len(self._ready)  # gauges for `shmbuf ls`, refreshed at each scan
         w[W_POOL] = len(self._pool)
+
+    def _writer_alive(self, lane: ReaderLane) -> bool:
+        """The lane's lock says (see ``_lane.lane_held``); pid and start time only where it cannot."""
+        held = lane_held(self._seg.fd, lane.index)
+        return alive(lane.pid, lane.start) if held is None else held
 
     def _reclaim(self, lane: ReaderLane, died: bool, corrupt: bool = False) -> None:
         """Take back a lane whose writer left, died, or scribbled over it: deliver what it committed,

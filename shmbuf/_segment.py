@@ -43,7 +43,7 @@ from shmbuf._schema import ALIGN, Schema, _align
 
 PREFIX = "/shmbuf-"
 MAGIC = b"\x89SHMBUF\n"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the creator's pid namespace in the header's last word; the lane record's SEEN word
 # <magic, version, header bytes, total, owner pid, owner start, created ns,
 #  n_slots, n_lanes, schema off, schema len, token, schema fingerprint>
 _HEADER = struct.Struct("<8sIIQQQQIIQQ16s16s")

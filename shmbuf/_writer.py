@@ -26,9 +26,9 @@ from shmbuf._errors import (
 )
 from shmbuf._handle import Handle, name_of
 from shmbuf._lane import WriterLane
-from shmbuf._proc import alive
+from shmbuf._proc import Owner
 from shmbuf._schema import Leaf, Schema, Timescale, flatten_like
-from shmbuf._segment import S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment, header_fields, sem_name
+from shmbuf._segment import S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment, sem_name
 
 # How often a writer that is not waiting looks whether the reader still lives: every call looks at
 # the closed flag (one load), and at most this often at the reader's process (a few microseconds).
@@ -39,28 +39,30 @@ _now = time.monotonic
 
 class _ReaderWatch:
     """Is the reader's process still there? A pidfd where Linux has one (it cannot be fooled by a
-    reused pid, and asking costs one poll() with no allocation); else pid and start time."""
+    reused pid, and asking costs one poll() with no allocation); else pid and start time. A reader
+    in another pid namespace cannot be judged by its pid at all: it counts as alive (``Owner``)."""
 
-    __slots__ = ("pid", "start", "fd", "_poll")
+    __slots__ = ("owner", "fd", "_poll")
 
-    def __init__(self, pid: int, start: int):
-        self.pid, self.start, self.fd = pid, start, -1
+    def __init__(self, owner: Owner):
+        self.owner, self.fd = owner, -1
         self._poll: Any = None
-        if alive(pid, start) and hasattr(os, "pidfd_open"):
-            try:
-                self.fd = os.pidfd_open(pid)
-            except OSError:
-                return
-            if not alive(pid, start):  # the pid was reused between the two looks: it is not our reader
-                self.close()
-                return
-            self._poll = select.poll()
-            self._poll.register(self.fd, select.POLLIN)
+        if owner.elsewhere or not hasattr(os, "pidfd_open") or not owner.alive():
+            return
+        try:
+            self.fd = os.pidfd_open(owner.pid)
+        except OSError:
+            return
+        if not owner.alive():  # the pid was reused between the two looks: it is not our reader
+            self.close()
+            return
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLIN)
 
     def alive(self) -> bool:
         if self._poll is not None:
             return not self._poll.poll(0)  # readable once the process has exited
-        return alive(self.pid, self.start)
+        return self.owner.alive()
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -166,9 +168,7 @@ class Writer:
         self._ts_list = list(self._ts.values())
         self._w = seg.words
         self._plan = p = seg.plan
-        hdr = header_fields(seg.mm)
-        self._owner = (int(hdr["owner_pid"]), int(hdr["owner_start"]))
-        self._reader_watch = _ReaderWatch(*self._owner)
+        self._reader_watch = _ReaderWatch(seg.creator)
         self._next_check = 0.0
         doorbell = self._open_sem("r")
         if self._w[W_CLOSED]:
@@ -463,7 +463,7 @@ class Writer:
 
     def _check_reader(self) -> None:
         if not self._reader_watch.alive():
-            raise BrokenPipeline(f"pipeline {self.name}: the reader's process (pid {self._owner[0]}) died")
+            raise BrokenPipeline(f"pipeline {self.name}: the reader's process (pid {self._reader_watch.owner.pid}) died")
 
     def _reader_gone(self) -> bool:
         return bool(self._w[W_CLOSED]) or not self._reader_watch.alive()

@@ -471,3 +471,18 @@ def test_a_lane_with_scribbled_counters_is_taken_back_and_its_writer_told(pair: 
     with reader.get(timeout=5) as r:
         assert r.data["step"]["obs"][0, 0] == 3.0
     w2.close()
+
+
+def test_a_live_writer_whose_pid_means_nothing_here_keeps_its_lane(pair: Any) -> None:
+    """Before: the reader judged writers by pid, so a writer in another pid namespace (a container sharing
+    /dev/shm) looked dead and had its lane and slots taken back while it wrote. The lane lock decides now."""
+    reader, writer = pair
+    write(writer, 1.0)
+    writer._w[writer._lane.rec.pid] = 4_000_000  # no such process in this namespace
+    for _ in range(3):
+        reader._next_scan = 0.0
+        reader.poll()
+    s = reader.stats()
+    assert s["writers"] == 1 and s["lanes_reclaimed"] == 0
+    write(writer, 2.0)
+    assert [reader.get(timeout=5).data["step"]["obs"][0, 0] for _ in range(2)] == [1.0, 2.0]
