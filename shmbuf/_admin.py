@@ -15,11 +15,8 @@ from dataclasses import dataclass, field
 
 from shmbuf._errors import ShmbufError
 from shmbuf._proc import Owner, alive
-from shmbuf._lane import Record, read_label
-from shmbuf._segment import (
-    L_PID, L_READY_HEAD, L_STATE, LANE_ACTIVE, LANE_RETIRED, PREFIX, W_CLOSED, W_DELIVERED, W_POOL, W_READY_DEPTH,
-    SHM_DIR, Segment, path_problem,
-)
+from shmbuf._lane import LANE_ACTIVE, LANE_RETIRED, Record, lane_held, read_label
+from shmbuf._segment import PREFIX, SHM_DIR, W_CLOSED, W_DELIVERED, W_POOL, W_READY_DEPTH, Segment, path_problem
 
 _SEG = re.compile(r"^shmbuf-([0-9a-f]{16})$")
 _WEIGHTS = re.compile(r"^shmbuf-w([0-9a-f]{16})$")
@@ -138,11 +135,12 @@ def _inspect(f: Found) -> None:
         f.closed = bool(w[W_CLOSED])
         f.pool, f.ready, f.delivered = w[W_POOL], w[W_READY_DEPTH], w[W_DELIVERED]
         for lane in range(seg.plan.n_lanes):
-            lw = seg.plan.lane_word(lane)
-            if w[lw + L_STATE] in (LANE_ACTIVE, LANE_RETIRED):
-                pid = w[lw + L_PID]
-                label = read_label(seg.mm, w, Record(seg.plan, lane))
-                f.writers.append((lane, pid, alive(pid, 0), w[lw + L_READY_HEAD], label))  # ready head = commits
+            rec = Record(seg.plan, lane)
+            if w[rec.state] in (LANE_ACTIVE, LANE_RETIRED):
+                pid = w[rec.pid]
+                held = lane_held(seg.fd, lane)  # the lane lock: right in any pid namespace (see _lane.lane_held)
+                ok = alive(pid, 0) if held is None else held
+                f.writers.append((lane, pid, ok, w[rec.ready_head], read_label(seg.mm, w, rec)))  # ready head = commits
     finally:
         seg.close()
 

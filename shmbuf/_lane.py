@@ -73,16 +73,20 @@ import posix_ipc
 from shmbuf._errors import PipelineClosed, SlotTimeout
 from shmbuf._proc import start_time
 from shmbuf._ring import Consumer, Fence, Producer, fence, store_load_fence
-from shmbuf._segment import (
-    L_EPOCH, L_FREE_HEAD, L_FREE_TAIL, L_FREE_WAIT, L_LABEL, L_LABEL_LEN, L_PID, L_READY_HEAD, L_READY_TAIL, L_START,
-    L_STATE, L_WAKE_AT, LABEL_BYTES, LANE_ACTIVE, LANE_FREE, LANE_RETIRED, MAILBOX_PAYLOAD_OFF, NEVER, W_CLOSED, W_NEWCOMER,
-    Plan,
-)
+from shmbuf._segment import MAILBOX_PAYLOAD_OFF, W_CLOSED, W_NEWCOMER, Plan
 
 # Blocking waits sleep in slices this long, so that a dead peer or a closed pipeline is noticed
 # within one slice (the reliability promise is 2 s). Writer and reader both use it.
 WAIT_SLICE = 0.1
-L_SEEN = 11  # line 1: the reader's; see the module doc
+
+# The record's words, relative to the lane's first word (the table in the module doc).
+L_PID, L_START, L_READY_HEAD, L_FREE_TAIL, L_FREE_WAIT = 0, 1, 2, 3, 4  # line 0: the writer's
+L_READY_TAIL, L_FREE_HEAD, L_WAKE_AT, L_SEEN = 8, 9, 10, 11  # line 1: the reader's
+L_STATE, L_EPOCH = 16, 17  # line 2: handed over
+L_LABEL_LEN, L_LABEL = 24, 25  # line 3: the writer's label, a length word then the bytes
+LABEL_BYTES = 48
+LANE_FREE, LANE_ACTIVE, LANE_RETIRED = 0, 1, 2
+NEVER = 1 << 62  # WAKE_AT while the reader is awake: it will look anyway, so commits post nothing
 
 # Mailbox words (relative to the mailbox's first word).
 M_POST, M_LEN, M_MAGIC, M_ACK = 0, 1, 2, 8

@@ -25,19 +25,21 @@ import posix_ipc
 from shmbuf import _control, _fork
 from shmbuf._errors import PipelineClosed, SegmentError, SlotTimeout, StaleRollout, UsageError, WriterError, WrongProcess
 from shmbuf._handle import Handle
-from shmbuf._lane import WAIT_SLICE, ReaderLane, Record, lane_held, wake_waiting
+from shmbuf._lane import LANE_ACTIVE, LANE_RETIRED, WAIT_SLICE, ReaderLane, Record, lane_held, wake_waiting
 from shmbuf._proc import alive
 from shmbuf._ring import store_load_fence
 from shmbuf._schema import Schema
 from shmbuf._segment import (
-    LANE_ACTIVE, LANE_RETIRED, S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, SLOT_HELD, SLOT_LANE, SLOT_POOL, SLOT_READY,
-    W_BAD_MESSAGES, W_CLOSED, W_DELIVERED, W_LANES_RECLAIMED, W_NEWCOMER, W_PARTIAL_DROPPED, W_POOL, W_READY_DEPTH,
-    Segment, sem_name, unlink_all,
+    S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, W_BAD_MESSAGES, W_CLOSED, W_DELIVERED, W_LANES_RECLAIMED, W_NEWCOMER,
+    W_PARTIAL_DROPPED, W_POOL, W_READY_DEPTH, Segment, sem_name, unlink_all,
 )
 
 # How often the reader looks at the lane table for writers that came, left or died.
 SCAN_INTERVAL = 0.05
 LATENCY_WINDOW = 8192
+# Where each slot is, in the reader's own books (never in shared memory): its pool, lent to a lane
+# (in the free ring, being written, or committed and not yet taken in), ready here, held by the user.
+SLOT_POOL, SLOT_LANE, SLOT_READY, SLOT_HELD = 0, 1, 2, 3
 
 
 def create(example: Any, slots: int, *, max_writers: int = 16, raise_writer_errors: bool = True) -> Reader:

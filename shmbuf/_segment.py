@@ -67,27 +67,14 @@ W_LANES_RECLAIMED = LIVE_OFF // 8 + 11
 W_READY_DEPTH = LIVE_OFF // 8 + 12
 W_POOL = LIVE_OFF // 8 + 13
 
-# Lane record words (relative to the lane's first word).
-# Line 0, written only by the lane's writer (its ready head counts its commits). L_FREE_WAIT:
-# 1 while the writer sleeps for want of a slot, so that the reader posts only then.
-L_PID, L_START, L_READY_HEAD, L_FREE_TAIL, L_FREE_WAIT = 0, 1, 2, 3, 4
-# Line 1, written only by the reader. L_WAKE_AT: ring the doorbell when the ready head reaches
-# this (0: always, the safe default; NEVER: the reader is busy and will look anyway).
-L_READY_TAIL, L_FREE_HEAD, L_WAKE_AT = 8, 9, 10
-NEVER = 1 << 62
-# Line 2, handed over between them (see docs/design/rings.md):
-L_STATE, L_EPOCH = 16, 17
-# Line 3, the writer's label (written before the lane turns ACTIVE): a length word, then the bytes.
-L_LABEL_LEN, L_LABEL = 24, 25
-LABEL_BYTES = 48
-LANE_FREE, LANE_ACTIVE, LANE_RETIRED = 0, 1, 2
+# The lane record's words (LANE_BYTES each, one per writer lane) are shmbuf._lane's: its module doc
+# says which side stores each.
 
 # Slot record words (relative to the slot's first word), written by the committing writer. It
 # stores only what the reader cannot know: the lane and pid follow from the ring the slot
 # arrives on, and the slot's generation lives in the reader's own table (word 0 is reserved).
 S_SEQ, S_COMMIT_NS, S_POLICY = 1, 2, 3
 S_FILL = SLOT_META_WORDS  # one word per timescale
-SLOT_POOL, SLOT_LANE, SLOT_READY, SLOT_HELD = 0, 1, 2, 3  # the reader's private bookkeeping
 
 
 @dataclass(frozen=True)
