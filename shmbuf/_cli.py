@@ -6,8 +6,40 @@ import argparse
 import os
 import runpy
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from shmbuf import _admin
+
+
+def _owner(f: _admin.Found) -> str:
+    """The owner's state as ``ls`` words it: alive, dead (removable), or unknown (another pid namespace)."""
+    if f.owner_elsewhere:
+        return f"owner pid {f.owner_pid} in another pid namespace (alive or not cannot be told here; `shmbuf clean` keeps it)"
+    return f"owner pid {f.owner_pid} {'alive' if f.owner_alive else 'DEAD (removable by `shmbuf clean`)'}"
+
+
+def _ls_one(f: _admin.Found, verbose: bool) -> None:
+    if not f.segment:
+        if f.semaphores:
+            print(f"{f.name}  (segment gone; {len(f.semaphores)} orphan semaphore(s): removable by `shmbuf clean`)")
+        elif f.kept:
+            print(f"{f.name}  (no segment)")
+        return
+    if f.error:
+        print(f"{f.name}  unreadable: {f.error}")
+        return
+    if f.weights:
+        print(f"{f.name}  weight broadcast, {_owner(f)}, {f.size / 2**20:.1f} MiB, {f.slots} buffers")
+        return
+    state = "closed" if f.closed else "open"
+    print(f"{f.name}  {state}, {_owner(f)}, {f.size / 2**20:.1f} MiB, {f.slots} slots, {f.lanes} lanes")
+    print(f"    slots: {f.pool} in pool, {f.ready} ready; {f.delivered} rollouts delivered")
+    for lane, pid, ok, commits, label in f.writers:
+        named = f" ({label})" if label else ""
+        print(f"    writer lane {lane}{named}: pid {pid} {'alive' if ok else 'dead'}, {commits} commits")
+    if verbose:
+        print(f"    schema: {f.schema}")
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -16,43 +48,28 @@ def _ls(args: argparse.Namespace) -> int:
         print("no shmbuf objects in /dev/shm")
         return 0
     for f in found:
-        if not f.segment:
-            print(f"{f.name}  (segment gone; {len(f.semaphores)} orphan semaphore(s): removable by `shmbuf clean`)")
-            continue
-        if f.error:
-            print(f"{f.name}  unreadable: {f.error}")
-            continue
-        if f.weights:
-            state = "alive" if f.owner_alive else "DEAD (removable by `shmbuf clean`)"
-            print(f"{f.name}  weight broadcast, owner pid {f.owner_pid} {state}, {f.size / 2**20:.1f} MiB, {f.slots} buffers")
-            continue
-        owner = f"owner pid {f.owner_pid} {'alive' if f.owner_alive else 'DEAD (removable by `shmbuf clean`)'}"
-        state = "closed" if f.closed else "open"
-        print(f"{f.name}  {state}, {owner}, {f.size / 2**20:.1f} MiB, {f.slots} slots, {f.lanes} lanes")
-        print(f"    slots: {f.pool} in pool, {f.ready} ready; {f.delivered} rollouts delivered")
-        for lane, pid, ok, commits, label in f.writers:
-            named = f" ({label})" if label else ""
-            print(f"    writer lane {lane}{named}: pid {pid} {'alive' if ok else 'dead'}, {commits} commits")
-        if args.verbose:
-            print(f"    schema: {f.schema}")
+        _ls_one(f, args.verbose)
+        for entry, why in f.kept:
+            print(f"    {entry}: {why} (`shmbuf clean` never removes it)")
     return 0
 
 
 def _clean(args: argparse.Namespace) -> int:
     found = _admin.scan()
-    todo = [f for f in found if f.removable]
-    kept = [f for f in found if not f.removable]
-    for f in todo:
+    for f in found:
+        if not f.removable:
+            continue
         if args.dry_run:
-            what = [f.name] if f.segment else []
-            print("would remove:", " ".join(what + f.semaphores))
-        else:
+            what = ([f.name] if f.segment else []) + f.semaphores
+            if what:
+                print("would remove:", " ".join(what))
+        elif f.segment or f.semaphores:
             print("removed:", " ".join(_admin.remove(f)) or "(already gone)")
-    for f in kept:
-        why = f"owner pid {f.owner_pid} is alive"
-        if f.error:
-            why = f"unreadable ({f.error}); remove it by hand if you know it is dead"
-        print(f"kept {f.name}: {why}")
+    for f in found:
+        if not f.removable:
+            print(f"kept {f.name}: {f.why_kept}")
+        for entry, why in f.kept:  # files under a shmbuf name that are not shmbuf's (or could not be removed)
+            print(f"kept {entry}: {why}")
     if not found:
         print("nothing to clean")
     return 0
@@ -60,8 +77,28 @@ def _clean(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from shmbuf._demo import run
+    from shmbuf._errors import BrokenPipeline
 
-    return run(seconds=args.seconds, actors=args.actors, envs_per_actor=args.envs, steps=args.steps)
+    try:
+        return run(seconds=args.seconds, actors=args.actors, envs_per_actor=args.envs, steps=args.steps)
+    except BrokenPipeline as exc:  # the actors' own tracebacks are above; this one would only add noise
+        print(exc, file=sys.stderr)
+        return 1
+
+
+def _at_least(kind: type, low: float) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` of ``text``, refused below ``low`` with the value received."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value >= low:
+            raise argparse.ArgumentTypeError(f"expected {'an int' if kind is int else 'a number'} >= {low}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
@@ -84,10 +121,10 @@ def _parser() -> argparse.ArgumentParser:
                        description="Actor processes step vectorised CartPole-v1 envs and write rollouts into shared "
                                    "memory; this process reads them, then prints steps/s, MB/s and latency.",
                        formatter_class=defaults)
-    p.add_argument("--seconds", type=float, default=10.0, help="how long to collect, after the actors are up")
-    p.add_argument("--actors", type=int, default=2, help="actor processes")
-    p.add_argument("--envs", type=int, default=8, help="vectorised CartPole envs per actor")
-    p.add_argument("--steps", type=int, default=64, help="steps per rollout")
+    p.add_argument("--seconds", type=_at_least(float, 0.1), default=10.0, help="how long to collect, after the actors are up")
+    p.add_argument("--actors", type=_at_least(int, 1), default=2, help="actor processes")
+    p.add_argument("--envs", type=_at_least(int, 1), default=8, help="vectorised CartPole envs per actor")
+    p.add_argument("--steps", type=_at_least(int, 1), default=64, help="steps per rollout")
     p = sub.add_parser("ls", help="list shmbuf segments and whether their owners live", formatter_class=defaults)
     p.add_argument("-v", "--verbose", action="store_true", help="also print each schema")
     p = sub.add_parser("clean", help="remove what dead owners left in /dev/shm (never a live owner's)",

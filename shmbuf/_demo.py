@@ -29,7 +29,9 @@ def example(steps: int, envs: int) -> dict[str, Any]:
         },
         # single-item timescales: a leading 1 (the bootstrap observation), or 0-d leaves (episode totals)
         "bootstrap": {"obs": np.zeros((1, envs, 4), np.float32)},
-        "episodes": {"count": np.zeros((), np.int64), "return_sum": np.zeros((), np.float64), "length_sum": np.zeros((), np.int64)},
+        "episodes": {
+            "count": np.zeros((), np.int64), "return_sum": np.zeros((), np.float64), "length_sum": np.zeros((), np.int64),
+        },
     }
 
 
@@ -75,6 +77,22 @@ def actor(handle: shmbuf.Handle, envs: int, steps: int, seed: int) -> None:
         env.close()
 
 
+def _first_rollout(reader: shmbuf.Reader, procs: list[Any], timeout: float) -> shmbuf.Rollout:
+    """The first rollout, waited for in short slices so that actors that died at start are told at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return reader.get(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+        except shmbuf.SlotTimeout:
+            dead = [p for p in procs if p.exitcode is not None]
+            if len(dead) == len(procs):
+                codes = ", ".join(str(p.exitcode) for p in dead)
+                raise shmbuf.BrokenPipeline(f"shmbuf demo: every actor exited before its first rollout (exit codes {codes}); "
+                                            "their tracebacks are above") from None
+            if time.monotonic() >= deadline:
+                raise
+
+
 def run(seconds: float = 10.0, actors: int = 2, envs_per_actor: int = 8, steps: int = 64) -> int:
     from tqdm import tqdm
 
@@ -90,8 +108,7 @@ def run(seconds: float = 10.0, actors: int = 2, envs_per_actor: int = 8, steps: 
     returns = 0.0
     bytes_per = sum(lf.nbytes for lf in reader.schema.leaves)
     try:
-        first = reader.get(timeout=60)  # wait for the actors to import gymnasium and start
-        first.release()
+        _first_rollout(reader, procs, 60.0).release()  # the actors import gymnasium and start
         reader.stats()  # reset nothing, just serve
         t0 = time.monotonic()
         with tqdm(total=round(seconds, 1), unit="s", bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} s{postfix}") as bar:

@@ -126,3 +126,70 @@ def test_demo_runs_and_its_actors_leave_cleanly(capsys: Any) -> None:
     assert main(["demo", "--seconds", "1", "--actors", "1", "--envs", "2", "--steps", "8"]) == 0
     out = capsys.readouterr().out
     assert "actors exited        1/1 cleanly" in out and "left in /dev/shm     nothing" in out
+
+
+def _planted(monkeypatch: Any, *found: _admin.Found) -> list[str]:
+    """Make ``scan`` find exactly ``found``; return the list that records every ``remove`` call."""
+    removed: list[str] = []
+    monkeypatch.setattr(_admin, "scan", lambda: list(found))
+    monkeypatch.setattr(_admin, "remove", lambda f: removed.append(f.name) or [f.name])
+    return removed
+
+
+def test_owner_in_another_pid_namespace_is_neither_dead_nor_removed(monkeypatch: Any, capsys: Any) -> None:
+    """Its pid means nothing here: ls must not call it DEAD and removable, clean must keep it and say why."""
+    name = shmbuf._segment.new_name()
+    f = _admin.Found(name, segment=True, owner_pid=4242, owner_elsewhere=True, slots=2, lanes=1)
+    removed = _planted(monkeypatch, f)
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert "owner pid 4242 in another pid namespace" in out and "DEAD" not in out
+    for argv in (["clean", "--dry-run"], ["clean"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert f"kept {name}: owner (pid 4242 there) is in another pid namespace" in out and "remove" not in out.split("kept")[0]
+    assert removed == []
+
+
+def test_files_clean_keeps_are_listed_with_the_reason(monkeypatch: Any, capsys: Any) -> None:
+    """A foreign file under a shmbuf name (a link, a directory, another user's): shown with why, never 'removed'."""
+    name = shmbuf._segment.new_name()
+    entry = f"sem.{name[1:]}-r"
+    f = _admin.Found(name, segment=False, kept=[(entry, "a symbolic link, not a file shmbuf made")])
+    removed = _planted(monkeypatch, f)
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert f"{entry}: a symbolic link, not a file shmbuf made (`shmbuf clean` never removes it)" in out
+    assert "orphan semaphore" not in out
+    for argv in (["clean", "--dry-run"], ["clean"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert out == f"kept {entry}: a symbolic link, not a file shmbuf made\n"
+    assert removed == []
+
+
+@pytest.mark.parametrize("argv, told", [
+    (["--envs", "0"], "argument --envs: expected an int >= 1, got '0'"),
+    (["--actors", "-1"], "argument --actors: expected an int >= 1, got '-1'"),
+    (["--seconds", "nan"], "argument --seconds: expected a number >= 0.1, got 'nan'"),
+])
+def test_demo_refuses_what_it_cannot_run(argv: list[str], told: str, capsys: Any) -> None:
+    """--envs 0 used to start actors that died at once, and the demo then waited 60 s for a first rollout."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", *argv])
+    assert exit_.value.code == 2 and told in capsys.readouterr().err
+
+
+def test_demo_says_at_once_when_every_actor_died(make_reader: Any) -> None:
+    """It waits for the first rollout in short slices and looks at the actors between them."""
+    from types import SimpleNamespace
+
+    from shmbuf._demo import _first_rollout
+
+    reader = make_reader(small_example(), slots=2)
+    dead = [SimpleNamespace(exitcode=1), SimpleNamespace(exitcode=-9)]
+    with pytest.raises(shmbuf.BrokenPipeline, match=r"every actor exited before its first rollout \(exit codes 1, -9\)"):
+        _first_rollout(reader, dead, timeout=60.0)  # returns after one slice
+    starting = [SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=1)]
+    with pytest.raises(shmbuf.SlotTimeout):
+        _first_rollout(reader, starting, timeout=0.2)
