@@ -71,9 +71,7 @@ def actor(handle: shmbuf.Handle, envs: int, steps: int, seed: int) -> None:
                 writer.add("bootstrap", {"obs": obs})
                 writer.add("episodes", {"count": count, "return_sum": ret_sum, "length_sum": len_sum})
                 writer.commit()
-    except shmbuf.PipelineClosed:
-        pass  # the learner is done: the normal way out
-    finally:
+    finally:  # the learner closing the pipeline is the normal way out: the `with` block ends quietly on it
         env.close()
 
 
