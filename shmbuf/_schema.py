@@ -7,7 +7,8 @@ numpy arrays. A timescale is
 - **buffered** when every leaf shares a leading dim ``N > 1``: its capacity is
   ``N`` and each ``add()`` writes one item, of shape ``leaf.shape[1:]``;
 - **single-item** when some leaf is 0-d or every leaf has leading dim 1: its
-  capacity is 1 and ``add()`` replaces the whole leaf.
+  capacity is 1, one ``add()`` writes the whole leaf, and a second one before
+  ``commit()`` or ``reset()`` raises ``TimescaleFull``.
 
 These are InstaDeep echo's ``TrajectoryAccumulator`` rules, kept to the letter
 so that an echo example means the same thing here.
