@@ -72,7 +72,7 @@ import posix_ipc
 
 from shmbuf._errors import PipelineClosed, SlotTimeout
 from shmbuf._proc import start_time
-from shmbuf._ring import Consumer, Fence, Producer, fence, store_load_fence
+from shmbuf._ring import Consumer, Fence, Producer, bump, fence, store_load_fence
 from shmbuf._segment import MAILBOX_PAYLOAD_OFF, W_CLOSED, W_NEWCOMER, Plan
 
 # Blocking waits sleep in slices this long, so that a dead peer or a closed pipeline is noticed
@@ -207,7 +207,7 @@ class WriterLane:
                 raw = str(label).encode()[:LABEL_BYTES]
                 mm[rec.label_byte : rec.label_byte + len(raw)] = raw
                 w[rec.label_len] = len(raw)
-                w[rec.epoch] = w[rec.epoch] + 1
+                bump(w, rec.epoch)
                 if f:  # who holds the lane before the lane says it is held
                     f()
                 w[rec.state] = LANE_ACTIVE
@@ -306,7 +306,7 @@ class WriterLane:
         w[rec.magic] = MSG_MAGIC
         if self._fence:  # payload, length and magic before the count that publishes them
             self._fence()
-        w[rec.post] = w[rec.post] + 1
+        bump(w, rec.post)
         self.doorbell.release()
         return True
 
@@ -373,7 +373,7 @@ class ReaderLane:
 
     def arm(self, quota: int) -> None:
         """Ask for the doorbell once ``quota`` more commits are published (caller fences, then looks)."""
-        self.w[self.rec.wake_at] = self.ready.tail + quota
+        self.w[self.rec.wake_at] = min(self.ready.tail + quota, 2**63 - 1)  # a tail scribbled to the top of int64
 
     def disarm(self) -> None:
         self.w[self.rec.wake_at] = NEVER
@@ -413,7 +413,7 @@ class ReaderLane:
                      rec.wake_at, rec.seen, rec.label_len, rec.post, rec.ack):
             w[word] = 0
         if taken_back:
-            w[rec.epoch] = w[rec.epoch] + 1
+            bump(w, rec.epoch)
         if self._fence:  # the reset words before the state that lets a new writer read them
             self._fence()
         w[rec.state] = LANE_FREE

@@ -224,7 +224,12 @@ class Reader:
         self._lanes: dict[int, ReaderLane] = {}
         self._next_scan = 0.0
         self._held = 0
+        # The reader's counters, kept here and only stored to shared memory (for `shmbuf ls`): a
+        # word another process scribbled over can neither overflow them nor make stats() lie.
         self._delivered = 0
+        self._partial_dropped = 0
+        self._bad_messages = 0
+        self._lanes_reclaimed = 0
         self._leaf_all = [seg.leaf_view(i) for i in range(len(self.schema.leaves))]
         self._slot_table = np.ndarray((n, self._plan.slot_bytes // 8), np.int64, buffer=seg.mm, offset=self._plan.slots_off)
         self._slot_leaves: dict[int, list[np.ndarray]] = {}  # views of one slot's leaves; never the containers
@@ -594,7 +599,8 @@ class Reader:
         in_hand = [s for s in mine if s not in untaken]
         w = self._w
         if died and in_hand:
-            w[W_PARTIAL_DROPPED] = w[W_PARTIAL_DROPPED] + len(in_hand)
+            self._partial_dropped += len(in_hand)
+            w[W_PARTIAL_DROPPED] = self._partial_dropped
         del self._lanes[i]
         for s in mine:
             self._owner[s] = -1
@@ -603,7 +609,8 @@ class Reader:
         if corrupt:
             self._bad_message()
         if died:
-            w[W_LANES_RECLAIMED] = w[W_LANES_RECLAIMED] + 1
+            self._lanes_reclaimed += 1
+            w[W_LANES_RECLAIMED] = self._lanes_reclaimed
         lane.free_lane(taken_back=corrupt)
         self._feed()
 
@@ -628,7 +635,8 @@ class Reader:
             ))
 
     def _bad_message(self) -> None:
-        self._w[W_BAD_MESSAGES] = self._w[W_BAD_MESSAGES] + 1
+        self._bad_messages += 1
+        self._w[W_BAD_MESSAGES] = self._bad_messages
 
     # -- views and buffers --------------------------------------------------
 
@@ -692,9 +700,9 @@ class Reader:
             # over the same window, when the learner sets reader.policy_version
             "policy_lag_mean": float(self._lag[:n].mean()) if n and self.policy_version is not None else None,
             "policy_lag_max": int(self._lag[:n].max()) if n and self.policy_version is not None else None,
-            "partial_dropped": w[W_PARTIAL_DROPPED] if w is not None else None,
-            "bad_messages": w[W_BAD_MESSAGES] if w is not None else None,
-            "lanes_reclaimed": w[W_LANES_RECLAIMED] if w is not None else None,
+            "partial_dropped": self._partial_dropped,
+            "bad_messages": self._bad_messages,
+            "lanes_reclaimed": self._lanes_reclaimed,
             "writers": len(self._lanes),
             # every slot is in exactly one place: the pool, lent to a lane (being written, or
             # committed and not yet taken in), ready here, or held by the user

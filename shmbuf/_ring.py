@@ -49,6 +49,14 @@ import threading
 
 from shmbuf._errors import SegmentError
 
+I64_MAX = 2**63 - 1
+
+
+def bump(w: memoryview, word: int, n: int = 1) -> None:
+    """Add ``n`` to a shared int64 counter, wrapping as C would: a scribbled word at the top must not raise."""
+    w[word] = (w[word] + n + 2**63) % 2**64 - 2**63
+
+
 _TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
@@ -106,7 +114,7 @@ class Producer:
     def push(self, value: int) -> None:
         w = self._w
         h = self._head
-        if h - w[self._tail_w] >= self._cap:
+        if h - w[self._tail_w] >= self._cap or h >= I64_MAX:
             raise SegmentError(f"ring overflow (head {h}, tail {w[self._tail_w]}, capacity {self._cap}): the segment is corrupt")
         w[self._ring + h % self._cap] = value
         if self._fence:  # the entry before the head that publishes it
@@ -119,7 +127,7 @@ class Producer:
         w = self._w
         h = self._head
         n = len(values)
-        if h + n - w[self._tail_w] > self._cap:
+        if h + n - w[self._tail_w] > self._cap or h + n > I64_MAX:
             raise SegmentError(f"ring overflow (head {h} + {n}, tail {w[self._tail_w]}, capacity {self._cap}): the segment is corrupt")
         ring, cap = self._ring, self._cap
         for k, v in enumerate(values):

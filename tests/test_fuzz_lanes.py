@@ -16,8 +16,8 @@ writer and mapping is closed in a ``finally``; a failing trial is reported with 
 number, scribbles and the calls that led to it, and the fuzz goes on to collect every kind of
 failure before it asserts.
 
-Below the fuzz, one deterministic test per defect the fuzz found (``# DEFECT:``): each fails until
-the lead fixes the library, and says exactly which corruption and call it takes.
+Below the fuzz, one deterministic test per defect the fuzz found: each failed before the fix, and
+says exactly which corruption and call it takes.
 """
 
 from __future__ import annotations
@@ -535,19 +535,19 @@ def test_fuzz_live_regions(region: str) -> None:
     assert not left_behind(names)
     print(f"\n{region}: {TRIALS} trials in {time.monotonic() - t0:.1f} s; {sum(outcomes.values())} calls; "
           f"{dict(sorted(outcomes.items()))}")
-    # DEFECT: with these seeds "lanes", "mailboxes" and "mixed" fail here until a scribbled counter at the
-    # top of int64 gives a ShmbufError (now a ValueError from a memoryview store; the cases are below).
+    # Before the fix, with these seeds "lanes", "mailboxes" and "mixed" failed here: a counter scribbled
+    # to the top of int64 made the next store raise ValueError (the cases are below).
     assert not failures, f"{len(failures)} failing trials:\n{summary(failures)}"
     assert outcomes["scan: ok"] > 0 and outcomes["get: ok"] > TRIALS // 4  # the pipeline kept working, mostly
 
 
 # ------------------------------------------------------------------ what the fuzz found
 #
-# DEFECT: the library adds to shared counters with ``w[word] = w[word] + n`` (ring heads in
+# Found, and fixed: the library added to shared counters with ``w[word] = w[word] + n`` (ring heads in
 # _ring.Producer.push/push_many, WAKE_AT = READY_TAIL + quota in _lane.ReaderLane.arm, the
 # mailbox's POST in _lane.WriterLane.post, a lane's EPOCH in WriterLane.claim and
 # ReaderLane.free_lane, W_BAD_MESSAGES / W_LANES_RECLAIMED / W_PARTIAL_DROPPED in _reader.Reader).
-# A scribbled word at the top of int64 makes the store raise
+# A scribbled word at the top of int64 made the store raise
 # ValueError("memoryview: invalid value for format 'q'") out of Writer(), commit, report_error,
 # send_stats, poll, get, get_batch and stats, instead of a ShmbufError (or of the reader taking the
 # lane back, as it does for every other corrupt counter). The fuzz above finds these within a few
@@ -676,10 +676,10 @@ TOP_OF_INT64 = [lend_to_free_ring_at_top, commit_to_ready_ring_at_top, wait_on_r
 def test_a_shared_counter_at_the_top_of_int64_gives_a_shmbuf_error(case: Callable[[Case], None], make_reader: Any) -> None:
     """One scribbled counter at the top of int64, then the call that adds to it: a result or a ShmbufError,
     and the reader's slots all accounted for."""
-    # DEFECT: each case raises ValueError from a memoryview store (see the comment above TOP).
-    # The fix is the library's: wrap the counters that are only compared for equality or shown
-    # (EPOCH, POST, W_*), cap WAKE_AT at 2**63-1, and refuse a ring head past 2**63-1 as corrupt
-    # (SegmentError: the reader then takes the lane back, and a writer's commit raises it).
+    # Each case raised ValueError from a memoryview store before the fix (see the comment above TOP):
+    # EPOCH and POST now wrap (they are only compared for equality), WAKE_AT is capped at 2**63-1, a
+    # ring head past 2**63-1 is corrupt (SegmentError: the reader takes the lane back, a writer's
+    # commit raises it), and the reader's W_* counters are its own, only stored to shared memory.
     reader = make_reader(small_example(T), SLOTS, max_writers=2)
     sc = Scribbler(reader)
     c = Case(reader, sc)
