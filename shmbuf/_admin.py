@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass, field
 
 from shmbuf._errors import ShmbufError
-from shmbuf._proc import Owner, alive
 from shmbuf._lane import LANE_ACTIVE, LANE_RETIRED, Record, lane_held, read_label
+from shmbuf._proc import Owner, alive
 from shmbuf._segment import PREFIX, SHM_DIR, W_CLOSED, W_DELIVERED, W_POOL, W_READY_DEPTH, Segment, path_problem
 
 _SEG = re.compile(r"^shmbuf-([0-9a-f]{16})$")

@@ -111,7 +111,8 @@ class Record:
         self.base = lw
         self.pid, self.start = lw + L_PID, lw + L_START
         self.ready_head, self.free_tail, self.free_wait = lw + L_READY_HEAD, lw + L_FREE_TAIL, lw + L_FREE_WAIT
-        self.ready_tail, self.free_head, self.wake_at, self.seen = lw + L_READY_TAIL, lw + L_FREE_HEAD, lw + L_WAKE_AT, lw + L_SEEN
+        self.ready_tail, self.free_head = lw + L_READY_TAIL, lw + L_FREE_HEAD
+        self.wake_at, self.seen = lw + L_WAKE_AT, lw + L_SEEN
         self.state, self.epoch = lw + L_STATE, lw + L_EPOCH
         self.label_len, self.label_byte = lw + L_LABEL_LEN, (lw + L_LABEL) * 8
         self.ready_ring, self.free_ring, self.cap = plan.ready_ring_word(lane), plan.free_ring_word(lane), plan.n_slots

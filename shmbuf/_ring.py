@@ -128,7 +128,9 @@ class Producer:
         h = self._head
         n = len(values)
         if h + n - w[self._tail_w] > self._cap or h + n > I64_MAX:
-            raise SegmentError(f"ring overflow (head {h} + {n}, tail {w[self._tail_w]}, capacity {self._cap}): the segment is corrupt")
+            raise SegmentError(
+                f"ring overflow (head {h} + {n}, tail {w[self._tail_w]}, capacity {self._cap}): the segment is corrupt"
+            )
         ring, cap = self._ring, self._cap
         for k, v in enumerate(values):
             w[ring + (h + k) % cap] = v

@@ -397,7 +397,9 @@ class Writer:
         """
         self._guard()
         if self._slot >= 0 and any(self._fill):
-            raise UsageError(f"send() while a rollout is being built with add() on pipeline {self.name}; commit() or reset() it first")
+            raise UsageError(
+                f"send() while a rollout is being built with add() on pipeline {self.name}; commit() or reset() it first"
+            )
         if type(tree) is not dict or len(tree) != len(self._ts) or tree.keys() != self._ts.keys():
             got = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
             raise SchemaError(f"send: expected a dict with timescales {sorted(self._ts)}, got {got}")
@@ -519,7 +521,9 @@ class Writer:
             parts.append("missing " + ", ".join(f"{ts.spec.name}/{k}" for k in missing))
         if extra:
             parts.append("unexpected " + ", ".join(f"{ts.spec.name}/{k}" for k in extra))
-        raise SchemaError(f"timescale '{ts.spec.name}': expected keys {sorted(expected)}, got {sorted(got, key=str)} ({'; '.join(parts)})")
+        raise SchemaError(
+            f"timescale '{ts.spec.name}': expected keys {sorted(expected)}, got {sorted(got, key=str)} ({'; '.join(parts)})"
+        )
 
     def _leaves_of(self, ts: _Ts, data: Any) -> list[Any]:
         """The leaves of ``data`` in schema order, or a SchemaError naming the first mismatch."""
@@ -550,7 +554,8 @@ def _coerce(leaf: Leaf, x: Any, buffered: bool, *, whole: bool) -> np.ndarray:
         x = _as_array(leaf, x)
     if x.dtype != leaf.dtype and not np.can_cast(x.dtype, leaf.dtype, casting="same_kind"):
         raise SchemaError(
-            f"leaf {leaf.name}: expected dtype {leaf.dtype} (or one that casts to it under numpy's 'same_kind' rule), got {x.dtype}"
+            f"leaf {leaf.name}: expected dtype {leaf.dtype} (or one that casts to it under numpy's 'same_kind' rule), "
+            f"got {x.dtype}"
         )
     want = leaf.shape if whole else leaf.item_shape
     if x.shape != want:

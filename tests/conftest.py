@@ -114,6 +114,16 @@ def make_reader() -> Iterator[Callable[..., shmbuf.Reader]]:
 
 
 @pytest.fixture
+def pair(make_reader: Callable[..., shmbuf.Reader]) -> Iterator[tuple[shmbuf.Reader, shmbuf.Writer]]:
+    """A pipeline of ``small_example()`` (8 slots, 2 lanes) and one Writer in this thread, already lent slots."""
+    reader = make_reader(small_example(), slots=8, max_writers=2)  # one writer may queue 8 // 2 before a poll
+    writer = shmbuf.Writer(reader.handle, timeout=2.0)
+    reader.poll()
+    yield reader, writer
+    writer.close()
+
+
+@pytest.fixture
 def procs() -> Iterator[Callable[..., Any]]:
     """``procs(target, *args, method="spawn")``: a started process, killed and joined at teardown."""
     started: list[Any] = []

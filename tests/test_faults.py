@@ -16,7 +16,7 @@ import pytest
 import shmbuf
 from shmbuf import _admin
 from tests.conftest import shm_objects, wait_until
-from tests.helpers import FT, fault_example, loop_writer, verify
+from tests.helpers import fault_example, loop_writer, verify
 
 CTX = mp.get_context("fork")  # fast to start; spawn is covered by test_transfer
 pytestmark = pytest.mark.timeout(120)
@@ -123,7 +123,7 @@ def test_a_killed_writer_loses_only_its_partial_rollout(make_reader: Any, starte
     steady.join(5)
     ledger.drain()
     ledger.check_exactly_once(1000, steady_count.value)
-    s = slot_accounting(reader)
+    slot_accounting(reader)
     wait_until(lambda: reader.stats()["writers"] == 0, 2, "the steady writer's lane to be reclaimed")
     assert reader.stats()["slots"]["pool"] == reader.slots  # every slot back
     assert reader.stats()["partial_dropped"] <= 13

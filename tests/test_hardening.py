@@ -32,15 +32,6 @@ def write(w: shmbuf.Writer, tag: float, length: int = 2) -> None:
     w.commit()
 
 
-@pytest.fixture
-def pair(make_reader: Any) -> Any:
-    reader = make_reader(small_example(), slots=8, max_writers=2)
-    writer = shmbuf.Writer(reader.handle, timeout=2.0)
-    reader.poll()
-    yield reader, writer
-    writer.close()
-
-
 # ------------------------------------------------------------ data integrity
 
 
@@ -301,6 +292,10 @@ def _waiting_writer(name: str) -> None:
             write(w, 1.0)
 
 
+def _wait_for_writers(reader: shmbuf.Reader, n: int) -> None:
+    wait_until(lambda: reader.stats()["writers"] == n, 10, f"{n} writer lane(s)")
+
+
 def test_a_reader_collected_without_close_stops_its_writers(procs: Any) -> None:
     """Before: collecting the Reader unlinked the names but never told the writers, so a writer with
     timeout=None (what workers uses) waited for ever."""
@@ -308,9 +303,9 @@ def test_a_reader_collected_without_close_stops_its_writers(procs: Any) -> None:
     name = reader.name
     try:
         p = procs(_waiting_writer, name, method="fork")
-        wait_until(lambda: reader.stats()["writers"] == 1, 10, "the writer's lane")
+        _wait_for_writers(reader, 1)
     finally:
-        del reader
+        del reader  # the last reference: no close()
         gc.collect()
     p.join(5)
     assert p.exitcode == 0  # left its with block quietly, on PipelineClosed

@@ -23,15 +23,6 @@ def write(writer: shmbuf.Writer, tag: float, length: int = T) -> None:
     writer.commit()
 
 
-@pytest.fixture
-def pair(make_reader: Any) -> Any:
-    reader = make_reader(small_example(), slots=8, max_writers=2)  # one writer may queue 8 // 2 before a poll
-    writer = shmbuf.Writer(reader.handle, timeout=2.0)
-    reader.poll()
-    yield reader, writer
-    writer.close()
-
-
 def test_rollout_leaves_are_views_of_the_slot_not_copies(pair: Any) -> None:
     reader, writer = pair
     write(writer, 1.0)

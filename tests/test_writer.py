@@ -84,7 +84,8 @@ def test_adding_past_capacity_raises_echos_index_error(make_reader: Any) -> None
     # single-item timescales hold one item: a second add is past capacity too, in both
     writer.add("episode", {"return": np.array([1.0]), "length": np.array([2.0])})
     acc.add("episode", {"return": np.array([1.0]), "length": np.array([2.0])})
-    with pytest.raises(IndexError, match=r"'episode' is full: it holds 1 item \(it is single-item\), and add\(\) was called for index 1"):
+    full = r"'episode' is full: it holds 1 item \(it is single-item\), and add\(\) was called for index 1"
+    with pytest.raises(IndexError, match=full):
         writer.add("episode", {"return": np.array([1.0]), "length": np.array([2.0])})
     with pytest.raises(IndexError, match="'episode' has 1 slots, but you tried to add at index 1"):
         acc.add("episode", {"return": np.array([1.0]), "length": np.array([2.0])})
@@ -292,7 +293,8 @@ def test_backpressure_times_out_naming_the_pipeline_and_setting(make_reader: Any
     writer.add("step", {"obs": np.zeros(4, np.float32), "reward": 0.0})
     writer.commit()
     held = reader.get(timeout=5)  # the only slot, held by the learner
-    with pytest.raises(SlotTimeout, match=rf"{reader.name}: no free slot within Writer\(timeout=0.2\): the reader is not releasing"):
+    slow = rf"{reader.name}: no free slot within Writer\(timeout=0.2\): the reader is not releasing"
+    with pytest.raises(SlotTimeout, match=slow):
         writer.add("step", {"obs": np.zeros(4, np.float32), "reward": 0.0})
     held.release()
     writer.add("step", {"obs": np.zeros(4, np.float32), "reward": 0.0})  # the slot came back
