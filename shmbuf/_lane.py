@@ -70,7 +70,7 @@ from typing import Any
 
 import posix_ipc
 
-from shmbuf._errors import PipelineClosed, SlotTimeout
+from shmbuf._errors import PipelineClosed, SlotTimeout, UsageError
 from shmbuf._proc import start_time
 from shmbuf._ring import Consumer, Fence, Producer, bump, fence, store_load_fence
 from shmbuf._segment import MAILBOX_PAYLOAD_OFF, W_CLOSED, W_NEWCOMER, Plan
@@ -91,6 +91,13 @@ NEVER = 1 << 62  # WAKE_AT while the reader is awake: it will look anyway, so co
 # Mailbox words (relative to the mailbox's first word).
 M_POST, M_LEN, M_MAGIC, M_ACK = 0, 1, 2, 8
 MSG_MAGIC = 0x53424D5300000001  # "SBMS", version 1
+
+def check_timeout(value: Any, setting: str) -> float | None:
+    """A wait's bound: None (for ever) or seconds >= 0; else UsageError naming the setting."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
+        raise UsageError(f"{setting}: expected None or a number of seconds >= 0, got {value!r}")
+    return value
+
 
 _OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK)
 _OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", fcntl.F_GETLK)

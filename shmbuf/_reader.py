@@ -25,7 +25,7 @@ import posix_ipc
 from shmbuf import _control, _fork
 from shmbuf._errors import PipelineClosed, SegmentError, SlotTimeout, StaleRollout, UsageError, WriterError, WrongProcess
 from shmbuf._handle import Handle
-from shmbuf._lane import LANE_ACTIVE, LANE_RETIRED, WAIT_SLICE, ReaderLane, Record, lane_held, wake_waiting
+from shmbuf._lane import LANE_ACTIVE, LANE_RETIRED, WAIT_SLICE, ReaderLane, Record, check_timeout, lane_held, wake_waiting
 from shmbuf._proc import alive
 from shmbuf._ring import store_load_fence
 from shmbuf._schema import Schema
@@ -218,7 +218,6 @@ class Reader:
         self._gen = [0] * n
         self._lane_of = [-1] * n  # the lane a ready or held slot came from, and its writer's pid
         self._pid_of = [0] * n
-        self._slot_words = [self._plan.slot_word(i) for i in range(n)]
         self._pool = list(range(n - 1, -1, -1))
         self._ready: collections.deque[int] = collections.deque()
         self._lanes: dict[int, ReaderLane] = {}
@@ -275,7 +274,7 @@ class Reader:
             WriterError: a writer reported an exception (``raise_writer_errors``).
             PipelineClosed: this reader was closed.
         """
-        slot = self._next_slot(_check_timeout(timeout))
+        slot = self._next_slot(check_timeout(timeout, "get(timeout=...)"))
         return self._deliver(slot)
 
     def __iter__(self) -> Iterator[Rollout]:
@@ -291,7 +290,8 @@ class Reader:
         self._guard()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= self.slots:
             raise UsageError(f"get_batch(batch_size=...): expected an int from 1 to slots={self.slots}, got {batch_size!r}")
-        deadline = None if _check_timeout(timeout) is None else time.monotonic() + timeout  # type: ignore[operator]
+        timeout = check_timeout(timeout, "get_batch(timeout=...)")
+        deadline = None if timeout is None else time.monotonic() + timeout
         idx, bufs = self._batch_buffer(batch_size)
         taken = 0
         ready = self._ready
@@ -747,12 +747,6 @@ class Reader:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._lanes)} writers"
         return f"Reader({self.name!r}, slots={self.slots}, {state}, {self.schema!r})"
-
-
-def _check_timeout(timeout: Any) -> float | None:
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
-        raise UsageError(f"timeout: expected None or a number of seconds >= 0, got {timeout!r}")
-    return timeout
 
 
 def _given(lane: ReaderLane) -> int:

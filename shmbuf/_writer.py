@@ -25,7 +25,7 @@ from shmbuf._errors import (
     BrokenPipeline, PipelineClosed, SchemaError, SegmentError, TimescaleFull, UnknownTimescale, UsageError, WrongProcess,
 )
 from shmbuf._handle import Handle, name_of
-from shmbuf._lane import WriterLane
+from shmbuf._lane import WriterLane, check_timeout
 from shmbuf._proc import Owner
 from shmbuf._schema import Leaf, Schema, Timescale, flatten_like
 from shmbuf._segment import S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment, sem_name
@@ -130,10 +130,8 @@ class Writer:
 
     def __init__(self, pipeline: Handle | str | Any, example: Any = None, *, timeout: float | None = 30.0,
                  label: str = ""):
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
-            raise UsageError(f"Writer(timeout=...): expected None or a number of seconds >= 0, got {timeout!r}")
+        self.timeout = check_timeout(timeout, "Writer(timeout=...)")
         self.name = name_of(pipeline)
-        self.timeout = timeout
         self._pid = os.getpid()
         self._closed = False
         self._foreign = False
