@@ -108,14 +108,13 @@ _LOCK_BASE = 1 << 40  # lane locks sit on bytes past the end of any real segment
 class Record:
     """The absolute word indices of one lane's record, rings and mailbox: computed once per lane."""
 
-    __slots__ = ("index", "base", "pid", "start", "ready_head", "free_tail", "free_wait", "ready_tail", "free_head",
+    __slots__ = ("index", "pid", "start", "ready_head", "free_tail", "free_wait", "ready_tail", "free_head",
                  "wake_at", "seen", "state", "epoch", "label_len", "label_byte", "ready_ring", "free_ring", "cap",
                  "mbox_byte", "post", "length", "magic", "ack")
 
     def __init__(self, plan: Plan, lane: int):
         lw = plan.lane_word(lane)
         self.index = lane
-        self.base = lw
         self.pid, self.start = lw + L_PID, lw + L_START
         self.ready_head, self.free_tail, self.free_wait = lw + L_READY_HEAD, lw + L_FREE_TAIL, lw + L_FREE_WAIT
         self.ready_tail, self.free_head = lw + L_READY_TAIL, lw + L_FREE_HEAD
