@@ -2,7 +2,7 @@
 
 Runs shmbuf, echo's TCP transport, faster_fifo and multiprocessing.Queue on the
 same payloads in one run, and writes ``<out>/<date>-<host>.json`` (every raw
-figure), ``.md`` (the tables and the targets of issue 3) and ``.png`` (the plot).
+figure), ``.md`` (the tables, and the targets in benchmarks/README.md) and ``.png`` (the plot).
 See benchmarks/README.md for what is measured and how.
 """
 
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None, prog: str = "benchmarks/run.py") -> argpa
 
     p = argparse.ArgumentParser(prog=prog, description=" ".join(__doc__.split("\n\n")[1].split()))
     p.add_argument("--quick", action="store_true", help="CI-sized: 2 actors only, short windows (about a minute)")
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"), help="where to write the results")
+    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"), help="where to write the results (default: benchmarks/results/)")
     p.add_argument("--systems", type=_csv(str), default=transports.SYSTEMS, help="subset, comma-separated")
     p.add_argument("--payloads", type=_csv(str), default=payloads.NAMES, help="subset, comma-separated")
     p.add_argument("--modes", type=_csv(str), default=MODES, help="subset of transport,step,latency")
@@ -141,6 +141,25 @@ def _write_page(result: dict[str, Any], stem: str, plot: bool) -> None:
     print(f"wrote {stem}.json, .md{'' if not plot else ', .png'}")
 
 
+# What each part of a sweep imports, and the package that provides it (all in the `bench` extra).
+_NEEDS = {"echo": ("echo", "id-echo"), "faster_fifo": ("faster_fifo", "faster-fifo")}
+
+
+def _require_extras(a: argparse.Namespace) -> None:
+    """Stop at once, saying what to install, rather than fail mid-sweep when the bench extra is missing."""
+    import importlib.util
+
+    needed = [_NEEDS[s] for s in a.systems if s in _NEEDS] + [("tqdm", "tqdm")]
+    if not a.no_plot:
+        needed.append(("matplotlib", "matplotlib"))
+    missing = [pkg for mod, pkg in needed if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise SystemExit(
+            f"the benchmark needs {', '.join(missing)} (the `bench` extra): run `make bench`, which installs it, "
+            "or `pip install -e '.[bench]'`; or leave those systems out with --systems"
+        )
+
+
 def main(argv: list[str] | None = None, prog: str = "benchmarks/run.py") -> dict[str, Any]:
     from tqdm import tqdm
 
@@ -149,6 +168,7 @@ def main(argv: list[str] | None = None, prog: str = "benchmarks/run.py") -> dict
     a = parse_args(argv, prog)
     if a.render:
         return render(a.render, plot=not a.no_plot)
+    _require_extras(a)
     runs = plan(a)
     m = machine.info()
     print(f"machine: {machine.line(m)}", flush=True)

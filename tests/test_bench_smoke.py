@@ -78,3 +78,14 @@ def test_watchdog_kills_a_stalled_run_and_cleans_up() -> None:
     assert len(rec["killed_pids"]) == 2  # the learner and the actor, by pid
     assert not mp.active_children()
     assert _left_of(rec["address"]) == [], "the killed learner's pipeline was left in /dev/shm"
+
+
+def test_a_sweep_without_the_bench_extra_says_what_to_install(monkeypatch) -> None:
+    """Before: a sweep without echo installed reported 'echo learner died while starting', then crashed on
+    faster_fifo's import, and wrote nothing."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("echo", "faster_fifo") else real(name, *a))
+    with pytest.raises(SystemExit, match=r"needs id-echo, faster-fifo \(the `bench` extra\): run `make bench`"):
+        run.main(["--quick", "--systems", "shmbuf,echo,faster_fifo", "--no-plot"], prog="shmbuf bench")
