@@ -184,6 +184,7 @@ class Writer:
         self._slot_views: dict[int, list[list[np.ndarray]]] = {}  # built on a slot's first use, then reused
         self._cur: list[list[np.ndarray]] = []
         self._fill = [0] * len(schema.timescales)
+        self._direct = False  # slot() handed out the views: commit counts every timescale full
         self._seq = 0
         self.policy_version = 0
         self.stats = {"commits": 0, "wait_s": 0.0, "waits": 0}
@@ -347,11 +348,13 @@ class Writer:
                 dst[...] = x
         self._fill[ts.index] = i + 1
 
-    def commit(self, policy_version: int | None = None) -> int:
+    def commit(self, policy_version: int | None = None, *, fill: dict[str, int] | None = None) -> int:
         """Publish the current slot to the reader; return the rollout's sequence number on this lane.
 
         Records how far each timescale was filled, so a rollout cut short is
         delivered with its real length. The next ``add`` claims a new slot.
+        After :meth:`slot`, every timescale counts as full unless ``fill``
+        (timescale to count, at most its capacity) says otherwise.
 
         Raises:
             UsageError: nothing was added since the last commit (a ValueError).
@@ -359,6 +362,8 @@ class Writer:
             BrokenPipeline: the reader's process died.
             WrongProcess: this Writer was inherited through fork.
         """
+        if fill is not None or self._direct:
+            self._set_fill(fill)
         if self._slot < 0 or not any(self._fill):
             self._guard()
             raise UsageError(f"commit of an empty rollout on pipeline {self.name}: nothing was added since the last commit")
@@ -376,9 +381,32 @@ class Writer:
         w[sw + S_COMMIT_NS] = time.monotonic_ns()
         self._lane.publish(slot)  # type: ignore[union-attr]  # _guard passed: the lane is ours
         self._slot = -1
+        self._direct = False
         self._seq = seq + 1
         self.stats["commits"] += 1
         return seq
+
+    def slot(self) -> dict[str, Any]:
+        """The current slot as a tree shaped like the example, of writable views: write into it in place.
+
+        For actors that produce whole arrays (a vector env's observations, a policy's batched
+        outputs): write them straight into shared memory, with no ``add`` per step and no copy
+        in between, then :meth:`commit`, which publishes every timescale as full (pass ``fill``
+        to say otherwise). Claims a slot first if none is held (waiting like ``add``).
+
+        Lifetime: the views are this slot's until :meth:`commit` (or :meth:`close`); after that the
+        slot belongs to the reader, and writing through a view you kept would change a rollout
+        the learner may be reading. Take the views again after each commit.
+        """
+        if self._slot < 0:
+            self._claim_slot()
+        else:
+            self._guard()
+        self._direct = True
+        out, views = {}, self._cur
+        for ts in self._ts_list:
+            out[ts.spec.name] = optree.tree_unflatten(self._treespecs[ts.spec.name], views[ts.index])
+        return out
 
     def reset(self) -> None:
         """Forget what was added since the last commit (e.g. an aborted episode); keep the slot."""
@@ -386,6 +414,19 @@ class Writer:
             self._guard()
         for t in range(len(self._fill)):
             self._fill[t] = 0
+        self._direct = False
+
+    def _set_fill(self, fill: dict[str, int] | None) -> None:
+        """Fill counts for a commit after slot(): every timescale full, or what ``fill`` says (checked first)."""
+        counts = [ts.capacity for ts in self._ts_list] if self._direct else list(self._fill)
+        for name, n in (fill or {}).items():
+            ts = self._ts.get(name)
+            if ts is None:
+                self._unknown(name)
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= ts.capacity:
+                raise UsageError(f"commit(fill=...): timescale '{name}' holds 0 to {ts.capacity}, got {n!r}")
+            counts[ts.index] = int(n)
+        self._fill[:] = counts
 
     def send(self, tree: Any, policy_version: int | None = None) -> int:
         """Write a whole, already built rollout and commit it (echo's ``client.send(buf.build())``, one call).

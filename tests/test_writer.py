@@ -362,3 +362,27 @@ def test_add_and_commit_allocate_nothing_in_steady_state(make_reader: Any) -> No
     # ...and nothing step-sized made per add: the peak stays under one small temporary (a numpy view header).
     assert peak - base2 < 1024, f"peak rose {peak - base2} bytes above the steady state during adds"
     writer.close()
+
+
+def test_slot_views_are_written_in_place_and_commit_publishes_them_full(make_reader: Any) -> None:
+    reader, writer = pair(make_reader, guide_example())
+    tree = writer.slot()
+    assert tree["step"]["obs"].shape == (T, 4) and tree["step"]["obs"].flags.writeable
+    tree["step"]["obs"][:] = np.arange(T * 4, dtype=np.float32).reshape(T, 4)  # straight into shared memory
+    tree["episode"]["return"][...] = 5.0
+    writer.commit()
+    with reader.get(timeout=5) as r:
+        assert r.fill == {"episode": 1, "final_step": 1, "step": T}
+        assert np.array_equal(r.data["step"]["obs"], np.arange(T * 4, dtype=np.float32).reshape(T, 4))
+        tree["step"]["obs"][0, 0] = -7.0  # (what a kept view must not do:) it is the same bytes, no copy between
+        assert r.data["step"]["obs"][0, 0] == -7.0
+    writer.slot()["step"]["reward"][:3] = 1.0
+    writer.commit(fill={"step": 3, "episode": 0})
+    with reader.get(timeout=5) as r:
+        assert r.fill == {"episode": 0, "final_step": 1, "step": 3}
+    writer.slot()
+    with pytest.raises(shmbuf.UsageError, match=r"timescale 'step' holds 0 to 64, got 65"):
+        writer.commit(fill={"step": 65})
+    writer.commit(fill={"step": 64})  # the failed commit published nothing and kept the slot
+    assert reader.get(timeout=5).fill["step"] == 64
+    writer.close()
