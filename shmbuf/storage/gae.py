@@ -1,0 +1,134 @@
+"""Generalised advantage estimation (GAE), vectorised over envs: one Python step per time step, none per env.
+
+All arrays are time-major: ``rewards``, ``values`` ``[T, N, *rest]`` (``rest`` is usually empty; rsl_rl's
+``[T, N, 1]`` works too), ``dones`` and ``time_outs`` ``[T, N]`` (or ``values``' shape), ``last_values``
+``[N, *rest]``. An episode end at step ``t`` (``dones[t]`` or ``time_outs[t]``) stops both the next value and
+the advantage of step ``t + 1`` from flowing back into step ``t``. What differs is the bootstrap:
+
+- ``dones`` (gymnasium's *terminated*): the MDP ended, the value after it is 0.
+- ``time_outs`` (*truncated*): the episode was cut by a time limit, so step ``t`` bootstraps from
+  ``time_out_values[t]`` (the critic's value of the final observation) where given, else from ``values[t]``,
+  which is what 002 / rsl_rl do (``rewards += gamma * values * time_outs``; it is exact only when the
+  final observation's value equals the current one's). A step both terminated and truncated counts as terminated.
+
+Per step::
+
+    delta[t] = r[t] + gamma * boot[t] * tv[t] + gamma * (1 - end[t]) * V[t + 1] - V[t]     (V[T] = last_values)
+    A[t]     = delta[t] + gamma * lam * (1 - end[t]) * A[t + 1]
+    returns  = A + V
+
+rsl_rl adds the time-out bootstrap into the stored rewards; here rewards are never modified.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shmbuf._errors import SchemaError, UsageError
+
+__all__ = ["compute_gae", "normalize_advantages"]
+
+
+def _check_shape(name: str, a: np.ndarray, want: tuple[int, ...], alt: tuple[int, ...] | None = None) -> None:
+    if a.shape != want and a.shape != alt:
+        also = f" or {alt}" if alt is not None and alt != want else ""
+        raise SchemaError(f"compute_gae: {name} has shape {a.shape}, expected {want}{also} (time-major [T, N, ...])")
+
+
+def _mask(name: str, a: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """``a`` as a bool array broadcastable against ``shape`` (``[T, N]`` gets trailing axes added, as a view)."""
+    a = np.asarray(a)
+    _check_shape(name, a, shape[:2], shape)
+    if a.dtype != np.bool_:
+        a = a != 0
+    return a.reshape(a.shape + (1,) * (len(shape) - a.ndim))
+
+
+def _outputs(out: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], dtype: np.dtype,
+             inputs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+    if out is None:
+        return np.empty(shape, dtype), np.empty(shape, dtype)
+    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(o, np.ndarray) for o in out)):
+        raise UsageError(f"compute_gae(out=...): expected a tuple (advantages, returns) of numpy arrays, got {type(out).__name__}")
+    for name, o in zip(("advantages", "returns"), out):
+        if o.shape != shape or not np.can_cast(dtype, o.dtype, "same_kind") or not o.flags.writeable:
+            raise UsageError(f"compute_gae(out=...): {name} must be a writable {shape} floating array, "
+                             f"got {o.shape} {o.dtype}{'' if o.flags.writeable else ' (read-only)'}")
+    if np.may_share_memory(out[0], out[1]) or any(np.may_share_memory(o, i) for o in out for i in inputs):
+        raise UsageError("compute_gae(out=...): the output arrays must not overlap each other or the inputs")
+    return out
+
+
+def compute_gae(rewards: Any, values: Any, dones: Any, last_values: Any, gamma: float, lam: float, *,
+                time_outs: Any = None, time_out_values: Any = None,
+                out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """GAE advantages and returns (see the module doc for the formula); returns ``(advantages, returns)``.
+
+    Args:
+        rewards, values: ``[T, N, *rest]``, float32 or float64 (the result has their common float type).
+        dones: ``[T, N]`` (or ``values``' shape): terminated; bool, or numbers where nonzero means true.
+        last_values: ``[N, *rest]``: the critic's value of the observation after the last step.
+        gamma, lam: discount and GAE lambda.
+        time_outs: like ``dones``: truncated by a time limit (None: never).
+        time_out_values: like ``values``: at each time-out step, the value of the episode's final
+            observation (read only where ``time_outs`` and not ``dones``; None: use ``values``).
+        out: ``(advantages, returns)`` arrays to write into (e.g. a storage's own), instead of new ones.
+
+    Allocates two ``[T, N]`` scratch arrays at most (the per-step factors) besides the outputs; the loop
+    over T writes in place. Inputs are never modified.
+    """
+    rewards = np.asarray(rewards)
+    values = np.asarray(values)
+    if values.ndim < 2:
+        raise SchemaError(f"compute_gae: values has shape {values.shape}, expected time-major [T, N, ...]")
+    shape = values.shape
+    T = shape[0]
+    _check_shape("rewards", rewards, shape)
+    last_values = np.asarray(last_values)
+    _check_shape("last_values", last_values, shape[1:])
+    dtype = np.result_type(rewards.dtype, values.dtype, last_values.dtype, np.float32)
+    if not np.issubdtype(dtype, np.floating):
+        raise SchemaError(f"compute_gae: rewards and values must be real numbers, got {rewards.dtype} and {values.dtype}")
+    done = _mask("dones", dones, shape)
+    inputs = (rewards, values, last_values)
+    end = done
+    if time_outs is not None:
+        to = _mask("time_outs", time_outs, shape)
+        end = done | to
+    adv, ret = _outputs(out, shape, dtype, inputs)
+    if T == 0:
+        return adv, ret
+
+    # cont[t] = gamma * (1 - end[t]): what carries V[t+1] and A[t+1] back into step t
+    cont = np.where(end, np.asarray(0.0, dtype), np.asarray(gamma, dtype))
+    # delta, written into adv: r + cont * V_next - V (+ the time-out bootstrap)
+    np.multiply(cont[:-1], values[1:], out=adv[:-1])
+    np.multiply(cont[-1], last_values, out=adv[-1])
+    adv += rewards
+    adv -= values
+    if time_outs is not None:
+        boot = to & ~done
+        tv = values if time_out_values is None else np.asarray(time_out_values)
+        _check_shape("time_out_values", tv, shape)
+        ret[...] = 0  # ret is scratch until the end; `where=` keeps NaNs outside time-outs out of the sum
+        np.multiply(tv, np.asarray(gamma, dtype), out=ret, where=boot)
+        adv += ret
+    cont *= lam
+    tmp = ret[0]  # one row of scratch for the recursion
+    for t in range(T - 2, -1, -1):
+        np.multiply(cont[t], adv[t + 1], out=tmp)
+        np.add(adv[t], tmp, out=adv[t])
+    np.add(adv, values, out=ret)
+    return adv, ret
+
+
+def normalize_advantages(advantages: np.ndarray, eps: float = 1e-8) -> np.ndarray:
+    """``(A - mean) / (std + eps)`` in place, over the whole array, as rsl_rl does (std with Bessel's correction)."""
+    n = advantages.size
+    mean = advantages.mean()
+    std = advantages.std(ddof=1) if n > 1 else 0.0
+    advantages -= mean
+    advantages /= std + eps
+    return advantages
