@@ -1,0 +1,659 @@
+"""The [num_envs, T+1] rollout buffer (embodichain's ``RolloutBuffer``), living in a shmbuf pipeline.
+
+Every field shares the batch shape ``[num_envs, T+1]``. *Observation-aligned* fields (``obs``,
+``value``) use all T+1 rows: row T is the bootstrap observation and its value. *Transition-only*
+fields (``action``, ``sample_log_prob``, ``reward``, ``done``, ``terminated``, ``truncated``) hold T
+valid rows; row T is padding, zeroed by ``start_rollout()``. :func:`transition_view` drops the
+padding and exposes ``obs[:, :T]`` and ``next_obs = obs[:, 1:]`` (likewise ``value``/``next_value``),
+all views.
+
+Each rollout is a slot of a shmbuf pipeline: ``start_rollout()`` returns that slot's shared memory
+as a :class:`RolloutSlot` of writable ``[num_envs, T+1, ...]`` views, ``add()`` commits it, and the
+learner's ``get()`` reads it in place. One process can do both sides (embodichain's usual use, with
+``slots`` rollouts in flight instead of one); an actor in another process does the writing side with
+``RolloutBuffer.writer(handle)``.
+
+The layout is the pipeline's schema: two timescales, ``"observation"`` and ``"transition"``, each a
+flat dict of field name to a ``[num_envs, T+1, *shape]`` leaf, so a process that knows only the
+pipeline's name knows every field, its dtype, shape and alignment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import shmbuf
+from shmbuf._errors import SchemaError, ShmbufError, SlotTimeout, StaleRollout, UsageError
+
+OBSERVATION = "observation"
+TRANSITION = "transition"
+KINDS = (OBSERVATION, TRANSITION)
+DEFAULT_OBS_FIELDS = ("obs", "value")
+INDICES = "_indices"  # the key iterate_minibatches adds (embodichain's name)
+_DEFAULT = object()
+
+
+class BufferFull(ShmbufError, RuntimeError):
+    """``start_rollout()`` in the learner's process while every slot holds a rollout not yet taken by
+    ``get()`` (or held from ``get(flatten=False)``): only this process could free one, so waiting
+    would never end. A RuntimeError, as embodichain's "RolloutBuffer already contains a rollout"."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of the rollout: its trailing ``shape`` (after ``[num_envs, T+1]``), dtype and kind."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    kind: str
+
+    def full_shape(self, num_envs: int, rollout_len: int) -> tuple[int, ...]:
+        return (num_envs, rollout_len + 1, *self.shape)
+
+    def describe(self) -> str:
+        trail = "".join(f", {d}" for d in self.shape)
+        return f"field '{self.name}' ({self.kind}-aligned, [num_envs, T+1{trail}] {self.dtype})"
+
+
+# -- the layout --------------------------------------------------------------
+
+
+def _dim(value: Any, setting: str) -> tuple[int, ...]:
+    """An int >= 1 or a tuple of ints >= 0 (a trailing shape); else UsageError naming the setting."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if value < 1:
+            raise UsageError(f"{setting}: expected an int >= 1 or a shape tuple, got {value!r}")
+        return (int(value),)
+    if isinstance(value, (tuple, list)) and all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0
+                                                 for d in value):
+        return tuple(int(d) for d in value)
+    raise UsageError(f"{setting}: expected an int >= 1 or a tuple of ints >= 0, got {value!r}")
+
+
+def _dtype(value: Any, setting: str) -> np.dtype:
+    try:
+        dt = np.dtype(value)
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind not in "biufc" or dt.fields is not None:
+        raise UsageError(f"{setting}: expected a numpy bool, integer, float or complex dtype, got {value!r}")
+    return dt
+
+
+def default_fields(obs_dim: Any, action_dim: Any, dtype: Any = np.float32) -> dict[str, Field]:
+    """embodichain's fields: obs, action, sample_log_prob, value, reward, done, terminated, truncated."""
+    fdt = _dtype(dtype, "RolloutBuffer(dtype=...)")
+    b = np.dtype(bool)
+    specs = {
+        "obs": (_dim(obs_dim, "RolloutBuffer(obs_dim=...)"), fdt, OBSERVATION),
+        "action": (_dim(action_dim, "RolloutBuffer(action_dim=...)"), fdt, TRANSITION),
+        "sample_log_prob": ((), fdt, TRANSITION),
+        "value": ((), fdt, OBSERVATION),
+        "reward": ((), fdt, TRANSITION),
+        "done": ((), b, TRANSITION),
+        "terminated": ((), b, TRANSITION),
+        "truncated": ((), b, TRANSITION),
+    }
+    return {name: Field(name, *spec) for name, spec in specs.items()}
+
+
+def _merge_fields(base: dict[str, Field], extra: Mapping[str, Any] | None) -> dict[str, Field]:
+    """``fields=``: name -> (shape, dtype) or (shape, dtype, kind) adds or overrides; name -> None removes."""
+    out = dict(base)
+    if extra is None:
+        return out
+    if not isinstance(extra, Mapping):
+        raise UsageError(f"RolloutBuffer(fields=...): expected a dict of name -> (shape, dtype[, kind]), got {type(extra).__name__}")
+    for name, spec in extra.items():
+        where = f"RolloutBuffer(fields={{{name!r}: ...}})"
+        if not isinstance(name, str) or not name or name.startswith("_") or "/" in name:
+            raise UsageError(f"{where}: a field name must be a non-empty str not starting with '_' and without '/'")
+        if spec is None:
+            out.pop(name, None)
+            continue
+        if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+            raise UsageError(f"{where}: expected (shape, dtype) or (shape, dtype, kind), or None to remove it, got {spec!r}")
+        old = out.get(name)
+        kind = spec[2] if len(spec) == 3 else (old.kind if old is not None else TRANSITION)
+        if kind not in KINDS:
+            raise UsageError(f"{where}: kind must be one of {KINDS}, got {kind!r}")
+        shape = spec[0] if isinstance(spec[0], (tuple, list)) else _dim(spec[0], where)
+        out[name] = Field(name, _dim(tuple(shape), where), _dtype(spec[1], where), kind)
+    return out
+
+
+class Layout:
+    """The fields of a rollout and its sizes; builds the pipeline's example, or reads it back from a schema."""
+
+    def __init__(self, num_envs: int, rollout_len: int, fields: dict[str, Field]):
+        for setting, v in (("num_envs", num_envs), ("rollout_len", rollout_len)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise UsageError(f"RolloutBuffer({setting}=...): expected an int >= 1, got {v!r}")
+        if not fields:
+            raise UsageError("RolloutBuffer: no fields left (fields= removed them all)")
+        for f in fields.values():
+            if f.kind == OBSERVATION and f"next_{f.name}" in fields:
+                raise UsageError(f"RolloutBuffer: field 'next_{f.name}' clashes with the next_{f.name} that "
+                                 f"transition_view makes of observation-aligned field '{f.name}'; rename it")
+        self.num_envs, self.rollout_len = int(num_envs), int(rollout_len)
+        self.fields = dict(sorted(fields.items()))
+        self.obs_fields = tuple(n for n, f in self.fields.items() if f.kind == OBSERVATION)
+
+    def example(self) -> dict[str, Any]:
+        """The pipeline's example: zero-stride arrays (only their shape and dtype are read)."""
+        out: dict[str, Any] = {}
+        for f in self.fields.values():
+            shape = f.full_shape(self.num_envs, self.rollout_len)
+            out.setdefault(f.kind, {})[f.name] = np.broadcast_to(np.zeros((), f.dtype), shape)
+        return out
+
+    @classmethod
+    def from_schema(cls, schema: shmbuf.Schema, name: str) -> Layout:
+        """The layout of a pipeline made by a RolloutBuffer; SchemaError if it is not one."""
+        fields: dict[str, Field] = {}
+        sizes = set()
+        for leaf in schema.leaves:
+            ok = len(leaf.path) == 2 and leaf.path[0] in KINDS and isinstance(leaf.path[1], str) and len(leaf.shape) >= 2
+            if not ok:
+                raise SchemaError(f"pipeline {name} is not a RolloutBuffer's: leaf {leaf.name} of shape {leaf.shape} is not "
+                                  f"'{OBSERVATION}/<field>' or '{TRANSITION}/<field>' of shape [num_envs, T+1, ...]")
+            sizes.add(leaf.shape[:2])
+            fields[leaf.path[1]] = Field(leaf.path[1], tuple(leaf.shape[2:]), leaf.dtype, leaf.path[0])
+        if len(sizes) != 1:
+            raise SchemaError(f"pipeline {name} is not a RolloutBuffer's: its leaves disagree on [num_envs, T+1]: {sorted(sizes)}")
+        (n, t1), = sizes
+        return cls(n, t1 - 1, fields)
+
+
+# -- checking what is written ------------------------------------------------
+
+
+def _same_array(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``b`` is ``a`` seen through another array object (same memory, shape, strides and dtype)."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.shape == b.shape
+            and a.strides == b.strides and a.dtype == b.dtype)
+
+
+def _checked(f: Field, x: Any, shapes: tuple[tuple[int, ...], ...], what: str) -> np.ndarray:
+    """``x`` as an array that may be assigned to ``f``: one of ``shapes``, a dtype that casts 'same_kind'."""
+    if not isinstance(x, np.ndarray):
+        try:
+            x = np.asarray(x)
+        except Exception as exc:  # noqa: BLE001  # anything __array__ raises (a torch tensor needing grad, on a GPU)
+            raise SchemaError(f"{f.describe()}: {what}: could not read a {type(x).__name__} as a numpy array "
+                              f"({type(exc).__name__}: {exc}); pass a CPU array") from None
+    if x.dtype.kind not in "biufc" or not np.can_cast(x.dtype, f.dtype, casting="same_kind"):
+        raise SchemaError(f"{f.describe()}: {what}: expected dtype {f.dtype} (or one that casts to it under numpy's "
+                          f"'same_kind' rule), got {x.dtype}")
+    if x.shape not in shapes:
+        want = " or ".join(str(s) for s in shapes)
+        raise SchemaError(f"{f.describe()}: {what}: expected shape {want}, got {x.shape}")
+    return x
+
+
+class RolloutSlot(MutableMapping):
+    """A rollout being written: field name -> writable ``[num_envs, T+1, ...]`` view of the shared slot.
+
+    ``slot["obs"][:, t] = obs`` writes straight into shared memory (numpy's own rules); the checked
+    ways are ``slot["reward"] = array`` (the whole field: ``[num_envs, T+1, ...]``, or ``[num_envs, T,
+    ...]`` for a transition-only field, copied in) and :meth:`set_step`. Both check the field name,
+    shape and dtype (``same_kind`` casting) before writing anything, and raise :class:`SchemaError`
+    naming the field. A field cannot be replaced by another array or removed: the slot is the layout.
+
+    Lifetime: until ``add()`` commits it (or the writer closes). After that every access raises
+    :class:`StaleRollout`; arrays taken out earlier cannot know, and writing through them would
+    change a rollout the learner may be reading.
+    """
+
+    def __init__(self, layout: Layout, views: dict[str, np.ndarray]):
+        self._layout = layout
+        self._views = views
+        self._live = True
+
+    def _live_views(self) -> dict[str, np.ndarray]:
+        if not self._live:
+            raise StaleRollout("this rollout was committed by add() (or its writer closed): its slot belongs to the learner "
+                               "now; call start_rollout() for the next one")
+        return self._views
+
+    def _field(self, name: Any) -> Field:
+        f = self._layout.fields.get(name)
+        if f is None:
+            raise SchemaError(f"unknown field {name!r}; this rollout's fields are {list(self._layout.fields)}")
+        return f
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        views = self._live_views()
+        self._field(name)
+        return views[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        views = self._live_views()
+        f = self._field(name)
+        view = views[name]
+        if value is view:
+            return
+        n, t = self._layout.num_envs, self._layout.rollout_len
+        shapes = (f.full_shape(n, t),) if f.kind == OBSERVATION else (f.full_shape(n, t), (n, t, *f.shape))
+        x = _checked(f, value, shapes, "a whole-field write")
+        view[:, : x.shape[1]] = x
+
+    def __delitem__(self, name: str) -> None:
+        self._field(name)
+        raise SchemaError(f"field {name!r} cannot be removed: a rollout's fields are its pipeline's layout")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._live_views())
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def set_step(self, t: int, data: Mapping[str, Any]) -> None:
+        """Write time index ``t`` of several fields: ``data[name]`` of shape ``[num_envs, *shape]``.
+
+        ``t`` runs over 0..T for observation-aligned fields (T: the bootstrap row) and 0..T-1 for
+        transition-only ones (T is padding). Everything is checked before anything is written.
+        """
+        views = self._live_views()
+        n, t_len = self._layout.num_envs, self._layout.rollout_len
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise UsageError(f"set_step(t=...): expected an int time index, got {t!r}")
+        checked = []
+        for name, value in data.items():
+            f = self._field(name)
+            last = t_len if f.kind == OBSERVATION else t_len - 1
+            if not 0 <= t <= last:
+                raise UsageError(f"set_step(t={t}): {f.describe()} takes t from 0 to {last}"
+                                 + ("" if f.kind == OBSERVATION else f" (t={t_len} is its padding row)"))
+            checked.append((views[name], _checked(f, value, ((n, *f.shape),), f"set_step(t={t})")))
+        for view, x in checked:
+            view[:, t] = x
+
+    def __repr__(self) -> str:
+        state = "live" if self._live else "committed"
+        return f"RolloutSlot({state}, num_envs={self._layout.num_envs}, T={self._layout.rollout_len}, fields={list(self._views)})"
+
+
+# -- the writing side --------------------------------------------------------
+
+
+class RolloutBufferWriter:
+    """The actor side: fills slots of a RolloutBuffer's pipeline in place, from any process.
+
+    Make it from the buffer's ``handle`` (or name) in the actor's process:
+    ``w = RolloutBuffer.writer(handle)``; then ``rollout = w.start_rollout()``, write the fields,
+    ``w.add(rollout)``. It holds a shmbuf :class:`~shmbuf.Writer` (one writer lane); ``close()`` or a
+    ``with`` block gives it back, and a ``with`` block ends quietly when the learner closes the buffer.
+
+    Args:
+        pipeline: the buffer's handle, its name, or the buffer itself (same process).
+        timeout: how long ``start_rollout()`` waits for a free slot before :class:`SlotTimeout`.
+        label: shown by ``shmbuf ls``.
+    """
+
+    def __init__(self, pipeline: Any, *, timeout: float | None = 30.0, label: str = "rollout-buffer"):
+        if isinstance(pipeline, RolloutBuffer):
+            pipeline = pipeline.handle
+        self._writer = shmbuf.Writer(pipeline, timeout=timeout, label=label)
+        try:
+            self.layout = Layout.from_schema(self._writer.schema, self._writer.name)
+        except BaseException:
+            self._writer.close()
+            raise
+        self.num_envs, self.rollout_len = self.layout.num_envs, self.layout.rollout_len
+        self._slot: RolloutSlot | None = None
+
+    @property
+    def buffer(self) -> RolloutSlot | None:
+        """The rollout started and not yet added, or None."""
+        return self._slot
+
+    def start_rollout(self) -> RolloutSlot:
+        """The shared slot to write the next rollout into (the same one again until :meth:`add`).
+
+        Claims a slot (waiting up to ``timeout``) and zeroes the padding row T of transition-only
+        fields; every other row holds what an earlier rollout left there, so write every row you use.
+        """
+        if self._slot is not None:
+            return self._slot
+        tree = self._writer.slot()
+        views = {name: arr for ts in tree.values() for name, arr in ts.items()}
+        t = self.rollout_len
+        for f in self.layout.fields.values():
+            if f.kind == TRANSITION:
+                views[f.name][:, t] = 0
+        self._slot = RolloutSlot(self.layout, views)
+        return self._slot
+
+    def add(self, rollout: Mapping[str, Any] | None = None) -> None:
+        """Mark the started rollout ready: commit its slot to the learner (embodichain's ``add``).
+
+        ``rollout`` is what :meth:`start_rollout` returned (or None, the same). A plain dict of the
+        fields is accepted too: each array that is not the slot's own view is checked (name, shape
+        ``[num_envs, T+1, ...]``, dtype) and copied in, all checks before any copy. Every field must be
+        present; an unknown key raises :class:`SchemaError`.
+        """
+        slot = self._slot
+        if slot is None:
+            raise UsageError("add() without start_rollout(): there is no rollout being written; call start_rollout() first")
+        if rollout is not None and rollout is not slot:
+            if isinstance(rollout, RolloutSlot):
+                raise StaleRollout("add() got a rollout that is not the one start_rollout() returned last (an earlier, "
+                                   "committed one?); pass the current one, or None")
+            self._copy_in(slot, rollout)
+        self._writer.commit()
+        slot._live = False
+        self._slot = None
+
+    def _copy_in(self, slot: RolloutSlot, rollout: Mapping[str, Any]) -> None:
+        if not isinstance(rollout, Mapping):
+            raise SchemaError(f"add(): expected the rollout start_rollout() returned or a dict of fields, got {type(rollout).__name__}")
+        fields = self.layout.fields
+        missing = sorted(set(fields) - set(rollout))
+        extra = sorted(set(rollout) - set(fields), key=str)
+        if missing or extra:
+            raise SchemaError(f"add(): expected fields {list(fields)}; "
+                              + "; ".join(p for p in (f"missing {missing}" if missing else "",
+                                                       f"unknown {extra}" if extra else "") if p))
+        views = slot._views
+        todo = []
+        for name, f in fields.items():
+            x = rollout[name]
+            if x is views[name]:
+                continue
+            shape = f.full_shape(self.num_envs, self.rollout_len)
+            todo.append((views[name], _checked(f, x, (shape,), "add()")))
+        for view, x in todo:
+            if not _same_array(view, x):  # e.g. slot["obs"][...]: the view itself, nothing to copy
+                view[...] = x
+
+    def close(self) -> None:
+        """Give the writer lane back; a rollout started and not added is dropped."""
+        if self._slot is not None:
+            self._slot._live = False
+            self._slot = None
+        self._writer.close()
+
+    def __enter__(self) -> RolloutBufferWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if self._slot is not None:
+            self._slot._live = False
+            self._slot = None
+        return self._writer.__exit__(exc_type, exc, tb)
+
+
+# -- the buffer (learner side, and the in-process writer) --------------------
+
+
+class RolloutBuffer:
+    """embodichain's ``RolloutBuffer`` on shared memory: ``[num_envs, T+1]`` rollouts, ``slots`` in flight.
+
+    Args:
+        num_envs, rollout_len (T), obs_dim, action_dim: as embodichain's (``obs_dim``/``action_dim``
+            may also be shape tuples).
+        fields: name -> ``(shape, dtype)`` or ``(shape, dtype, kind)`` adds or overrides a field
+            (``kind``: ``"observation"``, T+1 valid rows, or ``"transition"``, T rows and a padding
+            row; an override keeps the old kind unless given, a new field is ``"transition"``);
+            name -> None removes one. E.g. ``{"action": ((), np.int64)}`` for discrete actions.
+        slots: rollouts in flight (being written, waiting, or held by the learner).
+        dtype: of the float fields (obs, action, sample_log_prob, value, reward).
+        max_writers: writer processes (lanes) that may attach at once, this process's own included.
+        timeout: the default wait of :meth:`get` for a rollout.
+
+    In one process it is both sides: ``start_rollout()``, write, ``add()``, then ``get()``. Actors
+    in other processes use ``RolloutBuffer.writer(buffer.handle)``. Pickling the buffer (e.g. as a
+    ``Process`` argument) sends its :class:`~shmbuf.Handle`, as a Reader's does. ``close()`` (or a
+    ``with`` block, or garbage collection) stops every writer and removes the shared memory.
+    """
+
+    def __init__(self, num_envs: int, rollout_len: int, obs_dim: Any, action_dim: Any, *,
+                 fields: Mapping[str, Any] | None = None, slots: int = 2, dtype: Any = np.float32,
+                 max_writers: int = 16, timeout: float | None = 30.0):
+        self.layout = Layout(num_envs, rollout_len, _merge_fields(default_fields(obs_dim, action_dim, dtype), fields))
+        self.num_envs, self.rollout_len = self.layout.num_envs, self.layout.rollout_len
+        self.obs_dim, self.action_dim = obs_dim, action_dim
+        self.timeout = timeout
+        self._reader = shmbuf.create(self.layout.example(), slots, max_writers=max_writers)
+        self.slots = self._reader.slots
+        self._local: RolloutBufferWriter | None = None
+        self._held: shmbuf.Rollout | None = None
+
+    @property
+    def handle(self) -> shmbuf.Handle:
+        """What an actor process needs: ``RolloutBuffer.writer(handle)`` there."""
+        return self._reader.handle
+
+    @property
+    def fields(self) -> dict[str, Field]:
+        return dict(self.layout.fields)
+
+    @property
+    def obs_fields(self) -> tuple[str, ...]:
+        """The observation-aligned fields (T+1 valid rows)."""
+        return self.layout.obs_fields
+
+    @property
+    def reader(self) -> shmbuf.Reader:
+        """The pipeline's :class:`~shmbuf.Reader` (stats, errors, close)."""
+        return self._reader
+
+    def __reduce__(self) -> Any:
+        return (shmbuf.Handle, (self._reader.name,))
+
+    @staticmethod
+    def writer(handle: Any, *, timeout: float | None = 30.0, label: str = "rollout-buffer") -> RolloutBufferWriter:
+        """A :class:`RolloutBufferWriter` for an actor process (pass the buffer's ``handle``)."""
+        return RolloutBufferWriter(handle, timeout=timeout, label=label)
+
+    # -- the in-process writing side (embodichain's collector) ---------------
+
+    @property
+    def buffer(self) -> RolloutSlot | None:
+        """The rollout this process started and has not added yet (what start_rollout() returned), or None."""
+        return None if self._local is None else self._local.buffer
+
+    def start_rollout(self) -> RolloutSlot:
+        """The shared slot to write the next rollout into, in this process; see :meth:`RolloutBufferWriter.start_rollout`.
+
+        Never waits: with every slot holding a rollout that ``get()`` has not taken (or that is held
+        from ``get(flatten=False)``), only this process could free one, so it raises :class:`BufferFull`.
+        """
+        if self._local is None:
+            self._local = RolloutBufferWriter(self._reader.handle, timeout=0, label="in-process")
+        if self._local.buffer is None:
+            self._reader.poll()  # lend slots to our own lane (the reader lends only inside poll/get)
+        try:
+            return self._local.start_rollout()
+        except SlotTimeout as exc:
+            raise BufferFull(f"start_rollout(): all {self.slots} slots hold rollouts not yet consumed; call get() (and "
+                             "release() after get(flatten=False)) first, or create the buffer with more slots") from exc
+
+    def add(self, rollout: Mapping[str, Any] | None = None) -> None:
+        """Mark the rollout started in this process ready (commit it); see :meth:`RolloutBufferWriter.add`."""
+        if self._local is None or self._local.buffer is None:
+            raise UsageError("add() without start_rollout(): there is no rollout being written in this process")
+        self._local.add(rollout)
+
+    # -- the learner side ---------------------------------------------------
+
+    def is_full(self) -> bool:
+        """Whether a rollout is waiting to be consumed by :meth:`get` (from any writer)."""
+        return self._reader.poll() > 0
+
+    def get(self, flatten: bool = True, *, timeout: Any = _DEFAULT) -> dict[str, np.ndarray]:
+        """The next rollout, and free its slot; waits up to ``timeout`` (default: the buffer's).
+
+        - ``flatten=True``: the transition view flattened to ``[num_envs * T, ...]``, as independent
+          copies (one copy per byte, into new arrays that are yours), and the slot is released
+          before this returns, so an actor can refill it at once.
+        - ``flatten=False``: the whole rollout, ``[num_envs, T+1, ...]`` zero-copy views of the slot
+          (embodichain returns its buffer here). Lifetime: they stay valid until the next ``get()``,
+          :meth:`release` or :meth:`close`, which release the slot; do not keep them past that (the
+          slot is rewritten), copy what must outlive it. Pass them to :meth:`transition_view`.
+
+        The previous ``get(flatten=False)`` rollout is released first. Raises :class:`SlotTimeout`
+        (a TimeoutError) when nothing arrives in time: ``timeout=0`` raises at once, as embodichain's
+        empty buffer does; None waits for ever.
+        """
+        self.release()
+        r = self._reader.get(self.timeout if timeout is _DEFAULT else timeout)
+        data = {name: arr for ts in r.data.values() for name, arr in ts.items()}
+        if not flatten:
+            self._held = r
+            return data
+        try:
+            return transition_view(data, flatten=True, obs_fields=self.obs_fields, copy=True)
+        finally:
+            r.release()
+
+    def release(self) -> None:
+        """Give back the slot of the last ``get(flatten=False)`` (its views must not be used after). Idempotent."""
+        r, self._held = self._held, None
+        if r is not None and not r.released:
+            r.release()
+
+    def transition_view(self, rollout: Mapping[str, Any], flatten: bool = False) -> dict[str, np.ndarray]:
+        """:func:`transition_view` with this buffer's observation-aligned fields."""
+        return transition_view(rollout, flatten, obs_fields=self.obs_fields)
+
+    # -- lifetime -----------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the pipeline: writers' next calls raise PipelineClosed; the shared memory is removed."""
+        self._held = None
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+        self._reader.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._reader.closed
+
+    def __enter__(self) -> RolloutBuffer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"RolloutBuffer(num_envs={self.num_envs}, rollout_len={self.rollout_len}, slots={self.slots}, "
+                f"fields={list(self.layout.fields)}, name={self._reader.name!r})")
+
+
+# -- views and minibatches ---------------------------------------------------
+
+
+def _flat(x: np.ndarray, copy: bool) -> np.ndarray:
+    """``[N, T, ...]`` -> ``[N*T, ...]``: numpy's reshape (a view when it can be one), or always a new array."""
+    shape = (x.shape[0] * x.shape[1], *x.shape[2:])
+    if not copy:
+        return x.reshape(shape)
+    out = np.empty(shape, x.dtype)
+    out.reshape(x.shape)[...] = x
+    return out
+
+
+def transition_view(rollout: Mapping[str, Any], flatten: bool = False, *, obs_fields: tuple[str, ...] = DEFAULT_OBS_FIELDS,
+                    copy: bool = False) -> dict[str, np.ndarray]:
+    """The transitions of a ``[num_envs, T+1]`` rollout: the padding row dropped, next observations aligned.
+
+    For each field ``x`` of batch shape ``[N, T+1]``: an observation-aligned one (in ``obs_fields``)
+    gives ``x = x[:, :T]`` and ``next_x = x[:, 1:]``; any other gives ``x[:, :T]`` (its row T is
+    padding). A field already of batch shape ``[N, T]`` (e.g. an ``advantage`` you computed) is taken
+    as it is. T+1 is the largest second dim among the fields; observation-aligned fields must have it.
+
+    Views and copies: with ``flatten=False`` every result is a view of ``rollout``'s array (a
+    slice; nothing is copied). With ``flatten=True`` each is reshaped to ``[N*T, ...]``, which is a
+    view only where numpy can merge the two axes without copying: for a ``[:, :T]`` or ``[:, 1:]``
+    slice of an ``[N, T+1]`` array, only when ``N == 1`` or ``T == 1`` (otherwise the rows of one env
+    are not a stride apart from the next env's: the padding row sits between them), and for a
+    C-contiguous ``[N, T]`` field always; everything else is copied. ``copy=True`` copies every field
+    (``get(flatten=True)`` does, so the slot can be released).
+    """
+    arrays = {k: np.asarray(v) if not isinstance(v, np.ndarray) else v for k, v in rollout.items()}
+    if not arrays:
+        raise SchemaError("transition_view(): the rollout has no fields")
+    for k, v in arrays.items():
+        if v.ndim < 2:
+            raise SchemaError(f"transition_view(): field {k!r} has shape {v.shape}; expected batch shape [num_envs, T+1]")
+    n = next(iter(arrays.values())).shape[0]
+    t1 = max(v.shape[1] for v in arrays.values())
+    t = t1 - 1
+    if t < 1:
+        raise SchemaError(f"transition_view(): the rollout has {t1} time rows; expected T+1 >= 2")
+    out: dict[str, np.ndarray] = {}
+    for k, v in arrays.items():
+        if v.shape[0] != n or v.shape[1] not in (t, t1) or (k in obs_fields and v.shape[1] != t1):
+            want = f"[{n}, {t1}, ...]" if k in obs_fields else f"[{n}, {t1}, ...] or [{n}, {t}, ...]"
+            kind = "observation-aligned " if k in obs_fields else ""
+            raise SchemaError(f"transition_view(): {kind}field {k!r}: expected batch shape {want}, got {v.shape}")
+        out[k] = v[:, :t]
+        if k in obs_fields:
+            if f"next_{k}" in arrays:
+                raise SchemaError(f"transition_view(): field 'next_{k}' clashes with the next_{k} made of observation-aligned "
+                                  f"field {k!r}; rename it, or leave {k!r} out of obs_fields")
+            out[f"next_{k}"] = v[:, 1:]
+    if flatten:
+        out = {k: _flat(v, copy) for k, v in out.items()}
+    elif copy:
+        out = {k: np.array(v) for k, v in out.items()}
+    return out
+
+
+def iterate_minibatches(rollout: Mapping[str, Any], batch_size: int, *, rng: Any = None,
+                        device: Any = None) -> Iterator[dict[str, Any]]:
+    """Shuffled minibatches of a flattened rollout (every field ``[M, ...]``): each of the M rows exactly once.
+
+    Each batch is new arrays (numpy fancy indexing copies), ``batch_size`` rows (the last may be
+    fewer), plus ``"_indices"``: which rows of ``rollout`` it holds (embodichain's key). ``rng``: a
+    ``np.random.Generator``, a seed, or None (fresh entropy). ``device``: if given, each batch comes
+    as torch tensors on it (:func:`to_torch`).
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise UsageError(f"iterate_minibatches(batch_size=...): expected an int >= 1, got {batch_size!r}")
+    arrays = {k: v if isinstance(v, np.ndarray) else np.asarray(v) for k, v in rollout.items()}
+    if not arrays:
+        raise SchemaError("iterate_minibatches(): the rollout has no fields")
+    sizes = {k: v.shape[0] if v.ndim else None for k, v in arrays.items()}
+    m = next(iter(sizes.values()))
+    bad = {k: s for k, s in sizes.items() if s != m or s is None}
+    if bad:
+        raise SchemaError(f"iterate_minibatches(): every field must share the leading dim (a flattened rollout: "
+                          f"get(flatten=True) or transition_view(..., flatten=True)); got {sizes}")
+    gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+    perm = gen.permutation(m)
+    for start in range(0, m, int(batch_size)):
+        idx = perm[start : start + batch_size]
+        batch: dict[str, Any] = {k: v[idx] for k, v in arrays.items()}
+        batch[INDICES] = idx
+        yield batch if device is None else to_torch(batch, device)
+
+
+def to_torch(tree: Any, device: Any = None) -> Any:
+    """numpy arrays (in dicts, lists, tuples) as torch tensors: ``torch.from_numpy``, zero-copy on CPU.
+
+    With ``device`` other than CPU each tensor is copied there. The CPU tensors share memory with
+    the arrays, so they live exactly as long as those (a view of a slot: until its release). A
+    read-only array is copied first (torch cannot share it). torch is imported here, not before.
+    """
+    import torch
+
+    def conv(x: Any) -> Any:
+        if isinstance(x, Mapping):
+            return {k: conv(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(conv(v) for v in x)
+        if isinstance(x, np.ndarray):
+            t = torch.from_numpy(x if x.flags.writeable else np.array(x))
+            return t if device is None else t.to(device)
+        return x
+
+    return conv(tree)
