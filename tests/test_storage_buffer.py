@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -145,7 +146,7 @@ def test_get_flatten_true_is_the_hand_built_transitions_as_copies_and_frees_the_
         write_rollout(slot, expected_rollout(seq, n, t), t)
         buf.add(slot)
         assert buf.buffer is None
-    with pytest.raises(BufferFull, match="all 2 slots"):
+    with pytest.raises(BufferFull, match=r"every slot \(slots=2\)"):
         buf.start_rollout()
     for seq in range(2):
         assert buf.is_full()
@@ -341,6 +342,15 @@ def test_a_writer_refuses_a_pipeline_that_is_not_a_rollout_buffers(make_reader: 
         RolloutBufferWriter(reader.handle, timeout=1)
 
 
+def test_a_closed_buffer_says_so(make_buffer: Callable[..., RolloutBuffer]) -> None:
+    buf = make_buffer(2, 3, 3, 2)
+    buf.start_rollout()
+    buf.close()
+    for call in (buf.start_rollout, buf.get, buf.is_full):
+        with pytest.raises(shmbuf.PipelineClosed):
+            call()
+
+
 def test_pickling_the_buffer_sends_its_handle(make_buffer: Callable[..., RolloutBuffer]) -> None:
     buf = make_buffer(2, 3, 3, 2)
     h = pickle.loads(pickle.dumps(buf))
@@ -359,11 +369,17 @@ def actor(handle: shmbuf.Handle, rollouts: int, n: int, t: int) -> None:
             w.add(slot)
 
 
-def test_an_actor_in_a_spawned_process_fills_slots_that_the_learner_reads_in_place(
-        make_buffer: Callable[..., RolloutBuffer], procs: Callable[..., Any]) -> None:
+@pytest.mark.parametrize("method", ["spawn", "fork", "thread"])
+def test_an_actor_in_another_process_fills_slots_that_the_learner_reads_in_place(
+        make_buffer: Callable[..., RolloutBuffer], procs: Callable[..., Any], method: str) -> None:
     n, t, rollouts = 4, 6, 8
     buf = make_buffer(n, t, 3, 2, slots=3)
-    p = procs(actor, buf.handle, rollouts, n, t, method="spawn")
+    if method == "thread":
+        errors: list[BaseException] = []
+        p = threading.Thread(target=_catching(actor, errors), args=(buf.handle, rollouts, n, t), daemon=True)
+        p.start()
+    else:
+        p = procs(actor, buf.handle, rollouts, n, t, method=method)
     for seq in range(rollouts):
         if seq % 2:
             got = buf.get(flatten=True, timeout=60)
@@ -373,9 +389,21 @@ def test_an_actor_in_a_spawned_process_fills_slots_that_the_learner_reads_in_pla
             assert_same(got, expected_rollout(seq, n, t))  # padding rows zeroed by the actor's start_rollout
     buf.release()
     p.join(60)
-    assert p.exitcode == 0
+    if method == "thread":
+        assert not p.is_alive() and not errors, errors
+    else:
+        assert p.exitcode == 0
     with pytest.raises(shmbuf.SlotTimeout):
         buf.get(timeout=0)
+
+
+def _catching(fn: Callable[..., None], errors: list[BaseException]) -> Callable[..., None]:
+    def run(*args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001  # reported to the test's thread
+            errors.append(exc)
+    return run
 
 
 def test_an_actor_ends_quietly_when_the_learner_closes_the_buffer(make_buffer: Callable[..., RolloutBuffer],

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 import shmbuf
-from shmbuf._errors import SchemaError, ShmbufError, SlotTimeout, StaleRollout, UsageError
+from shmbuf._errors import PipelineClosed, SchemaError, ShmbufError, SlotTimeout, StaleRollout, UsageError
 
 OBSERVATION = "observation"
 TRANSITION = "transition"
@@ -465,6 +465,8 @@ class RolloutBuffer:
         Never waits: with every slot holding a rollout that ``get()`` has not taken (or that is held
         from ``get(flatten=False)``), only this process could free one, so it raises :class:`BufferFull`.
         """
+        if self._reader.closed:
+            raise PipelineClosed(f"start_rollout(): this RolloutBuffer (pipeline {self._reader.name}) is closed")
         if self._local is None:
             self._local = RolloutBufferWriter(self._reader.handle, timeout=0, label="in-process")
         if self._local.buffer is None:
@@ -472,8 +474,8 @@ class RolloutBuffer:
         try:
             return self._local.start_rollout()
         except SlotTimeout as exc:
-            raise BufferFull(f"start_rollout(): all {self.slots} slots hold rollouts not yet consumed; call get() (and "
-                             "release() after get(flatten=False)) first, or create the buffer with more slots") from exc
+            raise BufferFull(f"start_rollout(): every slot (slots={self.slots}) holds a rollout not yet consumed; call get() "
+                             "(and release() after get(flatten=False)) first, or create the buffer with more slots") from exc
 
     def add(self, rollout: Mapping[str, Any] | None = None) -> None:
         """Mark the rollout started in this process ready (commit it); see :meth:`RolloutBufferWriter.add`."""
