@@ -76,8 +76,8 @@ def compute_gae(rewards: Any, values: Any, dones: Any, last_values: Any, gamma: 
             observation (read only where ``time_outs`` and not ``dones``; None: use ``values``).
         out: ``(advantages, returns)`` arrays to write into (e.g. a storage's own), instead of new ones.
 
-    Allocates two ``[T, N]`` scratch arrays at most (the per-step factors) besides the outputs; the loop
-    over T writes in place. Inputs are never modified.
+    Allocates one ``[T, N]`` scratch array (the per-step factors) besides the outputs, and index arrays for
+    the time-out steps; the loop over T writes in place. Inputs are never modified.
     """
     rewards = np.asarray(rewards)
     values = np.asarray(values)
@@ -97,24 +97,24 @@ def compute_gae(rewards: Any, values: Any, dones: Any, last_values: Any, gamma: 
     if time_outs is not None:
         to = _mask("time_outs", time_outs, shape)
         end = done | to
+    tv = values if time_out_values is None else np.asarray(time_out_values)
+    _check_shape("time_out_values", tv, shape)
     adv, ret = _outputs(out, shape, dtype, inputs)
     if T == 0:
         return adv, ret
 
     # cont[t] = gamma * (1 - end[t]): what carries V[t+1] and A[t+1] back into step t
-    cont = np.where(end, np.asarray(0.0, dtype), np.asarray(gamma, dtype))
+    cont = np.multiply(~end, np.asarray(gamma, dtype), dtype=dtype)
     # delta, written into adv: r + cont * V_next - V (+ the time-out bootstrap)
     np.multiply(cont[:-1], values[1:], out=adv[:-1])
     np.multiply(cont[-1], last_values, out=adv[-1])
     adv += rewards
     adv -= values
     if time_outs is not None:
+        # time-outs are few: index them rather than pass over every step (and never read tv elsewhere)
         boot = to & ~done
-        tv = values if time_out_values is None else np.asarray(time_out_values)
-        _check_shape("time_out_values", tv, shape)
-        ret[...] = 0  # ret is scratch until the end; `where=` keeps NaNs outside time-outs out of the sum
-        np.multiply(tv, np.asarray(gamma, dtype), out=ret, where=boot)
-        adv += ret
+        t, n = np.unravel_index(np.flatnonzero(boot), boot.shape[:2])  # 2-d np.nonzero is ten times slower
+        adv[t, n] += np.asarray(gamma, dtype) * tv[t, n]
     cont *= lam
     tmp = ret[0]  # one row of scratch for the recursion
     for t in range(T - 2, -1, -1):
