@@ -1,0 +1,534 @@
+"""shmbuf.storage.replay: the ring against a reference, concurrent inserters, killed and lapped writers, attach, errors.
+
+Every row a test writes carries one code, ``(inserter tag << 22) + row number + 1``, in every
+element of every field (float32, uint8 bytes, int64, float64, int32), so a half-written row or a
+mix of two inserts decodes to different codes within one row and is caught wherever it shows up.
+Every buffer is unlinked at teardown, and its name is checked gone from /dev/shm; every child is
+killed and joined; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pathlib
+import re
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shmbuf
+from shmbuf import _errors
+from shmbuf.storage.replay import ReplayBuffer, ReplayHandle, describe, is_replay
+
+from .conftest import wait_until
+
+ROOT = pathlib.Path(__file__).parent.parent
+FORK = mp.get_context("fork")
+
+
+def example_row() -> dict[str, Any]:
+    return {"obs": np.zeros(6, np.float32), "frame": np.zeros((2, 8), np.uint8), "act": np.zeros((), np.int64),
+            "extra": (np.zeros(3, np.float64), np.zeros((), np.int32))}
+
+
+def code(tag: int, rownum: Any) -> Any:
+    assert 0 <= tag <= 3  # so that every code is exact in float32 (below 2**24)
+    return (tag << 22) + np.asarray(rownum, np.int64) + 1
+
+
+def rows_of(codes: Any) -> dict[str, Any]:
+    """A batch whose row i carries codes[i] in every element of every field."""
+    c = np.asarray(codes, np.int64)
+    n = len(c)
+    return {"obs": np.repeat(c[:, None], 6, 1).astype(np.float32),
+            "frame": np.repeat(c[:, None], 2, 1).astype("<i8").view(np.uint8).reshape(n, 2, 8),
+            "act": c.copy(),
+            "extra": (np.repeat(c[:, None], 3, 1).astype(np.float64), c.astype(np.int32))}
+
+
+def decode(tree: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(code of each row, whether every element of the row carries that same code)."""
+    n = len(tree["act"])
+    cols = np.concatenate([
+        tree["obs"].astype(np.int64).reshape(n, -1),
+        np.ascontiguousarray(tree["frame"]).reshape(n, -1).view("<i8"),
+        tree["act"].reshape(n, 1),
+        tree["extra"][0].astype(np.int64).reshape(n, -1),
+        tree["extra"][1].astype(np.int64).reshape(n, 1),
+    ], axis=1)
+    return cols[:, 0], (cols == cols[:, :1]).all(axis=1)
+
+
+def gone(name: str) -> bool:
+    return not os.path.exists(f"/dev/shm/{name[1:]}")
+
+
+@pytest.fixture
+def make_rb() -> Iterator[Callable[..., ReplayBuffer]]:
+    """``make_rb(buffer_size, **kw)``: a buffer of example_row() that is unlinked and closed at teardown, and must be gone."""
+    made: list[ReplayBuffer] = []
+
+    def make(buffer_size: int, row: Any = None, **kw: Any) -> ReplayBuffer:
+        rb = ReplayBuffer.create(example_row() if row is None else row, buffer_size, **kw)
+        made.append(rb)
+        return rb
+
+    yield make
+    for rb in made:
+        rb.__exit__(None, None, None)
+    assert all(gone(rb.name) for rb in made), "a replay buffer was left in /dev/shm"
+
+
+@pytest.fixture
+def kids() -> Iterator[Callable[..., Any]]:
+    """``kids(target, *args)``: a fork-ed child, killed and joined at teardown."""
+    started: list[Any] = []
+
+    def start(target: Callable[..., Any], *args: Any) -> Any:
+        p = FORK.Process(target=target, args=args, daemon=True)
+        p.start()
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+
+
+# ------------------------------------------------------------------ single process: the ring
+
+
+class RefRing:
+    """002's ring, written row by row: what every insert must leave."""
+
+    def __init__(self, n: int):
+        self.codes = np.zeros(n, np.int64)
+        self.total = 0
+
+    def insert(self, codes: np.ndarray) -> int:
+        g = self.total
+        for c in codes:
+            self.codes[self.total % len(self.codes)] = c
+            self.total += 1
+        return g
+
+
+def check_against(rb: ReplayBuffer, ref: RefRing) -> None:
+    n = len(ref.codes)
+    assert rb.inserted == ref.total
+    assert rb.num_samples == min(ref.total, n) and len(rb) == rb.num_samples
+    assert rb.step == ref.total % n
+    rows, complete = rb.snapshot()
+    got, ok = decode(rows)
+    assert complete.all() and ok.all()
+    np.testing.assert_array_equal(got, ref.codes[: rb.num_samples])
+
+
+def test_every_size_from_1_to_2n_at_every_step(make_rb: Callable[..., ReplayBuffer]) -> None:
+    n = 7
+    rb, ref = make_rb(n), RefRing(n)
+    row = 0
+    for size in range(1, 2 * n + 1):
+        for start in range(n):
+            pad = (start - rb.step) % n
+            for k in ([pad] if pad else []) + [size]:
+                codes = code(0, np.arange(row, row + k))
+                row += k
+                assert rb.insert(rows_of(codes)) == ref.insert(codes)
+                check_against(rb, ref)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 9), data=st.data())
+def test_random_insert_sequences_match_the_reference(n: int, data: st.DataObject) -> None:
+    sizes = data.draw(st.lists(st.integers(0, 2 * n), min_size=1, max_size=12))
+    with ReplayBuffer.create(example_row(), n) as rb:
+        ref = RefRing(n)
+        row = 0
+        for k in sizes:
+            codes = code(1, np.arange(row, row + k))
+            row += k
+            rb.insert(rows_of(codes))
+            ref.insert(codes)
+            if ref.total:
+                check_against(rb, ref)
+        name = rb.name
+    assert gone(name)
+
+
+def test_sample_and_feed_forward_generator(make_rb: Callable[..., ReplayBuffer]) -> None:
+    rb = make_rb(10, seed=3)
+    rb.insert(rows_of(code(0, np.arange(4))))
+    batches = list(rb.feed_forward_generator(5, 200))
+    assert len(batches) == 5
+    for b in batches:
+        codes, ok = decode(b)
+        assert ok.all() and b["obs"].shape == (200, 6) and b["extra"][1].shape == (200,)
+        assert set(codes) == set(code(0, np.arange(4)).tolist())  # only the 4 rows written, each of them drawn
+    first = rb.sample(8)
+    first["obs"][:] = -1  # the caller's copy: the buffer does not change
+    assert (decode(rb.snapshot()[0])[0] == code(0, np.arange(4))).all()
+    torch = pytest.importorskip("torch")
+    t = ReplayBuffer.to_torch(first)
+    assert isinstance(t["obs"], torch.Tensor) and np.shares_memory(t["obs"].numpy(), first["obs"])
+
+
+# ------------------------------------------------------------------ processes
+
+
+def _inserter(rb: ReplayBuffer, tag: int, stop: Any, seed: int, log_path: str, max_batch: int) -> None:
+    """Insert batches of random size until told to stop; log (global index, n, first row number) of each insert."""
+    rng = np.random.default_rng(seed)
+    k, log = 0, []
+    while not stop.is_set():
+        n = int(rng.integers(1, max_batch + 1))
+        g = rb.insert(rows_of(code(tag, np.arange(k, k + n))))
+        log.append((g, n, k))
+        k += n
+    np.save(log_path, np.array(log, np.int64).reshape(-1, 3))
+    rb.close()
+
+
+def expected_ring(logs: dict[int, np.ndarray], n: int, total: int) -> np.ndarray:
+    """The code every row must hold after inserts logged as (g, n, first row number): the newest ``n`` global indices."""
+    ring = np.zeros(n, np.int64)
+    for tag, log in logs.items():
+        for g, m, k in log:
+            lo = max(g, total - n)
+            for i in range(lo, g + m):
+                ring[i % n] = code(tag, k + (i - g))
+    return ring
+
+
+def test_four_inserters_while_the_learner_samples(make_rb: Callable[..., ReplayBuffer], kids: Callable[..., Any],
+                                                  tmp_path: pathlib.Path) -> None:
+    n = 61  # small, so the inserters lap each other all the time and the lapping wait is exercised
+    rb = make_rb(n, timeout=20.0)
+    stop = FORK.Event()
+    procs = [kids(_inserter, rb, tag, stop, tag, str(tmp_path / f"log{tag}.npy"), 2 * n) for tag in range(4)]
+    wait_until(lambda: rb.num_samples == n, 20, "the first ring of inserts")
+    seen: set[int] = set()
+    deadline = time.monotonic() + 3.0
+    samples = 0
+    while time.monotonic() < deadline:
+        codes, ok = decode(rb.sample(64))
+        assert ok.all(), f"a torn or mixed row was sampled: {codes[~ok]}"
+        seen.update((codes - 1) >> 22)
+        samples += 64
+    stop.set()
+    for p in procs:
+        p.join(20)
+        assert p.exitcode == 0, f"inserter exit code {p.exitcode}"
+    logs = {tag: np.load(tmp_path / f"log{tag}.npy") for tag in range(4)}
+    total = rb.inserted
+    assert total == sum(int(log[:, 1].sum()) for log in logs.values()), "an insert was lost or counted twice"
+    for log in logs.values():  # each process's inserts got consecutive, disjoint global ranges, in its own order
+        assert (np.diff(log[:, 0]) >= log[:-1, 1]).all() and (log[1:, 2] == np.cumsum(log[:, 1])[:-1]).all()
+    starts = np.concatenate([log[:, 0] for log in logs.values()])
+    lengths = np.concatenate([log[:, 1] for log in logs.values()])
+    order = np.argsort(starts)
+    assert starts[order][0] == 0 and (starts[order][1:] == np.cumsum(lengths[order])[:-1]).all(), "ranges overlap or leave gaps"
+    rows, complete = rb.snapshot()
+    got, ok = decode(rows)
+    assert complete.all() and ok.all()
+    np.testing.assert_array_equal(got, expected_ring(logs, n, total))
+    # Per inserter, read oldest to newest: its newest rows, consecutive, in its order.
+    oldest_first = np.roll(got, -rb.step)
+    for tag, log in logs.items():
+        mine = (oldest_first[(oldest_first - 1) >> 22 == tag] - 1) & ((1 << 22) - 1)
+        count = int(log[:, 1].sum())
+        np.testing.assert_array_equal(mine, np.arange(count - len(mine), count))
+    assert seen == {0, 1, 2, 3} and samples > 0
+
+
+class Paused(ReplayBuffer):
+    """Copies the first half of the leaves, says so, waits to be let go (or to be killed), then copies the rest."""
+
+    mid: Any = None
+    go: Any = None
+
+    def _copy_rows(self, leaves: list[np.ndarray], start: int, part: int, skip: int) -> None:
+        rows, half = self._rows, len(leaves) // 2
+        try:
+            self._rows = rows[:half]
+            super()._copy_rows(leaves[:half], start, part, skip)
+            self.mid.set()
+            assert self.go.wait(30), "never let go"
+            self._rows = rows[half:]
+            super()._copy_rows(leaves[half:], start, part, skip)
+        finally:
+            self._rows = rows
+
+
+def _paused_inserter(name: str, tag: int, n: int, mid: Any, go: Any) -> None:
+    rb = Paused.attach(name)
+    rb.mid, rb.go = mid, go
+    rb.insert(rows_of(code(tag, np.arange(n))))
+    rb.close()
+
+
+def test_a_slow_writer_is_never_lapped(make_rb: Callable[..., ReplayBuffer], kids: Callable[..., Any]) -> None:
+    n = 8
+    rb = make_rb(n)
+    rb.insert(rows_of(code(0, np.arange(n))))  # full: rows 0..7 hold tag 0
+    mid, go = FORK.Event(), FORK.Event()
+    slow = kids(_paused_inserter, rb.name, 1, 4, mid, go)  # global 8..11 -> rows 0..3, stopped half-way
+    assert mid.wait(10), "the slow writer never started copying"
+    for _ in range(50):  # its rows are odd: never sampled
+        codes, ok = decode(rb.sample(32))
+        assert ok.all() and set(codes) <= set(code(0, np.arange(4, 8)).tolist())
+    # Another instance would lap it (its rows 0..3): it waits, and gives up with nothing reserved.
+    impatient = ReplayBuffer.attach(rb.name, timeout=0.3)
+    with pytest.raises(_errors.SlotTimeout, match=r"still writing rows .* nothing of this batch was written"):
+        impatient.insert(rows_of(code(2, np.arange(n))))
+    impatient.close()
+    assert rb.inserted == 12
+    # A patient one waits for the slow writer, then goes.
+    patient = ReplayBuffer.attach(rb.name, timeout=30)
+    done: list[int] = []
+    t = threading.Thread(target=lambda: done.append(patient.insert(rows_of(code(3, np.arange(n))))))
+    t.start()
+    try:
+        for _ in range(20):
+            assert rb.inserted == 12, "an insert was handed rows that a live writer is still writing"
+            codes, ok = decode(rb.sample(32))
+            assert ok.all()
+    finally:
+        go.set()
+        t.join(30)
+        slow.join(30)
+        patient.close()
+    assert slow.exitcode == 0 and done == [12]
+    rows, complete = rb.snapshot()
+    got, ok = decode(rows)
+    assert complete.all() and ok.all()
+    np.testing.assert_array_equal(got, code(3, (np.arange(n) - 12) % n))  # global 12..19 -> rows 4..7, 0..3
+
+
+def test_a_writer_killed_mid_insert_leaves_no_torn_row(make_rb: Callable[..., ReplayBuffer], kids: Callable[..., Any]) -> None:
+    n = 8
+    rb = make_rb(n, timeout=5.0)
+    rb.insert(rows_of(code(0, np.arange(n))))
+    mid, go = FORK.Event(), FORK.Event()
+    victim = kids(_paused_inserter, rb.name, 1, 4, mid, go)
+    assert mid.wait(10), "the victim never started copying"
+    victim.kill()
+    victim.join(10)
+    assert victim.exitcode == -signal.SIGKILL
+    rows, complete = rb.snapshot()
+    assert complete.tolist() == [False] * 4 + [True] * 4
+    assert not decode(rows)[1][:4].all()  # those rows really are torn (half the fields written)
+    for _ in range(100):
+        codes, ok = decode(rb.sample(64))
+        assert ok.all() and set(codes) <= set(code(0, np.arange(4, 8)).tolist())
+    # The others go on: overwriting the dead writer's rows needs no wait (timeout=5 s would fail otherwise).
+    assert rb.insert(rows_of(code(2, np.arange(3)))) == 12
+    assert rb.insert(rows_of(code(2, np.arange(3, 8)))) == 15
+    rows, complete = rb.snapshot()
+    assert complete.all() and decode(rows)[1].all()
+
+
+def _looping_inserter(rb: ReplayBuffer, tag: int, progress: Any, max_batch: int) -> None:
+    k = 0
+    rng = np.random.default_rng(tag)
+    while True:
+        m = int(rng.integers(1, max_batch + 1))
+        rb.insert(rows_of(code(tag, np.arange(k, k + m))))
+        k += m
+        progress.value = k
+
+
+def test_inserters_killed_at_random_times(make_rb: Callable[..., ReplayBuffer], kids: Callable[..., Any]) -> None:
+    n = 256
+    rb = make_rb(n, timeout=5.0)
+    steady_progress = FORK.Value("q", 0, lock=False)
+    kids(_looping_inserter, rb, 3, steady_progress, 2 * n)
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        p = kids(_looping_inserter, rb, i % 3, FORK.Value("q", 0, lock=False), 2 * n)
+        time.sleep(float(rng.uniform(0.0, 0.05)))  # a random moment to kill at, not a wait for anything
+        p.kill()
+        p.join(10)
+        before = steady_progress.value
+        wait_until(lambda: steady_progress.value > before, 10, "the steady inserter to go on after a kill")
+        codes, ok = decode(rb.sample(256))
+        assert ok.all()
+    rows, complete = rb.snapshot()
+    assert decode(rows)[1][complete].all(), "a row counted complete is torn"
+    for _ in range(50):
+        assert decode(rb.sample(256))[1].all()
+
+
+def _spawned_inserter(buffer: ReplayBuffer, tag: int, n: int) -> None:
+    buffer.insert(rows_of(code(tag, np.arange(n))))
+    buffer.close()
+
+
+def test_attach_from_a_spawned_process(make_rb: Callable[..., ReplayBuffer], procs: Callable[..., Any]) -> None:
+    rb = make_rb(16)
+    assert stat.S_IMODE(os.stat(f"/dev/shm/{rb.name[1:]}").st_mode) == 0o600
+    p = procs(_spawned_inserter, rb, 2, 10, method="spawn")  # pickling the buffer carries its name; the child attaches
+    p.join(60)
+    assert p.exitcode == 0
+    assert rb.inserted == 10 and (decode(rb.snapshot()[0])[0] == code(2, np.arange(10))).all()
+    other = ReplayBuffer.attach(ReplayHandle(rb.name))
+    assert other.num_samples == 10 and other.schema == rb.schema
+    other.insert(rows_of(code(3, np.arange(3))))
+    with pytest.raises(_errors.UsageError, match="only the process that created it"):
+        other.unlink()
+    other.close()
+    other.close()
+    with pytest.raises(_errors.UsageError, match="closed"):
+        other.insert(rows_of(code(3, np.arange(3))))
+    info = describe(rb.name)
+    assert info.inserted == 13 and info.buffer_size == 16 and is_replay(rb.name)
+    # The child's slot came free when it closed, and `other` took it over: one slot, its last holder's 3 rows, none alive.
+    assert [(rows, live) for _, _, live, rows in info.writers] == [(3, False)]
+
+
+def test_a_forked_child_uses_its_inherited_copy(make_rb: Callable[..., ReplayBuffer], kids: Callable[..., Any]) -> None:
+    rb = make_rb(16)
+    rb.insert(rows_of(code(0, np.arange(2))))  # the parent holds a writer slot; the child must take its own
+    p = kids(_spawned_inserter, rb, 1, 4)
+    p.join(20)
+    assert p.exitcode == 0 and rb.inserted == 6
+    assert sorted(rows for _, _, _, rows in describe(rb.name).writers) == [2, 4]
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_bad_settings_and_rows_are_named(make_rb: Callable[..., ReplayBuffer]) -> None:
+    for kw, what in [({"buffer_size": 0}, "buffer_size"), ({"buffer_size": True}, "buffer_size"),
+                     ({"buffer_size": 4, "max_writers": 0}, "max_writers"), ({"buffer_size": 4, "timeout": 0}, "timeout"),
+                     ({"buffer_size": 4, "timeout": None}, "timeout")]:
+        with pytest.raises(_errors.UsageError, match=what):
+            ReplayBuffer.create(example_row(), **kw)
+    with pytest.raises(_errors.SchemaError, match="obs: expected a numpy array"):
+        ReplayBuffer.create({"obs": 1.0}, 4)
+    with pytest.raises(_errors.SchemaError, match="no array leaves"):
+        ReplayBuffer.create({}, 4)
+    rb = make_rb(4)
+    good = rows_of(code(0, np.arange(2)))
+    bad_shape = dict(good, obs=np.zeros((2, 5), np.float32))
+    with pytest.raises(_errors.SchemaError, match=r"leaf obs: expected shape \(n, 6\).*got \(2, 5\)"):
+        rb.insert(bad_shape)
+    with pytest.raises(_errors.SchemaError, match=r"leaf act: expected shape \(n,\)"):
+        rb.insert(dict(good, act=np.int64(3)))
+    with pytest.raises(_errors.SchemaError, match="leaf extra/1: expected dtype int32.*got float64"):
+        rb.insert(dict(good, extra=(good["extra"][0], np.zeros(2))))
+    with pytest.raises(_errors.SchemaError, match="missing frame"):
+        rb.insert({k: v for k, v in good.items() if k != "frame"})
+    with pytest.raises(_errors.SchemaError, match="unexpected bonus"):
+        rb.insert(dict(good, bonus=np.zeros(2)))
+    with pytest.raises(_errors.SchemaError, match="leaf obs: batch dim 3, but leaf act has 2"):
+        rb.insert(dict(good, obs=np.zeros((3, 6), np.float32)))
+    assert rb.inserted == 0  # nothing refused was written
+    with pytest.raises(_errors.UsageError, match="empty"):
+        rb.sample(4)
+    with pytest.raises(_errors.UsageError, match="empty"):
+        next(rb.feed_forward_generator(1, 4))
+    with pytest.raises(_errors.UsageError, match="mini_batch_size"):
+        rb.feed_forward_generator(2, 0)
+    with pytest.raises(_errors.UsageError, match="batch_size"):
+        rb.sample(0)
+    assert rb.insert(dict(good, obs=good["obs"].astype(np.float64))) == 0  # same_kind casts are fine
+
+
+def test_attach_refuses_what_is_not_a_replay_buffer(make_rb: Callable[..., ReplayBuffer]) -> None:
+    with pytest.raises(_errors.UsageError, match="16 lowercase hex"):
+        ReplayBuffer.attach("/not-ours")
+    with pytest.raises(_errors.SegmentError, match="no pipeline named"):
+        ReplayBuffer.attach("/shmbuf-" + "0" * 16)
+    reader = shmbuf.create({"step": {"x": np.zeros((4, 2), np.float32)}}, 2)
+    try:
+        with pytest.raises(_errors.SegmentError, match="not a shmbuf replay buffer"):
+            ReplayBuffer.attach(reader.name)
+        assert not is_replay(reader.name)
+    finally:
+        reader.close()
+    rb = make_rb(4)
+    import mmap
+
+    fd = os.open(f"/dev/shm/{rb.name[1:]}", os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, 0)
+        mm[40:48] = (5).to_bytes(8, "little")  # buffer_size 4 -> 5: the sizes no longer add up
+        mm.close()
+    finally:
+        os.close(fd)
+    with pytest.raises(_errors.SegmentError, match=rb.name):
+        ReplayBuffer.attach(rb.name)
+
+
+def test_too_big_fails_at_create_and_leaves_nothing() -> None:
+    before = {e for e in os.listdir("/dev/shm") if "shmbuf-" in e}
+    with pytest.raises(_errors.NoSpace, match="replay buffer of"):
+        ReplayBuffer.create({"frame": np.zeros((1 << 20,), np.uint8)}, 1 << 24)  # 16 TiB
+    assert {e for e in os.listdir("/dev/shm") if "shmbuf-" in e} <= before
+
+
+# ------------------------------------------------------------------ the docs' example
+
+
+def _doc_example() -> str:
+    """The replay section's code block: from docs/storage.md once it holds it, else the draft it was written from."""
+    docs = ROOT / "docs" / "storage.md"
+    for text in ([docs.read_text()] if docs.exists() else []) + [DOC_EXAMPLE]:
+        for block in re.findall(r"```python\n(.*?)```", text, re.S):
+            if "ReplayBuffer.create" in block:
+                return block
+    raise AssertionError("no replay example")
+
+
+DOC_EXAMPLE = '''```python
+import multiprocessing as mp
+
+import numpy as np
+
+from shmbuf.storage.replay import ReplayBuffer
+
+
+def actor(buffer, seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(10):
+        n = 32
+        buffer.insert({"obs": rng.normal(size=(n, 8)).astype(np.float32),
+                       "action": rng.integers(0, 4, n), "reward": rng.normal(size=n).astype(np.float32)})
+    buffer.close()
+
+
+if __name__ == "__main__":
+    row = {"obs": np.zeros(8, np.float32), "action": np.zeros((), np.int64), "reward": np.zeros((), np.float32)}
+    with ReplayBuffer.create(row, buffer_size=1000) as buffer:
+        actors = [mp.get_context("spawn").Process(target=actor, args=(buffer, i)) for i in range(2)]
+        for p in actors:
+            p.start()
+        for p in actors:
+            p.join()
+        print(buffer.num_samples, buffer.step)  # 640 640
+        for batch in buffer.feed_forward_generator(num_mini_batch=4, mini_batch_size=64):
+            assert batch["obs"].shape == (64, 8) and batch["action"].shape == (64,)
+```'''
+
+
+def test_the_docs_example_runs(tmp_path: pathlib.Path) -> None:
+    script = tmp_path / "replay_example.py"
+    script.write_text(_doc_example())
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["640", "640"]
