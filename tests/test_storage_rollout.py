@@ -308,7 +308,7 @@ def test_from_a_batch_copies_exactly_when_b_and_e_must_merge(make_reader: Any, n
             np.testing.assert_array_equal(a, want_tm(step[leaf], num_envs is not None))
             # (B, T, E) -> [T, B*E] needs a copy when B > 1 and E > 1; (B, T) -> [T, B] is a transpose (a view)
             assert np.shares_memory(a, step[leaf]) == (num_envs is None), field
-        assert set(s.copied) == ({"obs", "action", "reward", "terminated", "truncated", "value", "log_prob"}
+        assert set(s.copied) == ({"observations", "actions", "rewards", "dones", "time_outs", "values", "actions_log_prob"}
                                  if num_envs else set())
         np.testing.assert_array_equal(s.bootstrap_observations[:, 0], [500, 501, 502, 1500, 1501, 1502] if num_envs else [500, 1500])
         assert np.shares_memory(s.bootstrap_observations, b.data["bootstrap"]["obs"])
@@ -348,6 +348,31 @@ def test_from_a_collected_batch_like_object_one_rollout_is_all_views_and_short_o
         RolloutStorage.from_rollout(SimpleNamespace(data={"step": {}}, fill=None))
     with pytest.raises(shmbuf.UsageError, match="expected a shmbuf Rollout, Batch or workers CollectedBatch"):
         RolloutStorage.from_rollout({"step": {}})
+
+
+def test_from_rollout_walks_nested_observations_and_reads_per_step_hidden_states() -> None:
+    cb = collected_batch(1, 2)
+    step = cb.data["step"]
+    step["obs"] = {"policy": step["obs"], "critic": np.ones((1, T_, 2, 5), np.float32)}
+    step["h_actor"] = np.arange(T_ * 2 * 4, dtype=np.float32).reshape(1, T_, 2, 4)
+    step["h_critic"] = -step["h_actor"]
+    cb.data["bootstrap"]["obs"] = {"policy": cb.data["bootstrap"]["obs"], "critic": np.zeros((1, 2, 5))}
+    s = RolloutStorage.from_rollout(cb, obs_key="obs/policy", critic_obs_key="obs/critic",
+                                    hidden_states_keys=("h_actor", "h_critic"))
+    assert s.privileged_observations.shape == (T_, 2, 5) and np.shares_memory(s.privileged_observations, step["obs"]["critic"])
+    assert s.bootstrap_observations.shape == (2, 3) and s.bootstrap_critic_observations.shape == (2, 5)
+    s.compute_returns(np.zeros(2), 0.9, 0.9)
+    for b in s.recurrent_mini_batch_generator(2, 1):
+        ha, hc = b.hidden_states
+        for j in range(b.obs.shape[1]):  # find each trajectory's first step in the store (observations are random)
+            t, n = np.argwhere((s.observations == b.obs[0, j]).all(-1))[0]
+            np.testing.assert_array_equal(ha[j], s.hidden_states_actor[t, n])
+        np.testing.assert_array_equal(hc, -ha)
+    torch = pytest.importorskip("torch")
+    tb = b.to_torch()
+    assert tb.masks.dtype == torch.bool and isinstance(tb.hidden_states[0], torch.Tensor)
+    with pytest.raises(shmbuf.SchemaError, match=r"no leaf 'obs/pixels' \(at 'pixels'; there is \['critic', 'policy'\]\)"):
+        RolloutStorage.from_rollout(cb, obs_key="obs/pixels")
 
 
 def test_a_short_rollout_from_a_pipeline_is_refused_naming_it(make_reader: Any) -> None:

@@ -240,8 +240,9 @@ class _Source:
         env = () if self.E is None else (self.E,)
         return ((self.B,) if self.batched else ()) + (self.T,) + env
 
-    def steps(self, key: str, what: str, *, scalar: bool = False) -> np.ndarray:
-        """Step leaf ``key`` as ``[T, N, ...]``: a view, or (batch with an env dim) a copy, recorded in ``copied``."""
+    def steps(self, key: str, what: str, field: str, *, scalar: bool = False) -> np.ndarray:
+        """Step leaf ``key`` as ``[T, N, ...]``: a view, or (batch with an env dim) a copy, ``field`` then
+        recorded in ``copied``."""
         try:
             x = _walk(self.step, key, "from_rollout")
         except KeyError as e:
@@ -261,7 +262,7 @@ class _Source:
                 y = np.reshape(y, (self.T, self.N, *rest), copy=False)
             except ValueError:  # (T, B, E) with B > 1, E > 1, T > 1 cannot be merged into B*E without a copy
                 y = np.reshape(y, (self.T, self.N, *rest))
-                self.copied.append(key)
+                self.copied.append(field)
         if scalar:
             if y.shape[2:] == (1,):
                 y = y[..., 0]
@@ -431,7 +432,8 @@ class RolloutStorage:
 
         Views and copies: ``N = B * E`` (E = 1 without an env dim). Each per-step array is a view of the
         source's leaf, except for a batch whose leaves have an env dim with B > 1, E > 1 and T > 1: merging
-        ``(T, B, E)`` into ``[T, B*E]`` then needs one copy of that leaf (its name goes to ``copied``). A
+        ``(T, B, E)`` into ``[T, B*E]`` then needs one copy of that leaf (the field's name goes to ``copied``;
+        so does ``dones``/``time_outs`` when the flags are not bool and must be converted). A
         Rollout is never copied; a batch without an env dim becomes ``[T, B]`` by a transpose (a view).
         ``returns`` and ``advantages`` are the storage's own. ``bootstrap_observations`` ``[N, ...]`` (a view
         of ``data["bootstrap"]``) is what ``last_values`` is computed from, and ``time_out_observations`` the
@@ -444,26 +446,30 @@ class RolloutStorage:
         src = _Source(rollout_or_batch)
         need_v = f"the critic's value of each step's observation (a policy extra, key {value_key!r})"
         need_lp = f"the log-probability of each step's action (a policy extra, key {log_prob_key!r})"
+        def steps(field: str, key: str | None, what: str, scalar: bool = False) -> np.ndarray | None:
+            return None if key is None else src.steps(key, what, field, scalar=scalar)
+
         arrays: dict[str, np.ndarray | None] = {
-            "observations": src.steps(obs_key, "the observations (obs_key=...)"),
-            "privileged_observations": None if critic_obs_key is None else src.steps(critic_obs_key, "critic observations"),
-            "actions": src.steps(action_key, "the actions (action_key=...)"),
-            "rewards": src.steps(reward_key, "the rewards", scalar=True),
-            "dones": src.steps(terminated_key, "terminated flags", scalar=True),
-            "time_outs": src.steps(truncated_key, "truncated flags", scalar=True),
-            "values": src.steps(value_key, need_v + ": make the policy return (action, {'value': V(obs), ...})", scalar=True),
-            "actions_log_prob": src.steps(log_prob_key, need_lp + ": make the policy return (action, {'log_prob': ...})",
-                                          scalar=True),
-            "mu": None if mu_key is None else src.steps(mu_key, "the action means (mu_key=...)"),
-            "sigma": None if sigma_key is None else src.steps(sigma_key, "the action stds (sigma_key=...)"),
+            "observations": steps("observations", obs_key, "the observations (obs_key=...)"),
+            "privileged_observations": steps("privileged_observations", critic_obs_key, "critic observations"),
+            "actions": steps("actions", action_key, "the actions (action_key=...)"),
+            "rewards": steps("rewards", reward_key, "the rewards", True),
+            "dones": steps("dones", terminated_key, "terminated flags", True),
+            "time_outs": steps("time_outs", truncated_key, "truncated flags", True),
+            "values": steps("values", value_key, need_v + ": make the policy return (action, {'value': V(obs), ...})", True),
+            "actions_log_prob": steps("actions_log_prob", log_prob_key,
+                                      need_lp + ": make the policy return (action, {'log_prob': ...})", True),
+            "mu": steps("mu", mu_key, "the action means (mu_key=...)"),
+            "sigma": steps("sigma", sigma_key, "the action stds (sigma_key=...)"),
         }
         if hidden_states_keys is not None:
-            arrays["hidden_states_actor"] = src.steps(hidden_states_keys[0], "actor hidden states")
-            arrays["hidden_states_critic"] = src.steps(hidden_states_keys[1], "critic hidden states")
+            arrays["hidden_states_actor"] = steps("hidden_states_actor", hidden_states_keys[0], "actor hidden states")
+            arrays["hidden_states_critic"] = steps("hidden_states_critic", hidden_states_keys[1], "critic hidden states")
         for k in ("dones", "time_outs"):
             if arrays[k].dtype != np.bool_:  # type: ignore[union-attr]
                 arrays[k] = arrays[k] != 0
-                src.copied.append(k)
+                if k not in src.copied:
+                    src.copied.append(k)
         self = cls.__new__(cls)
         self._setup(src.T, src.N, seed)
         self.bootstrap_observations = src.bootstrap(obs_key)
