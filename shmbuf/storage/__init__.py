@@ -5,3 +5,32 @@ numpy only; torch stays optional (``to_torch`` uses ``torch.from_numpy``: zero-c
 here imports ``workers``: a Collector batch is read through what it has (``data``, ``fill``).
 See docs/storage.md for how each class maps to the systems it learns from.
 """
+
+from shmbuf.storage.buffer import BufferFull, Field, RolloutBuffer, RolloutBufferWriter, RolloutSlot, iterate_minibatches, transition_view
+from shmbuf.storage.gae import compute_gae, normalize_advantages
+from shmbuf.storage.rollout import (
+    MiniBatch, QueueRolloutStorage, RolloutStorage, SarsaMiniBatch, SarsaRolloutStorage, SarsaTransition,
+    TimeOutObservations, Transition, split_and_pad_trajectories, unpad_trajectories,
+)
+
+__all__ = [
+    "BufferFull",
+    "Field",
+    "MiniBatch",
+    "QueueRolloutStorage",
+    "RolloutBuffer",
+    "RolloutBufferWriter",
+    "RolloutSlot",
+    "RolloutStorage",
+    "SarsaMiniBatch",
+    "SarsaRolloutStorage",
+    "SarsaTransition",
+    "TimeOutObservations",
+    "Transition",
+    "compute_gae",
+    "iterate_minibatches",
+    "normalize_advantages",
+    "split_and_pad_trajectories",
+    "transition_view",
+    "unpad_trajectories",
+]
