@@ -290,20 +290,24 @@ def test_a_slow_writer_is_never_lapped(make_rb: Callable[..., ReplayBuffer], kid
     for _ in range(50):  # its rows are odd: never sampled
         codes, ok = decode(rb.sample(32))
         assert ok.all() and set(codes) <= set(code(0, np.arange(4, 8)).tolist())
-    # Another instance would lap it (its rows 0..3): it waits, and gives up with nothing reserved.
+    # Another instance would lap it (its rows 0..3): it waits, and gives up with nothing written (its places skipped).
     impatient = ReplayBuffer.attach(rb.name, timeout=0.3)
     with pytest.raises(_errors.SlotTimeout, match=r"still writing rows .* nothing of this batch was written"):
         impatient.insert(rows_of(code(2, np.arange(n))))
     impatient.close()
-    assert rb.inserted == 12
-    # A patient one waits for the slow writer, then goes.
+    assert rb.inserted == 20
+    rows, complete = rb.snapshot()
+    assert complete.tolist() == [False] * 4 + [True] * 4 and (decode(rows)[0][4:] == code(0, np.arange(4, 8))).all()
+    # A patient one (global 20..27 -> rows 4..7, 0..3) waits for the slow writer before its first store, then goes.
     patient = ReplayBuffer.attach(rb.name, timeout=30)
     done: list[int] = []
     t = threading.Thread(target=lambda: done.append(patient.insert(rows_of(code(3, np.arange(n))))))
     t.start()
     try:
-        for _ in range(20):
-            assert rb.inserted == 12, "an insert was handed rows that a live writer is still writing"
+        wait_until(lambda: rb.inserted == 28, 10, "the patient insert's reservation")
+        for _ in range(20):  # reserved, but it touches none of its rows while the slow writer is at rows 0..3
+            rows, complete = rb.snapshot()
+            assert complete.tolist() == [False] * 4 + [True] * 4 and (decode(rows)[0][4:] == code(0, np.arange(4, 8))).all()
             codes, ok = decode(rb.sample(32))
             assert ok.all()
     finally:
@@ -311,11 +315,11 @@ def test_a_slow_writer_is_never_lapped(make_rb: Callable[..., ReplayBuffer], kid
         t.join(30)
         slow.join(30)
         patient.close()
-    assert slow.exitcode == 0 and done == [12]
+    assert slow.exitcode == 0 and done == [20]
     rows, complete = rb.snapshot()
     got, ok = decode(rows)
     assert complete.all() and ok.all()
-    np.testing.assert_array_equal(got, code(3, (np.arange(n) - 12) % n))  # global 12..19 -> rows 4..7, 0..3
+    np.testing.assert_array_equal(got, code(3, (np.arange(n) - 20) % n))  # global 20..27 -> rows 4..7, 0..3
 
 
 def test_a_writer_killed_mid_insert_leaves_no_torn_row(make_rb: Callable[..., ReplayBuffer], kids: Callable[..., Any]) -> None:

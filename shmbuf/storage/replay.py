@@ -40,10 +40,10 @@ Insert of ``n`` rows (a batch of ``n > buffer_size`` writes only its last ``buff
 earlier ones would be overwritten by the same insert, exactly as in a ring written row by row)::
 
     take the reservation lock
-      g = INSERTED;  write [first, end) = [max(g, g+n-N), g+n)
-      wait until no *live* writer is still writing a row we are about to take (below)
-      record FIRST, END = first, end in our slot;  INSERTED = g + n
+      g = INSERTED;  we write [first, end) = [max(g, g+n-N), g+n)
+      our record: FIRST = first, END = end;  INSERTED = g + n
     release the reservation lock
+    wait until no live writer of an earlier insert is still writing one of our rows (below)
     seq[row(i)] = 2i + 1 for i in [first, end)      odd: being written by insert i
     fence
     copy every leaf of the batch into its rows     (at most two slices per leaf: 002's wrap-around split)
@@ -59,47 +59,49 @@ Sampler (``sample``, ``feed_forward_generator``)::
     a draw is good iff s1 == s2, s1 is even and s1 > 0;  redraw (and re-gather) the others
 
 Why a sample never holds a half-written row nor a mix of two inserts. Stamps are unique: row
-``r`` is stamped ``2i+2`` only by insert ``i``, and ``i`` only grows, so no value ever comes
-back (no ABA). Suppose a good draw of row ``r`` read ``s1 == s2 == 2i+2``. ``s1`` was loaded
-before any byte of the gather, and insert ``i`` stored ``2i+2`` after its last byte, so every
-byte of insert ``i`` is visible to the gather. If any byte gathered came from a later insert
-``j > i`` on row ``r``, that insert stored the odd ``2j+1`` before that byte, so the load of
-``s2``, which comes after the gather, sees ``2j+1`` or a later stamp, not ``2i+2``: the draw
-would have been thrown away. A row never written has seq 0; a row being written, or whose
-writer died mid-row, is odd: neither is ever accepted. This is the weight broadcast's sequence
-lock (:mod:`shmbuf._weights`), per row, with the same machine argument: each seq word is an
-aligned 8-byte location, loaded and stored whole (numpy's int64 copy loops move 8-byte items
-with single 8-byte accesses, single-copy atomic on x86-64 and AArch64); on x86-64 (TSO) stores
-become visible in program order and loads are not reordered with older loads, and the opaque C
-calls keep the compiler from moving them; on weakly ordered CPUs :func:`shmbuf._ring.fence` is a
-full barrier at each ``fence`` above.
+``r`` is stamped ``2i+2`` only by insert ``i``, and (below) the inserts that write a row do so
+one after another in the order of ``i``, so no value ever comes back (no ABA). Suppose a good
+draw of row ``r`` read ``s1 == s2 == 2i+2``. ``s1`` was loaded before any byte of the gather,
+and insert ``i`` stored ``2i+2`` after its last byte, so every byte of insert ``i`` is visible
+to the gather. If any byte gathered came from a later insert ``j > i`` on row ``r``, that insert
+stored the odd ``2j+1`` before that byte, so the load of ``s2``, which comes after the gather,
+sees ``2j+1`` or a later stamp, not ``2i+2``: the draw would have been thrown away. A row never
+written has seq 0; a row being written, or whose writer died mid-row, is odd: neither is ever
+accepted. This is the weight broadcast's sequence lock (:mod:`shmbuf._weights`), per row, with
+the same machine argument: each seq word is an aligned 8-byte location, loaded and stored whole
+(numpy's int64 copy loops move 8-byte items with single 8-byte accesses, single-copy atomic on
+x86-64 and AArch64); on x86-64 (TSO) stores become visible in program order and loads are not
+reordered with older loads, and the opaque C calls keep the compiler from moving them; on weakly
+ordered CPUs :func:`shmbuf._ring.fence` is a full barrier at each ``fence`` above.
 
-That argument needs one more thing: **at most one insert writes a row at any time**. Two
-inserts on the same row (a live but slow writer lapped by the others ``buffer_size`` rows
-later) would interleave their odd and even stamps and could leave an even stamp over mixed
-bytes. So under the reservation lock, before it hands out rows, a writer checks that the
-previous insert on each of them (``h``, the last index below ``g`` on that row) is complete
-(``seq == 2h+2``). Where it is not, it looks for the writer slot whose record covers ``h``; if
-that slot's lock is held the writer lives and is still writing: the reserver waits (polling,
-up to ``timeout`` seconds, then SlotTimeout with nothing reserved) while still holding the
-reservation lock, so no later insert can be handed those rows meanwhile either. If no live
-record covers ``h``, its writer died (or finished an insert that skipped the row): the row may
-be overwritten. Records are written under the reservation lock and cleared only after the
-even stamps, so a reserver that sees a record cleared knows that insert finished. The wait
-never deadlocks: the awaited writer holds no lock it needs, it only copies bytes.
+That argument needs one more thing: **at most one insert writes a row at any time**, the
+earlier one first. Two inserts on the same row (a live but slow writer lapped by the others a
+full ring later) would interleave their stamps and could leave an even stamp over mixed bytes.
+So before its first store to the rows, a writer looks at every other writer's record: an
+insert earlier than ours whose range shares a row with ours (it can only if it began more than
+``buffer_size`` indices before our end: a cheap vectorised test that finds nothing in the usual
+case) and whose slot's lock is still held is a live writer still writing there, and we wait
+(polling, up to ``timeout`` seconds; then SlotTimeout, nothing written, our places in the ring
+skipped and our record cleared). A record whose lock is free belongs to a writer that died:
+its rows are odd or hold older complete rows, and we may overwrite them. Every earlier
+insert's record was stored under the reservation lock before we took it, so we see it; a
+record changes afterwards only from "in progress" to empty, and only after that insert's even
+stamps, so seeing it empty means that insert finished. We wait only for earlier inserts, so
+waits never form a cycle, and a waiting insert holds no lock: inserts on other rows go on, and
+a slow writer delays only the inserts that reach its rows (and those that reach theirs).
 
 What a killed writer leaves: SIGKILL at any point drops both its locks. Killed while holding the
-reservation lock, it has reserved nothing (``INSERTED`` is stored last) or everything (its record
-is written), and its rows still hold their previous complete rows; killed while copying, its
-rows are odd and are never sampled, and the next insert that reaches them overwrites them
-without waiting (its slot's lock is gone). Nobody waits on it, and nothing it wrote half is read.
+reservation lock, it has reserved nothing (``INSERTED`` is stored last) or its whole range (then
+its rows still hold their previous complete rows); killed while copying, its rows are odd and
+are never sampled, and the next insert that reaches them overwrites them without waiting (its
+slot's lock is gone). Nobody waits on it, and nothing it wrote half is ever read.
 
 Order: concurrent inserts land in the order they took the reservation lock (the order of their
 global indices); each batch occupies consecutive rows in ring order, never interleaved with
 another, its rows in the batch's order. A row becomes sampleable when its writer stamps it even,
 which for a slow writer may be after rows of later inserts became sampleable. No insert is lost:
-every reserved row is written by its writer unless the writer dies, and stays sampleable until a
-later insert takes the row in ring order. ``num_samples`` is ``min(INSERTED, buffer_size)``: rows
+every reserved row is written by its writer unless the writer dies (or its insert raised
+SlotTimeout, which says so), and stays sampleable until a later insert takes the row in ring order. ``num_samples`` is ``min(INSERTED, buffer_size)``: rows
 reserved, some of which may still be in flight (the sampler redraws those).
 
 What this does not do: prioritised sampling, sampling without replacement, several samplers
@@ -337,6 +339,9 @@ class ReplayBuffer:
         self._rows = [np.ndarray((lay.buffer_size, *lf.shape[1:]), lf.dtype, buffer=mm, offset=off)
                       for lf, off in zip(ts.leaves, lay.leaf_offs)]
         self._slot: int | None = None  # our writer slot, claimed at the first insert
+        self._rec = -1  # its record's first word
+        self._recs = np.ndarray((lay.max_writers, RECORD_BYTES // 8), np.int64, buffer=mm, offset=WRITERS_OFF)
+        self._stamps = np.zeros(0, np.int64)  # 2 * arange(m), grown to the largest batch: stamps are this + 2*first + 1
         self._insert_lock = threading.Lock()
         self._fence = fence()
         _fork.track(self)
@@ -418,7 +423,7 @@ class ReplayBuffer:
             return
         self._closed = True
         self._rows = []
-        self._seq = None  # type: ignore[assignment]
+        self._seq = self._recs = None  # type: ignore[assignment]
         self._w.release()
         try:
             self._mm.close()
@@ -442,7 +447,7 @@ class ReplayBuffer:
             except OSError:
                 pass
         self._fd = -1
-        self._slot = None
+        self._slot, self._rec = None, -1
         self._owner = False
         self._insert_lock = threading.Lock()  # the parent's may have been held by one of its threads
         if self._seed is None:
@@ -508,9 +513,15 @@ class ReplayBuffer:
         with self._insert_lock:
             fd = self._descriptor()
             deadline = time.monotonic() + self.timeout
-            slot = self._claim_slot(fd, deadline)
-            first, end = self._reserve(fd, slot, n, deadline)
-            self._write(slot, leaves, n, first, end)
+            self._claim_slot(fd, deadline)
+            first, end = self._reserve(fd, n)
+            try:
+                self._wait_for_earlier(fd, first, end, deadline)
+                self._write(leaves, n, first, end)
+            finally:
+                if self._fence:  # the stamps before the record says we are done
+                    self._fence()
+                self._w[self._rec + F_FIRST] = end  # one store: our insert is over (or abandoned)
             return end - n
 
     def _check_batch(self, batch: Any) -> tuple[list[np.ndarray], int]:
@@ -556,7 +567,7 @@ class ReplayBuffer:
                 w[rec + F_FIRST] = w[rec + F_END]  # one store: whatever a dead holder was writing is no one's now
                 w[rec + F_PID] = os.getpid()
                 w[rec + F_ROWS] = 0
-                self._slot = k
+                self._slot, self._rec = k, rec
                 return k
             if time.monotonic() > deadline:
                 raise SlotTimeout(
@@ -566,99 +577,91 @@ class ReplayBuffer:
                 )
             time.sleep(0.001)
 
-    def _reserve(self, fd: int, slot: int, n: int, deadline: float) -> tuple[int, int]:
-        """Under the reservation lock: take global indices [g, g+n), of which [first, end) are written; record them."""
-        w = self._live_words()
-        rec = WRITERS_OFF // 8 + slot * (RECORD_BYTES // 8)
+    def _reserve(self, fd: int, n: int) -> tuple[int, int]:
+        """Under the reservation lock: take global indices [g, g+n), of which [first, end) are written; record them.
+
+        FIRST is stored before END, so that between the two stores the record reads as empty
+        (FIRST >= the old END), never as a range wider than the one being reserved.
+        """
+        w = self._w
+        rec = self._rec
         _lock(fd, LOCK_BASE, fcntl.F_WRLCK, _SETLKW)
         try:
             g = w[W_INSERTED]
             end = g + n
             first = max(g, end - self.buffer_size)
-            self._wait_for_previous(fd, slot, g, end - first, deadline)
-            w[rec + F_END] = end  # records are read only under this lock (the clear after an insert aside)
             w[rec + F_FIRST] = first
+            w[rec + F_END] = end
             w[W_INSERTED] = end
         finally:
             _lock(fd, LOCK_BASE, fcntl.F_UNLCK)
         return first, end
 
-    def _wait_for_previous(self, fd: int, slot: int, g: int, m: int, deadline: float) -> None:
-        """Return once no live writer is still writing the ``m`` rows from ``g % N`` on; else SlotTimeout.
+    def _wait_for_earlier(self, fd: int, first: int, end: int, deadline: float) -> None:
+        """Return once no live writer of an earlier insert is still writing any of our rows; else SlotTimeout.
 
-        The previous insert on those rows is ``h`` in ``[g-N, g-N+m)`` (one per row); the row is
-        free when ``seq == 2h+2`` (complete), or when no live writer's record covers ``h``.
+        Every earlier insert's record was stored before our reservation (under the lock), so it
+        is visible here; a record only ever goes from "in progress" to empty after that. An
+        earlier insert can share a row with ours only if it started more than a ring before our
+        end (FIRST < end - N): the cheap test that leaves nothing to check in the usual case.
         """
         n_rows = self.buffer_size
-        lo = max(g - n_rows, 0)
-        hi = g - n_rows + m
-        if hi <= lo:
-            return  # rows never written
-        h = np.arange(lo, hi, dtype=np.int64)
-        rows = h % n_rows
-        bad = self._seq[rows] != 2 * h + 2
-        if not bad.any():
-            return
-        h, rows = h[bad], rows[bad]
         pause = 0.0001
         while True:
-            who = self._live_writer_of(fd, slot, h)
+            recs = self._recs
+            a, b = recs[:, F_FIRST], recs[:, F_END]
+            cand = np.flatnonzero((a < b) & (a < end - n_rows))
+            if not cand.size:
+                return
+            who = self._live_overlap(fd, cand, first, end)
             if who is None:
                 return
             if time.monotonic() > deadline:
                 raise SlotTimeout(
                     f"replay buffer {self.name}: process {who} is still writing rows that this insert would overwrite "
                     f"(a full ring of {n_rows} rows was inserted meanwhile) and did not finish within timeout={self.timeout} s; "
-                    "nothing of this batch was written. Use a larger buffer_size, or find out why that process stalls"
+                    "nothing of this batch was written (its places in the ring are skipped). Use a larger buffer_size, "
+                    "or find out why that process stalls"
                 )
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
-            still = self._seq[rows] != 2 * h + 2
-            if not still.any():
-                return
-            h, rows = h[still], rows[still]
 
-    def _live_writer_of(self, fd: int, slot: int, h: np.ndarray) -> int | None:
-        """The pid of a live writer whose insert in progress covers one of the indices ``h``, or None."""
-        w = self._live_words()
-        lo, hi = int(h.min()), int(h.max()) + 1
-        for k in range(self.max_writers):
-            if k == slot:
-                continue
+    def _live_overlap(self, fd: int, cand: np.ndarray, first: int, end: int) -> int | None:
+        """The pid of a live writer among slots ``cand`` whose insert in progress shares a row with [first, end), or None."""
+        n_rows, mine = self.buffer_size, end - first
+        for k in cand.tolist():
             rec = WRITERS_OFF // 8 + k * (RECORD_BYTES // 8)
-            a, b = w[rec + F_FIRST], w[rec + F_END]
-            if not (a < b and a < hi and b > lo):
-                continue
-            if np.any((h >= a) & (h < b)) and _held(fd, LOCK_BASE + 1 + k):
-                return int(w[rec + F_PID])
+            a, b = self._w[rec + F_FIRST], self._w[rec + F_END]
+            if not a < b:
+                continue  # finished since we looked
+            shift = (first - a) % n_rows  # ranges of length <= N share a row iff one starts inside the other, mod N
+            if (shift < b - a or shift + mine > n_rows) and _held(fd, LOCK_BASE + 1 + k):
+                return int(self._w[rec + F_PID])
         return None
 
-    def _write(self, slot: int, leaves: list[np.ndarray], n: int, first: int, end: int) -> None:
-        """Stamp odd, copy (two slices where the rows wrap), stamp even, clear our record: the module doc's writer half."""
-        w, seq, f = self._w, self._seq, self._fence
-        rec = WRITERS_OFF // 8 + slot * (RECORD_BYTES // 8)
+    def _write(self, leaves: list[np.ndarray], n: int, first: int, end: int) -> None:
+        """Stamp odd, copy (two slices where the rows wrap), stamp even: the module doc's writer half."""
+        seq, f = self._seq, self._fence
         n_rows = self.buffer_size
         m = end - first
         start = first % n_rows
         part = min(m, n_rows - start)
-        skip = n - m  # leading rows of the batch that the batch itself overwrites
-        stamps = 2 * np.arange(first, end, dtype=np.int64) + 1
-        try:
-            seq[start : start + part] = stamps[:part]
-            seq[: m - part] = stamps[part:]
-            if f:  # odd stamps before any byte of the rows
-                f()
-            self._copy_rows(leaves, start, part, skip)
-            if f:  # every byte before the even stamps
-                f()
-            stamps += 1
-            seq[start : start + part] = stamps[:part]
-            seq[: m - part] = stamps[part:]
-            w[rec + F_ROWS] = w[rec + F_ROWS] + n
-        finally:
-            if f:  # the stamps before the record says we are done
-                f()
-            w[rec + F_FIRST] = w[rec + F_END]
+        if len(self._stamps) < m:
+            self._stamps = 2 * np.arange(m, dtype=np.int64)
+        stamps = self._stamps[:m] + (2 * first + 1)
+        if f:  # what we read of the records before our first store to the rows
+            f()
+        seq[start : start + part] = stamps[:part]
+        seq[: m - part] = stamps[part:]
+        if f:  # odd stamps before any byte of the rows
+            f()
+        self._copy_rows(leaves, start, part, n - m)
+        if f:  # every byte before the even stamps
+            f()
+        stamps += 1
+        seq[start : start + part] = stamps[:part]
+        seq[: m - part] = stamps[part:]
+        self._w[self._rec + F_ROWS] += n
 
     def _copy_rows(self, leaves: list[np.ndarray], start: int, part: int, skip: int) -> None:
         """Copy the batch (less its first ``skip`` rows) to rows ``start, ...``: ``part`` rows to the end, the rest from row 0."""
