@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-slow bench bench-quick clean-shm clean
+.PHONY: demo test test-slow bench bench-quick bench-storage clean-shm clean
 
 # One stamp per set of extras, refreshed when pyproject.toml changes.
 $(VENV)/.stamp-%: pyproject.toml
@@ -27,6 +27,10 @@ bench: $(VENV)/.stamp-bench
 
 bench-quick: $(VENV)/.stamp-bench
 	$(PY) -m shmbuf bench --quick
+
+# Replay buffer (against TorchRL and a numpy ring, 1/2/4 inserting processes) and GAE: a few minutes.
+bench-storage: $(VENV)/.stamp-bench
+	$(PY) -m benchmarks.storage
 
 clean-shm: $(VENV)/.stamp-demo
 	$(PY) -m shmbuf clean
