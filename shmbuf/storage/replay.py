@@ -510,7 +510,9 @@ class ReplayBuffer:
         ``buffer_size`` rows. Dtypes must cast to the row's under numpy's 'same_kind' rule.
         Raises SchemaError (naming the leaf) for a wrong key, shape or dtype, SlotTimeout when
         no writer slot comes free or a live writer still writing the rows we would overwrite does
-        not finish within ``timeout``; either way nothing of the batch was written.
+        not finish within ``timeout``; either way nothing of the batch was written (after the
+        second kind its places in the ring were already taken: they are skipped, and ``inserted``
+        counts them).
         """
         leaves, n = self._check_batch(batch)
         if n == 0:
