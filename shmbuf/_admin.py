@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from shmbuf._errors import ShmbufError
 from shmbuf._lane import LANE_ACTIVE, LANE_RETIRED, Record, lane_held, read_label
@@ -47,6 +48,7 @@ class Found:
     writers: list[tuple[int, int, bool, int, str]] = field(default_factory=list)  # lane, pid, alive, commits, label
     error: str = ""
     weights: bool = False  # a weight-broadcast object (shmbuf._weights), not a pipeline
+    replay: bool = False  # a replay buffer (shmbuf.storage.replay): slots are its rows, delivered its rows inserted
     owner_elsewhere: bool = False  # the owner is in another pid namespace: whether it lives cannot be known here
     kept: list[tuple[str, str]] = field(default_factory=list)  # (entry in /dev/shm, why clean leaves it alone)
     directory: str = SHM_DIR
@@ -120,6 +122,11 @@ def _owner(f: Found, owner: Owner) -> None:
 
 
 def _inspect(f: Found) -> None:
+    from shmbuf.storage import replay  # the learner-side package; only shmbuf ls and clean need to know it here
+
+    if replay.is_replay(f.name):
+        _inspect_replay(f, replay)
+        return
     try:
         seg = Segment.attach(f.name, readonly=True)
     except ShmbufError as exc:
@@ -143,6 +150,19 @@ def _inspect(f: Found) -> None:
                 f.writers.append((lane, pid, ok, w[rec.ready_head], read_label(seg.mm, w, rec)))  # ready head = commits
     finally:
         seg.close()
+
+
+def _inspect_replay(f: Found, replay: Any) -> None:
+    """A replay buffer: its owner, size, rows, inserts, and the processes inserting into it."""
+    f.replay = True
+    try:
+        info = replay.describe(f.name)
+    except ShmbufError as exc:
+        f.error = str(exc)
+        return
+    _owner(f, info.owner)
+    f.size, f.slots, f.lanes, f.schema, f.delivered = info.size, info.buffer_size, info.max_writers, info.schema, info.inserted
+    f.writers = [(slot, pid, live, rows, "inserter") for slot, pid, live, rows in info.writers]
 
 
 def _inspect_weights(f: Found) -> None:

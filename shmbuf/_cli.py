@@ -32,6 +32,13 @@ def _ls_one(f: _admin.Found, verbose: bool) -> None:
     if f.weights:
         print(f"{f.name}  weight broadcast, {_owner(f)}, {f.size / 2**20:.1f} MiB, {f.slots} buffers")
         return
+    if f.replay:
+        print(f"{f.name}  replay buffer, {_owner(f)}, {f.size / 2**20:.1f} MiB, {f.slots} rows, {f.delivered} rows inserted")
+        for slot, pid, ok, rows, _ in f.writers:
+            print(f"    inserter {slot}: pid {pid} {'alive' if ok else 'dead'}, {rows} rows")
+        if verbose:
+            print(f"    row: {f.schema}")
+        return
     state = "closed" if f.closed else "open"
     print(f"{f.name}  {state}, {_owner(f)}, {f.size / 2**20:.1f} MiB, {f.slots} slots, {f.lanes} lanes")
     print(f"    slots: {f.pool} in pool, {f.ready} ready; {f.delivered} rollouts delivered")

@@ -193,3 +193,36 @@ def test_demo_says_at_once_when_every_actor_died(make_reader: Any) -> None:
     starting = [SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=1)]
     with pytest.raises(shmbuf.SlotTimeout):
         _first_rollout(reader, starting, timeout=0.2)
+
+
+def test_ls_shows_a_replay_buffer_and_clean_removes_a_dead_owners(capsys) -> None:
+    """shmbuf ls and clean know the learner-side replay buffer: listed as one, and removed once its owner is dead."""
+    import numpy as np
+
+    from shmbuf.storage import ReplayBuffer
+
+    with ReplayBuffer.create({"x": np.zeros(3, np.float32)}, 16) as rb:
+        rb.insert({"x": np.ones((5, 3), np.float32)})
+        main(["ls"])
+        out = capsys.readouterr().out
+        assert f"{rb.name}  replay buffer, owner pid {os.getpid()} alive" in out and "16 rows, 5 rows inserted" in out
+
+    rx, tx = CTX.Pipe(duplex=False)
+
+    def owner() -> None:
+        b = ReplayBuffer.create({"x": np.zeros(3, np.float32)}, 8)
+        tx.send_bytes(b.name.encode())
+        signal.pause()
+
+    p = CTX.Process(target=owner, daemon=True)
+    p.start()
+    try:
+        assert rx.poll(10)
+        name = rx.recv_bytes().decode()
+    finally:
+        p.kill()
+        p.join(5)
+    found = [f for f in _admin.scan() if f.name == name]
+    assert found and found[0].replay and found[0].removable
+    assert name in _admin.remove(found[0])
+    assert not os.path.exists("/dev/shm" + name)

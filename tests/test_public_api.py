@@ -24,3 +24,27 @@ def test_errors_subclass_the_builtins_a_caller_would_catch() -> None:
     assert issubclass(shmbuf.TimescaleFull, IndexError) and issubclass(shmbuf.UnknownTimescale, KeyError)
     for e in (shmbuf.UsageError, shmbuf.TimescaleFull, shmbuf.UnknownTimescale, shmbuf.SchemaError, shmbuf.SegmentError):
         assert issubclass(e, shmbuf.ShmbufError)
+
+
+def test_storage_public_names_are_pinned() -> None:
+    import shmbuf.storage
+
+    assert sorted(shmbuf.storage.__all__) == sorted([
+        "BufferFull", "Field", "MiniBatch", "QueueRolloutStorage", "ReplayBuffer", "ReplayHandle", "ReplayInfo",
+        "RolloutBuffer", "RolloutBufferWriter", "RolloutSlot", "RolloutStorage", "SarsaMiniBatch", "SarsaRolloutStorage",
+        "SarsaTransition", "TimeOutObservations", "Transition", "compute_gae", "iterate_minibatches",
+        "normalize_advantages", "split_and_pad_trajectories", "to_torch", "transition_view", "unpad_trajectories",
+    ])
+    for name in shmbuf.storage.__all__:
+        assert hasattr(shmbuf.storage, name)
+
+
+
+def test_storage_imports_neither_workers_nor_torch() -> None:
+    """The learner-side package is numpy-only at import, and never reaches up into workers/ (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = "import sys, shmbuf.storage; print(sorted(m for m in ('torch', 'workers', 'gymnasium', 'ray') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

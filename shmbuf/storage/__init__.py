@@ -6,8 +6,12 @@ here imports ``workers``: a Collector batch is read through what it has (``data`
 See docs/storage.md for how each class maps to the systems it learns from.
 """
 
-from shmbuf.storage.buffer import BufferFull, Field, RolloutBuffer, RolloutBufferWriter, RolloutSlot, iterate_minibatches, transition_view
+from shmbuf.storage._torch import to_torch
+from shmbuf.storage.buffer import (
+    BufferFull, Field, RolloutBuffer, RolloutBufferWriter, RolloutSlot, iterate_minibatches, transition_view,
+)
 from shmbuf.storage.gae import compute_gae, normalize_advantages
+from shmbuf.storage.replay import ReplayBuffer, ReplayHandle, ReplayInfo
 from shmbuf.storage.rollout import (
     MiniBatch, QueueRolloutStorage, RolloutStorage, SarsaMiniBatch, SarsaRolloutStorage, SarsaTransition,
     TimeOutObservations, Transition, split_and_pad_trajectories, unpad_trajectories,
@@ -18,6 +22,9 @@ __all__ = [
     "Field",
     "MiniBatch",
     "QueueRolloutStorage",
+    "ReplayBuffer",
+    "ReplayHandle",
+    "ReplayInfo",
     "RolloutBuffer",
     "RolloutBufferWriter",
     "RolloutSlot",
@@ -31,6 +38,7 @@ __all__ = [
     "iterate_minibatches",
     "normalize_advantages",
     "split_and_pad_trajectories",
+    "to_torch",
     "transition_view",
     "unpad_trajectories",
 ]

@@ -28,6 +28,7 @@ import numpy as np
 
 import shmbuf
 from shmbuf._errors import PipelineClosed, SchemaError, ShmbufError, SlotTimeout, StaleRollout, UsageError
+from shmbuf.storage._torch import to_torch
 
 OBSERVATION = "observation"
 TRANSITION = "transition"
@@ -637,25 +638,3 @@ def iterate_minibatches(rollout: Mapping[str, Any], batch_size: int, *, rng: Any
         batch: dict[str, Any] = {k: v[idx] for k, v in arrays.items()}
         batch[INDICES] = idx
         yield batch if device is None else to_torch(batch, device)
-
-
-def to_torch(tree: Any, device: Any = None) -> Any:
-    """numpy arrays (in dicts, lists, tuples) as torch tensors: ``torch.from_numpy``, zero-copy on CPU.
-
-    With ``device`` other than CPU each tensor is copied there. The CPU tensors share memory with
-    the arrays, so they live exactly as long as those (a view of a slot: until its release). A
-    read-only array is copied first (torch cannot share it). torch is imported here, not before.
-    """
-    import torch
-
-    def conv(x: Any) -> Any:
-        if isinstance(x, Mapping):
-            return {k: conv(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(conv(v) for v in x)
-        if isinstance(x, np.ndarray):
-            t = torch.from_numpy(x if x.flags.writeable else np.array(x))
-            return t if device is None else t.to(device)
-        return x
-
-    return conv(tree)

@@ -142,6 +142,7 @@ from shmbuf._segment import (
     open_object,
     stamp_pidns,
 )
+from shmbuf.storage._torch import to_torch
 
 __all__ = ["ReplayBuffer", "ReplayHandle", "ReplayInfo", "describe", "is_replay"]
 
@@ -820,19 +821,7 @@ class ReplayBuffer:
 
     # -- torch ------------------------------------------------------------------
 
-    @staticmethod
-    def to_torch(tree: Any, device: Any = None) -> Any:
-        """The same tree with every numpy leaf as a torch tensor: ``torch.from_numpy`` (zero-copy on CPU), then ``.to(device)``.
-
-        torch is imported here, not before: shmbuf itself never needs it.
-        """
-        import torch
-
-        def one(x: Any) -> Any:
-            t = torch.from_numpy(np.ascontiguousarray(x))
-            return t if device is None else t.to(device)
-
-        return optree.tree_map(one, tree)
+    to_torch = staticmethod(to_torch)  # shmbuf.storage's one numpy-to-torch (see _torch.py)
 
 
 def _size(setting: str, value: object) -> int:

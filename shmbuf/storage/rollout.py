@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from shmbuf._errors import SchemaError, TimescaleFull, UsageError
+from shmbuf.storage._torch import to_torch
 from shmbuf.storage.gae import compute_gae
 from shmbuf.storage.gae import normalize_advantages as _normalize
 
@@ -92,21 +93,9 @@ class _ToTorch:
     __slots__ = ()
 
     def to_torch(self, device: Any = None) -> Any:
-        """The same minibatch with every array a torch tensor (``torch.from_numpy``: shares memory on CPU;
-        then ``.to(device)`` if given). Read-only arrays are copied first (torch cannot share them)."""
-        import torch
-
-        def conv(x: Any) -> Any:
-            if x is None:
-                return None
-            if isinstance(x, tuple):
-                return tuple(conv(y) for y in x)
-            if not x.flags.writeable:
-                x = np.array(x)
-            t = torch.from_numpy(x)
-            return t if device is None else t.to(device)
-
-        return type(self)(*(conv(x) for x in self))
+        """The same minibatch with every array a torch tensor (see :func:`shmbuf.storage._torch.to_torch`:
+        shares memory on CPU; then ``.to(device)`` if given; read-only arrays are copied first)."""
+        return to_torch(self, device)
 
 
 _MB_FIELDS = ["obs", "critic_obs", "actions", "values", "advantages", "returns", "old_actions_log_prob", "old_mu",
