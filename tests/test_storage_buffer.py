@@ -459,35 +459,3 @@ def test_to_torch_shares_memory_on_cpu_and_minibatches_can_come_as_tensors() -> 
 
 
 # -------------------------------------------------------------- the docs' example (doc-buffer.md holds the same code)
-
-
-def test_the_docs_example_runs() -> None:
-    import numpy as np
-
-    from shmbuf.storage.buffer import RolloutBuffer, iterate_minibatches
-
-    num_envs, T = 8, 16
-    with RolloutBuffer(num_envs, T, obs_dim=4, action_dim=1, fields={"action": ((), np.int64)}, slots=2) as buffer:
-        rng = np.random.default_rng(0)
-        obs = rng.standard_normal((num_envs, 4)).astype(np.float32)
-
-        # actor side (here the same process): write straight into the shared slot
-        rollout = buffer.start_rollout()
-        for t in range(T):
-            action = rng.integers(0, 2, num_envs)
-            rollout.set_step(t, {"obs": obs, "value": np.zeros(num_envs), "action": action,
-                                 "sample_log_prob": np.full(num_envs, -0.69), "reward": np.ones(num_envs),
-                                 "done": np.zeros(num_envs, bool), "terminated": np.zeros(num_envs, bool),
-                                 "truncated": np.zeros(num_envs, bool)})
-            obs = rng.standard_normal((num_envs, 4)).astype(np.float32)
-        rollout.set_step(T, {"obs": obs, "value": np.zeros(num_envs)})  # the bootstrap row
-        buffer.add(rollout)
-
-        # learner side
-        assert buffer.is_full()
-        data = buffer.get(flatten=True)  # [num_envs * T] copies; the slot is already free again
-        assert data["obs"].shape == (num_envs * T, 4) and data["next_obs"].shape == (num_envs * T, 4)
-        seen = 0
-        for batch in iterate_minibatches(data, batch_size=32, rng=0):
-            seen += len(batch["_indices"])
-        assert seen == num_envs * T
