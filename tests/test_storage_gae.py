@@ -111,3 +111,70 @@ def test_normalize_advantages_matches_rsl_rl() -> None:
     got = normalize_advantages(a)
     assert got is a
     np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+def gae_loop_nd(rewards, values, dones, time_outs, last_values, gamma, lam, time_out_values):
+    """The per-step loop over whole ``[N, K]`` rows, masks of values' full shape ``[T, N, K]`` (one flag per critic head)."""
+    T = rewards.shape[0]
+    adv = np.zeros(rewards.shape)
+    a = np.zeros(rewards.shape[1:])
+    next_v = last_values
+    for t in reversed(range(T)):
+        end = dones[t] | time_outs[t]
+        boot = time_outs[t] & ~dones[t]
+        delta = rewards[t] + gamma * ~end * next_v + gamma * np.where(boot, time_out_values[t], 0.0) - values[t]
+        a = delta + gamma * lam * ~end * a
+        adv[t] = a
+        next_v = values[t]
+    return adv, adv + values
+
+
+@settings(deadline=None, max_examples=60)
+@given(seed=st.integers(0, 2**32 - 1), T=st.integers(1, 12), N=st.integers(1, 4), K=st.integers(2, 3),
+       p_out=st.sampled_from([0.05, 0.3, 1.0]), mask_kind=st.sampled_from(["both", "dones", "time_outs"]),
+       with_tov=st.booleans())
+def test_full_shape_masks_bootstrap_each_element(seed, T, N, K, p_out, mask_kind, with_tov) -> None:
+    """[T, N, K] values with dones and/or time_outs of that full shape (the docstring allows it): each element
+    bootstraps on its own flag. (The time-out index once assumed [T, N] masks: wrong advantages or an IndexError.)"""
+    rng = np.random.default_rng(seed)
+    r, v, tov = (rng.normal(size=(T, N, K)) for _ in range(3))
+    lv = rng.normal(size=(N, K))
+    d = rng.random((T, N, K)) < 0.2
+    to = rng.random((T, N, K)) < p_out
+    if mask_kind == "dones":  # [T, N, K] dones, [T, N] time-outs (broadcast over K)
+        to = np.repeat(to[:, :, :1], K, axis=2)
+    elif mask_kind == "time_outs":
+        d = np.repeat(d[:, :, :1], K, axis=2)
+    d_in = d[:, :, 0] if mask_kind == "time_outs" else d
+    to_in = to[:, :, 0] if mask_kind == "dones" else to
+    adv, ret = compute_gae(r, v, d_in, lv, 0.9, 0.95, time_outs=to_in, time_out_values=tov if with_tov else None)
+    want_adv, want_ret = gae_loop_nd(r, v, d, to, lv, 0.9, 0.95, tov if with_tov else v)
+    np.testing.assert_allclose(adv, want_adv, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ret, want_ret, rtol=0, atol=1e-6)
+
+
+def test_the_reviewers_full_shape_cases() -> None:
+    """The two cases that failed: a time-out on one head (max error 0.93) and one past index T*N (IndexError)."""
+    rng = np.random.default_rng(0)
+    T, N, K = 5, 3, 2
+    r, v = rng.normal(size=(T, N, K)), rng.normal(size=(T, N, K))
+    lv, tov = rng.normal(size=(N, K)), rng.normal(size=(T, N, K))
+    d = np.zeros((T, N, K), bool)
+    for at in [(2, 1, 0), (4, 2, 1)]:
+        to = np.zeros((T, N, K), bool)
+        to[at] = True
+        adv, _ = compute_gae(r, v, d, lv, 0.9, 0.95, time_outs=to, time_out_values=tov)
+        np.testing.assert_allclose(adv, gae_loop_nd(r, v, d, to, lv, 0.9, 0.95, tov)[0], atol=1e-9)
+
+
+@pytest.mark.parametrize("setting", ["gamma", "lam"])
+@pytest.mark.parametrize("bad", [None, "0.9", -0.1, 1.5, float("nan"), True, np.array([0.9, 0.9])])
+def test_gamma_and_lam_must_be_numbers_from_0_to_1(setting, bad) -> None:
+    """None once gave NaN everywhere, silently: now a UsageError (a ValueError and a TypeError) naming the setting."""
+    r = np.zeros((3, 2))
+    kw = {"gamma": 0.99, "lam": 0.95, setting: bad}
+    with pytest.raises(shmbuf.UsageError, match=rf"compute_gae\({setting}=\.\.\.\): expected a real number from 0 to 1"):
+        compute_gae(r, r, r, np.zeros(2), kw["gamma"], kw["lam"])
+    for ok in (0, 1, np.float32(0.5)):
+        kw[setting] = ok
+        compute_gae(r, r, r, np.zeros(2), kw["gamma"], kw["lam"])

@@ -22,6 +22,7 @@ rsl_rl adds the time-out bootstrap into the stored rewards; here rewards are nev
 
 from __future__ import annotations
 
+from numbers import Real
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,13 @@ def _check_shape(name: str, a: np.ndarray, want: tuple[int, ...], alt: tuple[int
     if a.shape != want and a.shape != alt:
         also = f" or {alt}" if alt is not None and alt != want else ""
         raise SchemaError(f"compute_gae: {name} has shape {a.shape}, expected {want}{also} (time-major [T, N, ...])")
+
+
+def check_discount(where: str, setting: str, value: Any) -> float:
+    """``value`` as a float if it is a real number in [0, 1] (``gamma``, ``lam``); else UsageError naming ``setting``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real) or not 0.0 <= value <= 1.0:
+        raise UsageError(f"{where}({setting}=...): expected a real number from 0 to 1, got {value!r:.80}")
+    return float(value)
 
 
 def _mask(name: str, a: Any, shape: tuple[int, ...]) -> np.ndarray:
@@ -70,7 +78,7 @@ def compute_gae(rewards: Any, values: Any, dones: Any, last_values: Any, gamma: 
         rewards, values: ``[T, N, *rest]``, float32 or float64 (the result has their common float type).
         dones: ``[T, N]`` (or ``values``' shape): terminated; bool, or numbers where nonzero means true.
         last_values: ``[N, *rest]``: the critic's value of the observation after the last step.
-        gamma, lam: discount and GAE lambda.
+        gamma, lam: discount and GAE lambda: real numbers from 0 to 1 (else UsageError naming the setting).
         time_outs: like ``dones``: truncated by a time limit (None: never).
         time_out_values: like ``values``: at each time-out step, the value of the episode's final
             observation (read only where ``time_outs`` and not ``dones``; None: use ``values``).
@@ -79,6 +87,8 @@ def compute_gae(rewards: Any, values: Any, dones: Any, last_values: Any, gamma: 
     Allocates one ``[T, N]`` scratch array (the per-step factors) besides the outputs, and index arrays for
     the time-out steps; the loop over T writes in place. Inputs are never modified.
     """
+    gamma = check_discount("compute_gae", "gamma", gamma)
+    lam = check_discount("compute_gae", "lam", lam)
     rewards = np.asarray(rewards)
     values = np.asarray(values)
     if values.ndim < 2:
@@ -112,9 +122,12 @@ def compute_gae(rewards: Any, values: Any, dones: Any, last_values: Any, gamma: 
     adv -= values
     if time_outs is not None:
         # time-outs are few: index them rather than pass over every step (and never read tv elsewhere)
-        boot = to & ~done
-        t, n = np.unravel_index(np.flatnonzero(boot), boot.shape[:2])  # 2-d np.nonzero is ten times slower
-        adv[t, n] += np.asarray(gamma, dtype) * tv[t, n]
+        boot = to & ~done  # [T, N, 1, ...] when both masks are [T, N]; else values' full shape
+        if boot.shape == shape:  # a mask per element (e.g. per critic head): index every axis
+            at = np.unravel_index(np.flatnonzero(boot), shape)
+        else:  # one flag per step and env: index [t, n] and take the trailing axes whole
+            at = np.unravel_index(np.flatnonzero(boot), shape[:2])  # 2-d np.nonzero is ten times slower
+        adv[at] += np.asarray(gamma, dtype) * tv[at]
     cont *= lam
     tmp = ret[0]  # one row of scratch for the recursion
     for t in range(T - 2, -1, -1):
