@@ -464,3 +464,126 @@ def test_sarsa_from_a_rollout_copies_the_observations_once_and_keeps_the_rest_as
 
 
 # -- the docs example ---------------------------------------------------------------------------------
+
+
+# -- review fixes: keys, bad input, settings, the queue's time_out_values ------------------------------------
+
+def test_from_rollout_reads_the_reward_leaf_named_by_reward_key() -> None:
+    """reward_key was ignored (a hard-coded 'reward' leaf set T and E): a KeyError for any other name."""
+    cb = collected_batch(2, 3)
+    step = cb.data["step"]
+    step["rew"] = step.pop("reward")
+    s = RolloutStorage.from_rollout(cb, reward_key="rew")
+    assert (s.num_transitions_per_env, s.num_envs) == (T_, 6)
+    np.testing.assert_array_equal(s.rewards, want_tm(step["rew"], True))
+    with pytest.raises(shmbuf.SchemaError, match=r"no leaf 'reward' .*reward_key='reward'") as info:
+        RolloutStorage.from_rollout(cb)
+    assert not isinstance(info.value, KeyError)
+
+
+def test_from_rollout_key_settings_and_a_fill_without_step() -> None:
+    cb = collected_batch(1, 2)
+    s = RolloutStorage.from_rollout(cb, truncated_key=None)  # no truncation: the storage's own all-False time_outs
+    assert s.time_outs.shape == (T_, 2) and s.time_outs.dtype == bool and not s.time_outs.any()
+    assert s.time_out_observations is None and "time_outs" not in s.copied
+    s.compute_returns(np.zeros(2), 0.9, 0.9)
+    for setting in ("value_key", "reward_key", "obs_key", "terminated_key"):
+        with pytest.raises(shmbuf.UsageError, match=rf"from_rollout\({setting}=\.\.\.\): .*required"):
+            RolloutStorage.from_rollout(cb, **{setting: None})
+    with pytest.raises(shmbuf.UsageError, match=r"hidden_states_keys"):
+        RolloutStorage.from_rollout(cb, hidden_states_keys="h")
+    with pytest.raises(shmbuf.SchemaError, match=r"no fill\['step'\] .*there is \['episode'\]"):
+        RolloutStorage.from_rollout(SimpleNamespace(data=cb.data, fill={"episode": 0}))
+    cb.data["step"]["terminated"] = np.full((1, T_, 2), "x")
+    with pytest.raises(shmbuf.SchemaError, match=r"dones has dtype <U1: expected bool or numbers"):
+        RolloutStorage.from_rollout(cb)
+
+
+def good_transition(N: int = 2) -> Transition:
+    return Transition(observations=np.ones((N, 3)), actions=np.ones((N, 2)), rewards=np.ones(N), dones=np.zeros(N),
+                      values=np.ones(N), actions_log_prob=np.ones(N), hidden_states=(np.ones((N, 4)), np.ones((N, 4))))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("observations", [[1.0, 2.0, 3.0], [1.0, 2.0]]),  # ragged: numpy's ValueError
+    ("observations", np.full((2, 3), "a")),  # strings: numpy's TypeError from copyto
+    ("dones", np.array(["a", "b"])),  # numpy's UFuncTypeError from not_equal
+    ("actions", np.array([["a", "b"], ["c", "d"]])),  # after valid observations: they were written first
+    ("values", np.array([None, None])),  # object arrays
+    ("rewards", np.ones(2, complex)),
+    ("hidden_states", (np.ones((2, 4)), np.full((2, 4), "h"))),  # the actor's was allocated and written first
+])
+def test_bad_transitions_are_schema_errors_naming_the_field_and_write_nothing(field: str, value: Any) -> None:
+    s = RolloutStorage(2, 3, OBS, None, ACT)
+    s.add_transitions(good_transition())
+    before = {k: v.copy() for k, v in vars(s).items() if isinstance(v, np.ndarray)}
+    tr = good_transition()
+    tr.observations = np.full((2, 3), 7.0)
+    setattr(tr, field, value)
+    with pytest.raises(shmbuf.SchemaError, match=rf"Transition\.{field}"):
+        s.add_transitions(tr)
+    after = {k: v for k, v in vars(s).items() if isinstance(v, np.ndarray)}
+    assert s.step == 1 and after.keys() == before.keys()
+    for k, v in before.items():
+        np.testing.assert_array_equal(after[k], v, err_msg=k)
+
+
+def test_hidden_states_are_allocated_only_by_a_transition_that_is_written() -> None:
+    s = RolloutStorage(2, 3, OBS, None, ACT)
+    tr = good_transition()
+    tr.hidden_states = (np.ones((2, 4)), np.full((2, 4), "h"))
+    with pytest.raises(shmbuf.SchemaError, match="hidden_states_critic"):
+        s.add_transitions(tr)
+    assert s.hidden_states_actor is None and s.hidden_states_critic is None and s.step == 0
+
+
+def test_shape_and_seed_settings() -> None:
+    a = RolloutStorage(2, 3, 5, None, 1, 4)  # one int is a 1-d shape
+    b = RolloutStorage(2, 3, (5,), [None], (1,), (4,))
+    for name in ("observations", "actions", "hidden_states_actor"):
+        assert getattr(a, name).shape == getattr(b, name).shape
+    assert a.privileged_observations is None and b.privileged_observations is None
+    for args, setting in [((2, 3, None, None, (1,)), "obs_shape"), ((2, 3, (2,), None, "x"), "actions_shape"),
+                          ((2, 3, (2,), (-1,), (1,)), "privileged_obs_shape"), ((2, 3, (2,), None, (1,), 2.5), "rnn_hidden_shape")]:
+        with pytest.raises(shmbuf.UsageError, match=rf"^{setting}: expected a shape"):
+            RolloutStorage(*args)
+    with pytest.raises(shmbuf.UsageError, match=r"^seed: expected None, an int"):
+        RolloutStorage(2, 3, 5, None, 1, seed="x")
+
+
+@pytest.mark.parametrize("setting", ["gamma", "lam"])
+@pytest.mark.parametrize("cls", [RolloutStorage, QueueRolloutStorage])
+def test_compute_returns_refuses_a_gamma_or_lam_that_is_not_from_0_to_1(cls: Any, setting: str) -> None:
+    s = filled(T=3, N=2, cls=cls)
+    kw = {"gamma": 0.9, "lam": 0.9, setting: None}
+    with pytest.raises(shmbuf.UsageError, match=rf"{cls.__name__}\.compute_returns\({setting}=\.\.\.\)"):
+        s.compute_returns(np.zeros(2), kw["gamma"], kw["lam"])
+    assert np.isfinite(s.returns).all()
+
+
+def test_queue_compute_returns_rotates_time_out_values_with_the_rows() -> None:
+    """time_out_values is indexed like the rows when compute_returns is called; it was used unrotated after the untie."""
+    rng = np.random.default_rng(4)
+    N = 3
+    q = QueueRolloutStorage(N, 4, OBS, None, ACT, buffer_dilation_ratio=1.5)  # grows to 6 rows, then loops
+    for g in range(4 + 2 + 3):  # 9 steps: the 6-row buffer has looped, step == 3
+        q.add_transitions(Transition(observations=np.full((N, 3), g), actions=np.zeros((N, 2)), rewards=rng.normal(size=N),
+                                     dones=rng.random(N) < 0.1, time_outs=rng.random(N) < 0.5, values=rng.normal(size=N),
+                                     actions_log_prob=np.zeros(N)))
+        if g in (3, 5):
+            q.clear()
+    assert q.buffer_full and q.step == 3 and q.num_transitions_per_env == 6
+    tov = np.where(q.time_outs, rng.normal(size=(6, N)), 0.0)  # row i goes with values[i], as stored now
+    mine = tov.copy()
+    order = np.r_[3:6, 0:3]  # the rows in time order
+    want = compute_gae(q.rewards[order], q.values[order], q.dones[order], np.ones(N), 0.9, 0.8,
+                       time_outs=q.time_outs[order], time_out_values=tov[order])
+    q.compute_returns(np.ones(N), 0.9, 0.8, time_out_values=tov)
+    np.testing.assert_array_equal(tov, mine)  # the caller's array is not changed
+    np.testing.assert_array_equal(q.observations[:, 0, 0], np.arange(3, 9))
+    np.testing.assert_allclose(q.advantages, want[0], atol=1e-5)
+    np.testing.assert_allclose(q.returns, want[1], atol=1e-5)
+    q.compute_returns(np.ones(N), 0.9, 0.8, time_out_values=tov[order])  # untied now: used as it is
+    np.testing.assert_allclose(q.advantages, want[0], atol=1e-5)
+    with pytest.raises(shmbuf.SchemaError, match=r"time_out_values has shape \(4, 3\)"):
+        q.compute_returns(np.ones(N), 0.9, 0.8, time_out_values=tov[:4])

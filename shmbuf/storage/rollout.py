@@ -28,7 +28,7 @@ import numpy as np
 
 from shmbuf._errors import SchemaError, TimescaleFull, UsageError
 from shmbuf.storage._torch import to_torch
-from shmbuf.storage.gae import compute_gae
+from shmbuf.storage.gae import check_discount, compute_gae
 from shmbuf.storage.gae import normalize_advantages as _normalize
 
 __all__ = [
@@ -191,7 +191,7 @@ def _walk(tree: Any, path: str, where: str) -> Any:
 class _Source:
     """A Rollout ``(T, [E], ...)`` or a batch ``(B, T, [E], ...)``, read through ``.data`` and ``.fill``."""
 
-    def __init__(self, src: Any):
+    def __init__(self, src: Any, reward_key: str):
         data, fill = getattr(src, "data", None), getattr(src, "fill", None)
         self.name = _short_repr(src)
         if not isinstance(data, Mapping) or not isinstance(data.get("step"), Mapping):
@@ -200,13 +200,20 @@ class _Source:
         if fill is None:
             raise UsageError(f"from_rollout: {self.name} has fill=None: a complete-episodes batch (episodes "
                              "concatenated, not time-major [T, N]); collect with batch_mode='truncate_episodes'")
+        if not isinstance(fill, Mapping) or "step" not in fill:
+            have = sorted(fill) if isinstance(fill, Mapping) else type(fill).__name__
+            raise SchemaError(f"from_rollout: {self.name} has no fill['step'] (the filled count of each rollout; there is "
+                              f"{have}): expected a shmbuf Rollout, Batch or workers CollectedBatch")
         self.data, self.step = data, data["step"]
-        rew = np.asarray(_walk(self.step, "reward", "from_rollout"))
+        try:  # the reward leaf sets T, E (and B)
+            rew = np.asarray(_walk(self.step, reward_key, "from_rollout"))
+        except KeyError as e:
+            raise SchemaError(f"{e.args[0]}. The storage needs the rewards (reward_key={reward_key!r})") from None
         f = fill["step"]
         self.batched = np.ndim(f) > 0
         lead = 1 if self.batched else 0
         if rew.ndim not in (lead + 1, lead + 2):
-            raise SchemaError(f"from_rollout: step leaf 'reward' has shape {rew.shape}; expected "
+            raise SchemaError(f"from_rollout: step leaf {reward_key!r} (reward_key) has shape {rew.shape}; expected "
                               f"{'(B, T) or (B, T, E)' if self.batched else '(T,) or (T, E)'}")
         self.B = rew.shape[0] if self.batched else 1
         self.T = rew.shape[lead]
@@ -294,13 +301,56 @@ class _Source:
         return TimeOutObservations(np.asarray(ep["end"])[idx].astype(np.intp), env, np.asarray(final)[idx])
 
 
+def _array(name: str, x: Any) -> np.ndarray:
+    """``x`` as a numpy array, or SchemaError naming the field (ragged lists, a GPU tensor, ...)."""
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        return np.asarray(x)
+    except Exception as exc:  # noqa: BLE001  # ragged nesting (ValueError), whatever an __array__ raises
+        raise SchemaError(f"Transition.{name}: could not read a {type(x).__name__} as a numpy array ({type(exc).__name__}: "
+                          f"{exc}); pass an array of one row of every env (for torch: tensor.detach().cpu())") from None
+
+
 def _as_row(name: str, x: Any, row: np.ndarray) -> np.ndarray:
-    x = np.asarray(x)
+    """``x`` checked to be writable into ``row`` (shape, and a dtype that casts 'same_kind'; bool or numbers into
+    a bool row), or SchemaError naming the field. Nothing is written."""
+    x = _array(name, x)
     if name in SCALAR_FIELDS and x.shape == row.shape + (1,):
         x = x[..., 0]
     if x.shape != row.shape:
         raise SchemaError(f"Transition.{name}: expected shape {row.shape} (one row of every env), got {x.shape}")
+    if row.dtype == np.bool_:
+        if x.dtype.kind not in "biuf":
+            raise SchemaError(f"Transition.{name}: expected bool (or numbers, nonzero meaning true), got dtype {x.dtype}")
+    elif x.dtype.kind not in "biuf" or not np.can_cast(x.dtype, row.dtype, casting="same_kind"):
+        raise SchemaError(f"Transition.{name}: expected numbers that cast to {row.dtype} under numpy's 'same_kind' rule, "
+                          f"got dtype {x.dtype}")
     return x
+
+
+def _shape(setting: str, value: Any) -> tuple[int, ...]:
+    """A shape setting as a tuple of ints >= 0: an int ``k`` is ``(k,)``; else UsageError naming the setting."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        value = (value,)
+    try:
+        dims = tuple(value)
+    except TypeError:
+        dims = (None,)
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise UsageError(f"{setting}: expected a shape (a tuple of ints >= 0, or one int), got {value!r:.80}")
+    return tuple(int(d) for d in dims)
+
+
+def _rng(setting: str, seed: Any) -> np.random.Generator:
+    """``np.random.default_rng(seed)`` (a Generator passes through), or UsageError naming the setting."""
+    if isinstance(seed, np.random.Generator):
+        return seed
+    try:
+        return np.random.default_rng(seed)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{setting}: expected None, an int >= 0, a numpy SeedSequence or Generator, got {seed!r:.80} "
+                         f"({exc})") from None
 
 
 def _check_int(name: str, v: Any, lo: int, hi: int | None = None) -> int:
@@ -308,6 +358,17 @@ def _check_int(name: str, v: Any, lo: int, hi: int | None = None) -> int:
         rng = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
         raise UsageError(f"{name}: expected an int {rng}, got {v!r}")
     return int(v)
+
+
+def _check_keys(required: dict[str, Any], optional: dict[str, Any]) -> None:
+    """from_rollout's leaf keys: a non-empty str each (None allowed for the optional ones); UsageError naming the setting."""
+    for setting, key in [*required.items(), *optional.items()]:
+        if key is None and setting in optional:
+            continue
+        if not isinstance(key, str) or not key:
+            need = "" if setting in optional else " (required: the storage cannot do without it)"
+            raise UsageError(f"from_rollout({setting}=...): expected the name of a step leaf, a str ('a/b' walks nested "
+                             f"dicts){need}, got {key!r:.80}")
 
 
 def _aliases(arrays: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -368,11 +429,15 @@ class RolloutStorage:
         f = np.dtype(dtype)
         if not np.issubdtype(f, np.floating):
             raise UsageError(f"dtype: expected a floating dtype, got {f}")
-        act = tuple(actions_shape)
-        self.observations = np.zeros((T, N, *obs_shape), f)
-        priv = None if privileged_obs_shape is None else tuple(privileged_obs_shape)
-        # rsl_rl passes [None] for "no privileged observations"
-        self.privileged_observations = None if priv is None or (priv and priv[0] is None) else np.zeros((T, N, *priv), f)
+        obs = _shape("obs_shape", obs_shape)
+        act = _shape("actions_shape", actions_shape)
+        priv = privileged_obs_shape
+        if isinstance(priv, (list, tuple)) and len(priv) > 0 and priv[0] is None:
+            priv = None  # rsl_rl passes [None] for "no privileged observations"
+        priv = None if priv is None else _shape("privileged_obs_shape", priv)
+        hid = None if rnn_hidden_shape is None else _shape("rnn_hidden_shape", rnn_hidden_shape)
+        self.observations = np.zeros((T, N, *obs), f)
+        self.privileged_observations = None if priv is None else np.zeros((T, N, *priv), f)
         self.actions = np.zeros((T, N, *act), f)
         self.rewards = np.zeros((T, N), f)
         self.dones = np.zeros((T, N), bool)
@@ -383,14 +448,14 @@ class RolloutStorage:
         self.sigma = np.zeros((T, N, *act), f)
         self.returns = np.zeros((T, N), f)
         self.advantages = np.zeros((T, N), f)
-        if rnn_hidden_shape is not None:
-            self.hidden_states_actor = np.zeros((T, N, *rnn_hidden_shape), f)
-            self.hidden_states_critic = np.zeros((T, N, *rnn_hidden_shape), f)
+        if hid is not None:
+            self.hidden_states_actor = np.zeros((T, N, *hid), f)
+            self.hidden_states_critic = np.zeros((T, N, *hid), f)
 
     def _setup(self, T: int, N: int, seed: Any) -> None:
         self.num_transitions_per_env = T
         self.num_envs = N
-        self.rng = np.random.default_rng(seed)
+        self.rng = _rng("seed", seed)
         self.step = 0
         self.privileged_observations: np.ndarray | None = None
         self.mu: np.ndarray | None = None
@@ -416,7 +481,10 @@ class RolloutStorage:
         ``rollout_or_batch``: a ``shmbuf.Rollout`` (step leaves ``(T, [E], ...)``), or a ``shmbuf.Batch`` /
         workers ``CollectedBatch`` (``(B, T, [E], ...)``), read through ``.data`` and ``.fill``. Keys name step
         leaves (``"a/b"`` walks a nested dict); ``value_key`` and ``log_prob_key`` are policy extras, so the
-        policy must return ``(action, {"value": ..., "log_prob": ...})``. Every rollout must be full
+        policy must return ``(action, {"value": ..., "log_prob": ...})``. ``obs_key``, ``action_key``,
+        ``reward_key``, ``terminated_key``, ``value_key`` and ``log_prob_key`` are required (a str; None is a
+        UsageError); ``truncated_key=None`` means no episode is ever truncated (``time_outs`` all False, the
+        storage's own array); a key with no leaf is a SchemaError naming it. Every rollout must be full
         (``fill["step"] == T``); a short one is refused with a UsageError naming it and its fill.
 
         Views and copies: ``N = B * E`` (E = 1 without an env dim). Each per-step array is a view of the
@@ -432,7 +500,14 @@ class RolloutStorage:
         Collector) refills its batch buffer (``copy=False``); writing into them writes into the source.
         The storage cannot take ``add_transitions`` (it would write into the rollout).
         """
-        src = _Source(rollout_or_batch)
+        _check_keys({"obs_key": obs_key, "action_key": action_key, "reward_key": reward_key,
+                     "terminated_key": terminated_key, "value_key": value_key, "log_prob_key": log_prob_key},
+                    {"critic_obs_key": critic_obs_key, "truncated_key": truncated_key, "mu_key": mu_key, "sigma_key": sigma_key})
+        if hidden_states_keys is not None:
+            if not (isinstance(hidden_states_keys, (tuple, list)) and len(hidden_states_keys) == 2):
+                raise UsageError(f"from_rollout(hidden_states_keys=...): expected (actor key, critic key), got {hidden_states_keys!r:.80}")
+            _check_keys({"hidden_states_keys[0]": hidden_states_keys[0], "hidden_states_keys[1]": hidden_states_keys[1]}, {})
+        src = _Source(rollout_or_batch, reward_key)
         need_v = f"the critic's value of each step's observation (a policy extra, key {value_key!r})"
         need_lp = f"the log-probability of each step's action (a policy extra, key {log_prob_key!r})"
         def steps(field: str, key: str | None, what: str, scalar: bool = False) -> np.ndarray | None:
@@ -454,7 +529,12 @@ class RolloutStorage:
         if hidden_states_keys is not None:
             arrays["hidden_states_actor"] = steps("hidden_states_actor", hidden_states_keys[0], "actor hidden states")
             arrays["hidden_states_critic"] = steps("hidden_states_critic", hidden_states_keys[1], "critic hidden states")
+        if arrays["time_outs"] is None:  # truncated_key=None: no episode is ever truncated
+            arrays["time_outs"] = np.zeros((src.T, src.N), bool)
         for k in ("dones", "time_outs"):
+            if arrays[k].dtype.kind not in "biuf":  # type: ignore[union-attr]
+                raise SchemaError(f"from_rollout: step leaf for {k} has dtype {arrays[k].dtype}: expected bool or numbers "  # type: ignore[union-attr]
+                                  "(nonzero meaning true)")
             if arrays[k].dtype != np.bool_:  # type: ignore[union-attr]
                 arrays[k] = arrays[k] != 0
                 if k not in src.copied:
@@ -464,7 +544,7 @@ class RolloutStorage:
         self.bootstrap_observations = src.bootstrap(obs_key)
         if critic_obs_key is not None:
             self.bootstrap_critic_observations = src.bootstrap(critic_obs_key)
-        self.time_out_observations = src.time_outs(obs_key)
+        self.time_out_observations = None if truncated_key is None else src.time_outs(obs_key)
         self._adopt(arrays, src)
         self.copied = tuple(src.copied)
         return self
@@ -511,16 +591,21 @@ class RolloutStorage:
                 continue
             rows[field] = _as_row(name, x, dst[t])
         hidden = self._hidden_rows(tr.hidden_states)
+        # every field checked (shape and dtype): from here on nothing can fail half-way
         for field, x in rows.items():
             dst = getattr(self, field)
             if dst.dtype == np.bool_:
                 np.not_equal(x, 0, out=dst[t])
             else:
                 np.copyto(dst[t], x, casting="same_kind")
-        for dst, x in hidden:
+        for name, dst, x in hidden:
+            if getattr(self, name) is None:
+                setattr(self, name, dst)
             np.copyto(dst[t], x, casting="same_kind")
 
-    def _hidden_rows(self, hidden: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _hidden_rows(self, hidden: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """``(storage name, array, checked row)`` of each hidden state given; a new array (first use without
+        ``rnn_hidden_shape``) is allocated here and attached by the caller once everything is checked."""
         if hidden is None:
             return []
         if not (isinstance(hidden, (tuple, list)) and len(hidden) == 2):
@@ -529,14 +614,13 @@ class RolloutStorage:
         for name, h in zip(("hidden_states_actor", "hidden_states_critic"), hidden):
             if h is None:
                 continue
-            h = np.asarray(h)
+            h = _array(name, h)
             dst = getattr(self, name)
             if dst is None:  # first use without rnn_hidden_shape: allocate from the example, as 002 does
                 if h.shape[:1] != (self.num_envs,):
                     raise SchemaError(f"Transition.hidden_states: expected a leading num_envs={self.num_envs}, got {h.shape}")
                 dst = np.zeros((self.num_transitions_per_env, *h.shape), self.values.dtype)
-                setattr(self, name, dst)
-            out.append((dst, _as_row(name, h, dst[0])))
+            out.append((name, dst, _as_row(name, h, dst[0])))
         return out
 
     def clear(self) -> None:
@@ -564,7 +648,9 @@ class RolloutStorage:
         time-out steps; :meth:`time_out_values_from` builds it) or else from ``values`` (002's approximation);
         terminations do not bootstrap. ``normalize_advantages``: then ``(A - mean) / (std + 1e-8)`` over all
         rows, as rsl_rl does on every call (off by default: returns are computed before normalising either way).
+        ``gamma`` and ``lam``: real numbers from 0 to 1 (else UsageError naming the setting).
         """
+        self._check_discounts(gamma, lam)
         n = self._filled()
         lv = np.asarray(last_values)
         if lv.shape == (self.num_envs, 1):
@@ -579,6 +665,11 @@ class RolloutStorage:
                     time_out_values=tov, out=(self.advantages[:n], self.returns[:n]))
         if normalize_advantages:
             _normalize(self.advantages[:n])
+
+    def _check_discounts(self, gamma: Any, lam: Any) -> None:
+        where = f"{type(self).__name__}.compute_returns"
+        check_discount(where, "gamma", gamma)
+        check_discount(where, "lam", lam)
 
     def time_out_values_from(self, final_values: Any) -> np.ndarray:
         """``[T, N]`` zeros with ``final_values[i]`` (the critic's value of ``time_out_observations.obs[i]``) at
@@ -765,9 +856,27 @@ class QueueRolloutStorage(RolloutStorage):
                     a[...] = np.concatenate([a[s:], a[:s]])
         self.step = 0
 
-    def compute_returns(self, last_values: Any, gamma: float, lam: float, **kwargs: Any) -> None:
+    def compute_returns(self, last_values: Any, gamma: float, lam: float, *, time_out_values: Any = None,
+                        normalize_advantages: bool = False) -> None:
+        """:meth:`untie_buffer_loop`, then :meth:`RolloutStorage.compute_returns` over the valid rows.
+
+        ``time_out_values`` ``[T, N]`` (T the current buffer length) is indexed like the storage's rows *as
+        they are when you call* (its row ``i`` goes with ``values[i]``, whatever the loop's position): it is
+        rotated the same way as the storage (a rotated copy; your array is not changed). Build it after an
+        explicit ``untie_buffer_loop()`` and it is used as it is (the rotation is then none).
+        """
+        self._check_discounts(gamma, lam)
+        s, T = self.step, self.num_transitions_per_env
+        if time_out_values is not None:
+            tov = np.asarray(time_out_values)
+            if tov.shape[:2] != (T, self.num_envs) or tov.shape[2:] not in ((), (1,)):
+                raise SchemaError(f"{type(self).__name__}.compute_returns: time_out_values has shape {tov.shape}, expected "
+                                  f"{(T, self.num_envs)} like values (the buffer's rows, in their order before the call)")
+            if self.buffer_full and 0 < s < T:
+                time_out_values = np.concatenate([tov[s:], tov[:s]])
         self.untie_buffer_loop()
-        super().compute_returns(last_values, gamma, lam, **kwargs)
+        super().compute_returns(last_values, gamma, lam, time_out_values=time_out_values,
+                                normalize_advantages=normalize_advantages)
 
     def recurrent_mini_batch_generator(self, num_mini_batches: int, num_epochs: int = 8, **kwargs: Any) -> Iterator[MiniBatch]:
         self.untie_buffer_loop()
