@@ -275,6 +275,14 @@ def test_writes_are_checked_and_name_the_field(make_buffer: Callable[..., Rollou
         buf.add(slot)  # an earlier, committed rollout
 
 
+def test_set_step_wants_a_mapping(make_buffer: Callable[..., RolloutBuffer]) -> None:
+    """A list (or any non-mapping) was read with .items(): AttributeError. Now a SchemaError saying what is expected."""
+    slot = make_buffer(2, 3, 3, 2).start_rollout()
+    for data in ([1], None, np.zeros((2, 3))):
+        with pytest.raises(shmbuf.SchemaError, match=r"set_step\(t=0, data=...\): expected a mapping of field name"):
+            slot.set_step(0, data)
+
+
 def test_add_checks_a_dict_of_fields_and_copies_it_in(make_buffer: Callable[..., RolloutBuffer]) -> None:
     n, t = 2, 3
     buf = make_buffer(n, t, 3, 2)
@@ -442,6 +450,9 @@ def test_iterate_minibatches_refuses_an_unflattened_rollout() -> None:
         list(iterate_minibatches({"obs": np.zeros((4, 3)), "reward": np.zeros(5)}, 2))
     with pytest.raises(shmbuf.UsageError, match="batch_size"):
         list(iterate_minibatches({"obs": np.zeros((4, 3))}, 0))
+    for rng in ("x", -1, 2.5):  # numpy's TypeError/ValueError once, and only at the first next()
+        with pytest.raises(shmbuf.UsageError, match=r"iterate_minibatches\(rng=\.\.\.\)"):
+            iterate_minibatches({"obs": np.zeros((4, 3))}, 2, rng=rng)
 
 
 def test_to_torch_shares_memory_on_cpu_and_minibatches_can_come_as_tensors() -> None:

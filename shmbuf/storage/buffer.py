@@ -264,6 +264,9 @@ class RolloutSlot(MutableMapping):
         n, t_len = self._layout.num_envs, self._layout.rollout_len
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
             raise UsageError(f"set_step(t=...): expected an int time index, got {t!r}")
+        if not isinstance(data, Mapping):
+            raise SchemaError(f"set_step(t={t}, data=...): expected a mapping of field name -> [num_envs, ...] array, "
+                              f"got {type(data).__name__}; e.g. set_step(t, {{'obs': obs, 'reward': reward}})")
         checked = []
         for name, value in data.items():
             f = self._field(name)
@@ -611,6 +614,17 @@ def transition_view(rollout: Mapping[str, Any], flatten: bool = False, *, obs_fi
     return out
 
 
+def _generator(rng: Any) -> np.random.Generator:
+    """``rng`` as a Generator (passed through, or ``np.random.default_rng(rng)``), or UsageError naming rng."""
+    if isinstance(rng, np.random.Generator):
+        return rng
+    try:
+        return np.random.default_rng(rng)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"iterate_minibatches(rng=...): expected a numpy Generator, a seed (an int >= 0, a SeedSequence) "
+                         f"or None, got {rng!r:.80} ({exc})") from None
+
+
 def iterate_minibatches(rollout: Mapping[str, Any], batch_size: int, *, rng: Any = None,
                         device: Any = None) -> Iterator[dict[str, Any]]:
     """Shuffled minibatches of a flattened rollout (every field ``[M, ...]``): each of the M rows exactly once.
@@ -618,7 +632,8 @@ def iterate_minibatches(rollout: Mapping[str, Any], batch_size: int, *, rng: Any
     Each batch is new arrays (numpy fancy indexing copies), ``batch_size`` rows (the last may be
     fewer), plus ``"_indices"``: which rows of ``rollout`` it holds (embodichain's key). ``rng``: a
     ``np.random.Generator``, a seed, or None (fresh entropy). ``device``: if given, each batch comes
-    as torch tensors on it (:func:`to_torch`).
+    as torch tensors on it (:func:`to_torch`). Arguments are checked now, not at the first ``next``
+    (SchemaError for the rollout, UsageError naming ``batch_size`` or ``rng``).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise UsageError(f"iterate_minibatches(batch_size=...): expected an int >= 1, got {batch_size!r}")
@@ -631,9 +646,14 @@ def iterate_minibatches(rollout: Mapping[str, Any], batch_size: int, *, rng: Any
     if bad:
         raise SchemaError(f"iterate_minibatches(): every field must share the leading dim (a flattened rollout: "
                           f"get(flatten=True) or transition_view(..., flatten=True)); got {sizes}")
-    gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+    gen = _generator(rng)
+    return _minibatches(arrays, m, int(batch_size), gen, device)
+
+
+def _minibatches(arrays: dict[str, np.ndarray], m: int, batch_size: int, gen: np.random.Generator,
+                 device: Any) -> Iterator[dict[str, Any]]:
     perm = gen.permutation(m)
-    for start in range(0, m, int(batch_size)):
+    for start in range(0, m, batch_size):
         idx = perm[start : start + batch_size]
         batch: dict[str, Any] = {k: v[idx] for k, v in arrays.items()}
         batch[INDICES] = idx
