@@ -14,12 +14,15 @@ the same offsets with the same meaning.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
+import optree
+from numpy.lib.stride_tricks import as_strided
 
-from shmbuf._errors import UsageError
+from shmbuf._errors import SchemaError, UsageError
 
 _RANGE = re.compile(r"^\s*(-?\d+)\s*:\s*(-?\d+)\s*$")
 
@@ -96,3 +99,536 @@ class ViewRequirement:
             raise UsageError(f"ViewRequirement(space=...): its shape {tuple(self.space.shape)} is not the column's "
                              f"item shape {tuple(shape)}")
         return np.zeros(shape, dtype)
+
+
+# -- learner side: columns from a rollout or a batch of rollouts ---------------------------------------
+
+BATCH_MODES = ("truncate_episodes", "complete_episodes")
+
+# RLlib's SampleBatch column names a user may try as a data_col, and what shmbuf calls them (for error hints).
+RLLIB_NAMES = {
+    "obs": "obs", "new_obs": "obs (with shift=1)", "next_obs": "obs (with shift=1)", "actions": "action",
+    "prev_actions": "action (with shift=-1)", "rewards": "reward", "prev_rewards": "reward (with shift=-1)",
+    "terminateds": "terminated", "truncateds": "truncated", "dones": "terminated and truncated",
+}
+
+
+class MaskedView(NamedTuple):
+    """The zero-copy form of a column (``build_views(..., mask=True)``).
+
+    ``values``: a read-only numpy view of the step leaf (a tree of views for a subtree column), shaped
+    ``([B], S, [E], [W], ...)``: row ``i`` is the view at step ``steps.start + i``. Only the steps whose
+    every offset lies inside the stored rows are covered (``shift=-1``: steps 1..T-1; ``"-3:0"``: 3..T-1;
+    ``shift=1``: 0..T-2). ``valid``: bool, ``([B], S, [E], [W])``, True where the position is data of that
+    step's own episode (and the step is a stored one, not padding past ``fill``). Where it is False,
+    ``values`` shows the neighbouring episode's data or padding: mask it, never read it as data.
+    ``steps``: the rollout's steps the rows stand for.
+    """
+
+    values: Any
+    valid: np.ndarray
+    steps: slice
+
+
+def _fail(kind: type[Exception], msg: str) -> NoReturn:
+    raise kind(f"build_views: {msg}")
+
+
+@dataclass
+class _Lanes:
+    """One rollout or a batch of them, in canonical form: every step leaf read as ``(B, T, E, ...)`` (views).
+
+    ``n`` (B,): stored steps per rollout (rows past it are padding); ``start``/``end`` (B, T, E): the first
+    and last step of each step's episode inside this rollout (``start`` may be negative with a previous
+    rollout: its rows are then at -n_prev..-1).
+    """
+
+    step: Any
+    episode: Any
+    bootstrap: Any
+    batched: bool
+    B: int
+    T: int
+    E: int | None
+    n: np.ndarray
+    k: np.ndarray | None
+    done: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    mode: str
+    name: str = "the rollout"
+    prev: _Lanes | None = None
+
+    def canon(self, x: np.ndarray) -> np.ndarray:
+        """A step leaf ``([B], T, [E], ...)`` as ``(B, T, E, ...)``: a view with unit axes put in."""
+        if not self.batched:
+            x = x[None]
+        if self.E is None:
+            x = np.expand_dims(x, 2)
+        return x
+
+    def canon_env(self, x: np.ndarray) -> np.ndarray:
+        """A per-rollout leaf ``([B], [E], ...)`` (bootstrap) as ``(B, E, ...)`` (a view)."""
+        if not self.batched:
+            x = x[None]
+        if self.E is None:
+            x = np.expand_dims(x, 1)
+        return x
+
+    def uncanon(self, y: np.ndarray) -> np.ndarray:
+        """Undo :meth:`canon` on a result ``(B, T, E, ...)`` (a view of ``y``)."""
+        if self.E is None:
+            y = y[:, :, 0]
+        return y if self.batched else y[0]
+
+    def lead(self) -> tuple[int, ...]:
+        return ((self.B,) if self.batched else ()) + (self.T,) + (() if self.E is None else (self.E,))
+
+
+def _unwrap(data: Any, fill: Any, batch_mode: str | None) -> tuple[Any, Any, str, Any]:
+    """``(tree, fill, batch_mode, lengths)`` from a dict, or from a Rollout / Batch / CollectedBatch object."""
+    lengths = None
+    if not isinstance(data, Mapping) and hasattr(data, "data"):
+        obj = data
+        data = obj.data
+        if fill is None:
+            fill = getattr(obj, "fill", None)
+        if batch_mode is None:
+            batch_mode = getattr(obj, "batch_mode", None)
+        if fill is None and batch_mode == "complete_episodes":
+            lengths = getattr(obj, "lengths", None)
+    if batch_mode is None:
+        batch_mode = "truncate_episodes"
+    if batch_mode not in BATCH_MODES:
+        _fail(UsageError, f"batch_mode: expected one of {BATCH_MODES}, got {batch_mode!r}")
+    if not isinstance(data, Mapping) or not isinstance(data.get("step"), Mapping):
+        _fail(UsageError, f"expected a rollout in the workers layout (a dict with data['step'], or a shmbuf Rollout, "
+                          f"Batch or workers CollectedBatch), got {type(data).__name__}")
+    return data, fill, batch_mode, lengths
+
+
+def _leaf(tree: Any, path: str, where: str) -> Any:
+    node = tree
+    for part in path.split("/"):
+        if not isinstance(node, Mapping) or part not in node:
+            have = sorted(node) if isinstance(node, Mapping) else type(node).__name__
+            raise KeyError(f"{where} has no {path!r} (at {part!r}; there is {have})")
+        node = node[part]
+    return node
+
+
+def _flags(step: Any) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        term, trunc = np.asarray(step["terminated"]), np.asarray(step["truncated"])
+    except KeyError:
+        _fail(SchemaError, f"the step leaves need 'terminated' and 'truncated' (episode boundaries); there is {sorted(step)}")
+    if term.shape != trunc.shape:
+        _fail(SchemaError, f"step leaves 'terminated' {term.shape} and 'truncated' {trunc.shape} differ in shape")
+    return term, trunc
+
+
+def _is_batch(data: Any, mode: str) -> bool:
+    """Whether ``data`` (without ``fill``) is a batch: its per-rollout leaves have a leading B."""
+    boot, ep = data.get("bootstrap"), data.get("episode")
+    if isinstance(boot, Mapping) and "env_steps" in boot:
+        return np.ndim(boot["env_steps"]) == 1
+    if isinstance(ep, Mapping) and "length" in ep:
+        return np.ndim(ep["length"]) == (2 if mode == "truncate_episodes" else 1)
+    return False
+
+
+def _cut(tree: Any, n: int) -> Any:
+    return optree.tree_map(lambda a: np.asarray(a)[:n], tree)
+
+
+def _lanes(data: Any, fill: Any, mode: str, lengths: Any, name: str) -> _Lanes:
+    """Read the layout: batch or not, env dim or not, fills, and where each step's episode starts and ends."""
+    step, episode, boot = data["step"], data.get("episode"), data.get("bootstrap")
+    if lengths is not None:  # a complete-episodes CollectedBatch: episodes concatenated, one bootstrap row each
+        return _concatenated(step, episode, boot, np.asarray(lengths, np.int64), name)
+    if fill is not None and (not isinstance(fill, Mapping) or "step" not in fill):
+        _fail(UsageError, f"fill: expected the rollout's or batch's fill (a dict with 'step'), got {fill!r}")
+    batched = np.ndim(fill["step"]) > 0 if fill is not None else _is_batch(data, mode)
+    if batched and fill is None:
+        _fail(UsageError, f"{name} is a batch of rollouts (its bootstrap/episode leaves have a leading B) and fill=None: "
+                          "pass fill=batch.fill (or the Batch/CollectedBatch itself), so that padding past each "
+                          "rollout's fill is never read as data")
+    term, trunc = _flags(step)
+    lead_nd = term.ndim - (1 if batched else 0)
+    if lead_nd not in (1, 2):
+        _fail(SchemaError, f"step leaf 'terminated' has shape {term.shape}; expected "
+                           f"{'(B, T) or (B, T, E)' if batched else '(T,) or (T, E)'}")
+    E = term.shape[-1] if lead_nd == 2 else None
+    k = None
+    if not batched:
+        n = len(term) if fill is None else int(fill["step"])
+        if not 0 <= n <= len(term):
+            _fail(UsageError, f"fill['step']={n} is outside the rollout's capacity 0..{len(term)}")
+        step, term, trunc = _cut(step, n), term[:n], trunc[:n]
+        if isinstance(episode, Mapping) and mode == "truncate_episodes" and episode:
+            if fill is not None and "episode" in fill:
+                episode = _cut(episode, int(fill["episode"]))
+            k = np.array([len(np.asarray(next(iter(optree.tree_leaves(episode)))))])
+        B, T, nn = 1, n, np.array([n])
+    else:
+        B, T = term.shape[0], term.shape[1]
+        nn = np.asarray(fill["step"]).astype(np.int64).reshape(-1)
+        if nn.shape != (B,) or (nn < 0).any() or (nn > T).any():
+            _fail(UsageError, f"fill['step'] {nn.tolist()} does not fit the batch: expected {B} counts in 0..{T}")
+        if "episode" in fill:
+            k = np.asarray(fill["episode"]).astype(np.int64).reshape(-1)
+    lanes = _Lanes(step, episode, boot, batched, B, T, E, nn, k, np.empty(0), np.empty(0), np.empty(0), mode, name)
+    done = lanes.canon(term | trunc) & (np.arange(T)[None, :, None] < nn[:, None, None])
+    lanes.done = done
+    lanes.start, lanes.end = _bounds(done, nn)
+    return lanes
+
+
+def _bounds(done: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First and last step of each step's episode within the rollout: ``(B, T, E)`` each, no Python loop over steps."""
+    B, T, E = done.shape
+    t = np.broadcast_to(np.arange(T)[None, :, None], done.shape)
+    begins = np.zeros_like(done)
+    begins[:, 1:] = done[:, :-1]
+    start = np.maximum.accumulate(np.where(begins, t, 0), axis=1)
+    last = np.broadcast_to((n - 1)[:, None, None], done.shape)
+    ends_at = np.where(done, t, T)
+    end = np.minimum.accumulate(ends_at[:, ::-1], axis=1)[:, ::-1]
+    return start, np.minimum(end, last)
+
+
+def _concatenated(step: Any, episode: Any, boot: Any, lengths: np.ndarray, name: str) -> _Lanes:
+    """A complete-episodes CollectedBatch as one long lane: episode i ends at ``cumsum(lengths)[i] - 1``,
+    its successor is ``bootstrap[i]`` (a final-observation table made of the bootstrap rows, no copy)."""
+    term, trunc = _flags(step)
+    N = int(lengths.sum())
+    if term.shape[:1] != (N,) or term.ndim != 1:
+        _fail(SchemaError, f"{name}: step leaf 'terminated' has shape {term.shape}; a complete-episodes batch of "
+                           f"lengths summing to {N} has ({N},)")
+    ends = np.cumsum(lengths) - 1
+    done = term | trunc
+    marked = np.zeros(N, bool)
+    marked[ends] = True
+    if (done != marked).any():
+        t = int(np.flatnonzero(done != marked)[0])
+        _fail(SchemaError, f"{name}: step {t} {'ends' if done[t] else 'does not end'} an episode, but the batch's lengths "
+                           f"say otherwise; a complete-episodes batch ends each episode exactly at its last step")
+    table = {"end": ends.astype(np.int32), "env": np.zeros(len(ends), np.int32)}
+    if isinstance(boot, Mapping) and "obs" in boot:
+        table["final_obs"] = boot["obs"]
+        boot = {"obs": optree.tree_map(lambda a: np.asarray(a)[-1], boot["obs"])}
+    lanes = _Lanes(step, table, boot, False, 1, N, None, np.array([N]), np.array([len(ends)]), np.empty(0), np.empty(0),
+                   np.empty(0), "truncate_episodes", name)
+    lanes.done = lanes.canon(done)
+    lanes.start, lanes.end = _bounds(lanes.done, lanes.n)
+    return lanes
+
+
+def _attach_prev(lanes: _Lanes, prev: _Lanes) -> None:
+    """Let steps whose episode began before this rollout reach back into ``prev`` (the previous rollout of each lane).
+
+    Rows of ``prev`` count as steps ``-n_prev .. -1``; the first episode segment of each lane starts where its
+    episode started in ``prev`` if that episode did not end at ``prev``'s last step (else at 0, exactly).
+    """
+    if prev.batched != lanes.batched or prev.B != lanes.B or prev.E != lanes.E:
+        _fail(UsageError, f"prev: expected the previous rollout(s) of the same lane(s), laid out like this one "
+                          f"(batch={lanes.batched}, B={lanes.B}, E={lanes.E}); got batch={prev.batched}, B={prev.B}, E={prev.E}")
+    rows = np.arange(prev.B)
+    last = np.maximum(prev.n - 1, 0)
+    cont = (prev.n > 0)[:, None] & ~prev.done[rows, last]  # (B, E): the episode runs on into this rollout
+    began = np.where(cont, prev.start[rows, last] - prev.n[:, None], 0)  # (B, E), in this rollout's steps
+    first_segment = lanes.start == 0
+    lanes.start = np.where(first_segment, began[:, None, :], lanes.start)
+    _check_continues(lanes, prev, cont)
+    lanes.prev = prev
+
+
+def _check_continues(lanes: _Lanes, prev: _Lanes, cont: np.ndarray) -> None:
+    """Where an episode runs on from ``prev``, its bootstrap observation is this rollout's first one, bit for bit."""
+    try:
+        obs = _leaf(lanes.step, "obs", "")
+        boot = _leaf(prev.bootstrap, "obs", "") if isinstance(prev.bootstrap, Mapping) else None
+    except KeyError:
+        return
+    if boot is None:
+        return
+    here = (lanes.n > 0)[:, None] & cont
+    for a, b in zip(optree.tree_leaves(obs), optree.tree_leaves(boot), strict=False):
+        first, succ = lanes.canon(np.asarray(a))[:, 0], prev.canon_env(np.asarray(b))
+        if first.shape != succ.shape or first.dtype != succ.dtype:
+            _fail(UsageError, f"prev: its bootstrap obs {succ.shape[2:]} {succ.dtype} does not match this rollout's obs "
+                              f"{first.shape[2:]} {first.dtype}: not the previous rollout of the same lane")
+        for bb, e in zip(*np.nonzero(here), strict=True):
+            if first[bb, e].tobytes() != succ[bb, e].tobytes():
+                where = (f"rollout {bb} of the batch, " if lanes.batched else "") + (f"env {e}, " if lanes.E is not None else "")
+                _fail(UsageError, f"prev: {where}its episode runs on (not done at prev's last step) but prev's bootstrap "
+                                  f"obs is not this rollout's first obs: prev is not the previous rollout of this lane "
+                                  f"(pass the rollout with the same lane and seq - 1, or prev=None)")
+
+
+def _check_requirements(view_requirements: Any) -> dict[str, ViewRequirement]:
+    if not isinstance(view_requirements, Mapping):
+        _fail(UsageError, f"view_requirements: expected a dict of column name -> ViewRequirement, got "
+                          f"{type(view_requirements).__name__}")
+    for key, req in view_requirements.items():
+        if not isinstance(key, str):
+            _fail(UsageError, f"view_requirements: column names are str, got {key!r}")
+        if not isinstance(req, ViewRequirement):
+            _fail(UsageError, f"view_requirements[{key!r}]: expected a ViewRequirement, got {type(req).__name__}")
+    return dict(view_requirements)
+
+
+def _walk(node: Any, keys: Any) -> Any:
+    for k in keys:
+        node = node[k]
+    return node
+
+
+def _fill_for(req: ViewRequirement, key: str, path: tuple[Any, ...], dtype: np.dtype, item: tuple[int, ...]) -> np.ndarray:
+    """The requirement's fill value for one leaf of its column; a space that does not fit names the column."""
+    where = f"column {key!r}" + (f" (leaf {'/'.join(map(str, path))})" if path else "")
+    r = req
+    if req.space is not None and path:
+        try:  # a Dict space over a subtree column: its sub-space for this leaf
+            r = replace(req, space=_walk(req.space, path))
+        except (KeyError, IndexError, TypeError, UsageError):
+            _fail(UsageError, f"{where}: space {req.space!r} has no sub-space at {'/'.join(map(str, path))}; for a column "
+                              f"that is a dict of leaves, give a Dict space with the same keys (or space=None)")
+    if r.space is not None and getattr(r.space, "shape", None) is None:
+        _fail(UsageError, f"{where}: space {r.space!r} has no shape; give the leaf's own space (or space=None)")
+    try:
+        return r.fill_value(dtype, item)
+    except UsageError as e:
+        _fail(UsageError, f"{where}: {e}")
+
+
+def _successors(lanes: _Lanes, key: str, keys: tuple[Any, ...], xc: np.ndarray) -> np.ndarray:
+    """Every stored step's true successor observation, ``(B, T, E, ...)``: obs[t+1], the bootstrap obs at each
+    rollout's last stored step, and the episode's final obs where an episode ended before that. A copy."""
+    B, T, E = lanes.done.shape
+    boot = lanes.bootstrap
+    try:
+        b = np.asarray(_walk(boot, keys)) if isinstance(boot, Mapping) else None
+    except (KeyError, IndexError, TypeError):
+        b = None
+    if b is None:
+        _fail(SchemaError, f"column {key!r}: the next observation (a positive shift of obs) at a rollout's last step is "
+                           f"data['bootstrap'][{'/'.join(map(str, keys[1:])) or 'obs'!r}], which {lanes.name} does not have")
+    bc = lanes.canon_env(b)
+    if bc.shape != (B, E) + xc.shape[3:]:
+        want = ((B,) if lanes.batched else ()) + ((E,) if lanes.E is not None else ()) + xc.shape[3:]
+        _fail(SchemaError, f"column {key!r}: the bootstrap obs has shape {b.shape}; expected {want} (the step leaf's "
+                           f"shape without T)")
+    succ = np.empty(xc.shape, xc.dtype)
+    succ[:, :-1] = xc[:, 1:]
+    rows = np.flatnonzero(lanes.n > 0)
+    succ[rows, lanes.n[rows] - 1] = bc[rows]
+    t = np.arange(T)[None, :, None]
+    interior = lanes.done & (t < (lanes.n - 1)[:, None, None])
+    if not interior.any():
+        return succ
+    bb, tt, ee = (int(v[0]) for v in np.nonzero(interior))
+    at = (f"rollout {bb} of the batch, " if lanes.batched else "") + f"step {tt}" + (f", env {ee}" if lanes.E else "")
+    if lanes.mode == "complete_episodes":
+        _fail(SchemaError, f"column {key!r}: {lanes.name} is said to be complete-episodes (one episode per rollout), but an "
+                           f"episode ends at {at}, before its last stored step; pass batch_mode='truncate_episodes'")
+    _final_obs(lanes, key, keys, succ, interior, at)
+    return succ
+
+
+def _final_obs(lanes: _Lanes, key: str, keys: tuple[Any, ...], succ: np.ndarray, interior: np.ndarray, at: str) -> None:
+    """Write each episode's final observation (the episode table's ``final_obs``) as the successor of its last step."""
+    ep = lanes.episode
+    if not isinstance(ep, Mapping) or not all(k in ep for k in ("end", "env", "final_obs")):
+        _fail(SchemaError, f"column {key!r}: an episode ends at {at} inside {lanes.name}; its next observation is the "
+                           f"episode table's final_obs (data['episode'] with end, env, final_obs), which is missing")
+    if lanes.k is None:
+        _fail(UsageError, f"column {key!r}: fill has no 'episode' count for {lanes.name}: pass the whole fill "
+                          f"(e.g. batch.fill), so that only the filled rows of the episode table are read")
+    B, T, E = lanes.done.shape
+    one = (lambda a: np.asarray(a)[None]) if not lanes.batched else np.asarray
+    end, env = one(ep["end"]).astype(np.int64), one(ep["env"]).astype(np.int64)
+    final = one(_walk(ep["final_obs"], keys[1:]))
+    if final.shape[2:] != succ.shape[3:]:
+        _fail(SchemaError, f"column {key!r}: the episode table's final_obs has item shape {final.shape[2:]}, the step "
+                           f"leaf {succ.shape[3:]}")
+    M = end.shape[1]
+    b, i = np.nonzero(np.arange(M)[None, :] < lanes.k[:, None])
+    te, ee = end[b, i], env[b, i]
+    bad = (te < 0) | (te >= lanes.n[b]) | (ee < 0) | (ee >= E)
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        _fail(SchemaError, f"column {key!r}: episode table row {int(i[j])}" + (f" of rollout {int(b[j])}" if lanes.batched else "")
+              + f" has end={int(te[j])}, env={int(ee[j])}, outside the stored steps 0..{int(lanes.n[b[j]]) - 1} and envs 0..{E - 1}")
+    has = np.zeros(lanes.done.shape, bool)
+    has[b, te, ee] = True
+    missing = interior & ~has
+    if missing.any():
+        bb, tt, e2 = (int(v[0]) for v in np.nonzero(missing))
+        at = (f"rollout {bb} of the batch, " if lanes.batched else "") + f"step {tt}" + (f", env {e2}" if lanes.E else "")
+        _fail(SchemaError, f"column {key!r}: an episode ends at {at} but the episode table has no row for it, so its final "
+                           f"observation is unknown (is the fill's 'episode' count right?)")
+    sel = te < lanes.n[b] - 1
+    succ[b[sel], te[sel], ee[sel]] = final[b[sel], i[sel]]
+
+
+def _leaf_of(lanes: _Lanes, key: str, keys: tuple[Any, ...], x: Any) -> np.ndarray:
+    x = np.asarray(x)
+    lead = lanes.lead()
+    if x.shape[: len(lead)] != lead:
+        _fail(SchemaError, f"column {key!r}: step leaf {'/'.join(map(str, keys))!r} has shape {x.shape}; expected it to start "
+                           f"with {lead} ({'B, ' if lanes.batched else ''}T{', E' if lanes.E is not None else ''})")
+    return x
+
+
+def _gather(lanes: _Lanes, key: str, req: ViewRequirement, keys: tuple[Any, ...], x: np.ndarray) -> np.ndarray:
+    """The copied form of one leaf: ``(B, T, E, W, ...)`` with every position the value at ``t + offset`` of its step's
+    episode, or the fill value (before the episode's start, past its end, past the rollout, on padding rows)."""
+    B, T, E = lanes.done.shape
+    xc = lanes.canon(x)
+    item = xc.shape[3:]
+    fill = _fill_for(req, key, keys[len(req.column(key).split("/")):], x.dtype, item)
+    offs = np.asarray(req.offsets, np.int64)
+    is_obs = keys[0] == "obs"
+    src = np.arange(T)[None, :, None, None] + offs[None, None, None, :]  # (1, T, 1, W)
+    stored = (np.arange(T)[None, :] < lanes.n[:, None])[:, :, None, None]
+    valid = stored & (src >= lanes.start[..., None]) & (src <= lanes.end[..., None] + (offs > 0) * is_obs)
+    bi, ei = np.arange(B)[:, None, None, None], np.arange(E)[None, None, :, None]
+    out = xc[bi, np.clip(src, 0, max(T - 1, 0)), ei] if T else np.zeros((B, 0, E, len(offs)) + item, x.dtype)
+    ahead = offs > 0
+    if is_obs and ahead.any() and T:
+        succ = _successors(lanes, key, keys, xc)  # the next observation is the successor of the step before it
+        out[:, :, :, ahead] = succ[bi, np.clip(src[..., ahead] - 1, 0, T - 1), ei]
+    if lanes.prev is not None and (offs < 0).any():
+        _from_prev(lanes, key, keys, out, src, valid, item, x.dtype)
+    out[~valid] = fill
+    return out
+
+
+def _from_prev(lanes: _Lanes, key: str, keys: tuple[Any, ...], out: np.ndarray, src: np.ndarray, valid: np.ndarray,
+               item: tuple[int, ...], dtype: np.dtype) -> None:
+    """Positions before this rollout's first step, of an episode that ran on from ``prev``: read from ``prev``."""
+    prev = lanes.prev
+    try:
+        p = np.asarray(_walk(prev.step, keys))
+    except (KeyError, IndexError, TypeError):
+        _fail(SchemaError, f"column {key!r}: prev has no step leaf {'/'.join(map(str, keys))!r}")
+    p = _leaf_of(prev, key, keys, p)
+    pc = prev.canon(p)
+    if pc.shape[3:] != item or pc.dtype != dtype:
+        _fail(SchemaError, f"column {key!r}: prev's leaf is {pc.shape[3:]} {pc.dtype}, this rollout's {item} {dtype}")
+    b, t, e, w = np.nonzero(valid & (src < 0))
+    out[b, t, e, w] = pc[b, prev.n[b] + src[0, t, 0, w], e]
+
+
+def _masked_valid(lanes: _Lanes, offs: tuple[int, ...], lo: int, hi: int) -> np.ndarray:
+    t = np.arange(lo, hi)
+    src = t[None, :, None, None] + np.asarray(offs)[None, None, None, :]
+    stored = (t[None, :] < lanes.n[:, None])[:, :, None, None]
+    return stored & (src >= lanes.start[:, lo:hi, :, None]) & (src <= lanes.end[:, lo:hi, :, None])
+
+
+def _masked_leaf(lanes: _Lanes, key: str, req: ViewRequirement, x: np.ndarray, lo: int, S: int) -> np.ndarray:
+    """The view form of one leaf: ``(B, S, E, [W], ...)``, rows of steps ``lo .. lo + S - 1``; never a copy."""
+    xc = lanes.canon(x)
+    offs = req.offsets
+    if not req.windowed:
+        return xc[:, lo + offs[0]: lo + offs[0] + S]
+    d = offs[1] - offs[0] if len(offs) > 1 else 0
+    if any(b - a != d for a, b in zip(offs, offs[1:], strict=False)):
+        _fail(UsageError, f"column {key!r}: mask=True gives views, and offsets {list(offs)} are not evenly spaced, so no "
+                          f"stride reaches them; use a range string or an evenly spaced list, or mask=False (a copy)")
+    base = xc[:, lo + offs[0]:] if S > 0 else xc
+    sB, sT, sE = xc.strides[:3]
+    return as_strided(base, shape=(xc.shape[0], S, xc.shape[2], len(offs)) + xc.shape[3:],
+                      strides=(sB, sT, sE, d * sT) + xc.strides[3:], writeable=False)
+
+
+def _column(lanes: _Lanes, key: str, req: ViewRequirement, mask: bool) -> Any:
+    col = req.column(key)
+    try:
+        sub = _leaf(lanes.step, col, f"{lanes.name}'s step leaves")
+    except KeyError as e:
+        hint = f"; RLlib's {col!r} is shmbuf's {RLLIB_NAMES[col]}" if col in RLLIB_NAMES and RLLIB_NAMES[col] != col else ""
+        _fail(SchemaError, f"column {key!r} reads {col!r}, but {e.args[0]}{hint}")
+    paths, leaves, spec = optree.tree_flatten_with_path(sub)
+    prefix = tuple(col.split("/"))
+    leaves = [_leaf_of(lanes, key, prefix + p, x) for p, x in zip(paths, leaves, strict=True)]
+    for p, x in zip(paths, leaves, strict=True):  # a space that does not fit is an error in every form
+        _fill_for(req, key, p, x.dtype, x.shape[len(lanes.lead()):])
+    offs = req.offsets
+    if mask:
+        lo, hi = max(0, -min(offs)), lanes.T - max(0, max(offs))
+        S = max(hi - lo, 0)
+        valid = _masked_valid(lanes, offs, lo, lo + S)
+        vals = [lanes.uncanon(_masked_leaf(lanes, key, req, x, lo, S)) for x in leaves]
+        valid = lanes.uncanon(valid if req.windowed else valid[:, :, :, 0])
+        return MaskedView(optree.tree_unflatten(spec, vals), valid, slice(lo, lo + S))
+    if all(o == 0 for o in offs):
+        return optree.tree_unflatten(spec, [_same(lanes, req, x) for x in leaves])
+    outs = []
+    for p, x in zip(paths, leaves, strict=True):
+        y = _gather(lanes, key, req, prefix + p, x)
+        outs.append(lanes.uncanon(y if req.windowed else y[:, :, :, 0]))
+    return optree.tree_unflatten(spec, outs)
+
+
+def _same(lanes: _Lanes, req: ViewRequirement, x: np.ndarray) -> np.ndarray:
+    """Offsets that are all 0: the leaf itself (shift=0), or a read-only window of it with a zero stride (a view)."""
+    if not req.windowed:
+        return x
+    k = len(lanes.lead())
+    return as_strided(x, shape=x.shape[:k] + (len(req.offsets),) + x.shape[k:], strides=x.strides[:k] + (0,) + x.strides[k:],
+                      writeable=False)
+
+
+def build_views(data: Any, view_requirements: Mapping[str, ViewRequirement], *, fill: Mapping[str, Any] | None = None,
+                batch_mode: str | None = None, for_training: bool = True, prev: Any = None,
+                mask: bool = False) -> dict[str, Any]:
+    """The columns ``view_requirements`` ask for, built from one rollout or a batch of rollouts (RLlib's train batch).
+
+    Args:
+        data: one rollout in the workers layout (``rollout.filled()``, or ``rollout.data`` with ``fill``;
+            step leaves ``(T, [E], ...)``), a batch (leaves ``(B, T, [E], ...)`` with ``fill``), or the
+            ``shmbuf.Rollout`` / ``shmbuf.Batch`` / ``workers.CollectedBatch`` itself (its ``fill`` and
+            ``batch_mode`` are then used).
+        view_requirements: column name -> :class:`ViewRequirement` (``data_col`` is a step leaf, ``"a/b"``
+            walks nested dicts; a column that is a dict of leaves gives a dict of results).
+        fill: the rollout's or batch's ``fill`` (``{"step": n, "episode": k}``, per rollout for a batch):
+            required for a batch, so that padding past a rollout's fill is never read as data.
+        batch_mode: ``"truncate_episodes"`` or ``"complete_episodes"`` (None: the source's own, else truncate).
+        for_training: leave out columns with ``used_for_training=False``.
+        prev: truncate-episodes only: the previous rollout of the same lane (for a batch, a batch whose row
+            b is the previous rollout of row b's lane), in the same forms as ``data``. Positions before this
+            rollout's first step are then read from it where the episode ran on from it; without it they
+            hold the fill value (see docs/views.md: the one place the learner sees less than the actor did).
+        mask: return :class:`MaskedView` ``(values, valid, steps)`` per column: views only, never a copy.
+
+    Returns:
+        ``{name: array}``; a single rollout gives ``(n, [E], [W], ...)`` (its stored steps), a batch
+        ``(B, T, [E], [W], ...)`` (rows past a rollout's fill are padding). ``W``: the window axis of a
+        list or range shift, right after the time/batch axes, in the order of the offsets.
+
+    Views and copies: a column whose offsets are all 0 (``shift=0``) is the step leaf itself, a view of
+    the slot (``[0, 0]``-like windows: a read-only zero-stride view); every other shift is a new array
+    (a position before an episode's start must hold the fill value, and the next observation at an episode's
+    end comes from the episode table or the bootstrap leaf, neither of which a stride can reach). With
+    ``mask=True`` every column is a view.
+
+    Lifetime: views are valid while their source is: until the Rollout is released, or until the reader or
+    Collector refills its batch buffer (``copy=False``). Copies are yours.
+    """
+    data, fill, mode, lengths = _unwrap(data, fill, batch_mode)
+    reqs = _check_requirements(view_requirements)
+    if not isinstance(for_training, bool) or not isinstance(mask, bool):
+        _fail(UsageError, f"for_training and mask are bools, got for_training={for_training!r}, mask={mask!r}")
+    lanes = _lanes(data, fill, mode, lengths, "the batch" if fill is not None and np.ndim(fill.get("step")) else "the rollout")
+    if prev is not None:
+        if mode != "truncate_episodes" or lengths is not None:
+            _fail(UsageError, "prev: only truncate-episodes rollouts start mid-episode; a complete-episodes rollout "
+                              "starts at its episode's start, so there is nothing before it to read")
+        if mask:
+            _fail(UsageError, "prev with mask=True: a view cannot span two rollouts; use one or the other")
+        pdata, pfill, _, _ = _unwrap(prev, None, mode)
+        _attach_prev(lanes, _lanes(pdata, pfill, mode, None, "prev"))
+    return {key: _column(lanes, key, req, mask) for key, req in reqs.items() if req.used_for_training or not for_training}
