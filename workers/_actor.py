@@ -49,6 +49,24 @@ tensors)``, is turned back into numpy (see :class:`TorchPolicy`). New weights
 from a :class:`shmbuf.WeightSubscriber` are applied at rollout boundaries by
 ``policy.load_weights(params)``, or, for a ``torch.nn.Module``,
 ``load_state_dict`` of the (flat dict) params.
+
+Views (RLlib's compute-actions views): with ``view_requirements={name:
+ViewRequirement}`` the policy is called with a dict ``{name: array}`` instead
+of the bare observation: each requirement's column (a step leaf: ``obs``,
+``action``, ``reward``, ``terminated``, ``truncated``, or a policy extra) at
+the current step ``t`` plus each of its offsets (all ``<= 0``; offset 0 only
+for ``obs``), ``(E, ...)`` for an int shift, ``(E, W, ...)`` for a list or
+range. A position before the sub-env's episode start holds zeros (the
+requirement's fill value), never the previous episode's data; episodes are
+delimited by the *recorded* ``terminated | truncated``, exactly what the
+learner reads back from the stored rollout. See :class:`ActorViews`.
+
+Horizons (RLlib's ``horizon``, ``soft_horizon``, ``no_done_at_end``; see
+:class:`Horizon`): an episode reaching ``horizon`` steps is cut like a time
+limit (recorded ``truncated``, the sub-env reset); with ``soft_horizon`` it is
+not cut: only its return/length bookkeeping restarts (an episode record with
+neither flag set); ``no_done_at_end`` records every episode end as
+``truncated``, never ``terminated``.
 """
 
 from __future__ import annotations
@@ -62,6 +80,7 @@ import numpy as np
 import optree
 
 import shmbuf
+from shmbuf import UsageError
 from workers._envs import EnvDriver, tree_copy, tree_index
 
 MODES = ("truncate_episodes", "complete_episodes")
@@ -184,14 +203,25 @@ def apply_weights(policy: Any, params: Any) -> None:
     )
 
 
-def probe(env: Any, policy: Callable[[Any], Any], seed: int | None = None) -> dict[str, Any]:
+def action_space_of(env: Any) -> Any:
+    """One sub-env's action space (``single_action_space`` of a vector env), or None."""
+    space = getattr(env, "single_action_space", None)
+    return space if space is not None else getattr(env, "action_space", None)
+
+
+def probe(env: Any, policy: Callable[[Any], Any], seed: int | None = None, *,
+          view_requirements: dict[str, Any] | None = None) -> dict[str, Any]:
     """Reset ``env`` once and call ``policy`` once: the templates :func:`rollout_example` needs.
+
+    With ``view_requirements`` the policy gets the input dict of an episode's first step (see
+    :class:`ActorViews`), as :class:`ActorLoop` will call it.
 
     Returns ``{"obs", "action", "extras", "num_envs", "vector"}`` (templates without env dim).
     """
     driver = EnvDriver(env)
     obs = driver.reset(seed)
-    action, extras = split_policy_output(as_numpy_policy(policy)(obs))
+    x = obs if view_requirements is None else ActorViews(view_requirements, obs, driver.num_envs, action_space_of(env)).inputs()
+    action, extras = split_policy_output(as_numpy_policy(policy)(x))
     action = optree.tree_map(np.asarray, action)
     return {
         "obs": tree_copy(tree_index(obs, 0)),
@@ -200,6 +230,267 @@ def probe(env: Any, policy: Callable[[Any], Any], seed: int | None = None) -> di
         "num_envs": driver.num_envs,
         "vector": driver.vector,
     }
+
+
+# -- actor-side views: the policy's input under view requirements (RLlib's compute-actions views) ---------
+
+FLAG_KEYS = ("terminated", "truncated")
+
+
+def _item_template(space: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
+    """``(shape, dtype)`` of one sub-env's item from a space-like (gymnasium Space, array); UsageError if it has none."""
+    shape = getattr(space, "shape", None)
+    dtype = getattr(space, "dtype", None)
+    if shape is None or dtype is None:
+        raise UsageError(f"{what}: its space {space!r} has no shape and dtype (a Dict or Tuple space?); views of pytree "
+                         "actions and extras are not supported: give space= an array-like item (e.g. np.zeros((), np.int64))")
+    return tuple(int(d) for d in shape), np.dtype(dtype)
+
+
+class _Ring:
+    """The newest ``L`` values of one array column for every sub-env, each kept twice so that any window is a view.
+
+    ``buf`` is ``(E, 2L, ...)``: the n-th value pushed sits at ``n % L`` and ``n % L + L``, so the newest
+    ``L`` values, oldest first, are ``buf[:, p:p + L]`` (``p``: the next write position), a basic slice.
+    Position ``p + L - 1`` holds the value at offset ``newest`` (0 for ``obs``, which is pushed before the
+    policy acts; -1 for what a step produces). Rows of a sub-env are zeroed where its episode starts, so a
+    position before the start reads as the fill value (zeros) without any mask. Allocated once.
+    """
+
+    def __init__(self, num_envs: int, depth: int, item_shape: tuple[int, ...], dtype: Any, newest: int):
+        self.L = depth
+        self.newest = newest
+        self.buf = np.zeros((num_envs, 2 * depth, *item_shape), dtype)
+        self.p = 0
+
+    def push(self, value: Any) -> None:
+        """Append one value per sub-env (``(E, ...)``); views handed out before now are stale from here on."""
+        L, p = self.L, self.p
+        self.buf[:, p] = value
+        self.buf[:, p + L] = value
+        self.p = (p + 1) % L
+
+    def clear(self, rows: np.ndarray) -> None:
+        """Zero the history of the sub-envs where ``rows`` (their episodes start anew)."""
+        self.buf[rows] = 0
+
+    def position(self, offset: int) -> int:
+        """Index on axis 1 of the value at ``offset`` (at least ``newest - L + 1``)."""
+        return self.p + self.L - 1 + offset - self.newest
+
+
+class _View:
+    """One requirement over one leaf ring: its offsets, and how to read them (a view, or a take into ``out``)."""
+
+    def __init__(self, ring: _Ring, offsets: tuple[int, ...], windowed: bool):
+        self.ring = ring
+        self.offsets = offsets
+        self.windowed = windowed
+        first = offsets[0]
+        self.contiguous = offsets == tuple(range(first, first + len(offsets)))
+        self.rel = np.asarray(offsets, np.intp) - offsets[0]
+        self.idx = np.empty(len(offsets), np.intp)
+        self.out = None
+        if windowed and not self.contiguous:
+            b = ring.buf
+            self.out = np.empty((b.shape[0], len(offsets), *b.shape[2:]), b.dtype)
+
+    def read(self) -> np.ndarray:
+        """``(E, ...)`` or ``(E, W, ...)``: a view of the ring (int shifts, ranges) or ``out`` (other lists)."""
+        ring = self.ring
+        start = ring.position(self.offsets[0])
+        if not self.windowed:
+            return ring.buf[:, start]
+        if self.contiguous:
+            return ring.buf[:, start : start + len(self.offsets)]
+        np.add(self.rel, start, out=self.idx)
+        return np.take(ring.buf, self.idx, axis=1, out=self.out, mode="clip")  # clip: indices are in range; no buffering
+
+
+class ActorViews:
+    """The policy's input dict under view requirements, from per-sub-env history rings (RLlib's compute-actions views).
+
+    For every requirement ``name -> ViewRequirement(data_col, shift)``: the column at the current step
+    ``t`` plus each offset, batched over sub-envs: ``(E, ...)`` for an int shift, ``(E, W, ...)`` for a
+    list or a range (the offsets on the new axis, in their order). A position before the sub-env's
+    episode start holds zeros (:meth:`ViewRequirement.fill_value`), never the previous episode's data.
+    Episodes start where the *recorded* ``terminated | truncated`` was set (what :meth:`advance` gets),
+    so the learner building views from the stored rollout with the same requirements finds the same
+    boundaries; a soft horizon is no boundary (nothing is recorded there).
+
+    Columns: ``obs`` (offsets ``<= 0``: 0 is the observation the policy acts on), and ``action``,
+    ``reward``, ``terminated``, ``truncated`` or a policy extra (offsets ``<= -1``: step ``t``'s own
+    value is what the policy is computing). Their item shape and dtype: ``obs`` from the first
+    observation; ``reward`` float32, the flags bool (as stored); ``action`` from the requirement's
+    ``space`` or the env's action space, an extra from its requirement's ``space`` (needed before the
+    policy's first output); both are checked against that first output.
+
+    Memory: one ring per column (per leaf for pytree observations) of ``2 * depth`` items per sub-env,
+    depth the column's largest look-back, allocated once. Per step: one push per column (two copies of
+    a row), zeroing the rows of sub-envs whose episode ended.
+
+    Lifetime: what :meth:`inputs` returns are views of the rings (int shifts, ranges) or a preallocated
+    array (non-contiguous lists), valid until the next :meth:`advance`, i.e. during the policy's call:
+    copy what the policy keeps.
+    """
+
+    def __init__(self, requirements: Any, obs: Any, num_envs: int, action_space: Any = None):
+        self.requirements = check_view_requirements(requirements)
+        self.E = int(num_envs)
+        depth: dict[str, int] = {}
+        space: dict[str, Any] = {}
+        for key, vr in self.requirements.items():
+            col = vr.column(key)
+            depth[col] = max(depth.get(col, 0), -min(vr.offsets))
+            if vr.space is not None and col not in space:
+                space[col] = vr.space
+        self.columns = sorted(depth)
+        self._checked = False
+        self._origin = {col: "its requirement's space=" if col in space else "the env's action space" for col in depth}
+        self.rings: dict[str, tuple[Any, list[_Ring]]] = {}
+        for col in self.columns:
+            self.rings[col] = self._make_rings(col, depth[col], obs, space.get(col, action_space if col == "action" else None))
+        for key, vr in self.requirements.items():
+            self._check_fill(key, vr)
+        self.views = {key: [_View(r, vr.offsets, vr.windowed) for r in self.rings[vr.column(key)][1]]
+                      for key, vr in self.requirements.items()}
+        if "obs" in self.rings:
+            self._push("obs", obs)
+
+    def _make_rings(self, col: str, depth: int, obs: Any, space: Any) -> tuple[Any, list[_Ring]]:
+        E = self.E
+        if col == "obs":
+            leaves, spec = optree.tree_flatten(obs)
+            return spec, [_Ring(E, depth + 1, np.shape(a)[1:], np.asarray(a).dtype, 0) for a in leaves]
+        if col == "reward":
+            shape, dtype = (), np.dtype(np.float32)
+        elif col in FLAG_KEYS:
+            shape, dtype = (), np.dtype(bool)
+        elif space is None:
+            what = "the env's action space" if col == "action" else "space="
+            raise UsageError(f"view column {col!r}: its item shape and dtype are needed before the policy's first output, "
+                             f"and there is no {what}: give the requirement space= (one sub-env's item, e.g. a gymnasium "
+                             "Space or np.zeros((), np.float32))")
+        else:
+            shape, dtype = _item_template(space, f"view column {col!r}")
+        _, spec = optree.tree_flatten(np.zeros(()))
+        return spec, [_Ring(E, depth, shape, dtype, -1)]
+
+    def _check_fill(self, key: str, vr: Any) -> None:
+        """The requirement's fill (its ``space``) fits the column: ``fill_value`` raises if its shape does not."""
+        for ring in self.rings[vr.column(key)][1]:
+            vr.fill_value(ring.buf.dtype, ring.buf.shape[2:])
+
+    def _push(self, col: str, value: Any) -> None:
+        rings = self.rings[col][1]
+        if len(rings) == 1 and type(value) is np.ndarray:
+            rings[0].push(value)
+            return
+        for ring, leaf in zip(rings, optree.tree_leaves(value), strict=True):
+            ring.push(leaf)
+
+    def inputs(self) -> dict[str, Any]:
+        """The policy's input at the current step (see the class doc for shapes and lifetime)."""
+        out = {}
+        for key, views in self.views.items():
+            spec = self.rings[self.requirements[key].column(key)][0]
+            if len(views) == 1 and spec.num_leaves == 1 and spec.num_nodes == 1:
+                out[key] = views[0].read()
+            else:
+                out[key] = optree.tree_unflatten(spec, [v.read() for v in views])
+        return out
+
+    def _check_output(self, values: dict[str, Any], extras: dict[str, Any]) -> None:
+        """The first output's actions and extras have the shape and dtype the rings were made for."""
+        for col in self.columns:
+            if col == "obs" or col == "reward" or col in FLAG_KEYS:
+                continue
+            ring = self.rings[col][1][0]
+            if col not in values:
+                raise UsageError(f"view column {col!r} is not a step leaf and the policy returned no extra of that name "
+                                 f"(its extras: {sorted(extras)}); a view reads one of "
+                                 f"{list(STEP_KEYS)} or a policy extra")
+            got = np.asarray(values[col])
+            want_shape, want_dtype = ring.buf.shape[2:], ring.buf.dtype
+            if got.shape[1:] != want_shape or got.dtype != want_dtype:
+                src = self._origin[col]
+                raise UsageError(f"view column {col!r}: the policy returned items of {got.dtype} {got.shape[1:]}, but the "
+                                 f"fill before its first output was {want_dtype} {want_shape} (from {src}); give the "
+                                 f"requirement space= of the policy's own item (e.g. np.zeros({got.shape[1:]}, np.{got.dtype}))"
+                                 f" or make the policy return {want_dtype} {want_shape}")
+        self._checked = True
+
+    def advance(self, action: Any, extras: dict[str, Any], reward: np.ndarray, terminated: np.ndarray,
+                truncated: np.ndarray, next_obs: Any) -> None:
+        """Record a step (its recorded values, ``(E, ...)`` each), start the episodes that ended, then take ``next_obs``."""
+        values = {"action": action, "reward": reward, "terminated": terminated, "truncated": truncated, **extras}
+        if not self._checked:
+            self._check_output(values, extras)
+        for col in self.columns:
+            if col != "obs":
+                self._push(col, values[col])
+        ended = terminated | truncated
+        if ended.any():
+            for _, rings in self.rings.values():
+                for ring in rings:
+                    ring.clear(ended)
+        if "obs" in self.rings:
+            self._push("obs", next_obs)
+
+
+def check_view_requirements(requirements: Any) -> dict[str, Any]:
+    """The requirements as a dict, checked for acting: UsageError naming the requirement otherwise.
+
+    The actor builds the input at step ``t``, before the step is taken: an offset must be ``<= 0`` for
+    ``obs`` and ``<= -1`` for every other column (step ``t``'s action, reward and flags do not exist
+    yet). Positive offsets (``shift=+1``: the next observation) are for the learner side only.
+    """
+    if not isinstance(requirements, dict) or not requirements:
+        raise UsageError(f"view_requirements: expected a non-empty dict name -> shmbuf.storage.views.ViewRequirement "
+                         f"(or None for the bare observation), got {requirements!r}")
+    for key, vr in requirements.items():
+        if not isinstance(key, str):
+            raise UsageError(f"view_requirements: keys are the policy's input names (str), got {key!r}")
+        if not all(hasattr(vr, a) for a in ("offsets", "windowed", "column", "fill_value", "space")):
+            raise UsageError(f"view_requirements[{key!r}]: expected a shmbuf.storage.views.ViewRequirement, got "
+                             f"{type(vr).__name__}")
+        col = vr.column(key)
+        if not isinstance(col, str) or not col:
+            raise UsageError(f"view_requirements[{key!r}]: its column must be a step leaf name, got {col!r}")
+        ahead = [o for o in vr.offsets if o > 0]
+        if ahead:
+            raise UsageError(f"view_requirements[{key!r}] (column {col!r}, shift={vr.shift!r}): offset {ahead[0]} is after "
+                             "the step the policy acts on, which the actor cannot know yet; positive shifts (e.g. the next "
+                             "observation) are for the learner side: leave this one out of the actor's requirements")
+        if col != "obs" and 0 in vr.offsets:
+            raise UsageError(f"view_requirements[{key!r}] (column {col!r}, shift={vr.shift!r}): offset 0 is this step's own "
+                             f"{col}, which the policy is computing (only 'obs' is known at offset 0); use shift=-1 for the "
+                             "previous one")
+        if col in ("actions", "rewards", "dones", "new_obs", "next_obs"):
+            name = {"actions": "'action'", "rewards": "'reward'", "dones": "'terminated' or 'truncated'",
+                    "new_obs": "'obs' with shift=1 (learner side)", "next_obs": "'obs' with shift=1 (learner side)"}[col]
+            raise UsageError(f"view_requirements[{key!r}]: column {col!r} is RLlib's name; the workers step leaf is {name}")
+    return dict(requirements)
+
+
+# -- horizons (RLlib's horizon, soft_horizon, no_done_at_end) ------------------------------------------
+
+
+def check_horizon(batch_mode: str, horizon: int | None, soft_horizon: bool, no_done_at_end: bool) -> None:
+    """UsageError for a bad horizon setting or a combination the batch mode cannot honour."""
+    if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, (int, np.integer)) or horizon < 1):
+        raise UsageError(f"horizon: expected an int >= 1 (the most steps an episode may last) or None, got {horizon!r}")
+    for name, v in (("soft_horizon", soft_horizon), ("no_done_at_end", no_done_at_end)):
+        if not isinstance(v, bool):
+            raise UsageError(f"{name}: expected a bool, got {v!r}")
+    if soft_horizon and horizon is None:
+        raise UsageError("soft_horizon=True needs horizon=<steps>: it says what happens at the horizon")
+    if soft_horizon and batch_mode == "complete_episodes":
+        raise UsageError("soft_horizon=True with batch_mode='complete_episodes': a soft horizon does not reset the env, so "
+                         "the next rollout would start mid-episode, which complete-episodes rollouts never do; use "
+                         "batch_mode='truncate_episodes' (or a hard horizon)")
+
+
 
 
 class ActorLoop:
@@ -213,12 +504,30 @@ class ActorLoop:
         rollout_len: T; must match the pipeline's example.
         weights: an optional WeightSubscriber, polled at rollout boundaries.
         should_stop: checked every step; a partial rollout is then dropped.
+        view_requirements: ``{name: ViewRequirement}``: call the policy with a dict of views
+            (:class:`ActorViews`) instead of the bare observation; None: the observation.
+        horizon: no episode lasts more than this many steps: it is cut there, recorded
+            ``truncated``, the sub-env reset (complete-episodes: cut at ``min(horizon, T)``).
+            The env's own time limit is left as it is.
+        soft_horizon: at the horizon, neither reset nor flag: only the episode's return and
+            length bookkeeping restart (an episode record with neither flag). Truncate-episodes only.
+        no_done_at_end: never record ``terminated``: an episode that ends (or is cut) is
+            recorded ``truncated`` (the learner bootstraps from its final observation).
+
+    Raises:
+        shmbuf.UsageError: a bad view requirement or horizon setting (see :func:`check_view_requirements`,
+            :func:`check_horizon`).
     """
 
     def __init__(self, env: Any, policy: Any, writers: list[Any], *, rollout_len: int,
                  batch_mode: str = "truncate_episodes", max_episodes: int | None = None, weights: Any = None,
-                 seed: int | None = None, should_stop: Callable[[], bool] | None = None):
+                 seed: int | None = None, should_stop: Callable[[], bool] | None = None,
+                 view_requirements: dict[str, Any] | None = None, horizon: int | None = None,
+                 soft_horizon: bool = False, no_done_at_end: bool = False):
         _check_mode(batch_mode)
+        check_horizon(batch_mode, horizon, soft_horizon, no_done_at_end)
+        if view_requirements is not None:
+            check_view_requirements(view_requirements)
         self.driver = EnvDriver(env)
         self.E = self.driver.num_envs
         self.single = not self.driver.vector
@@ -238,7 +547,16 @@ class ActorLoop:
         self.rollouts = 0
         self.episodes = 0
         self.cut_episodes = 0
+        self.soft_horizons = 0
+        self.horizon = None if horizon is None else int(horizon)
+        self.soft_horizon = soft_horizon
+        self.no_done_at_end = no_done_at_end
+        limits = [x for x in (self.horizon, self.T if batch_mode == "complete_episodes" else None) if x is not None]
+        self.limit = min(limits) if limits else None  # where the actor ends an episode itself
         self.obs = self.driver.reset(seed)
+        self.views = None
+        if view_requirements is not None:
+            self.views = ActorViews(view_requirements, self.obs, self.E, action_space_of(env))
         self.ep_ret = np.zeros(self.E, np.float64)
         self.ep_len = np.zeros(self.E, np.int64)
         self.ep_version = np.zeros(self.E, np.int64)
@@ -259,10 +577,38 @@ class ActorLoop:
         return True
 
     def _act(self, obs: Any) -> tuple[Any, dict[str, Any]]:
-        action, extras = split_policy_output(self._call(obs))
+        action, extras = split_policy_output(self._call(obs if self.views is None else self.views.inputs()))
         if type(action) is not np.ndarray:
             action = optree.tree_map(np.asarray, action)
         return action, extras
+
+    def _flags(self, term: np.ndarray, trunc: np.ndarray) -> tuple[np.ndarray, np.ndarray, Any, Any]:
+        """``(terminated, truncated, cut, soft)`` to record for a step, ``ep_len`` already counting it.
+
+        ``cut``: sub-envs the actor ends itself at its limit (horizon, or T in complete-episodes mode),
+        recorded truncated, to be reset; ``soft``: sub-envs at a soft horizon (a bookkeeping record, no
+        reset, no flag). Each None when nobody is there.
+        """
+        cut = soft = None
+        if self.limit is not None:
+            at = self.ep_len >= self.limit
+            if at.any():
+                at &= ~(term | trunc)  # an episode the env ended on this very step ended by itself (RLlib's hit_horizon)
+                if at.any():
+                    if self.soft_horizon:
+                        soft = at
+                    else:
+                        cut = at
+                        trunc = trunc | cut
+        if self.no_done_at_end and term.any():
+            trunc = trunc | term
+            term = np.zeros_like(term)
+        return term, trunc, cut, soft
+
+    def _advance_views(self, action: Any, extras: dict[str, Any], rew32: np.ndarray, term: np.ndarray,
+                       trunc: np.ndarray, nobs: Any) -> None:
+        if self.views is not None:
+            self.views.advance(action, {k: np.asarray(v) for k, v in extras.items()}, rew32, term, trunc, nobs)
 
     def run(self, max_rollouts: int | None = None) -> int:
         """Collect until ``max_rollouts`` more rollouts were committed (None: until stopped); return how many."""
@@ -291,25 +637,34 @@ class ActorLoop:
             obs = self.obs  # a driver buffer: still this step's observation after step() (see EnvDriver)
             action, extras = self._act(obs)
             nobs, rew, term, trunc, succ = self.driver.step(action)
+            self.ep_ret += rew
+            self.ep_len += 1
+            self.env_steps += E
+            term, trunc, cut, soft = self._flags(term, trunc)
+            rew32 = rew.astype(np.float32)
             # Exact dtypes and shapes take the Writer's fast path (no per-leaf coercion).
-            step = {"obs": row(obs), "action": row(action), "reward": row(rew.astype(np.float32)),
+            step = {"obs": row(obs), "action": row(action), "reward": row(rew32),
                     "terminated": row(term), "truncated": row(trunc)}
             for k, v in extras.items():
                 step[k] = row(v)
             w.add("step", step)
-            self.ep_ret += rew
-            self.ep_len += 1
-            self.env_steps += E
             done = term | trunc
-            if done.any():
-                for e in np.flatnonzero(done):
+            ends = done if soft is None else done | soft
+            if ends.any():
+                for e in np.flatnonzero(ends):
                     w.add("episode", {"return": self.ep_ret[e], "length": self.ep_len[e], "terminated": term[e],
                                       "truncated": trunc[e], "env": np.int32(e), "end": np.int32(t),
                                       "final_obs": tree_index(succ, e)})
-                n_ep += int(done.sum())
-                self.episodes += int(done.sum())
-                self.ep_ret[done] = 0.0
-                self.ep_len[done] = 0
+                n_ep += int(ends.sum())
+                self.episodes += int(ends.sum())
+                self.ep_ret[ends] = 0.0
+                self.ep_len[ends] = 0
+            if soft is not None:
+                self.soft_horizons += int(soft.sum())
+            if cut is not None:
+                nobs = self.driver.reset_some(cut, nobs)  # writes the driver buffer of `obs`, stored above
+                self.cut_episodes += int(cut.sum())
+            self._advance_views(action, extras, rew32, term, trunc, nobs)
             self.obs = nobs
             if n_ep + E > M and t < self.T - 1:
                 break  # the next step could overflow the episode table: commit short
@@ -321,7 +676,7 @@ class ActorLoop:
     # -- complete-episodes: one episode of one sub-env per rollout -----------
 
     def _complete(self, until: int | None) -> None:
-        E, T = self.E, self.T
+        E = self.E
         self.ep_version[:] = self.version
         while until is None or self.rollouts < until:
             if self.should_stop():
@@ -334,25 +689,26 @@ class ActorLoop:
             self.ep_ret += rew
             self.ep_len += 1
             self.env_steps += E
-            cut = (self.ep_len >= T) & ~(term | trunc)
-            rec_trunc = trunc | cut
+            term, trunc, cut, _ = self._flags(term, trunc)  # no soft horizon in this mode (check_horizon)
+            rew32 = rew.astype(np.float32)
             for e in range(E):
-                step = {"obs": tree_index(obs, e), "action": tree_index(action, e), "reward": rew[e],
-                        "terminated": term[e], "truncated": rec_trunc[e]}
+                step = {"obs": tree_index(obs, e), "action": tree_index(action, e), "reward": rew32[e],
+                        "terminated": term[e], "truncated": trunc[e]}
                 for k, v in extras.items():
                     step[k] = v[e]
                 self.writers[e].add("step", step)
-            if cut.any():
+            if cut is not None:
                 nobs = self.driver.reset_some(cut, nobs)
                 self.cut_episodes += int(cut.sum())
+            self._advance_views(action, extras, rew32, term, trunc, nobs)
             self.obs = nobs
-            done = term | rec_trunc
+            done = term | trunc
             if not done.any():
                 continue
             for e in np.flatnonzero(done):
                 w = self.writers[e]
                 w.add("episode", {"return": self.ep_ret[e], "length": self.ep_len[e], "terminated": term[e],
-                                  "truncated": rec_trunc[e], "env": np.int32(e)})
+                                  "truncated": trunc[e], "env": np.int32(e)})
                 w.add("bootstrap", {"obs": tree_index(succ, e), "env_steps": np.int64(self.env_steps)})
                 w.commit(int(self.ep_version[e]))  # the oldest policy that acted in this episode
                 self.rollouts += 1
@@ -413,6 +769,7 @@ class ActorSpec:
     ``env_fns``: one env factory per actor (actor i uses ``env_fns[i % len]``).
     ``policy`` or ``policy_factory`` (called in the actor, for policies that
     cannot be pickled). ``pipeline``/``weights``: shmbuf names.
+    ``view_requirements``, ``horizon``, ``soft_horizon``, ``no_done_at_end``: as :class:`ActorLoop`.
     """
 
     pipeline: str
@@ -427,6 +784,10 @@ class ActorSpec:
     max_rollouts: int | None = None
     torch_threads: int | None = 1
     label: str = "actor"
+    view_requirements: dict[str, Any] | None = None
+    horizon: int | None = None
+    soft_horizon: bool = False
+    no_done_at_end: bool = False
 
 
 def run_actor(ctx: Any, spec: ActorSpec) -> None:
@@ -456,7 +817,8 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         seed = None if spec.seed is None else spec.seed + 10_000 * ctx.index + 1_000_000 * ctx.incarnation
         loop = ActorLoop(env, policy, writers, rollout_len=spec.rollout_len, batch_mode=spec.batch_mode,
                          max_episodes=spec.max_episodes, weights=sub, seed=seed,
-                         should_stop=lambda: ctx.stop_requested)
+                         should_stop=lambda: ctx.stop_requested, view_requirements=spec.view_requirements,
+                         horizon=spec.horizon, soft_horizon=spec.soft_horizon, no_done_at_end=spec.no_done_at_end)
         loop.run(spec.max_rollouts)
     except BaseException as exc:
         # Also tell the reader (it raises WriterError from its next get); the pool gets it from our caller.

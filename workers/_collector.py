@@ -26,7 +26,7 @@ import numpy as np
 import optree
 
 import shmbuf
-from workers._actor import MODES, ActorSpec, probe, rollout_example, run_actor
+from workers._actor import MODES, ActorSpec, check_horizon, check_view_requirements, probe, rollout_example, run_actor
 from workers._pool import ActorPool, default_start_method
 
 WAIT_SLICE = 0.1
@@ -120,6 +120,8 @@ class Collector:
         timeout: longest wait for one batch before :class:`shmbuf.SlotTimeout` (None: no limit;
             a failed actor is raised at once either way).
         stop_timeout: the deadline :meth:`shutdown` gives the actors.
+        view_requirements, horizon, soft_horizon, no_done_at_end: passed to each actor's
+            :class:`workers.ActorLoop` (the policy's input views; RLlib's horizons), checked here.
     """
 
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
@@ -129,9 +131,13 @@ class Collector:
                  slots: int | None = None, start_method: str | None = None, restart: bool = False,
                  max_restarts: int = 3, progress: bool = False, copy: bool = False, seed: int | None = 0,
                  torch_threads: int | None = 1, stop_timeout: float = 5.0, ready_timeout: float = 120.0,
-                 timeout: float | None = None):
+                 timeout: float | None = None, view_requirements: dict[str, Any] | None = None,
+                 horizon: int | None = None, soft_horizon: bool = False, no_done_at_end: bool = False):
         if batch_mode not in MODES:
             raise ValueError(f"batch_mode: expected one of {MODES}, got {batch_mode!r}")
+        check_horizon(batch_mode, horizon, soft_horizon, no_done_at_end)
+        if view_requirements is not None:
+            check_view_requirements(view_requirements)
         if (policy is None) == (policy_factory is None):
             raise ValueError("give exactly one of policy and policy_factory")
         env_fns = tuple(create_env_fn) if isinstance(create_env_fn, Sequence) else (create_env_fn,)
@@ -174,7 +180,7 @@ class Collector:
         env = env_fns[0]()
         try:
             probe_policy = policy if policy is not None else policy_factory()  # type: ignore[misc]
-            p = probe(env, probe_policy, seed)
+            p = probe(env, probe_policy, seed, view_requirements=view_requirements)
             spec_T = getattr(getattr(env, "spec", None), "max_episode_steps", None)
         finally:
             env.close()
@@ -214,7 +220,8 @@ class Collector:
                 pipeline=self.reader.name, env_fns=env_fns, rollout_len=T, policy=policy, policy_factory=policy_factory,
                 batch_mode=batch_mode, max_episodes=max_episodes,
                 weights=self.publisher.name if self.publisher is not None else None, seed=seed,
-                torch_threads=torch_threads,
+                torch_threads=torch_threads, view_requirements=view_requirements, horizon=horizon,
+                soft_horizon=soft_horizon, no_done_at_end=no_done_at_end,
             )
             self.pool = ActorPool(run_actor, num_actors, args=(spec,), start_method=method, restart=restart,
                                   max_restarts=max_restarts, name="shmbuf-collector")

@@ -1,0 +1,469 @@
+"""Actor-side views: what the policy is given at every step, against hand-derived truth and the learner's columns.
+
+A recording policy keeps a copy of every input dict the ActorLoop hands it. CountingEnv's ground truth
+(tests/test_workers_envs.py) says what each column held at every step, so the expected input of every
+call is known: the column at each offset, zeros before the sub-env's episode start, never the previous
+episode's data. The learner side builds the same columns from the stored rollout (here a reference
+implementation of brief10's semantics, :func:`reference_views`, until shmbuf.storage.views has its own);
+the two agree on every step whose episode started inside the rollout, and on every step whose window
+lies inside it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import threading
+from functools import partial
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import optree
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shmbuf
+from shmbuf import UsageError
+from shmbuf.storage.views import ViewRequirement as VR
+from tests.test_workers_envs import LENGTHS, CountingEnv, expected_stream
+from workers import ActorLoop, Collector, probe, rollout_example
+from workers._actor import ActorViews
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+REQS = {
+    "obs": VR(shift=0),
+    "prev_actions": VR("action", shift=-1),
+    "prev_rewards": VR("reward", shift=-1),
+    "stack": VR("obs", shift="-3:0"),
+    "sparse": VR("obs", shift=[-3, -1]),  # not contiguous: taken into a preallocated array
+    "prev_twice_t": VR("twice_t", shift=-2, space=np.zeros((), np.float32)),  # a policy extra
+    "prev_done": VR("terminated", shift=-1),
+    "prev_cut": VR("truncated", shift="-2:-1"),
+}
+
+
+class RecordingPolicy:
+    """Acts as CountingEnv demands (1000 k + t, from the current observation); keeps a copy of every input."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    def __call__(self, x: dict[str, Any]) -> Any:
+        self.seen.append(optree.tree_map(np.array, x))
+        obs = x["obs"]
+        action = (obs[:, 1] * 1000 + obs[:, 2]).astype(np.int64)
+        return action, {"twice_t": (2 * obs[:, 2]).astype(np.float32)}
+
+
+class EchoViewsPolicy:
+    """Stores what it was given as step extras (``seen_<name>``), so a learner can compare it with its own columns."""
+
+    def __call__(self, x: dict[str, Any]) -> Any:
+        obs = x["obs"]
+        action = (obs[:, 1] * 1000 + obs[:, 2]).astype(np.int64)
+        extras = {f"seen_{k}": np.array(v) for k, v in x.items() if k != "prev_twice_t"}
+        extras["twice_t"] = (2 * obs[:, 2]).astype(np.float32)
+        return action, extras
+
+
+def make_vector(n: int, mode: str = "NextStep"):
+    return gym.vector.SyncVectorEnv([partial(CountingEnv, i) for i in range(n)],
+                                    autoreset_mode=gym.vector.AutoresetMode(mode))
+
+
+# -- running an ActorLoop in a thread (the reader in this one) -------------------------------------------
+
+
+def collect(make_env, policy, *, T, n_rollouts, batch_mode="truncate_episodes", **loop_kw):
+    """Run an ActorLoop in a thread until it committed ``n_rollouts``; return them (copied) in commit order."""
+    probe_env = make_env()
+    try:
+        p = probe(probe_env, RecordingPolicy() if isinstance(policy, RecordingPolicy) else policy,
+                  view_requirements=loop_kw.get("view_requirements"))
+    finally:
+        probe_env.close()
+    env = make_env()
+    vector = p["vector"] and batch_mode == "truncate_episodes"
+    example = rollout_example(p["obs"], p["action"], rollout_len=T, num_envs=p["num_envs"] if vector else None,
+                              extras=p["extras"], batch_mode=batch_mode)
+    n_writers = p["num_envs"] if batch_mode == "complete_episodes" else 1
+    reader = shmbuf.create(example, slots=4 * n_writers + 2, max_writers=n_writers)
+    errors: list[BaseException] = []
+    out: list[dict[str, Any]] = []
+    registered = threading.Event()
+    box: list[ActorLoop] = []
+
+    def actor():
+        writers = []
+        try:
+            writers = [shmbuf.Writer(reader.handle, timeout=20) for _ in range(n_writers)]
+            registered.set()
+            loop = ActorLoop(env, policy, writers, rollout_len=T, batch_mode=batch_mode, **loop_kw)
+            box.append(loop)
+            loop.run(n_rollouts)
+        except BaseException as exc:  # surfaced by the main thread
+            errors.append(exc)
+            registered.set()
+        finally:
+            for w in writers:
+                w.close()
+
+    th = threading.Thread(target=actor, daemon=True)
+    th.start()
+    try:
+        assert registered.wait(20), "the actor's writers did not attach"
+        while len(out) < n_rollouts:
+            if errors:
+                raise errors[0]
+            try:
+                r = reader.get(timeout=0.5)
+            except shmbuf.SlotTimeout:
+                assert th.is_alive() or errors, "the actor stopped early"
+                continue
+            with r:
+                out.append({"lane": r.lane, "seq": r.seq, "fill": dict(r.fill), "data": r.copy()})
+        th.join(20)
+        assert not th.is_alive()
+        if errors:
+            raise errors[0]
+    finally:
+        reader.close()
+        env.close()
+    return out, box[0]
+
+
+# -- the truth: what each column held at each step of CountingEnv ----------------------------------------
+
+
+def column_truth(tr: dict[str, Any], col: str) -> np.ndarray:
+    value = {"obs": tr["obs"], "action": tr["action"], "reward": tr["reward"], "terminated": tr["terminated"],
+             "truncated": tr["truncated"], "twice_t": 2 * tr["obs"][2]}[col]
+    return np.asarray(value)
+
+
+def expected_input(truth: list[dict[str, Any]], i: int, vr: VR, key: str) -> np.ndarray:
+    """What requirement ``vr`` gives at step ``i`` of one sub-env's stream: the column at each offset, zeros before
+    the episode's start (step ``i`` is the ``truth[i]["obs"][2]``-th of its episode)."""
+    col = vr.column(key)
+    start = i - int(truth[i]["obs"][2])
+    zero = np.zeros_like(column_truth(truth[i], col), dtype=float)
+    vals = [column_truth(truth[i + o], col).astype(float) if i + o >= start else zero for o in vr.offsets]
+    return np.stack(vals) if vr.windowed else vals[0]
+
+
+def check_inputs_against_truth(seen: list[dict[str, Any]], n_envs: int, reqs: dict[str, VR], cap: int | None = None):
+    assert seen, "the policy was never called"
+    for e in range(n_envs):
+        truth = expected_stream(e, len(seen), cap=cap)
+        for i, x in enumerate(seen):
+            assert set(x) == set(reqs)
+            for key, vr in reqs.items():
+                want = expected_input(truth, i, vr, key)
+                assert np.array_equal(x[key][e], want), (key, e, i, x[key][e].tolist(), want.tolist())
+
+
+# -- hand-derived: the first calls of CountingEnv(1), written out ------------------------------------------
+
+Z = [0, 0, 0]
+HAND = [  # CountingEnv(1): episode 0 lasts 5 steps (terminated), episode 1 lasts 2 (truncated)
+    # obs,      prev_actions, prev_rewards, stack
+    ([1, 0, 0], 0, 0.0, [Z, Z, Z, [1, 0, 0]]),
+    ([1, 0, 1], 0, 1.0, [Z, Z, [1, 0, 0], [1, 0, 1]]),
+    ([1, 0, 2], 1, 2.0, [Z, [1, 0, 0], [1, 0, 1], [1, 0, 2]]),
+    ([1, 0, 3], 2, 3.0, [[1, 0, 0], [1, 0, 1], [1, 0, 2], [1, 0, 3]]),
+    ([1, 0, 4], 3, 4.0, [[1, 0, 1], [1, 0, 2], [1, 0, 3], [1, 0, 4]]),
+    ([1, 1, 0], 0, 0.0, [Z, Z, Z, [1, 1, 0]]),  # a new episode: nothing of episode 0 (last action 4, reward 5)
+    ([1, 1, 1], 1000, 101.0, [Z, Z, [1, 1, 0], [1, 1, 1]]),
+    ([1, 2, 0], 0, 0.0, [Z, Z, Z, [1, 2, 0]]),  # and nothing of episode 1 (last action 1001, reward 102)
+]
+
+
+@pytest.mark.parametrize("where", ["single", "vector"])
+def test_hand_derived_inputs_of_the_first_steps(where):
+    policy = RecordingPolicy()
+    make = (lambda: CountingEnv(1)) if where == "single" else (lambda: make_vector(3))
+    collect(make, policy, T=4, n_rollouts=2, view_requirements=REQS)
+    e = 0 if where == "single" else 1
+    for i, (obs, prev_a, prev_r, stack) in enumerate(HAND):
+        x = policy.seen[i]
+        assert x["obs"][e].tolist() == obs
+        assert x["prev_actions"][e] == prev_a and x["prev_actions"].dtype == np.int64
+        assert x["prev_rewards"][e] == prev_r and x["prev_rewards"].dtype == np.float32
+        assert x["stack"][e].tolist() == stack
+        assert x["sparse"][e].tolist() == [stack[0], stack[2]]
+        assert not x["prev_done"][e] and not x["prev_cut"][e].any()
+    n = 1 if where == "single" else 3
+    assert policy.seen[0]["stack"].shape == (n, 4, 3) and policy.seen[0]["prev_actions"].shape == (n,)
+    assert policy.seen[0]["prev_cut"].shape == (n, 2) and policy.seen[0]["prev_cut"].dtype == bool
+
+
+@pytest.mark.parametrize("batch_mode", ["truncate_episodes", "complete_episodes"])
+@pytest.mark.parametrize("mode", ["NextStep", "SameStep", "Disabled"])
+def test_every_input_of_a_vector_env_matches_the_truth(mode, batch_mode):
+    """E=3 sub-envs whose episodes end at different steps, every autoreset mode, both batch modes."""
+    policy = RecordingPolicy()
+    T = 8
+    collect(lambda: make_vector(3, mode), policy, T=T, n_rollouts=6, batch_mode=batch_mode, view_requirements=REQS)
+    check_inputs_against_truth(policy.seen, 3, REQS, cap=T if batch_mode == "complete_episodes" else None)
+
+
+def test_single_env_inputs_match_the_truth():
+    policy = RecordingPolicy()
+    collect(lambda: CountingEnv(0), policy, T=5, n_rollouts=8, view_requirements=REQS)
+    assert len(policy.seen) == 40
+    check_inputs_against_truth(policy.seen, 1, REQS)
+
+
+def test_a_horizon_cut_starts_the_views_anew_and_a_soft_horizon_does_not():
+    reqs = {"obs": VR(), "stack": VR("obs", shift="-3:0"), "prev_actions": VR("action", shift=-1)}
+    hard = RecordingPolicy()
+    collect(lambda: CountingEnv(0), hard, T=6, n_rollouts=4, view_requirements=reqs, horizon=3)
+    check_inputs_against_truth(hard.seen, 1, reqs, cap=3)  # the truth with episodes cut at 3 steps
+    soft = RecordingPolicy()
+    rollouts, loop = collect(lambda: CountingEnv(0), soft, T=6, n_rollouts=4, view_requirements=reqs, horizon=2,
+                             soft_horizon=True)
+    assert loop.soft_horizons > 0
+    check_inputs_against_truth(soft.seen, 1, reqs)  # the env's own episodes: a soft horizon is no boundary
+
+
+# -- the learner side: the same columns from the stored rollout ------------------------------------------
+
+
+def reference_views(step: dict[str, Any], n: int, reqs: dict[str, VR], vector: bool,
+                    first_is_start: bool = False) -> dict[str, tuple[Any, Any]]:
+    """brief10's learner-side views of one rollout: ``{key: (values, known)}``.
+
+    ``values`` (n, E, [W], ...): the column at t + offset where that is at or after the episode's start
+    (the step after the last ``terminated | truncated`` before t, or the rollout's first step), zeros
+    where it is before a start inside the rollout. ``known`` (n, E): False where the window reaches
+    before the rollout's first step in an episode that started before it (the learner has no data).
+    ``first_is_start``: the rollout's first step starts an episode (complete-episodes rollouts): all known.
+    """
+    def envs(a):
+        a = np.asarray(a)[:n]
+        return a if vector else a[:, None]
+
+    done = envs(step["terminated"]) | envs(step["truncated"])
+    E = done.shape[1]
+    start = np.zeros((n, E), np.int64)
+    for t in range(1, n):
+        start[t] = np.where(done[t - 1], t, start[t - 1])
+    out = {}
+    for key, vr in reqs.items():
+        col = envs(step[vr.column(key)])
+        vals = []
+        for o in vr.offsets:
+            src = np.clip(np.arange(n) + o, 0, n - 1)
+            v = col[src].copy()
+            before = (np.arange(n)[:, None] + o) < start
+            v[before] = 0
+            vals.append(v)
+        values = np.stack(vals, axis=2) if vr.windowed else vals[0]
+        known = (start > 0) | (np.arange(n)[:, None] + min(vr.offsets) >= 0) | first_is_start
+        out[key] = (values, known)
+    return out
+
+
+def test_learner_columns_agree_with_what_the_policy_saw_truncate_episodes():
+    policy = RecordingPolicy()
+    T = 7
+    rollouts, _ = collect(lambda: make_vector(3), policy, T=T, n_rollouts=6, view_requirements=REQS)
+    compared = skipped = 0
+    for r_i, r in enumerate(rollouts):
+        n = r["fill"]["step"]
+        assert n == T
+        cols = reference_views(r["data"]["step"], n, REQS, vector=True)
+        for key, (values, known) in cols.items():
+            for t in range(n):
+                seen = policy.seen[r_i * T + t][key]
+                for e in range(3):
+                    if not known[t, e]:
+                        skipped += 1
+                        continue
+                    compared += 1
+                    assert np.array_equal(seen[e], values[t, e]), (key, r_i, t, e)
+                    assert seen[e].dtype == values.dtype, key
+    assert compared > 3 * skipped > 0  # most are comparable; the known difference (history before the rollout) is real
+
+
+def test_learner_columns_agree_with_what_the_policy_saw_complete_episodes():
+    """Complete-episodes rollouts start at an episode's start: every step of every rollout agrees."""
+    policy = RecordingPolicy()
+    rollouts, _ = collect(lambda: make_vector(2), policy, T=8, n_rollouts=10, batch_mode="complete_episodes",
+                          view_requirements=REQS)
+    for e in range(2):
+        mine = sorted((r for r in rollouts if int(r["data"]["episode"]["env"]) == e), key=lambda r: r["seq"])
+        assert mine
+        pos = 0
+        for r in mine:
+            n = r["fill"]["step"]
+            for key, (values, known) in reference_views(r["data"]["step"], n, REQS, vector=False, first_is_start=True).items():
+                assert known.all()
+                for t in range(n):
+                    assert np.array_equal(policy.seen[pos + t][key][e], values[t, 0]), (key, e, pos + t)
+            pos += n
+
+
+def test_learner_columns_agree_through_a_collector_in_spawned_processes():
+    """The policy stores what it saw as extras; the learner's columns from the same requirements match them.
+
+    Also checks that view requirements and horizons are pickled into the actors (spawn).
+    """
+    reqs = {k: v for k, v in REQS.items() if k != "prev_twice_t"}
+    with Collector(partial(make_vector, 2), EchoViewsPolicy(), num_actors=1, frames_per_batch=24, total_frames=72,
+                   rollout_len=6, copy=True, start_method="spawn", timeout=60, seed=None, view_requirements=reqs,
+                   horizon=4) as c:
+        batches = list(c)
+    compared = 0
+    for b in batches:
+        for i in range(len(b.lane)):
+            step = {k: v[i] for k, v in b.data["step"].items()}
+            n = int(b.fill["step"][i])
+            assert (step["obs"][:n, :, 2] < 4).all()  # horizon=4: no episode reaches a fifth step
+            for key, (values, known) in reference_views(step, n, reqs, vector=True).items():
+                seen = step[f"seen_{key}"][:n]
+                compared += int(known.sum())
+                assert np.array_equal(seen[known], values[known]), key
+    assert compared > 0
+
+
+# -- ActorViews alone: random episode ends against a full-history reference (hypothesis) -----------------
+
+
+SHIFTS = [0, -1, -2, "-3:0", "-2:-1", [-4, -1], [-1, -3]]
+
+
+@settings(deadline=None, max_examples=60)
+@given(E=st.integers(1, 3), n=st.integers(1, 30), seed=st.integers(0, 2**16),
+       obs_shifts=st.lists(st.sampled_from(SHIFTS), min_size=1, max_size=3),
+       act_shifts=st.lists(st.sampled_from([s for s in SHIFTS if s not in (0, "-3:0")]), max_size=2))
+def test_views_never_show_a_previous_episode(E, n, seed, obs_shifts, act_shifts):
+    rng = np.random.default_rng(seed)
+    reqs = {f"o{i}": VR("obs", shift=s) for i, s in enumerate(obs_shifts)}
+    reqs |= {f"a{i}": VR("action", shift=s) for i, s in enumerate(act_shifts)}
+    reqs["r"] = VR("reward", shift=-1)
+    obs = rng.normal(size=(E, 2))
+    views = ActorViews(reqs, obs, E, gym.spaces.Box(-1, 1, (3,), np.float32))
+    hist_obs, hist_act, hist_rew = [obs.copy()], [], []
+    start = np.zeros(E, np.int64)  # index in the history where each sub-env's episode began
+    for i in range(n):
+        x = views.inputs()
+        for key, vr in reqs.items():
+            hist = {"obs": hist_obs, "action": hist_act, "reward": hist_rew}[vr.column(key)]
+            for e in range(E):
+                want = []
+                for o in vr.offsets:
+                    j = i + o
+                    item = np.zeros_like(hist_obs[0][e] if vr.column(key) == "obs" else
+                                         (np.zeros(3, np.float32) if vr.column(key) == "action" else np.float32(0)))
+                    want.append(hist[j][e] if j >= start[e] else item)
+                got = x[key][e]
+                assert np.array_equal(got, np.stack(want) if vr.windowed else want[0]), (key, i, e)
+        action = rng.normal(size=(E, 3)).astype(np.float32)
+        reward = rng.normal(size=E).astype(np.float32)
+        term = rng.random(E) < 0.15
+        trunc = rng.random(E) < 0.1
+        nobs = rng.normal(size=(E, 2))
+        views.advance(action, {}, reward, term, trunc, nobs)
+        hist_act.append(action)
+        hist_rew.append(reward)
+        hist_obs.append(nobs.copy())
+        start[term | trunc] = i + 1
+
+
+def test_windows_are_views_of_the_ring_and_lists_are_not():
+    views = ActorViews({"stack": VR("obs", shift="-3:0"), "one": VR("obs", shift=-1), "sparse": VR("obs", shift=[-3, 0])},
+                       np.zeros((2, 3)), 2)
+    x = views.inputs()
+    ring = views.rings["obs"][1][0].buf
+    assert np.shares_memory(x["stack"], ring) and np.shares_memory(x["one"], ring)
+    assert not np.shares_memory(x["sparse"], ring)
+    assert x["stack"].shape == (2, 4, 3) and x["sparse"].shape == (2, 2, 3)
+
+
+def test_dict_observations_give_a_dict_per_view():
+    obs = {"pos": np.arange(6.0).reshape(2, 3), "t": np.zeros((2, 1), np.int32)}
+    views = ActorViews({"stack": VR("obs", shift="-1:0"), "obs": VR()}, obs, 2)
+    x = views.inputs()
+    assert set(x["stack"]) == {"pos", "t"} and x["stack"]["pos"].shape == (2, 2, 3) and x["stack"]["t"].dtype == np.int32
+    assert x["obs"]["pos"].tolist() == obs["pos"].tolist()
+    nobs = {"pos": obs["pos"] + 10, "t": obs["t"] + 1}
+    views.advance(np.zeros(2, np.int64), {}, np.zeros(2, np.float32), np.array([True, False]), np.zeros(2, bool), nobs)
+    x = views.inputs()
+    assert x["stack"]["pos"][0].tolist() == [[0, 0, 0], nobs["pos"][0].tolist()]  # sub-env 0 started anew
+    assert x["stack"]["pos"][1].tolist() == [obs["pos"][1].tolist(), nobs["pos"][1].tolist()]
+
+
+# -- refusals -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reqs, match", [
+    ({"next_obs": VR("obs", shift=1)}, r"view_requirements\['next_obs'\] \(column 'obs', shift=1\): offset 1 is after"),
+    ({"w": VR("obs", shift="-2:1")}, r"offset 1 is after the step the policy acts on"),
+    ({"a": VR("action", shift=0)}, r"\['a'\] \(column 'action', shift=0\): offset 0 is this step's own action"),
+    ({"r": VR("reward", shift=[-1, 0])}, r"offset 0 is this step's own reward.*shift=-1"),
+    ({"prev_actions": VR("actions", shift=-1)}, r"column 'actions' is RLlib's name; the workers step leaf is 'action'"),
+    ({"d": VR("dones", shift=-1)}, r"'dones' is RLlib's name.*'terminated' or 'truncated'"),
+    ({"x": VR("logp", shift=-1)}, r"view column 'logp'.*give the requirement space="),
+    ({}, r"view_requirements: expected a non-empty dict"),
+    ({"obs": "obs"}, r"view_requirements\['obs'\]: expected a shmbuf.storage.views.ViewRequirement, got str"),
+    ({"s": VR("obs", shift=-1, space=gym.spaces.Box(0, 1, (4,)))}, r"space.*shape \(4,\) is not the column's item shape \(3,\)"),
+])
+def test_bad_requirements_are_refused_at_construction(reqs, match):
+    env = CountingEnv(0)
+    with pytest.raises(UsageError, match=match):
+        ActorLoop(env, RecordingPolicy(), [object()], rollout_len=4, view_requirements=reqs)
+
+
+def test_an_extra_the_policy_does_not_return_is_named():
+    policy = RecordingPolicy()
+    with pytest.raises(UsageError, match=r"view column 'logp' is not a step leaf.*extras: \['twice_t'\]"):
+        collect(lambda: CountingEnv(0), policy, T=4, n_rollouts=1,
+                view_requirements={"obs": VR(), "lp": VR("logp", shift=-1, space=np.zeros((), np.float32))})
+
+
+def test_actions_of_another_dtype_than_the_fill_are_named():
+    """The fill before the first action comes from the env's action space (Discrete: int64); int32 actions are refused."""
+
+    def policy(x):
+        return (x["obs"][:, 1] * 1000 + x["obs"][:, 2]).astype(np.int32)
+
+    with pytest.raises(UsageError, match=r"view column 'action': the policy returned items of int32 \(\), but the fill "
+                                         r"before its first output was int64 \(\) \(from the env's action space\)"):
+        collect(lambda: CountingEnv(0), policy, T=4, n_rollouts=1,
+                view_requirements={"obs": VR(), "pa": VR("action", shift=-1)})
+    # ... and accepted with a space that says int32
+    collect(lambda: CountingEnv(0), policy, T=4, n_rollouts=1,
+            view_requirements={"obs": VR(), "pa": VR("action", shift=-1, space=np.zeros((), np.int32))})
+
+
+def test_without_requirements_the_policy_gets_the_bare_observation():
+    seen = []
+
+    def policy(obs):
+        seen.append(type(obs))
+        return (obs[:, 1] * 1000 + obs[:, 2]).astype(np.int64)
+
+    collect(lambda: CountingEnv(0), policy, T=4, n_rollouts=1)
+    assert set(seen) == {np.ndarray}
+
+
+# -- docs/workers.md: every python block runs as written ------------------------------------------------
+
+
+DOC = (ROOT / "docs" / "workers.md").read_text()
+DOC_BLOCKS = re.findall(r"```python\n(.*?)```", DOC, re.S)
+
+
+def test_workers_md_python_blocks_are_the_ones_run_here():
+    assert len(DOC_BLOCKS) == 2
+    assert "view_requirements=views" in DOC_BLOCKS[0] and "horizon=" in DOC_BLOCKS[1]
+
+
+@pytest.mark.parametrize("i", range(len(DOC_BLOCKS)))
+def test_workers_md_python_block_runs(i, capsys):
+    exec(compile(DOC_BLOCKS[i], f"docs/workers.md block {i}", "exec"), {"__name__": "__doc_block__"})
+    assert capsys.readouterr().out.strip()  # each block prints what it shows
