@@ -3,14 +3,16 @@
 A recording policy keeps a copy of every input dict the ActorLoop hands it. CountingEnv's ground truth
 (tests/test_workers_envs.py) says what each column held at every step, so the expected input of every
 call is known: the column at each offset, zeros before the sub-env's episode start, never the previous
-episode's data. The learner side builds the same columns from the stored rollout (here a reference
-implementation of brief10's semantics, :func:`reference_views`, until shmbuf.storage.views has its own);
-the two agree on every step whose episode started inside the rollout, and on every step whose window
-lies inside it.
+episode's data. The learner side builds the same columns from the stored rollout: with
+``shmbuf.storage.views.build_views`` given the previous rollout of the lane (``prev=``), on every step;
+without it (and in :func:`reference_views`, a small independent implementation of the same semantics)
+on every step whose episode started inside the rollout or whose window lies inside it: a learner has
+no data from before the rollout's first step.
 """
 
 from __future__ import annotations
 
+import importlib
 import pathlib
 import re
 import threading
@@ -32,6 +34,9 @@ from workers import ActorLoop, Collector, probe, rollout_example
 from workers._actor import ActorViews
 
 ROOT = pathlib.Path(__file__).parent.parent
+build_views = getattr(importlib.import_module("shmbuf.storage.views"), "build_views", None)
+needs_build_views = pytest.mark.skipif(build_views is None, reason="the learner side, shmbuf.storage.views.build_views, "
+                                                                   "is not there")
 
 REQS = {
     "obs": VR(shift=0),
@@ -328,6 +333,65 @@ def test_learner_columns_agree_through_a_collector_in_spawned_processes():
                 compared += int(known.sum())
                 assert np.array_equal(seen[known], values[known]), key
     assert compared > 0
+
+
+LOOP_OPTIONS = {"plain": {}, "horizon": {"horizon": 3}, "soft-horizon": {"horizon": 2, "soft_horizon": True},
+                "no-done-at-end": {"no_done_at_end": True}, "both": {"horizon": 4, "no_done_at_end": True}}
+
+
+@needs_build_views
+@pytest.mark.parametrize("where", ["single", "vector"])
+@pytest.mark.parametrize("options", list(LOOP_OPTIONS))
+def test_build_views_with_prev_gives_exactly_what_the_policy_saw(where, options):
+    """Given each rollout and the one before it on its lane, the learner rebuilds every input of every step."""
+    policy = RecordingPolicy()
+    T = 7
+    make = (lambda: CountingEnv(0)) if where == "single" else (lambda: make_vector(3))
+    rollouts, _ = collect(make, policy, T=T, n_rollouts=5, view_requirements=REQS, **LOOP_OPTIONS[options])
+    for i, r in enumerate(rollouts):
+        assert r["fill"]["step"] == T
+        cols = build_views(r["data"], REQS, fill=r["fill"], prev=rollouts[i - 1]["data"] if i else None, for_training=False)
+        assert set(cols) == set(REQS)
+        for key, v in cols.items():
+            for t in range(T):
+                seen = policy.seen[i * T + t][key]
+                got = v[t] if where == "vector" else v[t][None]
+                assert np.array_equal(seen, got) and seen.dtype == got.dtype, (key, i, t, seen.tolist(), got.tolist())
+
+
+@needs_build_views
+def test_build_views_of_complete_episodes_gives_exactly_what_the_policy_saw():
+    policy = RecordingPolicy()
+    rollouts, _ = collect(lambda: make_vector(2), policy, T=8, n_rollouts=10, batch_mode="complete_episodes",
+                          view_requirements=REQS, horizon=4, no_done_at_end=True)
+    for e in range(2):
+        pos = 0
+        for r in sorted((r for r in rollouts if int(r["data"]["episode"]["env"]) == e), key=lambda r: r["seq"]):
+            n = r["fill"]["step"]
+            cols = build_views(r["data"], REQS, fill=r["fill"], batch_mode="complete_episodes", for_training=False)
+            for key, v in cols.items():
+                assert len(v) == n
+                for t in range(n):
+                    assert np.array_equal(policy.seen[pos + t][key][e], v[t]), (key, e, pos + t)
+            pos += n
+
+
+@needs_build_views
+def test_build_views_of_a_collector_batch_agrees_where_the_rollout_holds_the_history():
+    reqs = {k: v for k, v in REQS.items() if k != "prev_twice_t"}
+    with Collector(partial(make_vector, 2), EchoViewsPolicy(), num_actors=1, frames_per_batch=24, total_frames=48,
+                   rollout_len=6, copy=True, start_method="fork", timeout=60, seed=None, view_requirements=reqs,
+                   horizon=4) as c:
+        batches = list(c)
+    for b in batches:
+        cols = build_views(b, reqs, for_training=False)
+        for key, v in cols.items():
+            seen = b.data["step"][f"seen_{key}"]
+            assert v.shape == seen.shape
+            for i in range(len(b.lane)):
+                _, known = reference_views({k: x[i] for k, x in b.data["step"].items()}, int(b.fill["step"][i]), reqs,
+                                           vector=True)[key]
+                assert known.any() and np.array_equal(seen[i][known], v[i][known]), key
 
 
 # -- ActorViews alone: random episode ends against a full-history reference (hypothesis) -----------------
