@@ -9,6 +9,8 @@ killed and joined; every wait has a deadline.
 
 from __future__ import annotations
 
+import fcntl
+import gc
 import multiprocessing as mp
 import os
 import pathlib
@@ -26,6 +28,7 @@ from hypothesis import strategies as st
 
 import shmbuf
 from shmbuf import _errors
+from shmbuf.storage import replay as replay_mod
 from shmbuf.storage.replay import ReplayBuffer, ReplayHandle, describe, is_replay
 
 from .conftest import wait_until
@@ -406,6 +409,145 @@ def test_a_forked_child_uses_its_inherited_copy(make_rb: Callable[..., ReplayBuf
     p.join(20)
     assert p.exitcode == 0 and rb.inserted == 6
     assert sorted(rows for _, _, _, rows in describe(rb.name).writers) == [2, 4]
+
+
+# ------------------------------------------------------------------ release, close, interrupts, a stuck reservation
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_an_instance_dropped_without_close_gives_back_its_slot_and_descriptor(make_rb: Callable[..., ReplayBuffer]) -> None:
+    """Each attached instance collected unclosed kept its fd, and its writer slot's lock with it: after max_writers
+    of them every insert timed out. A finalizer now closes the descriptor."""
+    rb = make_rb(16, max_writers=2, timeout=0.3)
+    before = fds()
+    for i in range(5):
+        other = ReplayBuffer.attach(rb.name, timeout=0.3)
+        other.insert(rows_of(code(1, np.arange(i, i + 1))))
+        del other
+        gc.collect()
+    assert fds() == before
+    rb.insert(rows_of(code(0, np.arange(2))))
+    assert rb.inserted == 7 and describe(rb.name).writers[0][2]  # the creator took slot 0 back; it is live
+
+
+def test_the_creator_unlinks_at_close_or_when_collected_and_nobody_else_does(make_rb: Callable[..., ReplayBuffer]) -> None:
+    rb = ReplayBuffer.create(example_row(), 8)
+    name = rb.name
+    try:
+        other = ReplayBuffer.attach(name)
+        other.close()  # an attached instance only detaches
+        assert not gone(name)
+        rb.insert(rows_of(code(0, np.arange(3))))
+        del rb  # a creator that forgets `with` and close(): its name goes when it is collected
+        gc.collect()
+        assert gone(name)
+    finally:
+        replay_mod._unlink(name)
+    rb = ReplayBuffer.create(example_row(), 8)
+    try:
+        rb.close()
+        assert gone(rb.name)
+        rb.close()
+    finally:
+        replay_mod._unlink(rb.name)
+
+
+def test_close_waits_for_an_insert_in_another_thread(make_rb: Callable[..., ReplayBuffer]) -> None:
+    """close() did not take the insert lock: it dropped the writer slot (and unmapped) under an insert mid-copy."""
+    n = 8
+    rb = make_rb(n)
+    p = Paused.attach(rb.name, timeout=0.3)
+    p.mid, p.go = threading.Event(), threading.Event()
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(p.insert(rows_of(code(1, np.arange(4))))))
+    t.start()
+    try:
+        assert p.mid.wait(10), "the insert never started copying"
+        with pytest.raises(_errors.SlotTimeout, match=r"close\(\) waited timeout=0.3 s for an insert"):
+            p.close()
+        assert describe(rb.name).writers[0][2]  # its writer slot is still held
+        closer = threading.Thread(target=p.close)
+        closer.start()
+        p.go.set()
+        closer.join(30)
+        t.join(30)
+    finally:
+        p.go.set()
+        t.join(30)
+    assert out == [0] and p._closed
+    rows, complete = rb.snapshot()
+    assert complete.all() and (decode(rows)[0] == code(1, np.arange(4))).all()
+
+
+class _StoreBoom:
+    """The writer words, raising KeyboardInterrupt at the store of INSERTED (a Ctrl-C between two of _reserve's stores)."""
+
+    def __init__(self, w: memoryview):
+        self.w = w
+
+    def __getitem__(self, i: int) -> int:
+        return self.w[i]
+
+    def __setitem__(self, i: int, v: int) -> None:
+        if i == replay_mod.W_INSERTED:
+            raise KeyboardInterrupt
+        self.w[i] = v
+
+
+def test_an_interrupt_inside_the_reservation_leaves_no_insert_in_progress(make_rb: Callable[..., ReplayBuffer]) -> None:
+    """Interrupted after END was stored and before INSERTED, the record said "in progress" for ever: every lapping
+    insert waited out its timeout for a write that would never come."""
+    n = 8
+    rb = make_rb(n)
+    rb.insert(rows_of(code(0, np.arange(n))))
+    victim = ReplayBuffer.attach(rb.name, timeout=0.3)
+    victim.insert(rows_of(code(1, np.arange(1))))  # its writer slot, claimed: the victim stays alive and holds it
+    words = victim._w
+    victim._w = _StoreBoom(words)  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        victim.insert(rows_of(code(1, np.arange(1, 5))))
+    victim._w = words
+    assert rb.inserted == 9
+    assert all(a >= b for a, b in zip(rb._firsts, rb._ends))  # no record reads "in progress"
+    other = ReplayBuffer.attach(rb.name, timeout=0.3)
+    assert other.insert(rows_of(code(2, np.arange(12)))) == 9  # laps the victim's reserved-looking rows: no wait
+    assert victim.insert(rows_of(code(1, np.arange(5, 7)))) == 21
+    rows, complete = rb.snapshot()
+    assert complete.all() and decode(rows)[1].all()
+    other.close()
+    victim.close()
+
+
+def test_a_reservation_held_for_ever_times_out(make_rb: Callable[..., ReplayBuffer]) -> None:
+    """A stopped holder of the reservation lock (SIGSTOP; here a descriptor that never lets go) stalled inserts
+    past timeout (F_OFD_SETLKW has none): now SlotTimeout, nothing reserved."""
+    rb = make_rb(8, timeout=0.3)
+    rb.insert(rows_of(code(0, np.arange(2))))
+    holder = os.open(f"/dev/shm/{rb.name[1:]}", os.O_RDWR)
+    out: list[Any] = []
+
+    def insert() -> None:
+        try:
+            out.append(rb.insert(rows_of(code(0, np.arange(2, 4)))))
+        except Exception as exc:  # noqa: BLE001
+            out.append(exc)
+
+    t = threading.Thread(target=insert)
+    try:
+        lock = replay_mod._FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, replay_mod.LOCK_BASE, 1, 0)
+        fcntl.fcntl(holder, getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK), lock)
+        t.start()
+        wait_until(lambda: bool(out), 10, "the insert to give up on the reservation lock")
+    finally:
+        os.close(holder)  # drops the lock: an old-style blocked insert goes on
+        if t.ident is not None:
+            t.join(30)
+    assert isinstance(out[0], _errors.SlotTimeout) and "reservation lock" in str(out[0]), out
+    assert rb.inserted == 2 and all(a >= b for a, b in zip(rb._firsts, rb._ends))
+    assert rb.insert(rows_of(code(0, np.arange(2, 4)))) == 2
 
 
 # ------------------------------------------------------------------ bad input

@@ -32,9 +32,10 @@ dies however it dies (SIGKILL included), so no lock here can be left held by a d
 a dead parent's lock alive.)
 
 - Writer slot ``k``: a lock on byte ``LOCK_BASE + 1 + k``, held by an inserting instance from its
-  first insert until it closes or its process dies. The slot's record (``FIRST, END``) says which
+  first insert until it closes, is collected, or its process dies. The slot's record (``FIRST, END``) says which
   global indices that instance is writing now; ``FIRST == END`` when none.
-- Reservation lock: byte ``LOCK_BASE``, taken with ``F_OFD_SETLKW`` (the kernel queues waiters).
+- Reservation lock: byte ``LOCK_BASE``, held for three stores; waited for by retrying ``F_OFD_SETLK``
+  up to ``timeout`` (``F_OFD_SETLKW`` cannot be bounded: a stopped holder would stall everyone).
 
 Insert of ``n`` rows (a batch of ``n > buffer_size`` writes only its last ``buffer_size`` rows: the
 earlier ones would be overwritten by the same insert, exactly as in a ring written row by row)::
@@ -85,12 +86,16 @@ case) and whose slot's lock is still held is a live writer still writing there, 
 skipped and our record cleared). A record whose lock is free belongs to a writer that died:
 its rows are odd or hold older complete rows, and we may overwrite them. Every earlier
 insert's record was stored under the reservation lock before we took it, so we see it; a
-record changes afterwards only from "in progress" to empty, and only after that insert's even
-stamps, so seeing it empty means that insert finished. We wait only for earlier inserts, so
+record changes afterwards only from "in progress" to empty, and only after that insert's last
+store to its rows (its even stamps, or none if it gave up or was interrupted), so seeing it
+empty means that insert will touch its rows no more. We wait only for earlier inserts, so
 waits never form a cycle, and a waiting insert holds no lock: inserts on other rows go on, and
 a slow writer delays only the inserts that reach its rows (and those that reach theirs).
 
-What a killed writer leaves: SIGKILL at any point drops both its locks. Killed while holding the
+What an interrupted insert leaves (an exception, KeyboardInterrupt included, anywhere from the
+reservation on, or SlotTimeout): its record is cleared in a ``finally``, so no later insert waits
+for it; places it reserved but did not write hold their previous rows (or odd stamps, never
+sampled), exactly as for a killed writer. What a killed writer leaves: SIGKILL at any point drops both its locks. Killed while holding the
 reservation lock, it has reserved nothing (``INSERTED`` is stored last) or its whole range (then
 its rows still hold their previous complete rows); killed while copying, its rows are odd and
 are never sampled, and the next insert that reaches them overwrites them without waiting (its
@@ -111,12 +116,14 @@ ordering between a sample and an insert that has not returned yet.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -162,13 +169,17 @@ MAX_WRITERS = 1024
 _TS = "row"  # the schema's single timescale: one row, every leaf with a leading 1
 
 _SETLK = getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK)
-_SETLKW = getattr(fcntl, "F_OFD_SETLKW", fcntl.F_SETLKW)
 _GETLK = getattr(fcntl, "F_OFD_GETLK", fcntl.F_GETLK)
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock: type, whence, start, len, pid
 LOCK_BASE = 1 << 40  # lock bytes sit past the end of any real object
 _SIGN_OR_ODD = np.int64(-(2**63) + 1)  # 0x8000000000000001
 _NONE = np.zeros(0, np.intp)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+_RESERVE = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, LOCK_BASE, 1, 0)  # packed once: the unlock must not fail half-way
+_UNRESERVE = _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, LOCK_BASE, 1, 0)
+_BUSY = (errno.EAGAIN, errno.EACCES)
 
 
 def _lock(fd: int, byte: int, kind: int, cmd: int = _SETLK) -> None:
@@ -302,7 +313,7 @@ def _attach_pickled(name: str, timeout: float) -> ReplayBuffer:
 class ReplayBuffer:
     """A ring of ``buffer_size`` rows in shared memory, inserted into by many processes and sampled uniformly.
 
-    Make one with :meth:`create` (the owner; ``with`` unlinks it at the end), attach to it in other
+    Make one with :meth:`create` (the owner; its ``close()``, ``with`` or collection unlinks it), attach to it in other
     processes with :meth:`attach` (by name or :class:`ReplayHandle`, or pass the buffer itself to a
     ``multiprocessing`` child: pickling carries the name only, and a ``fork``-ed child may keep
     using the copy it inherited). See the module doc for the concurrency protocol.
@@ -324,7 +335,7 @@ class ReplayBuffer:
         self.creator = creator
         self._lay = lay
         self._mm = mm
-        self._fd = fd
+        self._fdbox = [fd]  # our descriptor, shared with the finalizer (a fork-ed child swaps in its own)
         self._ino = os.fstat(fd).st_ino
         self._owner = owner
         self._pid = os.getpid()
@@ -350,6 +361,10 @@ class ReplayBuffer:
         self._stamps = np.zeros(0, np.int64)  # 2 * arange(m), grown to the largest batch: stamps are this + 2*first + 1
         self._insert_lock = threading.Lock()
         self._fence = fence()
+        # Release at collection or exit if never closed: the descriptor (and our writer slot's lock with it), and
+        # in the creator's process the name. Without it every instance dropped unclosed kept a writer slot live
+        # (max_writers of them and inserts time out) and a creator that forgot `with` left the object in /dev/shm.
+        self._finalizer = weakref.finalize(self, _release, self._fdbox, name, os.getpid() if owner else 0)
         _fork.track(self)
 
     # -- lifecycle ----------------------------------------------------------
@@ -360,10 +375,16 @@ class ReplayBuffer:
         """Make a new buffer of ``buffer_size`` rows shaped like ``example_row`` (one row: a pytree of numpy arrays).
 
         ``max_writers``: how many instances may insert at once (each takes a writer slot at its
-        first insert, until it closes or its process dies). ``timeout``: the longest any insert or
-        sample waits (for a writer slot, for a live writer still writing rows about to be
-        overwritten, for a complete row to sample); past it, SlotTimeout. ``seed``: this
-        instance's sampling generator. Space is reserved now (NoSpace if /dev/shm is too small).
+        first insert, until it closes, is collected, or its process dies). ``timeout``: the longest
+        any insert or sample waits (for a writer slot, for the reservation lock, for a live writer
+        still writing rows about to be overwritten, for a complete row to sample) and ``close()``
+        waits for an insert in another thread; past it, SlotTimeout. ``seed``: this instance's
+        sampling generator. Space is reserved now (NoSpace if /dev/shm is too small).
+
+        The creator's ``close()`` (or a ``with`` block's end) unlinks the name, and so does the
+        collection of a creator never closed, or the creator's exit: only in the creating process
+        (a ``fork``-ed child's copy never unlinks). A creator killed outright leaves the object for
+        ``shmbuf clean``.
         """
         buffer_size = _int_setting("buffer_size", buffer_size, MAX_ROWS)
         max_writers = _int_setting("max_writers", max_writers, MAX_WRITERS)
@@ -391,7 +412,7 @@ class ReplayBuffer:
 
         The object is opened without following links and refused unless it is a 0600 regular
         file of this user; every header field is checked against the schema it carries before
-        any view is made. ``close()`` detaches; only the creator unlinks.
+        any view is made. ``close()`` (or collection) detaches; only the creator unlinks.
         """
         name = _name_of(target)
         timeout = _timeout(timeout)
@@ -423,24 +444,45 @@ class ReplayBuffer:
             self.unlink()
         self.close()
 
+    @property
+    def _fd(self) -> int:
+        return self._fdbox[0]
+
+    @_fd.setter
+    def _fd(self, fd: int) -> None:
+        self._fdbox[0] = fd
+
     def close(self) -> None:
-        """Detach: give up the writer slot, unmap, close the file. Idempotent. The object stays (see :meth:`unlink`)."""
+        """Detach: give up the writer slot, unmap, close the file; in the creator's process, also unlink the name
+        (as a Reader does: processes attached keep their mapping, new attaches fail). Idempotent.
+
+        An insert through this instance in another thread is waited for (up to ``timeout``, then
+        SlotTimeout and nothing is closed): closing under it would drop its writer slot mid-copy.
+        An instance that is never closed is released the same way when it is collected, or at exit.
+        """
         if self._closed:
             return
-        self._closed = True
-        self._rows = []
-        self._seq = self._recs = self._firsts = self._ends = None  # type: ignore[assignment]
-        self._w.release()
+        if not self._insert_lock.acquire(timeout=self.timeout):
+            raise SlotTimeout(f"replay buffer {self.name}: close() waited timeout={self.timeout} s for an insert through this "
+                              "instance (in another thread) to finish; nothing was closed. Stop inserting, then close")
         try:
-            self._mm.close()
-        except BufferError:  # pragma: no cover - we hand out no views; a caller's own np.frombuffer would do it
-            pass
-        if self._fd >= 0:
-            os.close(self._fd)  # drops our writer slot's lock
-            self._fd = -1
+            if self._closed:
+                return
+            self._closed = True
+            self._rows = []
+            self._seq = self._recs = self._firsts = self._ends = None  # type: ignore[assignment]
+            self._w.release()
+            try:
+                self._mm.close()
+            except BufferError:  # pragma: no cover - we hand out no views; a caller's own np.frombuffer would do it
+                pass
+            self._finalizer()  # closes the file (dropping our writer slot's lock); the creator's process unlinks
+        finally:
+            self._insert_lock.release()
 
     def unlink(self) -> None:
-        """Remove the buffer's name (destroy); attached processes keep their mapping. The creator's call alone."""
+        """Remove the buffer's name now (``close()`` does it too, in the creator's process); attached processes keep
+        their mapping, new attaches fail. The creator's call alone."""
         if not self._owner or self._pid != os.getpid():
             raise UsageError(f"replay buffer {self.name}: only the process that created it unlinks it; call close() to detach")
         _unlink(self.name)
@@ -522,14 +564,19 @@ class ReplayBuffer:
             fd = self._descriptor()
             deadline = time.monotonic() + self.timeout
             self._claim_slot(fd, deadline)
-            first, end = self._reserve(fd, n)
+            w, rec = self._w, self._rec
             try:
+                first, end = self._reserve(fd, n, deadline)
                 self._wait_for_earlier(fd, first, end, deadline)
                 self._write(leaves, n, first, end)
             finally:
-                if self._fence:  # the stamps before the record says we are done
-                    self._fence()
-                self._w[self._rec + F_FIRST] = end  # one store: our insert is over (or abandoned)
+                # Whatever happened (done, SlotTimeout, a KeyboardInterrupt anywhere from the reservation on):
+                # no insert of ours is in progress any more, so no later insert waits for one.
+                try:
+                    if self._fence:  # the stamps before the record says we are done
+                        self._fence()
+                finally:
+                    w[rec + F_FIRST] = w[rec + F_END]  # one store (END is ours alone): the record reads empty
             return end - n
 
     def _check_batch(self, batch: Any) -> tuple[list[np.ndarray], int]:
@@ -599,16 +646,18 @@ class ReplayBuffer:
                 )
             time.sleep(0.001)
 
-    def _reserve(self, fd: int, n: int) -> tuple[int, int]:
+    def _reserve(self, fd: int, n: int, deadline: float) -> tuple[int, int]:
         """Under the reservation lock: take global indices [g, g+n), of which [first, end) are written; record them.
 
         FIRST is stored before END, so that between the two stores the record reads as empty
-        (FIRST >= the old END), never as a range wider than the one being reserved.
+        (FIRST >= the old END), never as a range wider than the one being reserved. An exception
+        anywhere in here (a KeyboardInterrupt too) leaves the lock released (the unlock is one C
+        call on bytes packed in advance) and the record for ``insert`` to clear.
         """
         w = self._w
         rec = self._rec
-        _lock(fd, LOCK_BASE, fcntl.F_WRLCK, _SETLKW)
         try:
+            self._take_reservation(fd, deadline)
             g = w[W_INSERTED]
             end = g + n
             first = max(g, end - self.buffer_size)
@@ -616,8 +665,37 @@ class ReplayBuffer:
             w[rec + F_END] = end
             w[W_INSERTED] = end
         finally:
-            _lock(fd, LOCK_BASE, fcntl.F_UNLCK)
+            fcntl.fcntl(fd, _SETLK, _UNRESERVE)  # a no-op if we never got it
         return first, end
+
+    def _take_reservation(self, fd: int, deadline: float) -> None:
+        """The reservation lock, waited for up to the deadline (then SlotTimeout, nothing reserved).
+
+        Not ``F_OFD_SETLKW``, which cannot be bounded: a holder that is stopped (SIGSTOP, a
+        debugger) would stall every inserter past ``timeout``. Its holders keep it for three
+        stores, so a busy lock is retried at once a few times (yielding the CPU), then with
+        sleeps growing to 1 ms.
+        """
+        tries, pause = 0, 0.00005
+        while True:
+            try:
+                fcntl.fcntl(fd, _SETLK, _RESERVE)
+                return
+            except OSError as exc:
+                if exc.errno not in _BUSY:
+                    raise
+            tries += 1
+            if tries <= 20:
+                os.sched_yield()
+                continue
+            if time.monotonic() > deadline:
+                raise SlotTimeout(
+                    f"replay buffer {self.name}: the reservation lock (held by another inserting instance for a few "
+                    f"stores at a time) was not free within timeout={self.timeout} s; nothing of this batch was written "
+                    "and nothing was reserved. Is an inserting process stopped (SIGSTOP, a debugger)?"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.001)
 
     def _wait_for_earlier(self, fd: int, first: int, end: int, deadline: float) -> None:
         """Return once no live writer of an earlier insert is still writing any of our rows; else SlotTimeout.
@@ -828,6 +906,20 @@ def _size(setting: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise UsageError(f"{setting}: expected an int >= 1, got {value!r:.80}")
     return int(value)
+
+
+def _release(fdbox: list[int], name: str, creator_pid: int) -> None:
+    """``close()``'s last step, or the finalizer of an instance never closed: close our descriptor (the kernel
+    drops our writer slot's lock with it) and, in the creator's process only, remove the name. The mapping
+    goes with the instance's arrays (unmapped when they are freed)."""
+    fd, fdbox[0] = fdbox[0], -1
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:  # pragma: no cover - not ours to fail on at exit
+            pass
+    if creator_pid == os.getpid():
+        _unlink(name)
 
 
 def _unlink(name: str) -> None:
