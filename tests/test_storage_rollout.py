@@ -587,3 +587,19 @@ def test_queue_compute_returns_rotates_time_out_values_with_the_rows() -> None:
     np.testing.assert_allclose(q.advantages, want[0], atol=1e-5)
     with pytest.raises(shmbuf.SchemaError, match=r"time_out_values has shape \(4, 3\)"):
         q.compute_returns(np.ones(N), 0.9, 0.8, time_out_values=tov[:4])
+
+
+def test_sarsa_checks_the_last_next_observation_before_writing_the_row() -> None:
+    """The last SarsaTransition's next_observations were checked after its row was written and step advanced."""
+    s = SarsaRolloutStorage(2, 2, OBS, None, ACT)
+    tr = SarsaTransition(**{f: getattr(good_transition(), f) for f in ("observations", "actions", "rewards", "dones",
+                                                                          "values", "actions_log_prob")})
+    s.add_transitions(tr)
+    tr.observations = np.full((2, 3), 5.0)
+    tr.next_observations = np.full((2, 3), "x")
+    with pytest.raises(shmbuf.SchemaError, match=r"Transition\.next_observations"):
+        s.add_transitions(tr)
+    assert s.step == 1 and not s.all_observations[1:].any()
+    tr.next_observations = np.full((2, 3), 6.0)
+    s.add_transitions(tr)
+    assert s.step == 2 and (s.next_observations[1] == 6).all() and (s.observations[1] == 5).all()

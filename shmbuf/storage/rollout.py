@@ -940,17 +940,25 @@ class SarsaRolloutStorage(RolloutStorage):
 
     def set_bootstrap_observations(self, observations: Any, critic_observations: Any = None) -> None:
         """Write the observation after row ``step - 1`` (so ``next_observations[step - 1]``)."""
-        t = self.step
-        self.all_observations[t] = _as_row("next_observations", observations, self.all_observations[t])
-        if self.all_privileged_observations is not None and critic_observations is not None:
-            self.all_privileged_observations[t] = _as_row("next_critic_observations", critic_observations,
-                                                          self.all_privileged_observations[t])
+        for dst, x in self._bootstrap_rows(observations, critic_observations, self.step):
+            np.copyto(dst, x, casting="same_kind")
 
     def add_transitions(self, transition: Transition) -> None:
-        super().add_transitions(transition)
         nxt = getattr(transition, "next_observations", None)
-        if self.step == self.num_transitions_per_env and nxt is not None:
+        last = self.step + 1 == self.num_transitions_per_env and nxt is not None and self._borrowed is None
+        if last:  # checked before the row is written, like every other field
+            self._bootstrap_rows(nxt, getattr(transition, "next_critic_observations", None), self.step + 1)
+        super().add_transitions(transition)
+        if last:
             self.set_bootstrap_observations(nxt, getattr(transition, "next_critic_observations", None))
+
+    def _bootstrap_rows(self, observations: Any, critic_observations: Any, t: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(row of all_*, checked array)`` for the observation after row ``t - 1``; SchemaError naming a bad one."""
+        rows = [(self.all_observations[t], _as_row("next_observations", observations, self.all_observations[t]))]
+        if self.all_privileged_observations is not None and critic_observations is not None:
+            dst = self.all_privileged_observations[t]
+            rows.append((dst, _as_row("next_critic_observations", critic_observations, dst)))
+        return rows
 
     def _obs_fields(self) -> dict[str, np.ndarray]:
         out = super()._obs_fields()
