@@ -605,7 +605,7 @@ class ReplayBuffer:
     def _as_array(self, i: int, x: Any) -> np.ndarray:
         try:
             return np.asarray(x)
-        except Exception as exc:  # a torch tensor that requires grad or lives on a GPU, ...
+        except Exception as exc:  # noqa: BLE001  # a torch tensor that requires grad or lives on a GPU, ...
             raise SchemaError(f"insert: leaf {self._names[i]}: could not read a {type(x).__name__} as an array ({exc}); "
                               "pass CPU arrays (for torch: tensor.detach().cpu())") from None
 
