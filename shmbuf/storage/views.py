@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -265,10 +266,10 @@ def _lanes(data: Any, fill: Any, mode: str, lengths: Any, name: str) -> _Lanes:
         if not 0 <= n <= len(term):
             _fail(UsageError, f"fill['step']={n} is outside the rollout's capacity 0..{len(term)}")
         step, term, trunc = _cut(step, n), term[:n], trunc[:n]
-        if isinstance(episode, Mapping) and mode == "truncate_episodes" and episode:
+        if isinstance(episode, Mapping) and mode == "truncate_episodes" and "end" in episode:
             if fill is not None and "episode" in fill:
                 episode = _cut(episode, int(fill["episode"]))
-            k = np.array([len(np.asarray(next(iter(optree.tree_leaves(episode)))))])
+            k = np.array([len(np.asarray(episode["end"]))])
         B, T, nn = 1, n, np.array([n])
     else:
         B, T = term.shape[0], term.shape[1]
@@ -286,7 +287,7 @@ def _lanes(data: Any, fill: Any, mode: str, lengths: Any, name: str) -> _Lanes:
 
 def _bounds(done: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """First and last step of each step's episode within the rollout: ``(B, T, E)`` each, no Python loop over steps."""
-    B, T, E = done.shape
+    T = done.shape[1]
     t = np.broadcast_to(np.arange(T)[None, :, None], done.shape)
     begins = np.zeros_like(done)
     begins[:, 1:] = done[:, :-1]
@@ -445,7 +446,7 @@ def _final_obs(lanes: _Lanes, key: str, keys: tuple[Any, ...], succ: np.ndarray,
     if lanes.k is None:
         _fail(UsageError, f"column {key!r}: fill has no 'episode' count for {lanes.name}: pass the whole fill "
                           f"(e.g. batch.fill), so that only the filled rows of the episode table are read")
-    B, T, E = lanes.done.shape
+    E = lanes.done.shape[2]
     one = (lambda a: np.asarray(a)[None]) if not lanes.batched else np.asarray
     end, env = one(ep["end"]).astype(np.int64), one(ep["env"]).astype(np.int64)
     final = one(_walk(ep["final_obs"], keys[1:]))
@@ -535,7 +536,7 @@ def _masked_leaf(lanes: _Lanes, key: str, req: ViewRequirement, x: np.ndarray, l
     if not req.windowed:
         return xc[:, lo + offs[0]: lo + offs[0] + S]
     d = offs[1] - offs[0] if len(offs) > 1 else 0
-    if any(b - a != d for a, b in zip(offs, offs[1:], strict=False)):
+    if any(b - a != d for a, b in pairwise(offs)):
         _fail(UsageError, f"column {key!r}: mask=True gives views, and offsets {list(offs)} are not evenly spaced, so no "
                           f"stride reaches them; use a range string or an evenly spaced list, or mask=False (a copy)")
     base = xc[:, lo + offs[0]:] if S > 0 else xc
