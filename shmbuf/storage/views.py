@@ -8,7 +8,10 @@ previous episode: it holds the fill value (zeros of the column's dtype, or of ``
 
 This module holds the requirement itself, which the learner side (building columns from rollouts)
 and the actor side (``workers``: building a policy's input at every step) share, so that both read
-the same offsets with the same meaning.
+the same offsets with the same meaning, and the learner side: :func:`build_views` (RLlib's
+``build_for_training``: the columns of a rollout or batch, vectorised) and :class:`MaskedView` (its
+zero-copy form). Only shift-0 columns (and the mask form) are views of the rollout; every other shift is
+a copy, because fill values and successor observations are not in the step leaf (docs/views.md).
 """
 
 from __future__ import annotations
