@@ -16,10 +16,12 @@ from shmbuf.storage.rollout import (
     MiniBatch, QueueRolloutStorage, RolloutStorage, SarsaMiniBatch, SarsaRolloutStorage, SarsaTransition,
     TimeOutObservations, Transition, split_and_pad_trajectories, unpad_trajectories,
 )
+from shmbuf.storage.views import MaskedView, ViewRequirement, build_views, parse_shift
 
 __all__ = [
     "BufferFull",
     "Field",
+    "MaskedView",
     "MiniBatch",
     "QueueRolloutStorage",
     "ReplayBuffer",
@@ -34,9 +36,12 @@ __all__ = [
     "SarsaTransition",
     "TimeOutObservations",
     "Transition",
+    "ViewRequirement",
+    "build_views",
     "compute_gae",
     "iterate_minibatches",
     "normalize_advantages",
+    "parse_shift",
     "split_and_pad_trajectories",
     "to_torch",
     "transition_view",
