@@ -27,9 +27,9 @@ def columns(rollouts, n_envs, vector):
         rows = {k: [] for k in ("obs", "action", "reward", "terminated", "truncated")}
         for r in rollouts:
             n, step = r["fill"]["step"], r["data"]["step"]
-            for k in rows:
+            for k, acc in rows.items():
                 a = np.asarray(step[k])[:n]
-                rows[k].append(a[:, e] if vector else a)
+                acc.append(a[:, e] if vector else a)
         out.append({k: np.concatenate(v) for k, v in rows.items()})
     return out
 
@@ -128,7 +128,7 @@ def test_soft_horizon_neither_resets_nor_flags_and_restarts_the_bookkeeping(wher
 @pytest.mark.parametrize("H", [None, 3])
 def test_no_done_at_end_records_every_end_as_truncated(batch_mode, H):
     T = 8
-    rollouts, loop = collect(lambda: CountingEnv(1), EchoPolicy(), T=T, n_rollouts=6, batch_mode=batch_mode,
+    rollouts, _ = collect(lambda: CountingEnv(1), EchoPolicy(), T=T, n_rollouts=6, batch_mode=batch_mode,
                              horizon=H, no_done_at_end=True)
     n = sum(r["fill"]["step"] for r in rollouts)
     cap = H if batch_mode == "truncate_episodes" else min(H or T, T)

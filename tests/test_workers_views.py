@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import shmbuf
 from shmbuf import UsageError
 from shmbuf.storage.views import ViewRequirement as VR
-from tests.test_workers_envs import LENGTHS, CountingEnv, expected_stream
+from tests.test_workers_envs import CountingEnv, expected_stream
 from workers import ActorLoop, Collector, probe, rollout_example
 from workers._actor import ActorViews
 
@@ -109,7 +109,7 @@ def collect(make_env, policy, *, T, n_rollouts, batch_mode="truncate_episodes", 
             loop = ActorLoop(env, policy, writers, rollout_len=T, batch_mode=batch_mode, **loop_kw)
             box.append(loop)
             loop.run(n_rollouts)
-        except BaseException as exc:  # surfaced by the main thread
+        except BaseException as exc:  # noqa: BLE001 -- anything the actor thread raises is re-raised by the main thread
             errors.append(exc)
             registered.set()
         finally:
@@ -228,7 +228,7 @@ def test_a_horizon_cut_starts_the_views_anew_and_a_soft_horizon_does_not():
     collect(lambda: CountingEnv(0), hard, T=6, n_rollouts=4, view_requirements=reqs, horizon=3)
     check_inputs_against_truth(hard.seen, 1, reqs, cap=3)  # the truth with episodes cut at 3 steps
     soft = RecordingPolicy()
-    rollouts, loop = collect(lambda: CountingEnv(0), soft, T=6, n_rollouts=4, view_requirements=reqs, horizon=2,
+    _, loop = collect(lambda: CountingEnv(0), soft, T=6, n_rollouts=4, view_requirements=reqs, horizon=2,
                              soft_horizon=True)
     assert loop.soft_horizons > 0
     check_inputs_against_truth(soft.seen, 1, reqs)  # the env's own episodes: a soft horizon is no boundary
@@ -515,11 +515,32 @@ def test_without_requirements_the_policy_gets_the_bare_observation():
     assert set(seen) == {np.ndarray}
 
 
+def test_a_torch_module_gets_the_views_as_tensors():
+    """TorchPolicy maps torch.from_numpy over the dict: strided ring views become tensors without a copy."""
+    torch = pytest.importorskip("torch", reason="the check is about torch modules (pip install torch==2.13.0)")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def forward(self, x):
+            self.seen.append({k: v.clone() for k, v in x.items()})
+            obs = x["stack"][:, -1]
+            return (obs[:, 1] * 1000 + obs[:, 2]).long()
+
+    net = Net()
+    reqs = {"stack": VR("obs", shift="-3:0"), "prev_actions": VR("action", shift=-1)}
+    collect(lambda: make_vector(2), net, T=4, n_rollouts=3, view_requirements=reqs)
+    assert isinstance(net.seen[0]["stack"], torch.Tensor) and net.seen[0]["stack"].shape == (2, 4, 3)
+    check_inputs_against_truth([{k: v.numpy() for k, v in x.items()} for x in net.seen[1:]], 2, reqs)
+
+
 # -- docs/workers.md: every python block runs as written ------------------------------------------------
 
 
 DOC = (ROOT / "docs" / "workers.md").read_text()
-DOC_BLOCKS = re.findall(r"```python\n(.*?)```", DOC, re.S)
+DOC_BLOCKS = re.findall(r"```python\n(.*?)```", DOC, re.DOTALL)
 
 
 def test_workers_md_python_blocks_are_the_ones_run_here():
@@ -529,5 +550,6 @@ def test_workers_md_python_blocks_are_the_ones_run_here():
 
 @pytest.mark.parametrize("i", range(len(DOC_BLOCKS)))
 def test_workers_md_python_block_runs(i, capsys):
-    exec(compile(DOC_BLOCKS[i], f"docs/workers.md block {i}", "exec"), {"__name__": "__doc_block__"})
+    exec(compile(  # noqa: S102 -- the page's own code, run as written
+        DOC_BLOCKS[i], f"docs/workers.md block {i}", "exec"), {"__name__": "__doc_block__"})
     assert capsys.readouterr().out.strip()  # each block prints what it shows
