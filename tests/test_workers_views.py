@@ -12,7 +12,6 @@ no data from before the rollout's first step.
 
 from __future__ import annotations
 
-import importlib
 import pathlib
 import re
 import threading
@@ -29,14 +28,12 @@ from hypothesis import strategies as st
 import shmbuf
 from shmbuf import UsageError
 from shmbuf.storage.views import ViewRequirement as VR
+from shmbuf.storage.views import build_views
 from tests.test_workers_envs import CountingEnv, expected_stream
 from workers import ActorLoop, Collector, probe, rollout_example
 from workers._actor import ActorViews
 
 ROOT = pathlib.Path(__file__).parent.parent
-build_views = getattr(importlib.import_module("shmbuf.storage.views"), "build_views", None)
-needs_build_views = pytest.mark.skipif(build_views is None, reason="the learner side, shmbuf.storage.views.build_views, "
-                                                                   "is not there")
 
 REQS = {
     "obs": VR(shift=0),
@@ -339,7 +336,6 @@ LOOP_OPTIONS = {"plain": {}, "horizon": {"horizon": 3}, "soft-horizon": {"horizo
                 "no-done-at-end": {"no_done_at_end": True}, "both": {"horizon": 4, "no_done_at_end": True}}
 
 
-@needs_build_views
 @pytest.mark.parametrize("where", ["single", "vector"])
 @pytest.mark.parametrize("options", list(LOOP_OPTIONS))
 def test_build_views_with_prev_gives_exactly_what_the_policy_saw(where, options):
@@ -359,7 +355,6 @@ def test_build_views_with_prev_gives_exactly_what_the_policy_saw(where, options)
                 assert np.array_equal(seen, got) and seen.dtype == got.dtype, (key, i, t, seen.tolist(), got.tolist())
 
 
-@needs_build_views
 def test_build_views_of_complete_episodes_gives_exactly_what_the_policy_saw():
     policy = RecordingPolicy()
     rollouts, _ = collect(lambda: make_vector(2), policy, T=8, n_rollouts=10, batch_mode="complete_episodes",
@@ -376,7 +371,6 @@ def test_build_views_of_complete_episodes_gives_exactly_what_the_policy_saw():
             pos += n
 
 
-@needs_build_views
 def test_build_views_of_a_collector_batch_agrees_where_the_rollout_holds_the_history():
     reqs = {k: v for k, v in REQS.items() if k != "prev_twice_t"}
     with Collector(partial(make_vector, 2), EchoViewsPolicy(), num_actors=1, frames_per_batch=24, total_frames=48,
