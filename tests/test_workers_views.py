@@ -31,7 +31,7 @@ from shmbuf.storage.views import ViewRequirement as VR
 from shmbuf.storage.views import build_views
 from tests.test_workers_envs import CountingEnv, expected_stream
 from workers import ActorLoop, Collector, probe, rollout_example
-from workers._actor import ActorViews
+from workers import ActorViews
 
 ROOT = pathlib.Path(__file__).parent.parent
 

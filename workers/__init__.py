@@ -18,6 +18,7 @@ from workers._actor import ActorLoop, ActorSpec, apply_weights, probe, rollout_e
 from workers._collector import CollectedBatch, Collector
 from workers._envs import EnvDriver
 from workers._pool import ActorContext, ActorError, ActorPool, default_start_method
+from workers._views import ActorViews
 
 __all__ = [
     "ActorContext",
@@ -25,6 +26,7 @@ __all__ = [
     "ActorLoop",
     "ActorPool",
     "ActorSpec",
+    "ActorViews",
     "CollectedBatch",
     "Collector",
     "EnvDriver",

@@ -26,7 +26,8 @@ import numpy as np
 import optree
 
 import shmbuf
-from workers._actor import MODES, ActorSpec, check_horizon, check_view_requirements, probe, rollout_example, run_actor
+from workers._actor import MODES, ActorSpec, check_horizon, probe, rollout_example, run_actor
+from workers._views import check_view_requirements
 from workers._pool import ActorPool, default_start_method
 
 WAIT_SLICE = 0.1
