@@ -82,3 +82,23 @@ def test_ppo_storage_example_reaches_475_on_cartpole():
     assert out["reached"] is not None, f"mean return stayed below 475 for {out['updates']} updates"
     print(f"reached {out['reached']['return_100']:.1f} after {out['reached']['update']} updates, "
           f"{out['reached']['frames']} frames, {out['reached']['seconds']} s")
+
+
+# -- issue 10: behaviour cloning from recorded rollouts (examples/bc_cartpole.py) ------------------------
+
+def test_bc_example_records_and_trains_from_files():
+    pytest.importorskip("torch", reason="the PyTorch example needs torch (pip install torch==2.13.0)")
+    out = run_example("bc_cartpole.py", "--frames", "2048", "--steps", "64", "--train-steps", "20",
+                      "--eval-episodes", "2", "--json", timeout=240)
+    assert out["trajectories"] > 0 and out["expert_mean_return"] > 0 and len(out["clone_returns"]) == 2
+    assert out["loss_last"] < out["loss_first"], "the classifier did not learn from the recorded actions"
+
+
+@pytest.mark.slow
+def test_bc_example_reaches_80_percent_of_the_expert():
+    """The issue's bar: the clone, trained only from the files, reaches 80 % of the expert's mean return."""
+    pytest.importorskip("torch", reason="the PyTorch example needs torch (pip install torch==2.13.0)")
+    out = run_example("bc_cartpole.py", "--json", timeout=600)
+    assert out["ratio"] >= 0.8, f"clone {out['clone_mean_return']:.1f} vs expert {out['expert_mean_return']:.1f}"
+    print(f"expert {out['expert_mean_return']:.1f}, clone {out['clone_mean_return']:.1f} ({100 * out['ratio']:.0f}%), "
+          f"{out['seconds']['total']} s")

@@ -1,0 +1,1041 @@
+"""Rollouts to and from files: a :class:`Recorder` that writes trajectories to a directory, a
+:class:`RolloutDataset` that serves them back (002's ``rollout_files``), and :func:`play`, which feeds
+them into a shmbuf pipeline in the workers rollout layout.
+
+A *trajectory* is one episode of one sub-env of one writer lane (002's meaning): its frames are
+contiguous in time, it starts at the episode's first step (or where recording began) and ends at
+the episode's last step (or where recording stopped, or where the lane's sequence had a gap). A
+truncate-episodes rollout that cuts an episode hands its frames over to the next rollout of the same
+lane; the trajectory is published only when the episode ends.
+
+Directory layout (format ``shmbuf-rollouts``, version 1)::
+
+    data_dir/
+        metadata.json                   fields, shapes, dtypes, observation components
+        trajectory_<F0>_<F1>/           one trajectory; F0..F1: the recorder's frame counter
+            trajectory.json             env, lane, length, return, terminated, truncated, ...
+            final_obs[.<component>].npy the successor of the last frame (true final observation)
+            traj_<a>_<b>/<field>.npy    frames [a, b) of the trajectory, one .npy per step leaf
+        .tmp-...                        trajectories being written (never read)
+
+Every file is a plain ``.npy`` written with ``allow_pickle=False`` and read with
+``np.load(mmap_mode="r", allow_pickle=False)``: the reader maps the file and copies only what it
+puts into a batch. A trajectory is written under a hidden temporary name, each file fsync'd, and
+renamed into place (``os.rename``: atomic on POSIX), so a concurrent reader sees a whole trajectory
+or none of it. See docs/files.md for the mapping of 002's names.
+
+numpy only; torch is imported when ``device=`` or :meth:`RolloutDataset.torch_dataset` asks for it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from shmbuf._errors import SchemaError, SegmentError, SlotTimeout, UsageError
+from shmbuf.storage._torch import to_torch
+
+FORMAT = "shmbuf-rollouts"
+VERSION = 1
+METADATA = "metadata.json"
+TRAJ_INFO = "trajectory.json"
+LOCK = ".recorder.lock"
+TMP_PREFIX = ".tmp-"
+KEYS = {"obs": "obs", "action": "action", "reward": "reward", "terminated": "terminated", "truncated": "truncated"}
+_TRAJ_DIR = re.compile(r"^trajectory_(\d+)_(\d+)$")
+_CHUNK_DIR = re.compile(r"^traj_(\d+)_(\d+)$")
+_SAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+# -- trees: dicts, lists and tuples of arrays, described in JSON --------------------------------------
+
+def _describe(tree: Any, path: tuple[Any, ...], leaves: list[dict[str, Any]], where: str) -> dict[str, Any]:
+    """The JSON description of ``tree`` (leaves item-shaped: lead dims already dropped by the caller)."""
+    if isinstance(tree, Mapping):
+        items = []
+        for k, v in tree.items():
+            if not isinstance(k, str):
+                raise UsageError(f"{where}: dict keys must be str to be written to metadata.json, got {k!r} at {path}")
+            items.append([k, _describe(v, path + (k,), leaves, where)])
+        return {"kind": "dict", "items": items}
+    if isinstance(tree, (list, tuple)):
+        kind = "list" if isinstance(tree, list) else "tuple"
+        return {"kind": kind, "items": [_describe(v, path + (i,), leaves, where) for i, v in enumerate(tree)]}
+    a = np.asarray(tree)
+    if a.dtype.hasobject:
+        raise SchemaError(f"{where}: leaf {'/'.join(map(str, path))} has dtype object; only plain numeric arrays are "
+                          "written (no pickle)")
+    name = ".".join(_SAFE.sub("_", str(p)) for p in path)
+    if any(lf["file"] == name for lf in leaves):
+        raise UsageError(f"{where}: two leaves map to the file name {name!r}; rename one of {path}")
+    leaves.append({"file": name, "path": list(path), "dtype": a.dtype.str, "shape": list(a.shape)})
+    return {"kind": "leaf", "file": name}
+
+
+def _build(desc: dict[str, Any], leaf: Any) -> Any:
+    """The tree ``desc`` describes, with ``leaf(file)`` at each leaf."""
+    kind = desc["kind"]
+    if kind == "leaf":
+        return leaf(desc["file"])
+    if kind == "dict":
+        return {k: _build(d, leaf) for k, d in desc["items"]}
+    items = [_build(d, leaf) for d in desc["items"]]
+    return items if kind == "list" else tuple(items)
+
+
+def _map(tree: Any, fn: Any) -> Any:
+    """``fn`` on every array leaf of a dict/list/tuple tree (namedtuples come back as tuples)."""
+    if isinstance(tree, Mapping):
+        return {k: _map(v, fn) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        out = [_map(v, fn) for v in tree]
+        return out if isinstance(tree, list) else tuple(out)
+    return fn(tree)
+
+
+def _flat(tree: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[str, Any]]:
+    """``(file name, leaf)`` in the order :func:`_describe` names them."""
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            yield from _flat(v, path + (k,))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _flat(v, path + (i,))
+    else:
+        yield ".".join(_SAFE.sub("_", str(p)) for p in path), tree
+
+
+# -- files -------------------------------------------------------------------------------------------
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_npy(path: str, array: np.ndarray, fsync: bool) -> None:
+    """One ``.npy`` file, never pickled; fsync'd when asked (before the rename that publishes it)."""
+    with open(path, "xb") as f:
+        np.lib.format.write_array(f, np.asarray(array), allow_pickle=False)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def _write_json(path: str, obj: Any, fsync: bool) -> None:
+    with open(path, "x") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def _load_npy(path: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only memory map of ``path``, checked against metadata.json's dtype and shape.
+
+    Lifetime: the map keeps the file's pages alive even if the file is removed; it is released when
+    the last array made from it is dropped.
+    """
+    try:
+        a = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise SegmentError(f"{path}: missing (metadata.json lists this field); the trajectory is incomplete or was "
+                           "written by something else: remove its directory") from None
+    except (ValueError, OSError, EOFError) as e:
+        raise SegmentError(f"{path}: not a readable .npy file (corrupt or truncated: {e}); remove its trajectory "
+                           "directory") from None
+    if a.dtype != dtype or a.shape != shape:
+        raise SchemaError(f"{path}: expected dtype {dtype.str} and shape {shape} (from metadata.json), got dtype "
+                          f"{a.dtype.str} and shape {a.shape}")
+    return a
+
+
+def get_frame_range(name: str) -> tuple[int, int]:
+    """002's ``get_frame_range``: ``(start, end)`` (end exclusive) from ``traj_100_200`` or ``trajectory_100_200``."""
+    m = _TRAJ_DIR.match(name) or _CHUNK_DIR.match(os.path.basename(name).split(".")[0])
+    if m is None:
+        raise UsageError(f"get_frame_range: {name!r} is not named traj_<start>_<end> or trajectory_<start>_<end>")
+    return int(m.group(1)), int(m.group(2))
+
+
+# -- what a writer hands out, read as per-lane units --------------------------------------------------
+
+class _Unit(NamedTuple):
+    """One rollout of one lane: step leaves ``(n, E, ...)`` (views), its ended episodes, its successor."""
+
+    lane: int
+    seq: int | None
+    step: dict[str, Any]
+    n: int
+    E: int
+    episodes: list[tuple[int, int, bool, bool, float, int, Any]]  # env, end, terminated, truncated, return, length, final
+    bootstrap: Any  # obs tree, leaves (E, ...)
+    complete: bool  # one whole episode (complete-episodes mode)
+
+
+def _index(tree: Any, i: Any) -> Any:
+    return _map(tree, lambda a: a[i])
+
+
+def _get(tree: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in tree:
+        raise SchemaError(f"{where}: the rollout has no {key!r}; expected the workers rollout layout (step leaves "
+                          f"obs, action, reward, terminated[, truncated]; an episode table; bootstrap obs), got "
+                          f"{sorted(tree)}")
+    return tree[key]
+
+
+def _units(src: Any) -> list[_Unit]:
+    """A shmbuf Rollout or Batch, or a workers CollectedBatch (duck-typed: ``.data``, ``.fill``, optional lane/seq)."""
+    data, fill = getattr(src, "data", None), getattr(src, "fill", None)
+    where = "Recorder.write"
+    if not isinstance(data, Mapping) or not isinstance(data.get("step"), Mapping):
+        raise UsageError(f"{where}: expected a shmbuf Rollout or Batch or a workers CollectedBatch (with .data['step'] "
+                         f"and .fill), got {type(src).__name__}")
+    step, ep, boot = data["step"], _get(data, "episode", where), _get(data, "bootstrap", where)
+    for k in ("obs", "action", "reward", "terminated"):
+        _get(step, k, where)
+    bobs = _get(boot, "obs", where)
+    lanes, seqs = getattr(src, "lane", None), getattr(src, "seq", None)
+    truncate = "end" in ep
+    if fill is None:  # a complete-episodes CollectedBatch: episodes concatenated, split by lengths
+        lengths = np.asarray(src.lengths, np.int64)
+        out, o = [], 0
+        for b, n in enumerate(lengths.tolist()):
+            sl = slice(o, o + n)
+            o += n
+            out.append(_complete_unit(_map(step, lambda a, sl=sl: np.asarray(a)[sl][:, None]), n, _index(ep, b),
+                                      _index(bobs, b), _pick(lanes, b, b), _pick(seqs, b, None)))
+        return out
+    batched = np.ndim(fill["step"]) > 0
+    subs = ([(_index(data, b), {k: int(v[b]) for k, v in fill.items()}, _pick(lanes, b, b), _pick(seqs, b, None))
+             for b in range(len(fill["step"]))] if batched
+            else [(data, {k: int(v) for k, v in fill.items()}, _pick(lanes, None, 0), _pick(seqs, None, None))])
+    out = []
+    for d, f, lane, seq in subs:
+        n = f["step"]
+        st = d["step"]
+        if not truncate:
+            out.append(_complete_unit(_map(st, lambda a, n=n: np.asarray(a)[:n][:, None]), n, d["episode"],
+                                      d["bootstrap"]["obs"], lane, seq))
+            continue
+        vector = np.ndim(st["reward"]) == 2
+        step_v = _map(st, (lambda a, n=n: np.asarray(a)[:n]) if vector else (lambda a, n=n: np.asarray(a)[:n, None]))
+        E = np.shape(st["reward"])[1] if vector else 1
+        e_tab = d["episode"]
+        k = f.get("episode", 0)
+        eps = [(int(e_tab["env"][i]), int(e_tab["end"][i]), bool(e_tab["terminated"][i]), bool(e_tab["truncated"][i]),
+                float(e_tab["return"][i]), int(e_tab["length"][i]), _index(e_tab["final_obs"], i)) for i in range(k)]
+        bo = d["bootstrap"]["obs"]
+        out.append(_Unit(lane, seq, step_v, n, E, eps, bo if vector else _map(bo, lambda a: np.asarray(a)[None]), False))
+    return out
+
+
+def _pick(arr: Any, b: int | None, default: Any) -> Any:
+    """Rollout metadata (lane, seq) of batch position ``b`` (None: a single rollout), or ``default`` without it."""
+    if arr is None:
+        return default
+    return int(arr if b is None else arr[b])
+
+
+def _complete_unit(step: Any, n: int, ep: Any, bobs: Any, lane: int, seq: int | None) -> _Unit:
+    episode = (0, n - 1, bool(ep["terminated"]), bool(ep["truncated"]), float(ep["return"]), int(ep["length"]), bobs)
+    return _Unit(lane, seq, step, n, 1, [episode], _map(bobs, lambda a: np.asarray(a)[None]), True)
+
+
+# -- recording -------------------------------------------------------------------------------------
+
+class _Open:
+    """A stream's (lane, env) trajectory being recorded: frames in memory, spilled to chunk files past a size."""
+
+    def __init__(self, lane: int, env: int, starts_episode: bool):
+        self.lane, self.env, self.starts_episode = lane, env, starts_episode
+        self.tmp: str | None = None
+        self.parts: list[dict[str, np.ndarray]] = []
+        self.mem_bytes = 0
+        self.chunks: list[tuple[int, int]] = []
+        self.n = 0  # frames, spilled or not
+        self.spilled = 0
+        self.reward = 0.0
+        self.successor: Any = None  # the obs after the last frame, if no episode end says otherwise
+
+
+class Recorder:
+    """Writes rollouts to ``data_dir``, one trajectory (one episode of one sub-env) per directory.
+
+    Args:
+        data_dir: created if missing. A directory that already holds recordings is continued (same
+            fields, checked against its metadata.json; the frame counter goes on from the newest).
+        fsync: fsync every file and directory before the rename that publishes a trajectory, so a
+            power cut leaves whole trajectories or none. The rename alone already makes a trajectory
+            appear whole to other processes; ``fsync=False`` only gives up durability.
+        chunk_bytes: an episode's frames are kept in memory until it ends or they reach this size;
+            then they go to a chunk file (``traj_<a>_<b>``) inside the trajectory's temporary
+            directory. Bounds the memory per sub-env; most episodes end up as one chunk.
+        keep_partial: on :meth:`close`, publish the episodes still running as trajectories cut short
+            (``trajectory.json`` ``ends_episode: false``); False discards them.
+
+    One Recorder at a time per directory (an flock on ``data_dir/.recorder.lock``); a second one
+    raises :class:`UsageError`.
+
+    :meth:`write` copies what it keeps: the rollout (or batch) may be released as soon as it returns.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str], *, fsync: bool = True, chunk_bytes: int = 16 << 20,
+                 keep_partial: bool = True):
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise UsageError(f"Recorder(chunk_bytes=...): expected an int >= 1, got {chunk_bytes!r}")
+        self.data_dir = os.fspath(data_dir)
+        self.fsync, self.chunk_bytes, self.keep_partial = bool(fsync), chunk_bytes, bool(keep_partial)
+        os.makedirs(self.data_dir, exist_ok=True)
+        self._lock = os.open(os.path.join(self.data_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise UsageError(f"Recorder({self.data_dir!r}): another Recorder is writing into this directory; use one "
+                             "Recorder per directory (give each its own data_dir)") from None
+        self._closed = False
+        self._token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._tmp_count = 0
+        self._open: dict[tuple[int, int], _Open] = {}
+        self._seen: dict[tuple[int, int], int | None] = {}  # (lane, env): seq of its last rollout written
+        self.metadata: dict[str, Any] | None = None
+        self.frames = 0  # the frame counter: frames published so far (continued from the directory)
+        self.trajectories = 0  # trajectories this Recorder published
+        try:
+            self._resume()
+        except BaseException:
+            self.close()
+            raise
+
+    def _resume(self) -> None:
+        """Remove what a crashed recorder left half-written (we hold the lock: nobody else writes), continue the counter."""
+        for name in os.listdir(self.data_dir):
+            if name.startswith(TMP_PREFIX):
+                shutil.rmtree(os.path.join(self.data_dir, name), ignore_errors=True)
+            m = _TRAJ_DIR.match(name)
+            if m:
+                self.frames = max(self.frames, int(m.group(2)))
+        path = os.path.join(self.data_dir, METADATA)
+        if os.path.exists(path):
+            self.metadata = read_metadata(self.data_dir)
+
+    # -- metadata ---------------------------------------------------------------------------------
+
+    def _metadata_for(self, unit: _Unit) -> dict[str, Any]:
+        leaves: list[dict[str, Any]] = []
+        where = "Recorder.write"
+        item = _map(unit.step, lambda a: np.asarray(a)[0, 0] if unit.n else np.zeros(np.shape(a)[2:], np.asarray(a).dtype))
+        fields = _describe(item, (), leaves, where)
+        obs = unit.step["obs"]
+        components = None
+        if isinstance(obs, (Mapping, list, tuple)):
+            components = [{"name": lf["file"].split(".", 1)[1], **lf} for lf in leaves if lf["path"][0] == "obs"]
+        return {"format": FORMAT, "version": VERSION, "fields": fields, "leaves": leaves, "obs_components": components,
+                "keys": {k: (v if v in unit.step else None) for k, v in KEYS.items()},
+                "trajectory": "one episode of one sub-env of one writer lane; frames [a, b) in traj_<a>_<b>"}
+
+    def _check_metadata(self, unit: _Unit) -> None:
+        want = self._metadata_for(unit)
+        if self.metadata is None:
+            tmp = os.path.join(self.data_dir, f"{TMP_PREFIX}{self._token}-{METADATA}")
+            _write_json(tmp, want, self.fsync)
+            os.rename(tmp, os.path.join(self.data_dir, METADATA))
+            if self.fsync:
+                _fsync_dir(self.data_dir)
+            self.metadata = want
+            return
+        have = {lf["file"]: lf for lf in self.metadata["leaves"]}
+        got = {lf["file"]: lf for lf in want["leaves"]}
+        for name in sorted(set(have) | set(got)):
+            a, b = have.get(name), got.get(name)
+            if a is None or b is None or a["dtype"] != b["dtype"] or a["shape"] != b["shape"]:
+                def show(x: Any) -> str:
+                    return "absent" if x is None else f"dtype {x['dtype']}, shape {tuple(x['shape'])}"
+                raise SchemaError(f"Recorder.write: step leaf {name!r} is {show(b)} in this rollout, but {show(a)} in "
+                                  f"{os.path.join(self.data_dir, METADATA)}; record into a new data_dir")
+        if want["fields"] != self.metadata["fields"]:
+            raise SchemaError(f"Recorder.write: the step tree's structure differs from {os.path.join(self.data_dir, METADATA)}"
+                              "; record into a new data_dir")
+
+    # -- writing ------------------------------------------------------------------------------------
+
+    def write(self, rollout_or_batch: Any) -> int:
+        """Record a rollout or a batch of them; return how many trajectories this call published.
+
+        Accepts a ``shmbuf.Rollout`` or ``shmbuf.Batch`` in the workers layout (truncate- or
+        complete-episodes; a single env or a vector of them) or a workers ``CollectedBatch``. Streams
+        are told apart by writer lane (``.lane``; the batch position where there is none) and sub-env.
+        A lane whose sequence number (``.seq``) skips ends its open trajectory there, cut short.
+        """
+        if self._closed:
+            raise UsageError(f"Recorder({self.data_dir!r}) is closed")
+        units = _units(rollout_or_batch)
+        before = self.trajectories
+        for u in units:
+            if u.n == 0:
+                continue
+            self._check_metadata(u)
+            if u.complete:
+                o = _Open(u.lane, 0, True)
+                self._append(o, u, 0, 0, u.n)
+                _, _, term, trunc, ret, length, final = u.episodes[0]
+                self._publish(o, final, term, trunc, ret, length, True)
+            else:
+                self._truncated(u)
+        return self.trajectories - before
+
+    def _truncated(self, u: _Unit) -> None:
+        ends: dict[int, list[tuple[int, bool, bool, float, int, Any]]] = {}
+        for env, end, term, trunc, ret, length, final in u.episodes:
+            ends.setdefault(env, []).append((end, term, trunc, ret, length, final))
+        for e in range(u.E):
+            key = (u.lane, e)
+            o = self._open.get(key)
+            last = self._seen.get(key, -1)
+            # Frame 0 of this rollout starts an episode if the lane's stream starts here (seq 0, or no seq
+            # to say otherwise), or if we saw the lane's previous rollout and nothing of it is still open.
+            follows = u.seq is None or u.seq == 0 or (last is not None and u.seq == last + 1)
+            if o is not None and not follows:
+                self._cut(key)  # a gap in the lane's rollouts: what we hold cannot be continued
+                o = None
+            self._seen[key] = u.seq
+            start = 0
+            for end, term, trunc, ret, length, final in sorted(ends.get(e, []), key=lambda x: x[0]):
+                if o is None:
+                    o = _Open(u.lane, e, starts_episode=start > 0 or follows)
+                self._append(o, u, e, start, end + 1)
+                self._open.pop(key, None)
+                self._publish(o, final, term, trunc, ret, length, True)
+                o, start = None, end + 1
+            if start < u.n:
+                if o is None:
+                    o = _Open(u.lane, e, starts_episode=start > 0 or follows)
+                self._append(o, u, e, start, u.n)
+                o.successor = _map(_index(u.bootstrap, e), np.array)
+                self._open[key] = o
+
+    def _append(self, o: _Open, u: _Unit, e: int, a: int, b: int) -> None:
+        part = {name: np.array(np.asarray(leaf)[a:b, e]) for name, leaf in _flat(u.step)}
+        o.parts.append(part)
+        o.n += b - a
+        o.reward += float(np.sum(part["reward"], dtype=np.float64))
+        o.mem_bytes += sum(x.nbytes for x in part.values())
+        if o.mem_bytes >= self.chunk_bytes:
+            self._spill(o)
+
+    def _tmpdir(self, o: _Open) -> str:
+        if o.tmp is None:
+            self._tmp_count += 1
+            o.tmp = os.path.join(self.data_dir, f"{TMP_PREFIX}{self._token}-{self._tmp_count}")
+            os.mkdir(o.tmp)
+        return o.tmp
+
+    def _spill(self, o: _Open) -> None:
+        """Write the frames held in memory as one chunk directory ``traj_<a>_<b>`` of the temporary trajectory."""
+        if not o.parts:
+            return
+        a, b = o.spilled, o.n
+        chunk = os.path.join(self._tmpdir(o), f"traj_{a:06d}_{b:06d}")
+        os.mkdir(chunk)
+        for name in o.parts[0]:
+            _write_npy(os.path.join(chunk, name + ".npy"), np.concatenate([p[name] for p in o.parts]), self.fsync)
+        if self.fsync:
+            _fsync_dir(chunk)
+        o.chunks.append((a, b))
+        o.spilled = b
+        o.parts, o.mem_bytes = [], 0
+
+    def _publish(self, o: _Open, final: Any, terminated: bool, truncated: bool, ret: float, length: int,
+                 ends_episode: bool) -> None:
+        """Finish a trajectory: last chunk, final observation, trajectory.json, then one rename makes it visible."""
+        self._spill(o)
+        tmp = self._tmpdir(o)
+        for name, leaf in _flat({"final_obs": final}):
+            _write_npy(os.path.join(tmp, name + ".npy"), np.asarray(leaf), self.fsync)
+        f0, f1 = self.frames, self.frames + o.n
+        info = {"length": o.n, "env": o.env, "lane": o.lane, "terminated": bool(terminated), "truncated": bool(truncated),
+                "starts_episode": o.starts_episode, "ends_episode": bool(ends_episode),
+                "episode_return": float(ret), "episode_length": int(length), "reward_sum": o.reward,
+                "frames": [f0, f1], "chunks": [list(c) for c in o.chunks]}
+        _write_json(os.path.join(tmp, TRAJ_INFO), info, self.fsync)
+        if self.fsync:
+            _fsync_dir(tmp)
+        os.utime(tmp)  # the directory's mtime is its publication time (keep_latest_n_trajs sorts by it)
+        os.rename(tmp, os.path.join(self.data_dir, f"trajectory_{f0:012d}_{f1:012d}"))
+        if self.fsync:
+            _fsync_dir(self.data_dir)
+        o.tmp = None
+        self.frames = f1
+        self.trajectories += 1
+
+    def _cut(self, key: tuple[int, int]) -> None:
+        o = self._open.pop(key)
+        if self.keep_partial and o.successor is not None:
+            # Not an episode end: the final observation is the true next one (the rollout's bootstrap).
+            self._publish(o, o.successor, False, False, o.reward, o.n, False)
+        elif o.tmp is not None:
+            shutil.rmtree(o.tmp, ignore_errors=True)
+
+    def close(self) -> None:
+        """Publish (``keep_partial``) or drop the episodes still running, and release the directory's lock."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for key in list(self._open):
+                self._cut(key)
+        finally:
+            os.close(self._lock)
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Recorder({self.data_dir!r}, frames={self.frames}, trajectories={self.trajectories})"
+
+
+# -- reading -----------------------------------------------------------------------------------------
+
+def read_metadata(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """``data_dir/metadata.json``, checked to be a shmbuf rollout directory's (:class:`SegmentError` if not)."""
+    path = os.path.join(os.fspath(data_dir), METADATA)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise SegmentError(f"{path}: missing; a shmbuf rollout directory starts with it (a Recorder writes it with "
+                           "the first rollout)") from None
+    except (ValueError, OSError) as e:
+        raise SegmentError(f"{path}: not readable JSON ({e}); it is corrupt or not a shmbuf recording") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise SegmentError(f"{path}: not a shmbuf rollout metadata file (expected format {FORMAT!r}, got "
+                           f"{meta.get('format') if isinstance(meta, dict) else type(meta).__name__!r})")
+    if meta.get("version") != VERSION:
+        raise SegmentError(f"{path}: format version {meta.get('version')!r}; this shmbuf reads version {VERSION}")
+    return meta
+
+
+class _Traj:
+    """One published trajectory, its files memory-mapped (loaded when an env is given it)."""
+
+    def __init__(self, path: str, meta: dict[str, Any], obs_files: list[str]):
+        self.path = path
+        info_path = os.path.join(path, TRAJ_INFO)
+        try:
+            with open(info_path) as f:
+                self.info = json.load(f)
+            self.length = int(self.info["length"])
+        except FileNotFoundError:
+            raise SegmentError(f"{info_path}: missing; {path} is not a whole trajectory") from None
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            raise SegmentError(f"{info_path}: corrupt ({type(e).__name__}: {e})") from None
+        chunks = []
+        for name in os.listdir(path):
+            m = _CHUNK_DIR.match(name)
+            if m:
+                chunks.append((int(m.group(1)), int(m.group(2)), name))
+        chunks.sort()
+        edges = [0] + [c[1] for c in chunks]
+        if not chunks or [c[0] for c in chunks] != edges[:-1] or edges[-1] != self.length or any(a >= b for a, b, _ in chunks):
+            raise SegmentError(f"{path}: its chunks {[c[2] for c in chunks]} do not cover frames 0..{self.length} "
+                               f"(trajectory.json) without gaps")
+        self.starts = np.asarray([c[0] for c in chunks], np.int64)
+        self.data: dict[str, list[np.ndarray]] = {}
+        for lf in meta["leaves"]:
+            dt, shape = np.dtype(lf["dtype"]), tuple(lf["shape"])
+            self.data[lf["file"]] = [_load_npy(os.path.join(path, c, lf["file"] + ".npy"), dt, (b - a, *shape))
+                                     for a, b, c in chunks]
+        shapes = {lf["file"]: (np.dtype(lf["dtype"]), tuple(lf["shape"])) for lf in meta["leaves"]}
+        self.final = {f: _load_npy(os.path.join(path, "final_" + f + ".npy"), *shapes[f]) for f in obs_files}
+        self.ends_episode = bool(self.info.get("ends_episode", True))
+
+    def copy(self, file: str, a: int, b: int, out: np.ndarray) -> None:
+        """Rows [a, b) of ``file`` into ``out`` (len b - a), across chunks."""
+        parts, starts = self.data[file], self.starts
+        k = int(np.searchsorted(starts, a, side="right")) - 1
+        i = 0
+        while a < b:
+            lo = int(starts[k])
+            x = parts[k]
+            take = min(b, lo + len(x)) - a
+            out[i:i + take] = x[a - lo:a - lo + take]
+            a += take
+            i += take
+            k += 1
+
+    def copy_next(self, file: str, a: int, b: int, out: np.ndarray) -> None:
+        """The successors of rows [a, b): rows a+1..b, row ``length`` being the final observation."""
+        stop = min(b + 1, self.length)
+        if a + 1 < stop:
+            self.copy(file, a + 1, stop, out[: stop - a - 1])
+        if b == self.length:
+            out[-1] = self.final[file]
+
+
+class FileTransition(NamedTuple):
+    """One batch of :meth:`RolloutDataset.get_batch`: leaves ``(E, ...)``, or ``(T, E, ...)`` with transitions per env.
+
+    ``observation``/``next_observation``: the recorded observation tree (an array, or a dict/tuple
+    of components reassembled per metadata.json; one array with ``concat_obs=True``).
+    ``next_observation`` is the true successor: the next frame, or at a trajectory's last frame
+    its final observation. ``done`` (002's): True at the first frame an env reads of each
+    trajectory, where the episode ended (terminated or truncated), and where a trajectory ran out
+    cut short. ``timeout``: truncated, or cut short; None if the recording has no truncated field.
+    ``terminated``: as recorded (the MDP ended). ``first``: the first frame an env reads of its
+    trajectory. ``extras``: the other step leaves (policy extras), by name.
+    """
+
+    observation: Any
+    action: Any
+    reward: np.ndarray
+    done: np.ndarray
+    timeout: np.ndarray | None
+    next_observation: Any
+    terminated: np.ndarray
+    first: np.ndarray
+    extras: dict[str, Any]
+
+
+class _Handler:
+    __slots__ = ("cursor", "fresh", "traj")
+
+    def __init__(self, traj: _Traj, cursor: int):
+        self.traj, self.cursor, self.fresh = traj, cursor, True
+
+
+class RolloutDataset:
+    """002's RolloutDataset over a directory a :class:`Recorder` wrote: per-env trajectory cursors, batches of transitions.
+
+    Args:
+        data_dir: the recording (it may still be being written).
+        num_envs: E: how many trajectories are read side by side (one handler and cursor per env).
+        dataset_loops: passes over the trajectories before :class:`StopIteration` (0 or less: for
+            ever). Each new pass rescans the directory, so it takes in what a running Recorder added.
+        random_shuffle_traj_order: hand trajectories out in a random order (a new one each pass).
+        keep_latest_n_trajs: use only the newest N trajectories by modification time (0: all), and
+            wait until there are N.
+        starting_frame_range: ``(lo, hi)``: an env starts each new trajectory at a frame drawn
+            uniformly from ``[lo, hi)``, clipped to the trajectory (``lo`` to at most its last frame,
+            ``hi`` to at most its length, and at least ``lo + 1``).
+        device: None: numpy outputs. A torch device (``"cpu"``, ``"cuda"``): torch tensors there.
+        obs_key: the step leaf that is the observation.
+        concat_obs: reassemble a dict/tuple observation as one array: every component flattened to
+            ``(..., -1)`` and concatenated in metadata.json's order (002's ``assemble_obs_components``).
+        seed: for shuffling and starting frames.
+        wait_timeout: how long to wait for enough trajectories (``max(num_envs, keep_latest_n_trajs)``)
+            before :class:`shmbuf.SlotTimeout` (None: for ever).
+        poll_interval: how often to rescan while waiting.
+
+    Each batch is new arrays, the caller's to keep (002 refills one buffer).
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str], num_envs: int, dataset_loops: int = 1,
+                 random_shuffle_traj_order: bool = False, keep_latest_n_trajs: int = 0,
+                 starting_frame_range: Sequence[int] = (0, 1), device: Any = None, *, obs_key: str = "obs",
+                 concat_obs: bool = False, seed: Any = None, wait_timeout: float | None = 60.0,
+                 poll_interval: float = 0.2):
+        for name, v, lo in (("num_envs", num_envs, 1), ("keep_latest_n_trajs", keep_latest_n_trajs, 0)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise UsageError(f"RolloutDataset({name}=...): expected an int >= {lo}, got {v!r}")
+        if isinstance(dataset_loops, bool) or not isinstance(dataset_loops, (int, np.integer)):
+            raise UsageError(f"RolloutDataset(dataset_loops=...): expected an int (0 or less: loop for ever), got {dataset_loops!r}")
+        r = tuple(starting_frame_range)
+        if len(r) != 2 or not all(isinstance(x, (int, np.integer)) for x in r) or not 0 <= r[0] < r[1]:
+            raise UsageError(f"RolloutDataset(starting_frame_range=...): expected (lo, hi) ints with 0 <= lo < hi, got "
+                             f"{starting_frame_range!r}")
+        if wait_timeout is not None and not wait_timeout >= 0:
+            raise UsageError(f"RolloutDataset(wait_timeout=...): expected seconds >= 0 or None, got {wait_timeout!r}")
+        self.data_dir = os.fspath(data_dir)
+        self.num_envs = int(num_envs)
+        self.dataset_loops = int(dataset_loops)
+        self.random_shuffle_traj_order = bool(random_shuffle_traj_order)
+        self.keep_latest_n_trajs = int(keep_latest_n_trajs)
+        self.starting_frame_range = (int(r[0]), int(r[1]))
+        self.device = device
+        self.obs_key = obs_key
+        self.concat_obs = bool(concat_obs)
+        self.wait_timeout = wait_timeout
+        self.poll_interval = float(poll_interval)
+        self.rng = np.random.default_rng(seed)
+        self.metadata: dict[str, Any] | None = None
+        self.all_available_trajectory_dirs: list[str] = []
+        self.unused_trajectory_idxs: list[int] = []
+        self.num_dataset_looped = 0
+        self.all_env_ids = np.arange(self.num_envs)
+        self._handlers: list[_Handler | None] = [None] * self.num_envs
+        self._initialized = False
+
+    get_frame_range = staticmethod(get_frame_range)
+
+    # -- the directory --------------------------------------------------------------------------------
+
+    def _scan(self) -> list[str] | None:
+        """Published trajectories, oldest first by mtime; None if there is no metadata.json yet (an empty directory)."""
+        try:
+            names = os.listdir(self.data_dir)
+        except FileNotFoundError:
+            return None
+        trajs, foreign = [], []
+        for name in names:
+            if name == METADATA or name.startswith("."):
+                continue
+            path = os.path.join(self.data_dir, name)
+            m = _TRAJ_DIR.match(name)
+            if m and os.path.isdir(path):
+                trajs.append((os.stat(path).st_mtime_ns, int(m.group(1)), path))
+            else:
+                foreign.append(name)
+        if METADATA not in names:
+            if trajs:
+                raise SegmentError(f"{os.path.join(self.data_dir, METADATA)}: missing, though the directory holds "
+                                   f"{len(trajs)} trajectories; it says what their files hold (restore it, or record again)")
+            if foreign:
+                raise SegmentError(f"{self.data_dir}: not a shmbuf rollout directory (no {METADATA}); it holds "
+                                   f"{sorted(foreign)[:5]}{' ...' if len(foreign) > 5 else ''}")
+            return None
+        if self.metadata is None:
+            meta = read_metadata(self.data_dir)
+            self.metadata = meta
+            self._setup_fields(meta)
+        trajs.sort()
+        return [p for _, _, p in trajs]
+
+    def _setup_fields(self, meta: dict[str, Any]) -> None:
+        self._leaves = {lf["file"]: lf for lf in meta["leaves"]}
+        fields = {k: d for k, d in meta["fields"]["items"]}
+        if self.obs_key not in fields:
+            raise UsageError(f"RolloutDataset(obs_key={self.obs_key!r}): the recording's step leaves are {sorted(fields)}")
+        self._fields = fields
+        self._obs_files = [f for f in self._leaves if self._leaves[f]["path"][0] == self.obs_key]
+        keys = meta.get("keys", KEYS)
+        self._timeout_key = keys.get("truncated")
+        self._term_key = keys.get("terminated") or "terminated"
+        self._reserved = {self.obs_key, "action", "reward", self._term_key, self._timeout_key}
+
+    def read_dataset_directory(self) -> bool:
+        """Rescan ``data_dir`` (002's name): True, with a fresh pool of unused trajectories, if there are enough."""
+        found = self._scan()
+        if found is None:
+            self._have = 0
+            return False
+        self._have = len(found)
+        if len(found) < self._need():
+            return False
+        if self.keep_latest_n_trajs:
+            found = found[-self.keep_latest_n_trajs:]
+        self.all_available_trajectory_dirs = found
+        idx = list(range(len(found)))
+        if self.random_shuffle_traj_order:
+            idx = [int(i) for i in self.rng.permutation(len(found))]
+        self.unused_trajectory_idxs = idx
+        return True
+
+    def _need(self) -> int:
+        return max(self.num_envs, self.keep_latest_n_trajs, 1)
+
+    def _wait_for_trajectories(self) -> None:
+        deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
+        while not self.read_dataset_directory():
+            if deadline is not None and time.monotonic() >= deadline:
+                what = "does not exist yet" if not os.path.isdir(self.data_dir) else (
+                    f"holds {self._have} complete trajector{'y' if self._have == 1 else 'ies'}")
+                raise SlotTimeout(
+                    f"RolloutDataset: {self.data_dir} {what}; {self._need()} needed (num_envs={self.num_envs}, "
+                    f"keep_latest_n_trajs={self.keep_latest_n_trajs}), still short after wait_timeout="
+                    f"{self.wait_timeout} s. Record more (a Recorder publishes a trajectory when its episode ends), "
+                    "lower num_envs, or raise wait_timeout")
+            time.sleep(self.poll_interval)
+
+    # -- handlers ---------------------------------------------------------------------------------------
+
+    def reset(self, env_ids: Any = None) -> None:
+        """All envs (None): rescan (waiting for enough trajectories) and give every env a new one. Else refresh those envs only."""
+        if env_ids is None or not self._initialized:
+            self.reset_all()
+            return
+        self.refresh_handlers(env_ids)
+
+    def reset_all(self) -> None:
+        self._wait_for_trajectories()
+        self.num_dataset_looped = 0
+        self._handlers = [None] * self.num_envs
+        self._initialized = True
+        self.refresh_handlers(None)
+
+    def refresh_handlers(self, env_ids: Any = None) -> None:
+        """Give each env in ``env_ids`` (None: all) the next unused trajectory (002's; looping as :meth:`_next_traj`)."""
+        ids = self.all_env_ids if env_ids is None else np.asarray(env_ids).reshape(-1)
+        for e in ids.tolist():
+            if not 0 <= e < self.num_envs:
+                raise UsageError(f"RolloutDataset.reset(env_ids=...): env {e} is not in 0..{self.num_envs - 1}")
+            self._next_traj(e)
+
+    def _next_traj(self, e: int) -> None:
+        if not self.unused_trajectory_idxs:
+            self.num_dataset_looped += 1
+            if 0 < self.dataset_loops <= self.num_dataset_looped or not self.read_dataset_directory():
+                raise StopIteration
+        i = self.unused_trajectory_idxs.pop(0)
+        traj = _Traj(self.all_available_trajectory_dirs[i], self.metadata, self._obs_files)  # type: ignore[arg-type]
+        lo, hi = self.starting_frame_range
+        lo = min(lo, traj.length - 1)
+        hi = max(lo + 1, min(hi, traj.length))
+        self._handlers[e] = _Handler(traj, int(self.rng.integers(lo, hi)))
+
+    # -- batches -------------------------------------------------------------------------------------
+
+    def _alloc(self, n: int) -> dict[str, np.ndarray]:
+        E = self.num_envs
+        out = {f: np.empty((n, E, *lf["shape"]), lf["dtype"]) for f, lf in self._leaves.items()}
+        for f in self._obs_files:
+            out["next:" + f] = np.empty((n, E, *self._leaves[f]["shape"]), self._leaves[f]["dtype"])
+        for k in ("first", "cut"):
+            out[k] = np.zeros((n, E), bool)
+        return out
+
+    def _fill(self, out: dict[str, np.ndarray], n: int, ends: list[tuple[int, int, _Traj]] | None = None) -> None:
+        """Rows [0, n) of every env into ``out`` (``(n, E, ...)`` arrays), advancing the cursors."""
+        files = list(self._leaves)
+        for e in range(self.num_envs):
+            i = 0
+            while i < n:
+                h = self._handlers[e]
+                if h is None or h.cursor >= h.traj.length:
+                    self._next_traj(e)  # StopIteration when the passes are done
+                    h = self._handlers[e]
+                t, c = h.traj, h.cursor  # type: ignore[union-attr]
+                run = min(n - i, t.length - c)
+                for f in files:
+                    t.copy(f, c, c + run, out[f][i:i + run, e])
+                for f in self._obs_files:
+                    t.copy_next(f, c, c + run, out["next:" + f][i:i + run, e])
+                if h.fresh:  # type: ignore[union-attr]
+                    out["first"][i, e] = True
+                    h.fresh = False  # type: ignore[union-attr]
+                if c + run == t.length:
+                    if not t.ends_episode:
+                        out["cut"][i + run - 1, e] = True
+                    if ends is not None:
+                        ends.append((e, i + run - 1, t))
+                h.cursor = c + run  # type: ignore[union-attr]
+                i += run
+
+    def _flags(self, out: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        term = out[self._term_key] != 0
+        timeout = None
+        if self._timeout_key is not None:
+            timeout = (out[self._timeout_key] != 0) | out["cut"]
+        done = out["first"] | term | out["cut"] | (timeout if timeout is not None else False)
+        return term, done, timeout
+
+    def _obs(self, out: dict[str, np.ndarray], prefix: str) -> Any:
+        tree = _build(self._fields[self.obs_key], lambda f: out[prefix + f])
+        if self.concat_obs:
+            parts = [out[prefix + f] for f in self._obs_files]
+            lead = parts[0].shape[:2]
+            tree = np.concatenate([p.reshape(*lead, -1) for p in parts], axis=-1)
+        return tree
+
+    def get_batch(self, num_transitions_per_env: int | None = None) -> FileTransition:
+        """The next transition of every env (``(E, ...)``), or the next ``num_transitions_per_env`` (``(T, E, ...)``, time-major).
+
+        An env whose trajectory runs out takes the next unused one; when none is left, a new pass
+        starts (``dataset_loops``) or :class:`StopIteration` is raised (the rows of this unfinished
+        batch are dropped). The first call resets (waiting for enough trajectories).
+        """
+        if num_transitions_per_env is not None and (isinstance(num_transitions_per_env, bool) or not isinstance(
+                num_transitions_per_env, (int, np.integer)) or num_transitions_per_env < 1):
+            raise UsageError(f"get_batch(num_transitions_per_env=...): expected None or an int >= 1, got "
+                             f"{num_transitions_per_env!r}")
+        if not self._initialized:
+            self.reset()
+        n = 1 if num_transitions_per_env is None else int(num_transitions_per_env)
+        out = self._alloc(n)
+        self._fill(out, n)
+        b = self._transition(out)
+        if num_transitions_per_env is None:
+            b = FileTransition(*[_map(x, lambda a: a[0]) if x is not None else None for x in b])
+        return b if self.device is None else to_torch(b, self.device)
+
+    def _transition(self, out: dict[str, np.ndarray]) -> FileTransition:
+        term, done, timeout = self._flags(out)
+        extras = {k: _build(d, lambda f: out[f]) for k, d in self._fields.items() if k not in self._reserved}
+        return FileTransition(self._obs(out, ""), _build(self._fields["action"], lambda f: out[f]), out["reward"], done,
+                          timeout, self._obs(out, "next:"), term, out["first"], extras)
+
+    def get_transition_batch(self) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """One step of every env, like a vector env's step: ``(s, a, r, d, info)``.
+
+        ``info``: ``next_observation``, ``terminated``, ``first``, the extras, and ``time_outs``
+        where the recording has a timeout (truncated) field.
+        """
+        b = self.get_batch()
+        info: dict[str, Any] = {"next_observation": b.next_observation, "terminated": b.terminated, "first": b.first,
+                                **b.extras}
+        if b.timeout is not None:
+            info["time_outs"] = b.timeout
+        return b.observation, b.action, b.reward, b.done, info
+
+    def __iter__(self) -> RolloutDataset:
+        self.reset()
+        return self
+
+    def __next__(self) -> FileTransition:
+        return self.get_batch()
+
+    def torch_dataset(self, num_transitions_per_env: int | None = None) -> Any:
+        """A ``torch.utils.data.IterableDataset`` of :meth:`get_batch` results as tensors (on ``device`` if given).
+
+        Use it with ``DataLoader(ds, batch_size=None)`` (the batches are already batched) and
+        ``num_workers=0``: each worker process would read the same trajectories again.
+        Iterating it resets this dataset; the iteration ends at :class:`StopIteration`.
+        """
+        import torch.utils.data
+
+        outer = self
+
+        class RolloutIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+            def __iter__(self) -> Iterator[FileTransition]:
+                outer.reset()
+                while True:
+                    try:
+                        b = outer.get_batch(num_transitions_per_env)
+                    except StopIteration:
+                        return
+                    yield b if outer.device is not None else to_torch(b)
+
+        return RolloutIterableDataset()
+
+    def __repr__(self) -> str:
+        return (f"RolloutDataset({self.data_dir!r}, num_envs={self.num_envs}, "
+                f"trajectories={len(self.all_available_trajectory_dirs)}, looped={self.num_dataset_looped})")
+
+
+# -- playback into a pipeline ----------------------------------------------------------------------
+
+def playback_example(data_dir: str | os.PathLike[str], *, rollout_len: int, num_envs: int | None = None,
+                     max_episodes: int | None = None) -> dict[str, Any]:
+    """The shmbuf example of the rollouts :func:`play` writes: the workers truncate-episodes layout.
+
+    Same tree as ``workers.rollout_example(obs, action, rollout_len=T, num_envs=E, extras=...)`` for
+    the recorded fields: step leaves ``(T, [E], ...)``; an episode table of capacity ``max_episodes``
+    (default ``T * E``) with return, length, terminated, truncated, env, end, final_obs; bootstrap
+    obs and env_steps. ``num_envs=None``: a single env (no env dim).
+    """
+    meta = read_metadata(data_dir)
+    if isinstance(rollout_len, bool) or not isinstance(rollout_len, int) or rollout_len < 2:
+        raise UsageError(f"playback_example(rollout_len=...): expected an int >= 2, got {rollout_len!r}")
+    if num_envs is not None and (isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1):
+        raise UsageError(f"playback_example(num_envs=...): expected None (a single env) or an int >= 1, got {num_envs!r}")
+    leaves = {lf["file"]: lf for lf in meta["leaves"]}
+    T, env = rollout_len, (() if num_envs is None else (num_envs,))
+    E = num_envs or 1
+    m = max(T * E if max_episodes is None else int(max_episodes), 2)
+    fields = dict(meta["fields"]["items"])
+
+    def zeros(lead: tuple[int, ...]) -> Any:
+        return lambda f: np.zeros(lead + tuple(leaves[f]["shape"]), leaves[f]["dtype"])
+
+    step = {k: _build(d, zeros((T, *env))) for k, d in fields.items()}
+    if "truncated" not in step:
+        step["truncated"] = np.zeros((T, *env), bool)
+    episode = {"return": np.zeros(m, np.float64), "length": np.zeros(m, np.int64), "terminated": np.zeros(m, bool),
+               "truncated": np.zeros(m, bool), "env": np.zeros(m, np.int32), "end": np.zeros(m, np.int32),
+               "final_obs": _build(fields["obs"], zeros((m,)))}
+    bootstrap = {"obs": _build(fields["obs"], zeros(env)), "env_steps": np.zeros((), np.int64)}
+    return {"step": step, "episode": episode, "bootstrap": bootstrap}
+
+
+def play(data_dir: str | os.PathLike[str], pipeline: Any, *, rollout_len: int, num_envs: int | None = None,
+         dataset_loops: int = 1, random_shuffle_traj_order: bool = False, keep_latest_n_trajs: int = 0,
+         seed: Any = None, max_rollouts: int | None = None, max_episodes: int | None = None,
+         wait_timeout: float | None = 60.0, writer_timeout: float | None = 30.0, label: str = "playback") -> int:
+    """Feed a recording into a shmbuf pipeline as truncate-episodes rollouts (:func:`playback_example`'s layout).
+
+    The same learner code then trains on live actors or on files. Each of ``num_envs`` (None: one,
+    without an env dim) streams plays trajectories one after another, handed out as
+    :class:`RolloutDataset` does (same arguments, ``starting_frame_range=(0, 1)``); each rollout is
+    ``rollout_len`` steps of every stream, written straight into the slot (``Writer.slot()``). A
+    trajectory's last frame ends an episode: its record goes to the episode table with the recorded
+    return and length, and a trajectory cut short by the recording is marked ``truncated`` there
+    (bootstrap from its final observation), as the actor loop marks an episode it cuts.
+
+    Returns the number of rollouts committed. Stops when the recording is used up (a last partial
+    rollout is not committed), after ``max_rollouts``, or when the reader closes the pipeline.
+    """
+    import shmbuf
+
+    T = rollout_len
+    example = playback_example(data_dir, rollout_len=T, num_envs=num_envs, max_episodes=max_episodes)
+    E = num_envs or 1
+    ds = RolloutDataset(data_dir, E, dataset_loops, random_shuffle_traj_order, keep_latest_n_trajs, seed=seed,
+                        wait_timeout=wait_timeout)
+    committed, env_steps = 0, 0
+    ep_cap = len(example["episode"]["env"])
+    with shmbuf.Writer(pipeline, example, timeout=writer_timeout, label=label) as writer:
+        try:
+            ds.reset()
+            while max_rollouts is None or committed < max_rollouts:
+                out = ds._alloc(T)
+                ends: list[tuple[int, int, _Traj]] = []
+                try:
+                    ds._fill(out, T, ends)
+                except StopIteration:
+                    break
+                ends.sort(key=lambda x: (x[1], x[0]))  # the actor loop's order: by step, then by env
+                if len(ends) > ep_cap:
+                    raise UsageError(f"play(max_episodes={max_episodes}): a rollout ends {len(ends)} trajectories; "
+                                     f"raise max_episodes to at least that")
+                env_steps += T * E
+                _write_rollout(writer.slot(), out, ds, ends, num_envs is None, env_steps)
+                writer.commit(fill={"episode": len(ends)})
+                committed += 1
+        except shmbuf.PipelineClosed:
+            pass
+    return committed
+
+
+def _write_rollout(slot: dict[str, Any], out: dict[str, np.ndarray], ds: RolloutDataset,
+                   ends: list[tuple[int, int, _Traj]], single: bool, env_steps: int) -> None:
+    """One played rollout into the slot's views (``(T, [E], ...)``); the copy from the batch is the only one."""
+    step = slot["step"]
+    for name, view in _flat(step):
+        if name == "truncated" and "truncated" not in out:
+            src = out["cut"]
+        elif name == "truncated":
+            src = (out["truncated"] != 0) | out["cut"]
+        else:
+            src = out[name]
+        view[...] = src[:, 0] if single else src
+    ep = slot["episode"]
+    for k, (e, t, traj) in enumerate(ends):
+        info = traj.info
+        ep["return"][k] = info["episode_return"]
+        ep["length"][k] = info["episode_length"]
+        ep["terminated"][k] = info["terminated"]
+        ep["truncated"][k] = info["truncated"] or not traj.ends_episode
+        ep["env"][k] = e
+        ep["end"][k] = t
+        for name, view in _flat({"obs": ep["final_obs"]}):
+            view[k] = traj.final[name]
+    boot = slot["bootstrap"]
+    for name, view in _flat({"obs": boot["obs"]}):
+        last = out["next:" + name][-1]
+        view[...] = last[0] if single else last
+    boot["env_steps"][...] = env_steps

@@ -1,0 +1,765 @@
+"""shmbuf.storage.files: Recorder, RolloutDataset and play, against streams whose every frame says where it came from."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import optree
+import pytest
+
+import shmbuf
+from shmbuf.storage import files
+from shmbuf.storage.files import Recorder, RolloutDataset, play, playback_example, read_metadata
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+# -- a synthetic actor: the workers truncate-episodes layout, every obs naming (env, step, episode, t in episode) --
+
+class Fake:
+    """Duck-typed rollout or batch: ``.data``, ``.fill``, ``.lane``, ``.seq``."""
+
+    def __init__(self, data: dict, fill: dict, lane: Any = None, seq: Any = None):
+        self.data, self.fill, self.lane, self.seq = data, fill, lane, seq
+
+
+def obs_of(e: int, k: int, ep: int, t: int, dict_obs: bool) -> Any:
+    v = np.array([e, k, ep, t], np.float32)
+    return {"pos": v[:2].copy(), "img": np.full((2, 3), k + 0.5, np.float64) + e} if dict_obs else v
+
+
+def synth(E: int, T: int, R: int, lens: list[list[int]], *, dict_obs: bool = False, single: bool = False,
+          truncated_field: bool = True, lane: int = 0) -> tuple[list[Fake], dict[int, list[dict]]]:
+    """R rollouts of E envs x T steps; env e's episode lengths cycle through lens[e]; even episodes terminate, odd truncate.
+
+    Returns the rollouts and, per env, the trajectories a Recorder must publish (the last ones cut, with the
+    bootstrap observation as successor).
+    """
+    k = np.zeros(E, int)
+    ep = np.zeros(E, int)
+    t_in = np.zeros(E, int)
+    cur: dict[int, dict] = {e: {"frames": []} for e in range(E)}
+    done_trajs: dict[int, list[dict]] = {e: [] for e in range(E)}
+    rollouts = []
+    for r in range(R):
+        steps, table = [], []
+        succ_last = [None] * E
+        for t in range(T):
+            row = []
+            for e in range(E):
+                o = obs_of(e + 10 * lane, k[e], ep[e], t_in[e], dict_obs)
+                L = lens[e][ep[e] % len(lens[e])]
+                end = t_in[e] == L - 1
+                term, trunc = bool(end and ep[e] % 2 == 0), bool(end and ep[e] % 2 == 1)
+                frame = {"obs": o, "action": np.int64(k[e] * 10 + e), "reward": np.float32(k[e] % 7 + 0.25 * e),
+                         "terminated": term, "truncated": trunc, "value": np.float32(-k[e])}
+                row.append(frame)
+                cur[e]["frames"].append(frame)
+                if end:
+                    final = obs_of(e + 10 * lane, k[e], ep[e], 1000 + t_in[e], dict_obs)
+                    ret = float(sum(np.float64(f["reward"]) for f in cur[e]["frames"]))
+                    table.append({"return": ret, "length": L, "terminated": term, "truncated": trunc, "env": e, "end": t,
+                                  "final_obs": final})
+                    done_trajs[e].append({**cur[e], "succ": final, "terminated": term, "truncated": trunc, "ends": True})
+                    cur[e] = {"frames": []}
+                    succ_last[e] = final
+                    ep[e] += 1
+                    t_in[e] = 0
+                else:
+                    t_in[e] += 1
+                    succ_last[e] = None
+                k[e] += 1
+            steps.append(row)
+        boot = [succ_last[e] if succ_last[e] is not None else obs_of(e + 10 * lane, k[e], ep[e], t_in[e], dict_obs)
+                for e in range(E)]
+        rollouts.append(_pack(steps, table, boot, E, T, dict_obs, single, truncated_field, lane, r))
+        for e in range(E):
+            cur[e]["boot"] = boot[e]
+    for e in range(E):
+        if cur[e]["frames"]:
+            done_trajs[e].append({"frames": cur[e]["frames"], "succ": cur[e]["boot"], "terminated": False,
+                                  "truncated": False, "ends": False})
+    return rollouts, done_trajs
+
+
+def _stack(xs: list[Any]) -> Any:
+    if isinstance(xs[0], dict):
+        return {k: _stack([x[k] for x in xs]) for k in xs[0]}
+    return np.stack([np.asarray(x) for x in xs])
+
+
+def _pack(steps, table, boot, E, T, dict_obs, single, truncated_field, lane, seq) -> Fake:
+    keys = ["obs", "action", "reward", "terminated", "value"] + (["truncated"] if truncated_field else [])
+    step = {key: _stack([_stack([row[e][key] for e in range(E)]) for row in steps]) for key in keys}
+    m = T * E
+    ep = {"return": np.zeros(m), "length": np.zeros(m, np.int64), "terminated": np.zeros(m, bool),
+          "truncated": np.zeros(m, bool), "env": np.zeros(m, np.int32), "end": np.zeros(m, np.int32),
+          "final_obs": _stack([obs_of(0, 0, 0, 0, dict_obs)] * m)}
+    for i, rec in enumerate(table):
+        for key in ("return", "length", "terminated", "truncated", "env", "end"):
+            ep[key][i] = rec[key]
+        if dict_obs:
+            for c in rec["final_obs"]:
+                ep["final_obs"][c][i] = rec["final_obs"][c]
+        else:
+            ep["final_obs"][i] = rec["final_obs"]
+    bobs = _stack(boot)
+    if single:
+        step = {key: ({c: v[:, 0] for c, v in x.items()} if isinstance(x, dict) else x[:, 0]) for key, x in step.items()}
+        bobs = {c: v[0] for c, v in bobs.items()} if isinstance(bobs, dict) else bobs[0]
+    data = {"step": step, "episode": ep, "bootstrap": {"obs": bobs, "env_steps": np.int64(0)}}
+    return Fake(data, {"step": T, "episode": len(table), "bootstrap": 1}, lane, seq)
+
+
+def read_all(d: Any, **kw: Any) -> list[dict]:
+    """Every trajectory as RolloutDataset(num_envs=1) serves it: frames of each, split where ``first`` is set."""
+    ds = RolloutDataset(d, 1, wait_timeout=0, **kw)
+    out: list[dict] = []
+    while True:
+        try:
+            b = ds.get_batch(1)
+        except StopIteration:
+            return out
+        if b.first[0, 0]:
+            out.append({"b": []})
+        out[-1]["b"].append(b)
+
+
+def cat(batches: list, get: Any) -> Any:
+    xs = [get(b) for b in batches]
+    if isinstance(xs[0], dict):
+        return {k: np.concatenate([x[k][:, 0] for x in xs]) for k in xs[0]}
+    return np.concatenate([x[:, 0] for x in xs])
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def first_id(traj: dict, dict_obs: bool) -> tuple:
+    o = traj["frames"][0]["obs"]
+    return tuple((o["pos"] if dict_obs else o)[:2].tolist())
+
+
+def check_exact(d: Any, expected: dict[int, list[dict]], dict_obs: bool = False) -> None:
+    check_exact_list(read_all(d), expected, dict_obs)
+
+
+def check_exact_list(got: list[dict], expected: dict[int, list[dict]], dict_obs: bool = False) -> None:
+    want = {first_id(t, dict_obs): t for e in expected for t in expected[e]}
+    assert len(got) == len(want)
+    for g in got:
+        bs = g["b"]
+        obs = cat(bs, lambda b: b.observation)
+        key = tuple((obs["pos"][0] if dict_obs else obs[0])[:2].tolist())
+        w = want.pop(key)
+        fr = w["frames"]
+        assert same(obs, _stack([f["obs"] for f in fr]))
+        assert same(cat(bs, lambda b: b.action), np.array([f["action"] for f in fr]))
+        assert same(cat(bs, lambda b: b.reward), np.array([f["reward"] for f in fr]))
+        assert same(cat(bs, lambda b: b.terminated), np.array([f["terminated"] for f in fr]))
+        assert same(cat(bs, lambda b: b.extras["value"]), np.array([f["value"] for f in fr]))
+        nxt = _stack([f["obs"] for f in fr[1:]] + [w["succ"]])
+        assert same(cat(bs, lambda b: b.next_observation), nxt)
+        done = cat(bs, lambda b: b.done)
+        timeout = cat(bs, lambda b: b.timeout)
+        assert done[0] and done[-1] and not done[1:-1].any()
+        assert timeout[-1] == (w["truncated"] or not w["ends"]) and not timeout[:-1].any()
+    assert not want
+
+
+# -- record, read back ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("single", [False, True])
+def test_record_and_read_back_bit_exact(tmp_path, single):
+    E = 1 if single else 3
+    rollouts, expected = synth(E, 8, 7, [[5, 12, 3], [20], [1, 2, 9]][:E], single=single)
+    with Recorder(tmp_path) as rec:
+        for r in rollouts:
+            rec.write(r)
+    check_exact(tmp_path, expected)
+    meta = read_metadata(tmp_path)
+    assert meta["obs_components"] is None and {lf["file"] for lf in meta["leaves"]} == {
+        "obs", "action", "reward", "terminated", "truncated", "value"}
+    info = [json.loads((p / "trajectory.json").read_text()) for p in sorted(tmp_path.glob("trajectory_*"))]
+    assert sum(i["length"] for i in info) == E * 8 * 7 == rec.frames
+    ended = [i for i in info if i["ends_episode"]]
+    assert all(i["episode_length"] == i["length"] for i in ended)  # every episode began inside the recording
+    assert all(i["episode_return"] == pytest.approx(i["reward_sum"]) for i in ended)
+
+
+def test_files_are_plain_npy_read_as_memory_maps(tmp_path):
+    rollouts, _ = synth(2, 8, 3, [[4], [6]])
+    with Recorder(tmp_path, fsync=False) as rec:
+        for r in rollouts:
+            rec.write(r)
+    f = next(tmp_path.glob("trajectory_*/traj_*/obs.npy"))
+    a = np.load(f, mmap_mode="r", allow_pickle=False)
+    assert isinstance(a, np.memmap) and a.dtype == np.float32 and a.shape[1:] == (4,)
+    first = sorted(tmp_path.glob("trajectory_*"))[0]
+    assert files.get_frame_range(first.name) == (0, 4)
+    assert RolloutDataset.get_frame_range("traj_000100_000200") == (100, 200)
+
+
+def test_dict_observations_are_recorded_by_component_and_reassembled(tmp_path):
+    rollouts, expected = synth(2, 6, 5, [[4, 7], [9]], dict_obs=True)
+    with Recorder(tmp_path) as rec:
+        for r in rollouts:
+            rec.write(r)
+    check_exact(tmp_path, expected, dict_obs=True)
+    meta = read_metadata(tmp_path)
+    assert [(c["name"], c["shape"], c["dtype"]) for c in meta["obs_components"]] == [
+        ("pos", [2], "<f4"), ("img", [2, 3], "<f8")]
+    b = RolloutDataset(tmp_path, 2, concat_obs=True, wait_timeout=0).get_batch(3)
+    assert b.observation.shape == (3, 2, 2 + 6) and b.observation.dtype == np.float64
+    plain = RolloutDataset(tmp_path, 2, wait_timeout=0).get_batch(3).observation
+    assert np.array_equal(b.observation[..., :2], plain["pos"]) and np.array_equal(b.observation[..., 2:],
+                                                                                 plain["img"].reshape(3, 2, 6))
+
+
+def test_a_batch_of_lanes_and_a_sequence_gap(tmp_path):
+    """Batches (B, T, E) from two lanes; lane 1 skips a rollout: its open trajectory is cut there, not joined."""
+    ra, ea = synth(2, 5, 4, [[7], [3]], lane=0)
+    rb, _ = synth(2, 5, 4, [[30], [6]], lane=1)
+    with Recorder(tmp_path) as rec:
+        for r in range(4):
+            if r == 2:
+                rec.write(ra[r])  # lane 1's seq 2 never arrives
+                continue
+            data = {k: _stack([ra[r].data[k], rb[r].data[k]]) for k in ("step", "episode", "bootstrap")}
+            fill = {k: np.array([ra[r].fill[k], rb[r].fill[k]]) for k in ra[r].fill}
+            rec.write(Fake(data, fill, lane=np.array([0, 1]), seq=np.array([r, r])))
+    infos = [json.loads((p / "trajectory.json").read_text()) for p in tmp_path.glob("trajectory_*")]
+    lane1 = [i for i in infos if i["lane"] == 1 and i["env"] == 0]
+    # env 0 of lane 1: one episode of 30 steps, seen for rollouts 0, 1, then 3: two pieces, neither ends the episode
+    assert sorted(i["length"] for i in lane1) == [5, 10]
+    assert not any(i["ends_episode"] for i in lane1)
+    assert [i["starts_episode"] for i in sorted(lane1, key=lambda i: i["frames"][0])] == [True, False]
+    assert sum(i["length"] for i in infos) == 2 * 2 * 4 * 5 - 2 * 5
+    # lane 0 is whole and exact; no trajectory of lane 1 reaches into or across its missing steps 10..14
+    lane0 = [t for t in read_all(tmp_path) if t["b"][0].observation[0, 0, 0] < 10]
+    check_exact_list(lane0, ea)
+    for t in read_all(tmp_path):
+        ks = cat(t["b"], lambda b: b.observation)[:, 1]
+        if t["b"][0].observation[0, 0, 0] >= 10:
+            assert np.array_equal(np.diff(ks), np.ones(len(ks) - 1)) and not ((ks >= 10) & (ks < 15)).any()
+            assert ks[0] >= 15 or ks[-1] < 10
+
+
+def test_complete_episode_rollouts_and_a_collector_batch_of_them(tmp_path):
+    rollouts, expected = synth(1, 40, 1, [[6, 11, 4]], single=True)
+    step = rollouts[0].data["step"]
+    eps = expected[0][:3]
+    bounds = np.cumsum([0] + [len(t["frames"]) for t in eps])
+    one = lambda i, k: {
+        "terminated": np.bool_(eps[i]["terminated"]), "truncated": np.bool_(eps[i]["truncated"]),
+        "return": np.float64(sum(np.float64(f["reward"]) for f in eps[i]["frames"])),
+        "length": np.int64(len(eps[i]["frames"])), "env": np.int32(0)}
+    # a complete-episodes Rollout: T = 16 steps of capacity, filled to the episode's length
+    with Recorder(tmp_path / "r") as rec:
+        for i in range(3):
+            sl = slice(bounds[i], bounds[i + 1])
+            data = {"step": {k: np.concatenate([v[sl], np.zeros((16 - (sl.stop - sl.start), *v.shape[1:]), v.dtype)])
+                             for k, v in step.items()}, "episode": one(i, 0),
+                    "bootstrap": {"obs": eps[i]["succ"], "env_steps": np.int64(0)}}
+            rec.write(Fake(data, {"step": sl.stop - sl.start, "episode": 1, "bootstrap": 1}, lane=0, seq=i))
+    check_exact(tmp_path / "r", {0: eps})
+    # a complete-episodes CollectedBatch: steps concatenated, fill None, lengths
+    batch = Fake({"step": {k: v[: bounds[3]] for k, v in step.items()},
+                  "episode": {k: np.stack([one(i, 0)[k] for i in range(3)]) for k in one(0, 0)},
+                  "bootstrap": {"obs": np.stack([t["succ"] for t in eps]), "env_steps": np.zeros(3, np.int64)}}, None)
+    batch.lengths = np.diff(bounds)
+    with Recorder(tmp_path / "c") as rec:
+        assert rec.write(batch) == 3
+    check_exact(tmp_path / "c", {0: eps})
+
+
+def send(w: shmbuf.Writer, r: Fake) -> None:
+    """Write a rollout into the writer's slot and commit it with its own fill counts (the episode table's is partial)."""
+    optree.tree_map(lambda view, x: view.__setitem__(..., x), w.slot(), r.data)
+    w.commit(fill=r.fill)
+
+
+def test_rollouts_and_batches_from_a_real_pipeline(tmp_path, make_reader):
+    rollouts, expected = synth(2, 8, 6, [[5, 9], [13]])
+    reader = make_reader(rollouts[0].data, slots=8, max_writers=1)
+    with shmbuf.Writer(reader.handle, timeout=5.0) as w, Recorder(tmp_path) as rec:
+        reader.poll()  # lend the writer its slots
+        for r in rollouts[:3]:
+            send(w, r)
+            with reader.get(timeout=5.0) as got:
+                rec.write(got)
+        reader.poll()
+        for r in rollouts[3:]:
+            send(w, r)
+        rec.write(reader.get_batch(3, timeout=5.0))
+    check_exact(tmp_path, expected)
+
+
+def test_a_recording_from_a_collector(tmp_path):
+    pytest.importorskip("gymnasium")
+    from workers import Collector
+
+    rets, frames = [], 0
+    with Collector([cartpole_envs] * 2, BangBang(), frames_per_batch=256, total_frames=2048, rollout_len=64,
+                   start_method="spawn") as c, Recorder(tmp_path, fsync=False) as rec:
+        for b in c:
+            rec.write(b)
+            rets += b.episode_returns.tolist()
+            frames += b.frames
+    infos = [json.loads((p / "trajectory.json").read_text()) for p in tmp_path.glob("trajectory_*")]
+    assert sum(i["length"] for i in infos) == frames == rec.frames
+    assert sorted(i["episode_return"] for i in infos if i["ends_episode"]) == pytest.approx(sorted(rets))
+
+
+class BangBang:
+    """A CartPole controller on the pole's angle and angular velocity (picklable: module level)."""
+
+    def __call__(self, obs: np.ndarray) -> np.ndarray:
+        return (obs[:, 2] + 0.3 * obs[:, 3] > 0).astype(np.int64)
+
+
+def cartpole_envs() -> Any:
+    import gymnasium as gym
+
+    return gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 2)
+
+
+# -- concurrent reading never sees half a trajectory ------------------------------------------------
+
+def test_a_reader_never_sees_a_trajectory_being_written(tmp_path, monkeypatch):
+    """The recorder is stopped after one file of a trajectory's directory; the reader looks there and then."""
+    rollouts, _ = synth(1, 12, 2, [[5]], single=True)
+    written, paused, go = [0], threading.Event(), threading.Event()
+    real = files._write_npy
+
+    def slow(path: str, array: np.ndarray, fsync: bool) -> None:
+        real(path, array, fsync)
+        written[0] += 1
+        if written[0] == 8:  # inside the second trajectory (the first has 6 leaf files and final_obs)
+            paused.set()
+            assert go.wait(10)
+
+    monkeypatch.setattr(files, "_write_npy", slow)
+    with Recorder(tmp_path) as rec:
+        t = threading.Thread(target=rec.write, args=(rollouts[0],))
+        t.start()
+        try:
+            assert paused.wait(10)
+            visible = [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")]
+            assert sorted(visible) == ["metadata.json", "trajectory_000000000000_000000000005"]
+            assert any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())  # the one being written, hidden
+            got = read_all(tmp_path)
+            assert len(got) == 1 and len(got[0]["b"]) == 5
+        finally:
+            go.set()
+            t.join(10)
+    assert len(read_all(tmp_path)) == 1 + 1 + 1  # two whole episodes of 5 in 12 steps, and 2 cut at close
+
+
+def record_big(d: str, n_traj: int) -> None:
+    """A recorder process: n_traj episodes of 300 frames of 2 KB observations, each over 3 rollouts of 100 steps, so
+    each trajectory is 3 chunk files per field (fsync'd), renamed into place when its episode ends."""
+    T = 100
+    with Recorder(d, chunk_bytes=100_000) as rec:
+        for r in range(3 * n_traj):
+            k = np.arange(r * T, (r + 1) * T)
+            obs = np.repeat(k[:, None].astype(np.float64), 256, axis=1)
+            end = r % 3 == 2
+            ep = {"return": np.array([300.0, 0.0]), "length": np.array([300, 0]), "terminated": np.array([True, False]),
+                  "truncated": np.zeros(2, bool), "env": np.zeros(2, np.int32), "end": np.array([T - 1, 0], np.int32),
+                  "final_obs": np.full((2, 256), -1.0)}
+            data = {"step": {"obs": obs, "action": k.astype(np.int64), "reward": np.ones(T, np.float32),
+                             "terminated": (k == k[-1]) & end, "truncated": np.zeros(T, bool)},
+                    "episode": ep, "bootstrap": {"obs": np.zeros(256), "env_steps": np.int64(0)}}
+            rec.write(Fake(data, {"step": T, "episode": int(end), "bootstrap": 1}, lane=0, seq=r))
+
+
+def test_a_reader_in_step_with_a_recorder_process_sees_only_whole_trajectories(tmp_path, procs):
+    n = 12
+    p = procs(record_big, str(tmp_path), n)
+    seen: set[str] = set()
+    deadline = time.monotonic() + 60
+    while True:
+        alive = p.is_alive()
+        for t in tmp_path.glob("trajectory_*"):
+            if t.name in seen:
+                continue
+            tr = files._Traj(str(t), read_metadata(tmp_path), ["obs"])  # every file there, mapped and checked
+            a, b = files.get_frame_range(t.name)
+            assert tr.length == b - a == 300 and len(tr.starts) == 3
+            k = np.empty(300, np.int64)
+            tr.copy("action", 0, 300, k)
+            obs = np.empty((300, 256))
+            tr.copy("obs", 0, 300, obs)
+            assert np.array_equal(obs, np.repeat(k[:, None].astype(np.float64), 256, axis=1))
+            assert np.array_equal(np.diff(k), np.ones(299)) and k[0] % 300 == 0
+            seen.add(t.name)
+        if not alive:
+            break
+        assert time.monotonic() < deadline, "the recorder process did not finish within 60 s"
+        time.sleep(0.005)
+    assert p.exitcode == 0 and len(seen) == n
+
+
+# -- RolloutDataset: loops, shuffle, keep-latest, starting frames, per-env refresh, flags ---------------
+
+@pytest.fixture
+def six(tmp_path) -> pathlib.Path:
+    """Six whole trajectories of lengths 4..9, published in that order (one env, episodes back to back)."""
+    rollouts, _ = synth(1, 39, 1, [[4, 5, 6, 7, 8, 9]], single=True)
+    with Recorder(tmp_path, keep_partial=False) as rec:
+        rec.write(rollouts[0])
+    assert len(list(tmp_path.glob("trajectory_*"))) == 6
+    return tmp_path
+
+
+def lengths_read(ds: RolloutDataset, env: int = 0, limit: int = 1000) -> list[int]:
+    """Trajectory lengths env ``env`` goes through, one transition at a time, until StopIteration (or ``limit``)."""
+    out: list[int] = []
+    for _ in range(limit):
+        try:
+            b = ds.get_batch()
+        except StopIteration:
+            break
+        if b.first[env]:
+            out.append(0)
+        out[-1] += 1
+    return out
+
+
+def test_loops(six):
+    assert lengths_read(RolloutDataset(six, 1, wait_timeout=0)) == [4, 5, 6, 7, 8, 9]
+    assert lengths_read(RolloutDataset(six, 1, dataset_loops=2, wait_timeout=0)) == [4, 5, 6, 7, 8, 9] * 2
+    forever = RolloutDataset(six, 1, dataset_loops=0, wait_timeout=0)
+    assert len(lengths_read(forever, limit=39 * 5)) == 30 and forever.num_dataset_looped == 4
+
+
+def test_shuffle_is_a_new_permutation_each_pass(six):
+    ds = RolloutDataset(six, 1, dataset_loops=3, random_shuffle_traj_order=True, seed=3, wait_timeout=0)
+    got = lengths_read(ds)
+    passes = [got[i * 6:(i + 1) * 6] for i in range(3)]
+    assert len(got) == 18 and all(sorted(p) == [4, 5, 6, 7, 8, 9] for p in passes)
+    assert len({tuple(p) for p in passes}) > 1 and passes[0] != [4, 5, 6, 7, 8, 9]
+    again = lengths_read(RolloutDataset(six, 1, dataset_loops=3, random_shuffle_traj_order=True, seed=3, wait_timeout=0))
+    assert again == got
+
+
+def test_keep_latest_by_modification_time(six):
+    dirs = sorted(six.glob("trajectory_*"))
+    now = time.time()
+    for i, d in enumerate(dirs):  # make the first-recorded the newest
+        os.utime(d, (now - i, now - i))
+    assert lengths_read(RolloutDataset(six, 1, keep_latest_n_trajs=2, wait_timeout=0)) == [5, 4]
+    with pytest.raises(shmbuf.SlotTimeout, match=r"holds 6 complete trajectories; 7 needed"):
+        RolloutDataset(six, 1, keep_latest_n_trajs=7, wait_timeout=0).get_batch()
+
+
+def test_starting_frame_range(six):
+    ds = RolloutDataset(six, 1, starting_frame_range=(2, 3), wait_timeout=0)
+    b = ds.get_batch(2)
+    assert b.observation[:, 0, 3].tolist() == [2, 3] and b.first[:, 0].tolist() == [True, False]
+    assert b.done[:, 0].tolist() == [True, True] and b.terminated[:, 0].tolist() == [False, True]  # first; the end
+    assert lengths_read(ds)[:2] == [3, 4]  # the first is used up; then 5 - 2 and 6 - 2 frames
+    # a range past a trajectory's end is clipped to it: lo to its last frame
+    ds = RolloutDataset(six, 1, starting_frame_range=(50, 60), wait_timeout=0)
+    assert lengths_read(ds) == [1] * 6
+    ds = RolloutDataset(six, 1, dataset_loops=0, starting_frame_range=(0, 100), seed=1, wait_timeout=0)
+    starts = []
+    for _ in range(6):
+        starts.append(int(ds.get_batch().observation[0, 3]))
+        ds.reset(env_ids=[0])
+    assert len(set(starts)) > 1 and all(0 <= s < 9 for s in starts)
+
+
+def test_per_env_refresh(six):
+    ds = RolloutDataset(six, 2, wait_timeout=0)
+    b = ds.get_batch(2)
+    assert b.observation[:, :, 2].tolist() == [[0, 1], [0, 1]]  # episode ids: env 0 has the first, env 1 the second
+    ds.reset(env_ids=[1])
+    b = ds.get_batch(2)
+    assert b.observation[:, 0, 2].tolist() == [0, 0] and b.observation[:, 0, 3].tolist() == [2, 3]
+    assert b.observation[:, 1, 2].tolist() == [2, 2] and b.first[:, 1].tolist() == [True, False]
+    with pytest.raises(shmbuf.UsageError, match="env 5"):
+        ds.reset(env_ids=[5])
+
+
+def test_done_timeouts_and_next_observation_at_trajectory_ends(six):
+    ds = RolloutDataset(six, 1, wait_timeout=0)
+    b = ds.get_batch(9)  # the 4-step (terminated) and 5 of the 5-step (truncated) trajectory
+    assert b.done[:, 0].tolist() == [True, False, False, True, True, False, False, False, True]
+    assert b.terminated[:, 0].tolist() == [False, False, False, True] + [False] * 5
+    assert b.timeout[:, 0].tolist() == [False] * 8 + [True]
+    assert b.next_observation[3, 0].tolist() == [0, 3, 0, 1003]  # the episode's final observation, not the next's first
+    assert np.array_equal(b.next_observation[4:8, 0], b.observation[5:9, 0])
+    s, a, r, d, info = ds.get_transition_batch()
+    assert s.shape == (1, 4) and a.shape == (1,) and r.shape == (1,) and d.tolist() == [True]
+    assert info["time_outs"].tolist() == [False] and info["first"].tolist() == [True] and "value" in info
+
+
+def test_no_time_outs_without_a_truncated_field(tmp_path):
+    rollouts, _ = synth(1, 10, 1, [[4]], single=True, truncated_field=False)
+    with Recorder(tmp_path) as rec:
+        rec.write(rollouts[0])
+    assert read_metadata(tmp_path)["keys"]["truncated"] is None
+    ds = RolloutDataset(tmp_path, 1, wait_timeout=0)
+    *_, info = ds.get_transition_batch()
+    assert "time_outs" not in info and ds.get_batch().timeout is None
+
+
+def test_a_cut_trajectory_ends_with_a_timeout_and_its_bootstrap_observation(tmp_path):
+    rollouts, _ = synth(1, 6, 1, [[100]], single=True)
+    with Recorder(tmp_path) as rec:
+        rec.write(rollouts[0])
+    b = RolloutDataset(tmp_path, 1, wait_timeout=0).get_batch(6)
+    assert b.timeout[:, 0].tolist() == [False] * 5 + [True] and b.done[-1, 0] and not b.terminated.any()
+    assert b.next_observation[-1, 0].tolist() == [0, 6, 0, 6]
+
+
+# -- waiting for a running recorder -----------------------------------------------------------------
+
+def test_waits_for_enough_trajectories_then_says_how_many_it_has(tmp_path):
+    with pytest.raises(shmbuf.SlotTimeout, match=re.escape(f"{tmp_path / 'nope'} does not exist yet; 2 needed")):
+        RolloutDataset(tmp_path / "nope", 2, wait_timeout=0.2, poll_interval=0.05).get_batch()
+    rollouts, _ = synth(1, 10, 1, [[4]], single=True)
+    with Recorder(tmp_path, keep_partial=False) as rec:
+        rec.write(rollouts[0])
+    with pytest.raises(shmbuf.SlotTimeout, match=r"holds 2 complete trajectories; 3 needed \(num_envs=3"):
+        RolloutDataset(tmp_path, 3, wait_timeout=0.2, poll_interval=0.05).get_batch()
+
+
+def test_a_learner_trains_on_what_a_running_recorder_writes(tmp_path):
+    ds = RolloutDataset(tmp_path, 2, wait_timeout=30, poll_interval=0.02)
+    rollouts, _ = synth(2, 10, 1, [[4], [6]])
+    errors = []
+
+    def record_once_the_reader_waits() -> None:
+        try:
+            deadline = time.monotonic() + 20
+            while getattr(ds, "_have", None) is None:  # the dataset has looked and found too few
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            with Recorder(tmp_path) as rec:
+                rec.write(rollouts[0])
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=record_once_the_reader_waits)
+    t.start()
+    try:
+        b = ds.get_batch(4)
+    finally:
+        t.join(30)
+    assert not errors and b.observation.shape == (4, 2, 4) and b.first[0].all()
+
+
+# -- errors name the file -------------------------------------------------------------------------------
+
+def recorded(tmp_path: pathlib.Path) -> pathlib.Path:
+    rollouts, _ = synth(1, 10, 1, [[4]], single=True)
+    with Recorder(tmp_path, keep_partial=False) as rec:
+        rec.write(rollouts[0])
+    return tmp_path
+
+
+def test_a_truncated_file_is_named(tmp_path):
+    f = next(recorded(tmp_path).glob("trajectory_*/traj_*/obs.npy"))
+    os.truncate(f, os.path.getsize(f) - 5)
+    with pytest.raises(shmbuf.SegmentError, match=re.escape(str(f)) + ".*corrupt or truncated"):
+        lengths_read(RolloutDataset(tmp_path, 1, wait_timeout=0))
+
+
+def test_a_corrupt_file_is_named(tmp_path):
+    f = next(recorded(tmp_path).glob("trajectory_*/traj_*/reward.npy"))
+    f.write_bytes(b"\x93NUMPY garbage" + b"\0" * 100)
+    with pytest.raises(shmbuf.SegmentError, match=re.escape(str(f))):
+        lengths_read(RolloutDataset(tmp_path, 1, wait_timeout=0))
+
+
+def test_a_file_of_another_dtype_is_named(tmp_path):
+    f = next(recorded(tmp_path).glob("trajectory_*/traj_*/action.npy"))
+    np.save(f, np.load(f).astype(np.int32))
+    with pytest.raises(shmbuf.SchemaError, match=re.escape(str(f)) + ".*expected dtype <i8.*got dtype <i4"):
+        lengths_read(RolloutDataset(tmp_path, 1, wait_timeout=0))
+
+
+def test_a_missing_file_is_named(tmp_path):
+    f = next(recorded(tmp_path).glob("trajectory_*/traj_*/value.npy"))
+    f.unlink()
+    with pytest.raises(shmbuf.SegmentError, match=re.escape(str(f)) + ": missing"):
+        lengths_read(RolloutDataset(tmp_path, 1, wait_timeout=0))
+
+
+def test_a_missing_metadata_json_is_named(tmp_path):
+    (recorded(tmp_path) / "metadata.json").unlink()
+    with pytest.raises(shmbuf.SegmentError, match=re.escape(str(tmp_path / "metadata.json")) + ": missing"):
+        RolloutDataset(tmp_path, 1, wait_timeout=0).get_batch()
+
+
+def test_a_directory_of_foreign_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "run_1").mkdir()
+    with pytest.raises(shmbuf.SegmentError, match=r"not a shmbuf rollout directory \(no metadata.json\); it holds "
+                                                  r"\['notes.txt', 'run_1'\]"):
+        RolloutDataset(tmp_path, 1, wait_timeout=10).get_batch()  # no wait: foreign files will not become trajectories
+    (tmp_path / "metadata.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(shmbuf.SegmentError, match="metadata.json: not a shmbuf rollout metadata file"):
+        RolloutDataset(tmp_path, 1, wait_timeout=0).get_batch()
+    (tmp_path / "metadata.json").write_text("{not json")
+    with pytest.raises(shmbuf.SegmentError, match="metadata.json: not readable JSON"):
+        read_metadata(tmp_path)
+
+
+def test_recorder_refuses_a_second_recorder_and_a_different_schema(tmp_path):
+    rollouts, _ = synth(1, 10, 2, [[4]], single=True)
+    with Recorder(tmp_path) as rec:
+        rec.write(rollouts[0])
+        with pytest.raises(shmbuf.UsageError, match="another Recorder is writing into this directory"):
+            Recorder(tmp_path)
+    other, _ = synth(1, 10, 1, [[4]], dict_obs=True, single=True)
+    with Recorder(tmp_path) as rec:  # continues: same fields
+        rec.write(rollouts[1])
+        with pytest.raises(shmbuf.SchemaError, match="step leaf 'obs' is absent in this rollout, but dtype <f4"):
+            rec.write(other[0])
+    assert rec.frames == 20
+    with Recorder(tmp_path / "x") as rec, pytest.raises(shmbuf.UsageError, match="expected a shmbuf Rollout or Batch"):
+        rec.write({"step": {}})
+    with pytest.raises(shmbuf.UsageError, match="num_envs"):
+        RolloutDataset(tmp_path, 0)
+    with pytest.raises(shmbuf.UsageError, match="starting_frame_range"):
+        RolloutDataset(tmp_path, 1, starting_frame_range=(3, 3))
+
+
+def test_a_crashed_recorders_half_trajectory_is_never_read_and_is_cleared(tmp_path):
+    recorded(tmp_path)
+    half = tmp_path / ".tmp-123-dead-1"
+    (half / "traj_000000_000002").mkdir(parents=True)
+    (half / "traj_000000_000002" / "obs.npy").write_bytes(b"\x93NUMPY")
+    assert len(read_all(tmp_path)) == 2
+    Recorder(tmp_path).close()
+    assert not half.exists()
+
+
+# -- torch -----------------------------------------------------------------------------------------------
+
+def test_dataloader_over_the_torch_dataset(six):
+    torch = pytest.importorskip("torch")
+    ds = RolloutDataset(six, 2, wait_timeout=0)
+    loader = torch.utils.data.DataLoader(ds.torch_dataset(3), batch_size=None)
+    got = list(loader)
+    want = []
+    ref = RolloutDataset(six, 2, wait_timeout=0)
+    while True:
+        try:
+            want.append(ref.get_batch(3))
+        except StopIteration:
+            break
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        assert isinstance(g.observation, torch.Tensor) and g.observation.shape == (3, 2, 4)
+        assert np.array_equal(g.observation.numpy(), w.observation) and np.array_equal(g.done.numpy(), w.done)
+        assert np.array_equal(g.extras["value"].numpy(), w.extras["value"])
+    b = RolloutDataset(six, 2, device="cpu", wait_timeout=0).get_batch()
+    assert isinstance(b.action, torch.Tensor) and b.action.shape == (2,)
+
+
+# -- playback into a pipeline --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_envs", [None, 3])
+def test_playback_delivers_exactly_the_recorded_data(tmp_path, make_reader, num_envs):
+    rollouts, _ = synth(2, 7, 9, [[5, 9, 2], [13, 1]])
+    with Recorder(tmp_path) as rec:
+        for r in rollouts:
+            rec.write(r)
+    T, E = 6, num_envs or 1
+    reader = make_reader(playback_example(tmp_path, rollout_len=T, num_envs=num_envs), slots=4, max_writers=1)
+    played: list[int] = []
+    t = threading.Thread(target=lambda: played.append(play(tmp_path, reader.handle, rollout_len=T, num_envs=num_envs,
+                                                           seed=0, writer_timeout=10)))
+    t.start()
+    ref = RolloutDataset(tmp_path, E, wait_timeout=0)
+    n = 0
+    try:
+        while True:
+            try:
+                want = ref.get_batch(T)
+            except StopIteration:
+                break
+            got = reader.get_batch(1, timeout=10)  # a learner loop: one rollout per batch
+            squeeze = (lambda a: a[0][:, None]) if num_envs is None else (lambda a: a[0])
+            step = got.data["step"]
+            assert same(squeeze(step["obs"]), want.observation) and same(squeeze(step["action"]), want.action)
+            assert same(squeeze(step["reward"]), want.reward) and same(squeeze(step["value"]), want.extras["value"])
+            assert same(squeeze(step["terminated"]), want.terminated) and same(squeeze(step["truncated"]), want.timeout)
+            boot = got.data["bootstrap"]["obs"][0]
+            assert same(boot if num_envs else boot[None], want.next_observation[-1])
+            k = int(got.fill["episode"][0])
+            ep = got.data["episode"]
+            ends = np.argwhere((want.terminated | want.timeout))
+            assert k == len(ends)
+            for i, (tt, e) in enumerate(sorted(ends.tolist())):
+                assert ep["end"][0, i] == tt and ep["env"][0, i] == e
+                assert same(ep["final_obs"][0, i], want.next_observation[tt, e])
+            assert got.data["bootstrap"]["env_steps"][0] == (n + 1) * T * E
+            n += 1
+    finally:
+        t.join(20)
+    assert played == [n] and n > 0
+
+
+def test_the_same_learner_code_trains_on_played_rollouts(tmp_path, make_reader):
+    """RolloutStorage.from_rollout takes a played batch as it takes a Collector's."""
+    from shmbuf.storage import RolloutStorage
+
+    workers = pytest.importorskip("workers")
+    rollouts, _ = synth(2, 8, 4, [[5], [7]])
+    with Recorder(tmp_path) as rec:
+        for r in rollouts:
+            rec.write(r)
+    example = playback_example(tmp_path, rollout_len=4, num_envs=2)
+    live = workers.rollout_example(np.zeros(4, np.float32), np.int64(0), rollout_len=4, num_envs=2,
+                                   extras={"value": np.float32(0)})
+    assert shmbuf.Schema.from_example(example).fingerprint == shmbuf.Schema.from_example(live).fingerprint
+    reader = make_reader(example, slots=8, max_writers=1)
+    played: list[int] = []
+    t = threading.Thread(target=lambda: played.append(play(tmp_path, reader.handle, rollout_len=4, num_envs=2,
+                                                           max_rollouts=3, writer_timeout=10)))
+    t.start()
+    try:
+        batch = reader.get_batch(3, timeout=10)
+    finally:
+        t.join(20)
+    assert played == [3]
+    storage = RolloutStorage.from_rollout(batch, value_key="value", log_prob_key="value")
+    assert storage.observations.shape == (4, 6, 4) and storage.bootstrap_observations.shape == (6, 4)
+
+
+# -- the docs page -------------------------------------------------------------------------------------------
+
+BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "files.md").read_text(), re.S)
+
+
+def test_the_page_has_examples():
+    assert len(BLOCKS) >= 3
+
+
+@pytest.mark.parametrize("k", range(len(BLOCKS)))
+def test_docs_block_runs(k: int, tmp_path: pathlib.Path) -> None:
+    script = tmp_path / f"files_doc_{k}.py"
+    script.write_text(BLOCKS[k])
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=tmp_path)
+    assert out.returncode == 0, f"block {k} of docs/files.md failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
