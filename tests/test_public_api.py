@@ -30,10 +30,11 @@ def test_storage_public_names_are_pinned() -> None:
     import shmbuf.storage
 
     assert sorted(shmbuf.storage.__all__) == sorted([
-        "BufferFull", "Field", "MaskedView", "MiniBatch", "QueueRolloutStorage", "ReplayBuffer", "ReplayHandle", "ReplayInfo",
+        "BufferFull", "Field", "FileTransition", "MaskedView", "MiniBatch", "Recorder", "RolloutDataset", "QueueRolloutStorage", "ReplayBuffer", "ReplayHandle", "ReplayInfo",
         "RolloutBuffer", "RolloutBufferWriter", "RolloutSlot", "RolloutStorage", "SarsaMiniBatch", "SarsaRolloutStorage",
         "SarsaTransition", "TimeOutObservations", "Transition", "ViewRequirement", "build_views", "compute_gae",
-        "iterate_minibatches", "normalize_advantages", "parse_shift", "split_and_pad_trajectories", "to_torch",
+        "get_frame_range", "iterate_minibatches", "normalize_advantages", "parse_shift", "play", "playback_example",
+        "read_metadata", "split_and_pad_trajectories", "to_torch",
         "transition_view", "unpad_trajectories",
     ])
     for name in shmbuf.storage.__all__:

@@ -10,6 +10,7 @@ from shmbuf.storage._torch import to_torch
 from shmbuf.storage.buffer import (
     BufferFull, Field, RolloutBuffer, RolloutBufferWriter, RolloutSlot, iterate_minibatches, transition_view,
 )
+from shmbuf.storage.files import FileTransition, Recorder, RolloutDataset, get_frame_range, play, playback_example, read_metadata
 from shmbuf.storage.gae import compute_gae, normalize_advantages
 from shmbuf.storage.replay import ReplayBuffer, ReplayHandle, ReplayInfo
 from shmbuf.storage.rollout import (
@@ -21,14 +22,17 @@ from shmbuf.storage.views import MaskedView, ViewRequirement, build_views, parse
 __all__ = [
     "BufferFull",
     "Field",
+    "FileTransition",
     "MaskedView",
     "MiniBatch",
     "QueueRolloutStorage",
+    "Recorder",
     "ReplayBuffer",
     "ReplayHandle",
     "ReplayInfo",
     "RolloutBuffer",
     "RolloutBufferWriter",
+    "RolloutDataset",
     "RolloutSlot",
     "RolloutStorage",
     "SarsaMiniBatch",
@@ -39,9 +43,13 @@ __all__ = [
     "ViewRequirement",
     "build_views",
     "compute_gae",
+    "get_frame_range",
     "iterate_minibatches",
     "normalize_advantages",
     "parse_shift",
+    "play",
+    "playback_example",
+    "read_metadata",
     "split_and_pad_trajectories",
     "to_torch",
     "transition_view",
