@@ -415,21 +415,28 @@ def test_a_forked_child_uses_its_inherited_copy(make_rb: Callable[..., ReplayBuf
 # ------------------------------------------------------------------ release, close, interrupts, a stuck reservation
 
 
-def fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def fds(name: str) -> int:
+    """This process's descriptors open on the object ``name`` (not all fds: other threads may open theirs meanwhile)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") == "/dev/shm" + name
+        except OSError:
+            pass
+    return n
 
 
 def test_an_instance_dropped_without_close_gives_back_its_slot_and_descriptor(make_rb: Callable[..., ReplayBuffer]) -> None:
     """Each attached instance collected unclosed kept its fd, and its writer slot's lock with it: after max_writers
     of them every insert timed out. A finalizer now closes the descriptor."""
     rb = make_rb(16, max_writers=2, timeout=0.3)
-    before = fds()
+    before = fds(rb.name)
     for i in range(5):
         other = ReplayBuffer.attach(rb.name, timeout=0.3)
         other.insert(rows_of(code(1, np.arange(i, i + 1))))
         del other
         gc.collect()
-    assert fds() == before
+    assert fds(rb.name) == before
     rb.insert(rows_of(code(0, np.arange(2))))
     assert rb.inserted == 7 and describe(rb.name).writers[0][2]  # the creator took slot 0 back; it is live
 

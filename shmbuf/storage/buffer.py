@@ -29,6 +29,7 @@ import numpy as np
 import shmbuf
 from shmbuf._errors import PipelineClosed, SchemaError, ShmbufError, SlotTimeout, StaleRollout, UsageError
 from shmbuf.storage._torch import to_torch
+from shmbuf.storage._common import generator
 
 OBSERVATION = "observation"
 TRANSITION = "transition"
@@ -614,17 +615,6 @@ def transition_view(rollout: Mapping[str, Any], flatten: bool = False, *, obs_fi
     return out
 
 
-def _generator(rng: Any) -> np.random.Generator:
-    """``rng`` as a Generator (passed through, or ``np.random.default_rng(rng)``), or UsageError naming rng."""
-    if isinstance(rng, np.random.Generator):
-        return rng
-    try:
-        return np.random.default_rng(rng)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"iterate_minibatches(rng=...): expected a numpy Generator, a seed (an int >= 0, a SeedSequence) "
-                         f"or None, got {rng!r:.80} ({exc})") from None
-
-
 def iterate_minibatches(rollout: Mapping[str, Any], batch_size: int, *, rng: Any = None,
                         device: Any = None) -> Iterator[dict[str, Any]]:
     """Shuffled minibatches of a flattened rollout (every field ``[M, ...]``): each of the M rows exactly once.
@@ -646,7 +636,7 @@ def iterate_minibatches(rollout: Mapping[str, Any], batch_size: int, *, rng: Any
     if bad:
         raise SchemaError(f"iterate_minibatches(): every field must share the leading dim (a flattened rollout: "
                           f"get(flatten=True) or transition_view(..., flatten=True)); got {sizes}")
-    gen = _generator(rng)
+    gen = generator(rng, "iterate_minibatches(rng=...)")
     return _minibatches(arrays, m, int(batch_size), gen, device)
 
 

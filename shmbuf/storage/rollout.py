@@ -30,6 +30,7 @@ from shmbuf._errors import SchemaError, TimescaleFull, UsageError
 from shmbuf.storage._torch import to_torch
 from shmbuf.storage.gae import check_discount, compute_gae
 from shmbuf.storage.gae import normalize_advantages as _normalize
+from shmbuf.storage._common import generator, leaf_at
 
 __all__ = [
     "MiniBatch",
@@ -178,16 +179,6 @@ def _short_repr(src: Any) -> str:
     return r if len(r) <= 200 else f"{type(src).__name__} object at 0x{id(src):x}"
 
 
-def _walk(tree: Any, path: str, where: str) -> Any:
-    node = tree
-    for part in path.split("/"):
-        if not isinstance(node, Mapping) or part not in node:
-            have = sorted(node) if isinstance(node, Mapping) else type(node).__name__
-            raise KeyError(f"{where}: no leaf {path!r} (at {part!r}; there is {have})")
-        node = node[part]
-    return node
-
-
 class _Source:
     """A Rollout ``(T, [E], ...)`` or a batch ``(B, T, [E], ...)``, read through ``.data`` and ``.fill``."""
 
@@ -206,7 +197,7 @@ class _Source:
                               f"{have}): expected a shmbuf Rollout, Batch or workers CollectedBatch")
         self.data, self.step = data, data["step"]
         try:  # the reward leaf sets T, E (and B)
-            rew = np.asarray(_walk(self.step, reward_key, "from_rollout"))
+            rew = np.asarray(leaf_at(self.step, reward_key, "from_rollout"))
         except KeyError as e:
             raise SchemaError(f"{e.args[0]}. The storage needs the rewards (reward_key={reward_key!r})") from None
         f = fill["step"]
@@ -240,7 +231,7 @@ class _Source:
         """Step leaf ``key`` as ``[T, N, ...]``: a view, or (batch with an env dim) a copy, ``field`` then
         recorded in ``copied``."""
         try:
-            x = _walk(self.step, key, "from_rollout")
+            x = leaf_at(self.step, key, "from_rollout")
         except KeyError as e:
             raise SchemaError(f"{e.args[0]}. The storage needs {what}") from None
         x = np.asarray(x)
@@ -277,7 +268,7 @@ class _Source:
         """The bootstrap observation under ``key`` ("obs/..." paths map into ``data['bootstrap']``) as ``[N, ...]``."""
         boot = self.data.get("bootstrap")
         try:
-            return None if boot is None else self.per_env(_walk(boot, key, "bootstrap"))
+            return None if boot is None else self.per_env(leaf_at(boot, key, "bootstrap"))
         except KeyError:
             return None
 
@@ -340,17 +331,6 @@ def _shape(setting: str, value: Any) -> tuple[int, ...]:
     if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims):
         raise UsageError(f"{setting}: expected a shape (a tuple of ints >= 0, or one int), got {value!r:.80}")
     return tuple(int(d) for d in dims)
-
-
-def _rng(setting: str, seed: Any) -> np.random.Generator:
-    """``np.random.default_rng(seed)`` (a Generator passes through), or UsageError naming the setting."""
-    if isinstance(seed, np.random.Generator):
-        return seed
-    try:
-        return np.random.default_rng(seed)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"{setting}: expected None, an int >= 0, a numpy SeedSequence or Generator, got {seed!r:.80} "
-                         f"({exc})") from None
 
 
 def _check_int(name: str, v: Any, lo: int, hi: int | None = None) -> int:
@@ -455,7 +435,7 @@ class RolloutStorage:
     def _setup(self, T: int, N: int, seed: Any) -> None:
         self.num_transitions_per_env = T
         self.num_envs = N
-        self.rng = _rng("seed", seed)
+        self.rng = generator(seed, "seed")
         self.step = 0
         self.privileged_observations: np.ndarray | None = None
         self.mu: np.ndarray | None = None

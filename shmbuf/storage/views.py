@@ -27,6 +27,7 @@ import optree
 from numpy.lib.stride_tricks import as_strided
 
 from shmbuf._errors import SchemaError, UsageError
+from shmbuf.storage._common import leaf_at
 
 _RANGE = re.compile(r"^\s*(-?\d+)\s*:\s*(-?\d+)\s*$")
 
@@ -211,16 +212,6 @@ def _unwrap(data: Any, fill: Any, batch_mode: str | None) -> tuple[Any, Any, str
     return data, fill, batch_mode, lengths
 
 
-def _leaf(tree: Any, path: str, where: str) -> Any:
-    node = tree
-    for part in path.split("/"):
-        if not isinstance(node, Mapping) or part not in node:
-            have = sorted(node) if isinstance(node, Mapping) else type(node).__name__
-            raise KeyError(f"{where} has no {path!r} (at {part!r}; there is {have})")
-        node = node[part]
-    return node
-
-
 def _flags(step: Any) -> tuple[np.ndarray, np.ndarray]:
     try:
         term, trunc = np.asarray(step["terminated"]), np.asarray(step["truncated"])
@@ -350,8 +341,8 @@ def _attach_prev(lanes: _Lanes, prev: _Lanes) -> None:
 def _check_continues(lanes: _Lanes, prev: _Lanes, cont: np.ndarray) -> None:
     """Where an episode runs on from ``prev``, its bootstrap observation is this rollout's first one, bit for bit."""
     try:
-        obs = _leaf(lanes.step, "obs", "")
-        boot = _leaf(prev.bootstrap, "obs", "") if isinstance(prev.bootstrap, Mapping) else None
+        obs = leaf_at(lanes.step, "obs", "")
+        boot = leaf_at(prev.bootstrap, "obs", "") if isinstance(prev.bootstrap, Mapping) else None
     except KeyError:
         return
     if boot is None:
@@ -551,7 +542,7 @@ def _masked_leaf(lanes: _Lanes, key: str, req: ViewRequirement, x: np.ndarray, l
 def _column(lanes: _Lanes, key: str, req: ViewRequirement, mask: bool) -> Any:
     col = req.column(key)
     try:
-        sub = _leaf(lanes.step, col, f"{lanes.name}'s step leaves")
+        sub = leaf_at(lanes.step, col, f"{lanes.name}'s step leaves")
     except KeyError as e:
         hint = f"; RLlib's {col!r} is shmbuf's {RLLIB_NAMES[col]}" if col in RLLIB_NAMES and RLLIB_NAMES[col] != col else ""
         _fail(SchemaError, f"column {key!r} reads {col!r}, but {e.args[0]}{hint}")
