@@ -763,3 +763,206 @@ def test_docs_block_runs(k: int, tmp_path: pathlib.Path) -> None:
     out = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True, text=True, timeout=120,
                          env=env, cwd=tmp_path)
     assert out.returncode == 0, f"block {k} of docs/files.md failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+
+
+# -- review 2: lanes reused, soft horizons, obs_key, inconsistent rollouts, leftovers, bad input -----------------
+
+def lane_rollout(obs: np.ndarray, ends: list[tuple[int, int, bool, bool, float]], boot: np.ndarray, lane: int,
+                 seq: int) -> Fake:
+    """A truncate-episodes rollout of float obs ``(T, E)``; ``ends``: (t, env, terminated, truncated, final obs) rows,
+    whose flags are also the step flags at (t, env) (a row with neither flag is a soft horizon)."""
+    T, E = obs.shape
+    m = T * E
+    step = {"obs": obs, "action": obs.astype(np.int64), "reward": np.ones((T, E), np.float32),
+            "terminated": np.zeros((T, E), bool), "truncated": np.zeros((T, E), bool)}
+    ep = {"return": np.zeros(m), "length": np.zeros(m, np.int64), "terminated": np.zeros(m, bool),
+          "truncated": np.zeros(m, bool), "env": np.zeros(m, np.int32), "end": np.zeros(m, np.int32),
+          "final_obs": np.zeros(m)}
+    for i, (t, e, term, trunc, final) in enumerate(ends):
+        step["terminated"][t, e], step["truncated"][t, e] = term, trunc
+        ep["end"][i], ep["env"][i], ep["terminated"][i], ep["truncated"][i], ep["final_obs"][i] = t, e, term, trunc, final
+    data = {"step": step, "episode": ep, "bootstrap": {"obs": boot, "env_steps": np.int64(0)}}
+    return Fake(data, {"step": T, "episode": len(ends), "bootstrap": 1}, lane, seq)
+
+
+def trajectories(d: pathlib.Path) -> list[dict]:
+    """Every published trajectory: its trajectory.json plus its obs frames, in frame-counter order."""
+    out = []
+    for p in sorted(d.glob("trajectory_*")):
+        info = json.loads((p / "trajectory.json").read_text())
+        info["obs"] = np.concatenate([np.load(c / "obs.npy") for c in sorted(p.glob("traj_*"))]).ravel().tolist()
+        out.append(info)
+    return out
+
+
+def col(x: list) -> np.ndarray:
+    return np.array(x, np.float64)[:, None]
+
+
+def test_a_new_writer_on_a_reused_lane_starts_a_new_trajectory(tmp_path):
+    """seq 0 again on a lane (an actor restart): the open trajectory is cut there, never joined to the new episode."""
+    with Recorder(tmp_path, fsync=False) as rec:
+        rec.write(lane_rollout(col([0, 1, 2, 3]), [], np.array([4.0]), 0, 0))
+        rec.write(lane_rollout(col([4, 5, 6, 7]), [], np.array([8.0]), 0, 1))  # then this writer dies mid-episode
+        rec.write(lane_rollout(col([100, 101, 102, 103]), [(3, 0, True, False, -103.0)], np.array([0.0]), 0, 0))
+    got = trajectories(tmp_path)
+    assert [t["obs"] for t in got] == [[0, 1, 2, 3, 4, 5, 6, 7], [100, 101, 102, 103]]
+    assert [(t["starts_episode"], t["ends_episode"]) for t in got] == [(True, False), (True, True)]
+    b = RolloutDataset(tmp_path, 1, wait_timeout=0).get_batch(12)
+    assert b.next_observation[7, 0] == 8.0 and b.done[7, 0] and b.timeout[7, 0]  # the cut's own successor; a boundary
+    assert b.first[8, 0] and b.next_observation[11, 0] == -103.0
+
+
+def test_a_soft_horizon_is_no_trajectory_boundary_for_the_dataset_nor_for_play(tmp_path, make_reader):
+    """An episode record with neither flag (workers' soft_horizon) does not reset the env: one trajectory runs through it,
+    and both RolloutDataset and play show one episode there, as build_views and the actor did."""
+    from shmbuf.storage.views import ViewRequirement, build_views
+
+    with Recorder(tmp_path, fsync=False, keep_partial=False) as rec:
+        rec.write(lane_rollout(col([0, 1, 2, 3]), [(1, 0, False, False, 2.0)], np.array([4.0]), 0, 0))
+        rec.write(lane_rollout(col([4, 5, 6, 7]), [(2, 0, True, False, -6.0)], np.array([8.0]), 0, 1))
+    (t,) = trajectories(tmp_path)
+    assert t["obs"] == [0, 1, 2, 3, 4, 5, 6] and t["terminated"] and t["ends_episode"] and t["soft_horizons"] == 1
+    b = RolloutDataset(tmp_path, 1, wait_timeout=0).get_batch(7)
+    assert b.done[:, 0].tolist() == [True] + [False] * 5 + [True]
+    assert b.next_observation[:, 0].tolist() == [1, 2, 3, 4, 5, 6, -6]
+    reader = make_reader(playback_example(tmp_path, rollout_len=7), slots=2, max_writers=1)
+    played: list[int] = []
+    th = threading.Thread(target=lambda: played.append(play(tmp_path, reader.handle, rollout_len=7, writer_timeout=10)))
+    th.start()
+    try:
+        with reader.get(timeout=10) as ro:
+            data = ro.filled()
+            assert data["step"]["terminated"].tolist() == [False] * 6 + [True] and not data["step"]["truncated"].any()
+            assert data["episode"]["end"].tolist() == [6]
+            assert build_views(ro, {"p": ViewRequirement("action", shift=-1)})["p"].tolist() == [0, 0, 1, 2, 3, 4, 5]
+    finally:
+        th.join(20)
+    assert played == [1]
+
+
+def test_an_episode_end_without_a_step_flag_is_a_boundary_in_play_and_in_the_dataset(tmp_path, make_reader):
+    """A recording without a truncated field: a truncated episode's last frame has no flag in its steps. play marks it
+    truncated (step and episode table) and RolloutDataset done, so the next trajectory is never read as its sequel."""
+    rollouts, _ = synth(1, 9, 1, [[4, 5]], single=True, truncated_field=False)  # terminated at 3, truncated at 8
+    with Recorder(tmp_path, fsync=False, keep_partial=False) as rec:
+        rec.write(rollouts[0])
+    b = RolloutDataset(tmp_path, 1, wait_timeout=0).get_batch(9)
+    assert b.timeout is None and b.done[:, 0].tolist() == [True, False, False, True, True, False, False, False, True]
+    reader = make_reader(playback_example(tmp_path, rollout_len=9), slots=2, max_writers=1)
+    th = threading.Thread(target=lambda: play(tmp_path, reader.handle, rollout_len=9, writer_timeout=10))
+    th.start()
+    try:
+        with reader.get(timeout=10) as ro:
+            data = ro.filled()
+            assert data["step"]["truncated"].tolist() == [False] * 8 + [True]
+            assert data["episode"]["truncated"].tolist() == [False, True]
+    finally:
+        th.join(20)
+
+
+def test_obs_key_must_name_the_leaf_whose_successor_was_recorded(tmp_path):
+    recorded(tmp_path)
+    with pytest.raises(shmbuf.UsageError, match=r"obs_key='action'.*successor .* of 'obs' only; use obs_key='obs'"):
+        RolloutDataset(tmp_path, 1, obs_key="action", wait_timeout=0).get_batch()
+    with pytest.raises(shmbuf.UsageError, match=r"obs_key='nope'.*not a step leaf of the recording"):
+        RolloutDataset(tmp_path, 1, obs_key="nope", wait_timeout=0).get_batch()
+    assert RolloutDataset(tmp_path, 1, obs_key="obs", wait_timeout=0).get_batch().observation.shape == (1, 4)
+
+
+def bad(mod: Any, lane: int = 0, seq: int = 1) -> Fake:
+    r = lane_rollout(col([0, 1, 2, 3]), [(3, 0, True, False, -3.0)], np.array([0.0]), lane, seq)
+    mod(r)
+    return r
+
+
+@pytest.mark.parametrize("mod, match", [
+    (lambda r: r.data["episode"]["end"].__setitem__(0, 10), r"episode table row 0 has end=10, outside the stored steps 0..3"),
+    (lambda r: r.data["episode"]["env"].__setitem__(0, 3), r"episode table row 0 has env=3, outside the envs 0..0"),
+    (lambda r: r.fill.__setitem__("step", 9), r"fill\['step'\]=9 is outside the step leaves' capacity 0..4"),
+    (lambda r: r.fill.__setitem__("step", "x"), r"fill\['step'\]: expected an integer count, got 'x'"),
+    (lambda r: r.fill.__setitem__("episode", 5), r"fill\['episode'\]=5 is outside the episode table's capacity 0..4"),
+    (lambda r: r.data["episode"].pop("final_obs"), r"the episode table has no 'final_obs'"),
+], ids=["end", "env", "fill_big", "fill_str", "episodes_big", "no_final_obs"])
+def test_an_inconsistent_rollout_is_refused_before_anything_is_written(tmp_path, mod, match):
+    with Recorder(tmp_path, fsync=False) as rec:
+        rec.write(lane_rollout(col([9, 9]), [], np.array([9.0]), 0, 0))  # lane 0 holds an open episode
+        with pytest.raises(shmbuf.SchemaError, match=r"Recorder.write: the rollout \(lane 0, seq 1\): " + match):
+            rec.write(bad(mod))
+        assert not list(tmp_path.glob("trajectory_*")) and not list(tmp_path.glob(".tmp-*"))
+        # a batch names the rollout by its position
+        good = bad(lambda r: None, lane=1)
+        b = bad(mod, lane=2)
+        if all(np.ndim(v) == 0 and not isinstance(v, str) for v in b.fill.values()) and "final_obs" in b.data["episode"]:
+            data = {k: _stack([good.data[k], b.data[k]]) for k in ("step", "episode", "bootstrap")}
+            fill = {k: np.array([good.fill[k], b.fill[k]]) for k in good.fill}
+            with pytest.raises(shmbuf.SchemaError, match=r"rollout 1 of the batch \(lane 2, seq 1\)"):
+                rec.write(Fake(data, fill, lane=np.array([1, 2]), seq=np.array([1, 1])))
+        assert not list(tmp_path.glob("trajectory_*"))
+
+
+def test_a_crash_while_writing_metadata_leaves_a_file_the_next_recorder_removes(tmp_path, monkeypatch):
+    left = tmp_path / ".tmp-123-dead-metadata.json"
+    left.write_text("{")
+    Recorder(tmp_path, fsync=False).close()
+    assert not left.exists()
+    # other errors than "already gone" are not hidden
+    left.write_text("{")
+
+    def refuse(path: str) -> None:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(files.os, "remove", refuse)
+    with pytest.raises(PermissionError):
+        Recorder(tmp_path, fsync=False)
+    monkeypatch.undo()
+    Recorder(tmp_path, fsync=False).close()  # the lock was released by the failed one
+    assert not left.exists()
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"starting_frame_range": 5}, "starting_frame_range"), ({"starting_frame_range": None}, "starting_frame_range"),
+    ({"starting_frame_range": (True, 2)}, "starting_frame_range"), ({"poll_interval": "x"}, "poll_interval"),
+    ({"poll_interval": 0}, "poll_interval"), ({"wait_timeout": "x"}, "wait_timeout"),
+    ({"wait_timeout": float("nan")}, "wait_timeout"), ({"obs_key": 3}, "obs_key"),
+])
+def test_bad_dataset_settings_are_named(tmp_path, kw, match):
+    with pytest.raises(shmbuf.UsageError, match=re.escape(f"RolloutDataset({match}=...)")):
+        RolloutDataset(tmp_path, 1, **kw)
+
+
+@pytest.mark.parametrize("ids", [["a"], [0.5], [True]])
+def test_bad_env_ids_are_named(six, ids):
+    ds = RolloutDataset(six, 1, wait_timeout=0)
+    ds.reset()
+    with pytest.raises(shmbuf.UsageError, match=r"reset\(env_ids=...\): expected None or env indices"):
+        ds.reset(ids)
+
+
+@pytest.mark.parametrize("meta", [
+    {"format": "shmbuf-rollouts", "version": 1},
+    {"format": "shmbuf-rollouts", "version": 1, "leaves": [], "keys": {},
+     "fields": {"kind": "dict", "items": [["obs", {"kind": "leaf", "file": "obs"}]]}},
+    {"format": "shmbuf-rollouts", "version": 1, "leaves": [], "fields": {"kind": "dict", "items": []}, "keys": {}},
+    {"format": "shmbuf-rollouts", "version": 1, "leaves": [{"file": "obs"}], "fields": {"kind": "dict", "items": []},
+     "keys": {}},
+])
+def test_a_metadata_json_without_its_fields_is_named(tmp_path, meta):
+    recorded(tmp_path)
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(shmbuf.SegmentError, match=re.escape(str(tmp_path / "metadata.json")) + ": .*corrupt"):
+        read_metadata(tmp_path)
+    with pytest.raises(shmbuf.SegmentError, match="metadata.json"):
+        RolloutDataset(tmp_path, 1, wait_timeout=0).get_batch()
+
+
+def test_bad_playback_and_recorder_arguments_are_named(tmp_path):
+    recorded(tmp_path)
+    with pytest.raises(shmbuf.UsageError, match=r"playback_example\(max_episodes=...\).*got 'x'"):
+        playback_example(tmp_path, rollout_len=4, max_episodes="x")
+    f = tmp_path / "a_file"
+    f.write_text("")
+    with pytest.raises(shmbuf.UsageError, match=re.escape(f"Recorder(data_dir={str(f)!r})") + ".*not a directory"):
+        Recorder(f)
+    with pytest.raises(shmbuf.UsageError, match="not a directory"):
+        Recorder(f / "sub")

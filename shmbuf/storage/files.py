@@ -4,9 +4,11 @@ them into a shmbuf pipeline in the workers rollout layout.
 
 A *trajectory* is one episode of one sub-env of one writer lane (002's meaning): its frames are
 contiguous in time, it starts at the episode's first step (or where recording began) and ends at
-the episode's last step (or where recording stopped, or where the lane's sequence had a gap). A
-truncate-episodes rollout that cuts an episode hands its frames over to the next rollout of the same
-lane; the trajectory is published only when the episode ends.
+the episode's last step (or where recording stopped, where the lane's sequence had a gap, or where
+a new Writer took the lane: seq 0 again). An episode record with neither flag (a soft horizon) is no
+end: the env ran on, and so does the trajectory. A truncate-episodes rollout that cuts an episode
+hands its frames over to the next rollout of the same lane; the trajectory is published only when
+the episode ends.
 
 Directory layout (format ``shmbuf-rollouts``, version 1)::
 
@@ -133,6 +135,17 @@ def _write_npy(path: str, array: np.ndarray, fsync: bool) -> None:
             os.fsync(f.fileno())
 
 
+def _remove(path: str) -> None:
+    """Remove a file or a directory tree; one already gone is fine, any other error is raised (not hidden)."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
 def _write_json(path: str, obj: Any, fsync: bool) -> None:
     with open(path, "x") as f:
         json.dump(obj, f, indent=1)
@@ -197,7 +210,11 @@ def _get(tree: Mapping[str, Any], key: str, where: str) -> Any:
 
 
 def _units(src: Any) -> list[_Unit]:
-    """A shmbuf Rollout or Batch, or a workers CollectedBatch (duck-typed: ``.data``, ``.fill``, optional lane/seq)."""
+    """A shmbuf Rollout or Batch, or a workers CollectedBatch (duck-typed: ``.data``, ``.fill``, optional lane/seq).
+
+    Every rollout is checked here, before anything is written: a bad one raises :class:`SchemaError`
+    naming the field and the rollout, and nothing of the call is recorded.
+    """
     data, fill = getattr(src, "data", None), getattr(src, "fill", None)
     where = "Recorder.write"
     if not isinstance(data, Mapping) or not isinstance(data.get("step"), Mapping):
@@ -210,7 +227,7 @@ def _units(src: Any) -> list[_Unit]:
     lanes, seqs = getattr(src, "lane", None), getattr(src, "seq", None)
     truncate = "end" in ep
     if fill is None:  # a complete-episodes CollectedBatch: episodes concatenated, split by lengths
-        lengths = np.asarray(src.lengths, np.int64)
+        lengths = _lengths(src, step, where)
         out, o = [], 0
         for b, n in enumerate(lengths.tolist()):
             sl = slice(o, o + n)
@@ -218,14 +235,27 @@ def _units(src: Any) -> list[_Unit]:
             out.append(_complete_unit(_map(step, lambda a, sl=sl: np.asarray(a)[sl][:, None]), n, _index(ep, b),
                                       _index(bobs, b), _pick(lanes, b, b), _pick(seqs, b, None)))
         return out
+    if not isinstance(fill, Mapping) or "step" not in fill:
+        raise SchemaError(f"{where}: .fill must be a dict with a 'step' count (the rollout's or batch's fill), got {fill!r}")
     batched = np.ndim(fill["step"]) > 0
-    subs = ([(_index(data, b), {k: int(v[b]) for k, v in fill.items()}, _pick(lanes, b, b), _pick(seqs, b, None))
-             for b in range(len(fill["step"]))] if batched
-            else [(data, {k: int(v) for k, v in fill.items()}, _pick(lanes, None, 0), _pick(seqs, None, None))])
+    B = len(fill["step"]) if batched else 1
+    for k, v in fill.items():
+        if np.shape(v) != ((B,) if batched else ()):
+            raise SchemaError(f"{where}: fill[{k!r}] has shape {np.shape(v)}, fill['step'] {np.shape(fill['step'])}; "
+                              "a rollout's counts are scalars, a batch's one per rollout")
+    subs = []
+    for b in range(B):
+        lane, seq = (_pick(lanes, b, b), _pick(seqs, b, None)) if batched else (_pick(lanes, None, 0), _pick(seqs, None, None))
+        name = (f"rollout {b} of the batch" if batched else "the rollout") + f" (lane {lane}, seq {seq})"
+        counts = {k: _count(v[b] if batched else v, f"{where}: {name}: fill[{k!r}]") for k, v in fill.items()}
+        subs.append((_index(data, b) if batched else data, counts, lane, seq, name))
     out = []
-    for d, f, lane, seq in subs:
+    for d, f, lane, seq, name in subs:
         n = f["step"]
         st = d["step"]
+        cap = len(np.asarray(st["reward"]))
+        if not 0 <= n <= cap:
+            raise SchemaError(f"{where}: {name}: fill['step']={n} is outside the step leaves' capacity 0..{cap}")
         if not truncate:
             out.append(_complete_unit(_map(st, lambda a, n=n: np.asarray(a)[:n][:, None]), n, d["episode"],
                                       d["bootstrap"]["obs"], lane, seq))
@@ -235,11 +265,64 @@ def _units(src: Any) -> list[_Unit]:
         E = np.shape(st["reward"])[1] if vector else 1
         e_tab = d["episode"]
         k = f.get("episode", 0)
+        _check_episodes(e_tab, k, n, E, f"{where}: {name}")
         eps = [(int(e_tab["env"][i]), int(e_tab["end"][i]), bool(e_tab["terminated"][i]), bool(e_tab["truncated"][i]),
                 float(e_tab["return"][i]), int(e_tab["length"][i]), _index(e_tab["final_obs"], i)) for i in range(k)]
         bo = d["bootstrap"]["obs"]
         out.append(_Unit(lane, seq, step_v, n, E, eps, bo if vector else _map(bo, lambda a: np.asarray(a)[None]), False))
     return out
+
+
+EPISODE_FIELDS = ("return", "length", "terminated", "truncated", "env", "end", "final_obs")
+
+
+def _count(v: Any, what: str) -> int:
+    """A fill count: an integral number (a Python or numpy int, or a whole float); SchemaError naming it otherwise."""
+    a = np.asarray(v)
+    if a.ndim == 0 and a.dtype.kind in "iu":
+        return int(a)
+    if a.ndim == 0 and a.dtype.kind == "f" and float(a).is_integer():
+        return int(a)
+    raise SchemaError(f"{what}: expected an integer count, got {v!r}")
+
+
+def _lengths(src: Any, step: Any, where: str) -> np.ndarray:
+    """A complete-episodes CollectedBatch's episode lengths, checked to cover its concatenated step leaves."""
+    lengths = getattr(src, "lengths", None)
+    if lengths is None:
+        raise SchemaError(f"{where}: the rollout has no .fill and no .lengths; expected a shmbuf Rollout or Batch (fill) "
+                          "or a complete-episodes CollectedBatch (lengths)")
+    a = np.asarray(lengths)
+    cap = len(np.asarray(step["reward"]))
+    if a.ndim != 1 or a.dtype.kind not in "iu" or (a < 0).any() or int(a.sum()) > cap:
+        raise SchemaError(f"{where}: .lengths {a.tolist()!r} must be episode lengths >= 0 summing to at most the step "
+                          f"leaves' {cap} rows")
+    return a.astype(np.int64)
+
+
+def _check_episodes(e_tab: Any, k: int, n: int, E: int, where: str) -> None:
+    """The first ``k`` rows of a truncate-episodes episode table fit the rollout: fields present, rows there, ends
+    at stored steps (``0 <= end < n``) of existing envs (``0 <= env < E``)."""
+    if not isinstance(e_tab, Mapping):
+        raise SchemaError(f"{where}: data['episode'] must be a dict (the episode table), got {type(e_tab).__name__}")
+    for key in EPISODE_FIELDS:
+        if key not in e_tab:
+            raise SchemaError(f"{where}: the episode table has no {key!r}; the workers truncate-episodes layout has "
+                              f"{list(EPISODE_FIELDS)}, got {sorted(e_tab)}")
+    rows = min(len(np.asarray(x)) if np.ndim(x) else 0 for x in [e_tab[f] for f in EPISODE_FIELDS[:-1]]
+               + [leaf for _, leaf in _flat(e_tab["final_obs"])])
+    if not 0 <= k <= rows:
+        raise SchemaError(f"{where}: fill['episode']={k} is outside the episode table's capacity 0..{rows}")
+    end = np.asarray(e_tab["end"])[:k]
+    env = np.asarray(e_tab["env"])[:k]
+    for field, v, hi in (("end", end, n), ("env", env, E)):
+        if v.dtype.kind not in "iu":
+            raise SchemaError(f"{where}: episode table field {field!r} has dtype {v.dtype}; expected integers")
+        bad = np.flatnonzero((v < 0) | (v >= hi))
+        if len(bad):
+            i = int(bad[0])
+            what = f"the stored steps 0..{n - 1} (fill['step']={n})" if field == "end" else f"the envs 0..{E - 1}"
+            raise SchemaError(f"{where}: episode table row {i} has {field}={int(v[i])}, outside {what}")
 
 
 def _pick(arr: Any, b: int | None, default: Any) -> Any:
@@ -268,6 +351,7 @@ class _Open:
         self.n = 0  # frames, spilled or not
         self.spilled = 0
         self.reward = 0.0
+        self.soft_horizons = 0  # episode records with neither flag inside it (bookkeeping only: the env ran on)
         self.successor: Any = None  # the obs after the last frame, if no episode end says otherwise
 
 
@@ -298,7 +382,11 @@ class Recorder:
             raise UsageError(f"Recorder(chunk_bytes=...): expected an int >= 1, got {chunk_bytes!r}")
         self.data_dir = os.fspath(data_dir)
         self.fsync, self.chunk_bytes, self.keep_partial = bool(fsync), chunk_bytes, bool(keep_partial)
-        os.makedirs(self.data_dir, exist_ok=True)
+        try:
+            os.makedirs(self.data_dir, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise UsageError(f"Recorder(data_dir={self.data_dir!r}): it (or a parent) exists and is not a directory; "
+                             "give a directory to record into (created if missing)") from None
         self._lock = os.open(os.path.join(self.data_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -324,7 +412,7 @@ class Recorder:
         """Remove what a crashed recorder left half-written (we hold the lock: nobody else writes), continue the counter."""
         for name in os.listdir(self.data_dir):
             if name.startswith(TMP_PREFIX):
-                shutil.rmtree(os.path.join(self.data_dir, name), ignore_errors=True)
+                _remove(os.path.join(self.data_dir, name))
             m = _TRAJ_DIR.match(name)
             if m:
                 self.frames = max(self.frames, int(m.group(2)))
@@ -408,14 +496,21 @@ class Recorder:
             # Frame 0 of this rollout starts an episode if the lane's stream starts here (seq 0, or no seq
             # to say otherwise), or if we saw the lane's previous rollout and nothing of it is still open.
             follows = u.seq is None or u.seq == 0 or (last is not None and u.seq == last + 1)
-            if o is not None and not follows:
-                self._cut(key)  # a gap in the lane's rollouts: what we hold cannot be continued
+            if o is not None and (u.seq == 0 or not follows):
+                # seq 0: a new Writer took the lane (an actor restart), its first frame is a new episode's; a gap:
+                # the lane's frames in between are missing. Either way what we hold cannot be continued.
+                self._cut(key)
                 o = None
             self._seen[key] = u.seq
             start = 0
             for end, term, trunc, ret, length, final in sorted(ends.get(e, []), key=lambda x: x[0]):
                 if o is None:
                     o = _Open(u.lane, e, starts_episode=start > 0 or follows)
+                if not (term or trunc):
+                    # A soft horizon (workers' soft_horizon): a return/length record only, the env was not reset and
+                    # the stored steps have no boundary here; the trajectory runs on, as views and the actor see it.
+                    o.soft_horizons += 1
+                    continue
                 self._append(o, u, e, start, end + 1)
                 self._open.pop(key, None)
                 self._publish(o, final, term, trunc, ret, length, True)
@@ -469,6 +564,7 @@ class Recorder:
         info = {"length": o.n, "env": o.env, "lane": o.lane, "terminated": bool(terminated), "truncated": bool(truncated),
                 "starts_episode": o.starts_episode, "ends_episode": bool(ends_episode),
                 "episode_return": float(ret), "episode_length": int(length), "reward_sum": o.reward,
+                "soft_horizons": o.soft_horizons,
                 "frames": [f0, f1], "chunks": [list(c) for c in o.chunks]}
         _write_json(os.path.join(tmp, TRAJ_INFO), info, self.fsync)
         if self.fsync:
@@ -487,7 +583,7 @@ class Recorder:
             # Not an episode end: the final observation is the true next one (the rollout's bootstrap).
             self._publish(o, o.successor, False, False, o.reward, o.n, False)
         elif o.tmp is not None:
-            shutil.rmtree(o.tmp, ignore_errors=True)
+            _remove(o.tmp)
 
     def close(self) -> None:
         """Publish (``keep_partial``) or drop the episodes still running, and release the directory's lock."""
@@ -528,7 +624,50 @@ def read_metadata(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
                            f"{meta.get('format') if isinstance(meta, dict) else type(meta).__name__!r})")
     if meta.get("version") != VERSION:
         raise SegmentError(f"{path}: format version {meta.get('version')!r}; this shmbuf reads version {VERSION}")
+    _check_metadata_fields(meta, path)
     return meta
+
+
+def _check_metadata_fields(meta: dict[str, Any], path: str) -> None:
+    """``fields``, ``leaves`` and ``keys`` are there and agree (every leaf of ``fields`` is a listed file); SegmentError."""
+    def bad(what: str) -> SegmentError:
+        return SegmentError(f"{path}: {what}; the file is corrupt or was not written by a shmbuf Recorder (restore it, or "
+                            "record again)")
+
+    leaves = meta.get("leaves")
+    if not isinstance(leaves, list):
+        raise bad(f"'leaves' is {type(leaves).__name__}, expected a list of leaf descriptions")
+    files = set()
+    for lf in leaves:
+        try:
+            ok = (isinstance(lf["file"], str) and isinstance(lf["path"], list) and isinstance(lf["shape"], list)
+                  and all(isinstance(d, int) and d >= 0 for d in lf["shape"]) and not np.dtype(lf["dtype"]).hasobject)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise bad(f"leaf description {lf!r} is not {{file, path, dtype, shape}}")
+        files.add(lf["file"])
+
+    def walk(desc: Any) -> bool:
+        if not isinstance(desc, dict):
+            return False
+        if desc.get("kind") == "leaf":
+            return desc.get("file") in files
+        items = desc.get("items")
+        if desc.get("kind") == "dict":
+            return isinstance(items, list) and all(isinstance(i, list) and len(i) == 2 and isinstance(i[0], str)
+                                                   and walk(i[1]) for i in items)
+        return desc.get("kind") in ("list", "tuple") and isinstance(items, list) and all(walk(i) for i in items)
+
+    fields = meta.get("fields")
+    if not walk(fields) or fields.get("kind") != "dict":
+        raise bad("'fields' is missing or does not describe a dict of step leaves listed in 'leaves'")
+    names = {k for k, _ in fields["items"]}
+    missing = [k for k in ("obs", "action", "reward", "terminated") if k not in names]
+    if missing:
+        raise bad(f"'fields' has no {missing} (a recording has obs, action, reward, terminated)")
+    if not isinstance(meta.get("keys"), dict):
+        raise bad(f"'keys' is {type(meta.get('keys')).__name__}, expected a dict of the step leaves' roles")
 
 
 class _Traj:
@@ -564,6 +703,12 @@ class _Traj:
         shapes = {lf["file"]: (np.dtype(lf["dtype"]), tuple(lf["shape"])) for lf in meta["leaves"]}
         self.final = {f: _load_npy(os.path.join(path, "final_" + f + ".npy"), *shapes[f]) for f in obs_files}
         self.ends_episode = bool(self.info.get("ends_episode", True))
+        # A boundary the step leaves do not show: a trajectory cut short by the recording, or one whose last frame
+        # has neither flag (an episode truncated in a recording without a truncated field; a soft horizon recorded
+        # by an older Recorder). Readers mark it as a timeout (002's done, play's truncated): never run on across it.
+        flags = [self.data[f][-1][-1] for f in (meta["keys"].get("terminated"), meta["keys"].get("truncated"))
+                 if f in self.data]
+        self.unflagged_end = not self.ends_episode or not any(bool(np.any(x != 0)) for x in flags)
 
     def copy(self, file: str, a: int, b: int, out: np.ndarray) -> None:
         """Rows [a, b) of ``file`` into ``out`` (len b - a), across chunks."""
@@ -612,6 +757,11 @@ class FileTransition(NamedTuple):
     extras: dict[str, Any]
 
 
+def _seconds(v: Any, lo: float) -> bool:
+    """Whether ``v`` is a real number of seconds >= ``lo`` (not a bool, not NaN)."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and v >= lo
+
+
 class _Handler:
     __slots__ = ("cursor", "fresh", "traj")
 
@@ -655,12 +805,17 @@ class RolloutDataset:
                 raise UsageError(f"RolloutDataset({name}=...): expected an int >= {lo}, got {v!r}")
         if isinstance(dataset_loops, bool) or not isinstance(dataset_loops, (int, np.integer)):
             raise UsageError(f"RolloutDataset(dataset_loops=...): expected an int (0 or less: loop for ever), got {dataset_loops!r}")
-        r = tuple(starting_frame_range)
-        if len(r) != 2 or not all(isinstance(x, (int, np.integer)) for x in r) or not 0 <= r[0] < r[1]:
+        r = tuple(starting_frame_range) if isinstance(starting_frame_range, (Sequence, np.ndarray)) else ()
+        if len(r) != 2 or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in r) \
+                or not 0 <= r[0] < r[1]:
             raise UsageError(f"RolloutDataset(starting_frame_range=...): expected (lo, hi) ints with 0 <= lo < hi, got "
                              f"{starting_frame_range!r}")
-        if wait_timeout is not None and not wait_timeout >= 0:
+        if wait_timeout is not None and not _seconds(wait_timeout, 0):
             raise UsageError(f"RolloutDataset(wait_timeout=...): expected seconds >= 0 or None, got {wait_timeout!r}")
+        if not _seconds(poll_interval, 0) or poll_interval == 0:
+            raise UsageError(f"RolloutDataset(poll_interval=...): expected seconds > 0, got {poll_interval!r}")
+        if not isinstance(obs_key, str):
+            raise UsageError(f"RolloutDataset(obs_key=...): expected a step leaf name (str), got {obs_key!r}")
         self.data_dir = os.fspath(data_dir)
         self.num_envs = int(num_envs)
         self.dataset_loops = int(dataset_loops)
@@ -719,8 +874,13 @@ class RolloutDataset:
     def _setup_fields(self, meta: dict[str, Any]) -> None:
         self._leaves = {lf["file"]: lf for lf in meta["leaves"]}
         fields = {k: d for k, d in meta["fields"]["items"]}
-        if self.obs_key not in fields:
-            raise UsageError(f"RolloutDataset(obs_key={self.obs_key!r}): the recording's step leaves are {sorted(fields)}")
+        recorded = meta["keys"].get("obs") or "obs"
+        if self.obs_key != recorded:
+            what = "is one of the recording's step leaves, but" if self.obs_key in fields else "is not a step leaf " \
+                f"of the recording ({sorted(fields)}), and"
+            raise UsageError(f"RolloutDataset(obs_key={self.obs_key!r}): it {what} a Recorder records the successor "
+                             f"(final_obs*.npy, next_observation) of {recorded!r} only; use obs_key={recorded!r} and read "
+                             f"{self.obs_key!r} from the batch's extras")
         self._fields = fields
         self._obs_files = [f for f in self._leaves if self._leaves[f]["path"][0] == self.obs_key]
         keys = meta.get("keys", KEYS)
@@ -781,6 +941,8 @@ class RolloutDataset:
     def refresh_handlers(self, env_ids: Any = None) -> None:
         """Give each env in ``env_ids`` (None: all) the next unused trajectory (002's; looping as :meth:`_next_traj`)."""
         ids = self.all_env_ids if env_ids is None else np.asarray(env_ids).reshape(-1)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise UsageError(f"RolloutDataset.reset(env_ids=...): expected None or env indices (ints), got {env_ids!r}")
         for e in ids.tolist():
             if not 0 <= e < self.num_envs:
                 raise UsageError(f"RolloutDataset.reset(env_ids=...): env {e} is not in 0..{self.num_envs - 1}")
@@ -829,7 +991,7 @@ class RolloutDataset:
                     out["first"][i, e] = True
                     h.fresh = False  # type: ignore[union-attr]
                 if c + run == t.length:
-                    if not t.ends_episode:
+                    if t.unflagged_end:
                         out["cut"][i + run - 1, e] = True
                     if ends is not None:
                         ends.append((e, i + run - 1, t))
@@ -943,6 +1105,9 @@ def playback_example(data_dir: str | os.PathLike[str], *, rollout_len: int, num_
         raise UsageError(f"playback_example(rollout_len=...): expected an int >= 2, got {rollout_len!r}")
     if num_envs is not None and (isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1):
         raise UsageError(f"playback_example(num_envs=...): expected None (a single env) or an int >= 1, got {num_envs!r}")
+    if max_episodes is not None and (isinstance(max_episodes, bool) or not isinstance(max_episodes, (int, np.integer))
+                                     or max_episodes < 1):
+        raise UsageError(f"playback_example(max_episodes=...): expected None (T * E) or an int >= 1, got {max_episodes!r}")
     leaves = {lf["file"]: lf for lf in meta["leaves"]}
     T, env = rollout_len, (() if num_envs is None else (num_envs,))
     E = num_envs or 1
@@ -1029,7 +1194,7 @@ def _write_rollout(slot: dict[str, Any], out: dict[str, np.ndarray], ds: Rollout
         ep["return"][k] = info["episode_return"]
         ep["length"][k] = info["episode_length"]
         ep["terminated"][k] = info["terminated"]
-        ep["truncated"][k] = info["truncated"] or not traj.ends_episode
+        ep["truncated"][k] = bool(info["truncated"]) or traj.unflagged_end
         ep["env"][k] = e
         ep["end"][k] = t
         for name, view in _flat({"obs": ep["final_obs"]}):
