@@ -319,6 +319,61 @@ def test_bad_input_names_the_column():
         assert issubclass(exc, ShmbufError) and issubclass(exc, ValueError)
 
 
+def _with(part: str, **changes):
+    r = single()
+    r[part] = {**r[part], **changes}
+    return r
+
+
+def _batch_of(r):
+    return {ts: {k: np.stack([v, v]) for k, v in d.items()} for ts, d in r.items()}
+
+
+@pytest.mark.parametrize("fill, match", [
+    ({"step": "a"}, r"fill\['step'\]: expected integer counts.*'a'"),
+    ({"step": 2.5}, r"fill\['step'\]: expected integer counts"),
+    ({"step": 8, "episode": "x"}, r"fill\['episode'\]: expected integer counts.*'x'"),
+    ({"step": 8, "episode": 5}, r"fill\['episode'\]=5 is outside the episode table's capacity 0..2"),
+    ({"step": 8, "episode": -1}, r"fill\['episode'\]=-1 is outside"),
+])
+def test_bad_fill_counts_are_usage_errors(fill, match):
+    with pytest.raises(UsageError, match=match):
+        build_views(single(), {"n": VR("obs", 1)}, fill=fill)
+
+
+def test_bad_batch_fill_counts_are_usage_errors():
+    batch = _batch_of(single())
+    with pytest.raises(UsageError, match=r"fill\['step'\]: expected integer counts"):
+        build_views(batch, {"n": VR("obs", 1)}, fill={"step": np.array(["a", "b"])})
+    with pytest.raises(UsageError, match=r"fill\['episode'\] \[2\] does not fit the batch: expected 2 counts"):
+        build_views(batch, {"n": VR("obs", 1)}, fill={"step": np.array([8, 8]), "episode": np.array([2])})
+
+
+@pytest.mark.parametrize("field, rows", [("final_obs", np.zeros((0, 1))), ("env", np.zeros(0, np.int32))])
+def test_an_episode_table_with_too_few_rows_is_a_schema_error(field, rows):
+    r = _with("episode", **{field: rows})
+    with pytest.raises(SchemaError, match=r"column 'n': the episode table has .* rows, fewer than the .* episodes"):
+        build_views(r, {"n": VR("obs", 1)}, fill={"step": 8, "episode": 2})
+    batch = _batch_of(r)
+    with pytest.raises(SchemaError, match=r"column 'n': the episode table has .* rows, fewer than the 2 episodes"):
+        build_views(batch, {"n": VR("obs", 1)}, fill={"step": np.array([8, 8]), "episode": np.array([2, 2])})
+
+
+def test_episode_ends_of_a_float_dtype_are_a_schema_error():
+    r = _with("episode", end=np.array([1.7, 4.0]))
+    with pytest.raises(SchemaError, match=r"column 'n': the episode table's 'end' has dtype float64; expected integers"):
+        build_views(r, {"n": VR("obs", 1)})
+
+
+def test_a_scalar_step_leaf_is_named_before_it_is_indexed():
+    r = _with("step", obs=np.float64(3.0))
+    with pytest.raises(SchemaError, match=r"step leaf 'obs' is a scalar"):
+        build_views(r, {"n": VR("obs", 1)})
+    r = _with("step", extra={"deep": np.float32(1.0)})
+    with pytest.raises(SchemaError, match=r"step leaf 'extra/deep' is a scalar"):
+        build_views(r, {"o": VR("obs")})
+
+
 # -- hypothesis: synthetic lanes, random episode lengths and rollout cuts -----------------------------------
 
 

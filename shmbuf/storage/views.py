@@ -232,8 +232,27 @@ def _is_batch(data: Any, mode: str) -> bool:
     return False
 
 
-def _cut(tree: Any, n: int) -> Any:
-    return optree.tree_map(lambda a: np.asarray(a)[:n], tree)
+def _cut(tree: Any, n: int, what: str) -> Any:
+    """Every leaf's first ``n`` rows (views); a leaf without a leading axis is a SchemaError naming it."""
+    def rows(path: tuple[Any, ...], a: Any) -> np.ndarray:
+        a = np.asarray(a)
+        if a.ndim == 0:
+            _fail(SchemaError, f"{what} leaf {'/'.join(map(str, path))!r} is a scalar; expected an array with a leading "
+                               f"time (or row) axis")
+        return a[:n]
+    return optree.tree_map_with_path(rows, tree)
+
+
+def _count(v: Any, what: str) -> np.ndarray:
+    """Fill counts as int64 (a scalar or one per rollout): integral numbers only, else a UsageError naming them."""
+    try:
+        a = np.asarray(v)
+        ok = a.dtype.kind in "iu" or (a.dtype.kind == "f" and bool(np.all(np.mod(a, 1) == 0)))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        _fail(UsageError, f"{what}: expected integer counts (the rollout's or batch's fill), got {v!r}")
+    return a.astype(np.int64)
 
 
 def _lanes(data: Any, fill: Any, mode: str, lengths: Any, name: str) -> _Lanes:
@@ -256,22 +275,28 @@ def _lanes(data: Any, fill: Any, mode: str, lengths: Any, name: str) -> _Lanes:
     E = term.shape[-1] if lead_nd == 2 else None
     k = None
     if not batched:
-        n = len(term) if fill is None else int(fill["step"])
+        n = len(term) if fill is None else int(_count(fill["step"], "fill['step']"))
         if not 0 <= n <= len(term):
             _fail(UsageError, f"fill['step']={n} is outside the rollout's capacity 0..{len(term)}")
-        step, term, trunc = _cut(step, n), term[:n], trunc[:n]
+        step, term, trunc = _cut(step, n, "step"), term[:n], trunc[:n]
         if isinstance(episode, Mapping) and mode == "truncate_episodes" and "end" in episode:
             if fill is not None and "episode" in fill:
-                episode = _cut(episode, int(fill["episode"]))
+                m = int(_count(fill["episode"], "fill['episode']"))
+                rows = len(np.asarray(episode["end"]))
+                if not 0 <= m <= rows:
+                    _fail(UsageError, f"fill['episode']={m} is outside the episode table's capacity 0..{rows}")
+                episode = _cut(episode, m, "episode")
             k = np.array([len(np.asarray(episode["end"]))])
         B, T, nn = 1, n, np.array([n])
     else:
         B, T = term.shape[0], term.shape[1]
-        nn = np.asarray(fill["step"]).astype(np.int64).reshape(-1)
+        nn = _count(fill["step"], "fill['step']").reshape(-1)
         if nn.shape != (B,) or (nn < 0).any() or (nn > T).any():
             _fail(UsageError, f"fill['step'] {nn.tolist()} does not fit the batch: expected {B} counts in 0..{T}")
         if "episode" in fill:
-            k = np.asarray(fill["episode"]).astype(np.int64).reshape(-1)
+            k = _count(fill["episode"], "fill['episode']").reshape(-1)
+            if k.shape != (B,) or (k < 0).any():
+                _fail(UsageError, f"fill['episode'] {k.tolist()} does not fit the batch: expected {B} counts >= 0")
     lanes = _Lanes(step, episode, boot, batched, B, T, E, nn, k, np.empty(0), np.empty(0), np.empty(0), mode, name)
     done = lanes.canon(term | trunc) & (np.arange(T)[None, :, None] < nn[:, None, None])
     lanes.done = done
@@ -442,12 +467,21 @@ def _final_obs(lanes: _Lanes, key: str, keys: tuple[Any, ...], succ: np.ndarray,
                           f"(e.g. batch.fill), so that only the filled rows of the episode table are read")
     E = lanes.done.shape[2]
     one = (lambda a: np.asarray(a)[None]) if not lanes.batched else np.asarray
-    end, env = one(ep["end"]).astype(np.int64), one(ep["env"]).astype(np.int64)
+    end, env = one(ep["end"]), one(ep["env"])
+    for name, v in (("end", end), ("env", env)):
+        if v.dtype.kind not in "iu":
+            _fail(SchemaError, f"column {key!r}: the episode table's {name!r} has dtype {v.dtype}; expected integers "
+                               f"(step and env indices)")
+    end, env = end.astype(np.int64), env.astype(np.int64)
     final = one(_walk(ep["final_obs"], keys[1:]))
     if final.shape[2:] != succ.shape[3:]:
         _fail(SchemaError, f"column {key!r}: the episode table's final_obs has item shape {final.shape[2:]}, the step "
                            f"leaf {succ.shape[3:]}")
-    M = end.shape[1]
+    rows = {"end": end.shape[1], "env": env.shape[1], "final_obs": final.shape[1]}
+    M = min(rows.values())
+    if (lanes.k > M).any():
+        _fail(SchemaError, f"column {key!r}: the episode table has {rows} rows, fewer than the {int(lanes.k.max())} "
+                           f"episodes fill['episode'] counts; end, env and final_obs need a row per ended episode")
     b, i = np.nonzero(np.arange(M)[None, :] < lanes.k[:, None])
     te, ee = end[b, i], env[b, i]
     bad = (te < 0) | (te >= lanes.n[b]) | (ee < 0) | (ee >= E)
