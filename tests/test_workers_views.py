@@ -547,3 +547,10 @@ def test_workers_md_python_block_runs(i, capsys):
     exec(compile(  # noqa: S102 -- the page's own code, run as written
         DOC_BLOCKS[i], f"docs/workers.md block {i}", "exec"), {"__name__": "__doc_block__"})
     assert capsys.readouterr().out.strip()  # each block prints what it shows
+
+
+def test_a_learner_side_path_into_the_observation_is_refused_on_the_actor_side_with_what_to_ask_instead():
+    from workers._views import check_view_requirements
+
+    with pytest.raises(shmbuf.UsageError, match=r"column 'obs/pixels' is a learner-side path .* takes the whole 'obs'"):
+        check_view_requirements({"px": VR("obs/pixels", shift=-1)})

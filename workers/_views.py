@@ -240,6 +240,10 @@ def check_view_requirements(requirements: Any) -> dict[str, Any]:
         col = vr.column(key)
         if not isinstance(col, str) or not col:
             raise UsageError(f"view_requirements[{key!r}]: its column must be a step leaf name, got {col!r}")
+        if col.startswith("obs/"):
+            raise UsageError(f"view_requirements[{key!r}]: column {col!r} is a learner-side path into a dict observation; "
+                             "the actor side takes the whole 'obs' (its views keep the observation's structure, one view "
+                             "per component)")
         ahead = [o for o in vr.offsets if o > 0]
         if ahead:
             raise UsageError(f"view_requirements[{key!r}] (column {col!r}, shift={vr.shift!r}): offset {ahead[0]} is after "
