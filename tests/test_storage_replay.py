@@ -92,21 +92,9 @@ def make_rb() -> Iterator[Callable[..., ReplayBuffer]]:
 
 
 @pytest.fixture
-def kids() -> Iterator[Callable[..., Any]]:
-    """``kids(target, *args)``: a fork-ed child, killed and joined at teardown."""
-    started: list[Any] = []
-
-    def start(target: Callable[..., Any], *args: Any) -> Any:
-        p = FORK.Process(target=target, args=args, daemon=True)
-        p.start()
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        if p.is_alive():
-            p.kill()
-        p.join(5)
+def kids(procs: Callable[..., Any]) -> Callable[..., Any]:
+    """``kids(target, *args)``: a fork-ed child, killed and joined at teardown (conftest's ``procs``)."""
+    return lambda target, *args: procs(target, *args, method="fork")
 
 
 # ------------------------------------------------------------------ single process: the ring
