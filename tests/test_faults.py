@@ -204,6 +204,10 @@ def test_closing_the_reader_mid_rollout_stops_every_writer(make_reader: Any, sta
     writers = [start_writer(reader.name, tag=k)[0] for k in range(3)]
     started.extend(writers)
     ledger.take(60)
+    deadline = time.monotonic() + 20
+    while len(ledger.seqs) < 3:  # every writer attached and committing, so the close meets each one mid-run
+        assert time.monotonic() < deadline, f"only writers {sorted(ledger.seqs)} delivered within 20 s"
+        ledger.take(1)
     name = reader.name
     reader.close()
     for p in writers:
