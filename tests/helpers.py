@@ -84,8 +84,10 @@ def loop_writer(name: str, tag: int, committed: Any, rollouts: int = -1, timeout
                 w.commit()
                 committed.value = seq
                 seq += 1
-    except shmbuf.BrokenPipeline:
-        os._exit(3)  # the reader died: the expected way out, told apart from a crash
+    except (shmbuf.PipelineClosed, shmbuf.BrokenPipeline):
+        # The reader closed while this writer was still attaching (the with block swallows it once inside), or
+        # died: the expected ways out, told apart from a crash.
+        os._exit(3)
     if seq != rollouts:  # left the loop early: the reader closed, and the with block ended quietly on PipelineClosed
         os._exit(3)
 
