@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import re
+import subprocess
+import sys
 import zlib
 from typing import Any
 
@@ -12,6 +16,24 @@ import numpy as np
 import shmbuf
 
 from tests.conftest import small_example
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def doc_blocks(page: str) -> list[str]:
+    """The ```python blocks of ``docs/<page>`` (or a path from the repo root), in order."""
+    path = ROOT / page if "/" in page else ROOT / "docs" / page
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+def run_doc_block(page: str, k: int, tmp_path: pathlib.Path, timeout: float = 180) -> None:
+    """Run block ``k`` of a docs page as written, as a script in a fresh interpreter (warnings are errors)."""
+    script = tmp_path / f"doc_block_{k}.py"
+    script.write_text(doc_blocks(page)[k])
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True, text=True, timeout=timeout,
+                         env=env, cwd=tmp_path)
+    assert out.returncode == 0, f"block {k} of {page} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
 
 
 def fill_step(step: dict[str, np.ndarray], lane_tag: int, seq: int, t: int) -> None:

@@ -6,8 +6,6 @@ import json
 import os
 import pathlib
 import re
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -19,6 +17,7 @@ import pytest
 import shmbuf
 from shmbuf.storage import files
 from shmbuf.storage.files import Recorder, RolloutDataset, play, playback_example, read_metadata
+from tests.helpers import doc_blocks, run_doc_block
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -748,7 +747,7 @@ def test_the_same_learner_code_trains_on_played_rollouts(tmp_path, make_reader):
 
 # -- the docs page -------------------------------------------------------------------------------------------
 
-BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "files.md").read_text(), re.S)
+BLOCKS = doc_blocks("files.md")
 
 
 def test_the_page_has_examples():
@@ -757,12 +756,7 @@ def test_the_page_has_examples():
 
 @pytest.mark.parametrize("k", range(len(BLOCKS)))
 def test_docs_block_runs(k: int, tmp_path: pathlib.Path) -> None:
-    script = tmp_path / f"files_doc_{k}.py"
-    script.write_text(BLOCKS[k])
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True, text=True, timeout=120,
-                         env=env, cwd=tmp_path)
-    assert out.returncode == 0, f"block {k} of docs/files.md failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    run_doc_block("files.md", k, tmp_path, timeout=120)
 
 
 # -- review 2: lanes reused, soft horizons, obs_key, inconsistent rollouts, leftovers, bad input -----------------

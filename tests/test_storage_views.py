@@ -7,11 +7,7 @@ Every observation encodes (env, episode, step): a value from another episode in 
 
 from __future__ import annotations
 
-import os
 import pathlib
-import re
-import subprocess
-import sys
 from functools import partial
 
 import gymnasium as gym
@@ -23,6 +19,7 @@ from hypothesis import strategies as st
 import shmbuf
 from shmbuf import SchemaError, ShmbufError, UsageError
 from shmbuf.storage.views import MaskedView, ViewRequirement, build_views
+from tests.helpers import doc_blocks, run_doc_block
 from tests.test_workers_envs import CountingEnv, EchoPolicy
 from workers import ActorLoop, probe, rollout_example
 
@@ -590,7 +587,7 @@ def test_views_of_a_live_rollout_and_batch_share_the_slot(make_reader):
 
 # -- the docs page -------------------------------------------------------------------------------------------
 
-BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "views.md").read_text(), re.DOTALL)
+BLOCKS = doc_blocks("views.md")
 
 
 def test_the_page_has_examples_and_an_actor_side_section():
@@ -600,9 +597,4 @@ def test_the_page_has_examples_and_an_actor_side_section():
 
 @pytest.mark.parametrize("k", range(len(BLOCKS)))
 def test_docs_block_runs(k, tmp_path):
-    script = tmp_path / f"views_doc_{k}.py"
-    script.write_text(BLOCKS[k])
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-W", "error", str(script)], check=False, capture_output=True, text=True, timeout=120, env=env,
-                         cwd=tmp_path)
-    assert out.returncode == 0, f"block {k} of docs/views.md failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    run_doc_block("views.md", k, tmp_path, timeout=120)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
 import signal
 import subprocess
 import sys
@@ -19,10 +18,10 @@ import numpy as np
 import pytest
 
 import shmbuf
+from tests.helpers import doc_blocks
 
 ROOT = pathlib.Path(__file__).parent.parent
-EMBEDDING = (ROOT / "docs" / "embedding.md").read_text()
-BLOCKS = re.findall(r"```python\n(.*?)```", EMBEDDING, re.S)
+BLOCKS = doc_blocks("embedding.md")
 
 # The user's own names that the multiprocessing block leaves undefined.
 MP_STAND_INS = '''

@@ -12,8 +12,6 @@ no data from before the rollout's first step.
 
 from __future__ import annotations
 
-import pathlib
-import re
 import threading
 from functools import partial
 from typing import Any
@@ -29,11 +27,10 @@ import shmbuf
 from shmbuf import UsageError
 from shmbuf.storage.views import ViewRequirement as VR
 from shmbuf.storage.views import build_views
+from tests.helpers import doc_blocks
 from tests.test_workers_envs import CountingEnv, expected_stream
-from workers import ActorLoop, Collector, probe, rollout_example
-from workers import ActorViews
+from workers import ActorLoop, ActorViews, Collector, probe, rollout_example
 
-ROOT = pathlib.Path(__file__).parent.parent
 
 REQS = {
     "obs": VR(shift=0),
@@ -533,8 +530,7 @@ def test_a_torch_module_gets_the_views_as_tensors():
 # -- docs/workers.md: every python block runs as written ------------------------------------------------
 
 
-DOC = (ROOT / "docs" / "workers.md").read_text()
-DOC_BLOCKS = re.findall(r"```python\n(.*?)```", DOC, re.DOTALL)
+DOC_BLOCKS = doc_blocks("workers.md")
 
 
 def test_workers_md_python_blocks_are_the_ones_run_here():
