@@ -30,12 +30,17 @@ from workers import ActorLoop, probe, rollout_example, successors
 MODES = ["NextStep", "SameStep", "Disabled"]
 
 
-def collect(make_env, *, T, n_rollouts, batch_mode="truncate_episodes", max_episodes=None, weights=None, policy=None):
-    """Run an ActorLoop in a thread until it committed ``n_rollouts``; return them (copied) in commit order."""
+def collect(make_env, *, T, n_rollouts, batch_mode="truncate_episodes", max_episodes=None, weights=None, policy=None,
+            probe_policy=None, **loop_kw):
+    """Run an ActorLoop in a thread until it committed ``n_rollouts``; return them (copied) in commit order.
+
+    ``probe_policy`` answers the probe call (default: ``policy``), so a policy that records its inputs sees only
+    the loop's; ``loop_kw`` goes to ActorLoop (view_requirements, horizon, ...).
+    """
     policy = policy or EchoPolicy()
     probe_env = make_env()
     try:
-        p = probe(probe_env, policy)
+        p = probe(probe_env, probe_policy or policy, view_requirements=loop_kw.get("view_requirements"))
     finally:
         probe_env.close()
     env = make_env()
@@ -55,7 +60,7 @@ def collect(make_env, *, T, n_rollouts, batch_mode="truncate_episodes", max_epis
             registered.set()
             sub = WeightSubscriber(weights) if weights is not None else None
             loop = ActorLoop(env, policy, writers, rollout_len=T, batch_mode=batch_mode, max_episodes=max_episodes,
-                             weights=sub)
+                             weights=sub, **loop_kw)
             loop_box.append(loop)
             loop.run(n_rollouts)
             if sub is not None:

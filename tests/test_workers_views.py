@@ -12,7 +12,6 @@ no data from before the rollout's first step.
 
 from __future__ import annotations
 
-import threading
 from functools import partial
 from typing import Any
 
@@ -28,8 +27,9 @@ from shmbuf import UsageError
 from shmbuf.storage.views import ViewRequirement as VR
 from shmbuf.storage.views import build_views
 from tests.helpers import doc_blocks
+from tests.test_workers_actor import collect as actor_collect
 from tests.test_workers_envs import CountingEnv, expected_stream
-from workers import ActorLoop, ActorViews, Collector, probe, rollout_example
+from workers import ActorLoop, ActorViews, Collector
 
 
 REQS = {
@@ -77,61 +77,10 @@ def make_vector(n: int, mode: str = "NextStep"):
 
 
 def collect(make_env, policy, *, T, n_rollouts, batch_mode="truncate_episodes", **loop_kw):
-    """Run an ActorLoop in a thread until it committed ``n_rollouts``; return them (copied) in commit order."""
-    probe_env = make_env()
-    try:
-        p = probe(probe_env, RecordingPolicy() if isinstance(policy, RecordingPolicy) else policy,
-                  view_requirements=loop_kw.get("view_requirements"))
-    finally:
-        probe_env.close()
-    env = make_env()
-    vector = p["vector"] and batch_mode == "truncate_episodes"
-    example = rollout_example(p["obs"], p["action"], rollout_len=T, num_envs=p["num_envs"] if vector else None,
-                              extras=p["extras"], batch_mode=batch_mode)
-    n_writers = p["num_envs"] if batch_mode == "complete_episodes" else 1
-    reader = shmbuf.create(example, slots=4 * n_writers + 2, max_writers=n_writers)
-    errors: list[BaseException] = []
-    out: list[dict[str, Any]] = []
-    registered = threading.Event()
-    box: list[ActorLoop] = []
-
-    def actor():
-        writers = []
-        try:
-            writers = [shmbuf.Writer(reader.handle, timeout=20) for _ in range(n_writers)]
-            registered.set()
-            loop = ActorLoop(env, policy, writers, rollout_len=T, batch_mode=batch_mode, **loop_kw)
-            box.append(loop)
-            loop.run(n_rollouts)
-        except BaseException as exc:  # noqa: BLE001 -- anything the actor thread raises is re-raised by the main thread
-            errors.append(exc)
-            registered.set()
-        finally:
-            for w in writers:
-                w.close()
-
-    th = threading.Thread(target=actor, daemon=True)
-    th.start()
-    try:
-        assert registered.wait(20), "the actor's writers did not attach"
-        while len(out) < n_rollouts:
-            if errors:
-                raise errors[0]
-            try:
-                r = reader.get(timeout=0.5)
-            except shmbuf.SlotTimeout:
-                assert th.is_alive() or errors, "the actor stopped early"
-                continue
-            with r:
-                out.append({"lane": r.lane, "seq": r.seq, "fill": dict(r.fill), "data": r.copy()})
-        th.join(20)
-        assert not th.is_alive()
-        if errors:
-            raise errors[0]
-    finally:
-        reader.close()
-        env.close()
-    return out, box[0]
+    """test_workers_actor's collect, with a fresh RecordingPolicy for the probe so a recorder sees only the loop's calls."""
+    probe_policy = RecordingPolicy() if isinstance(policy, RecordingPolicy) else policy
+    return actor_collect(make_env, T=T, n_rollouts=n_rollouts, batch_mode=batch_mode, policy=policy,
+                         probe_policy=probe_policy, **loop_kw)
 
 
 # -- the truth: what each column held at each step of CountingEnv ----------------------------------------
