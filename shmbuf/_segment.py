@@ -512,15 +512,6 @@ def read_header(mm: mmap.mmap, name: str) -> tuple[Schema, Plan, Owner]:
     return schema, p, creator
 
 
-def header_fields(mm: mmap.mmap) -> dict[str, int | bytes]:
-    """The raw header fields (for ``shmbuf ls``); call read_header first to trust them."""
-    keys = ("magic", "version", "header_bytes", "total", "owner_pid", "owner_start", "created_ns", "n_slots",
-            "n_lanes", "schema_off", "schema_len", "token", "fingerprint")
-    fields: dict[str, int | bytes] = dict(zip(keys, _HEADER.unpack_from(mm, 0)))
-    fields["owner_pidns"] = _PIDNS.unpack_from(mm, PIDNS_OFF)[0]
-    return fields
-
-
 def unlink_all(name: str, n_lanes: int) -> None:
     """Remove a segment and every semaphore named after it; what is already gone is fine.
 
