@@ -31,6 +31,7 @@ from shmbuf._errors import (
     WrongProcess,
 )
 from shmbuf._handle import Handle
+from shmbuf._inference import InferenceClient, InferenceTable
 from shmbuf._reader import Batch, Reader, Rollout, create
 from shmbuf._schema import Leaf, Schema, Timescale
 from shmbuf._weights import WeightPublisher, WeightsHandle, WeightSubscriber
@@ -42,6 +43,8 @@ __all__ = [
     "Batch",
     "BrokenPipeline",
     "Handle",
+    "InferenceClient",
+    "InferenceTable",
     "Leaf",
     "NoSpace",
     "PipelineClosed",

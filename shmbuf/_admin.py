@@ -22,6 +22,8 @@ from shmbuf._segment import PREFIX, SHM_DIR, W_CLOSED, W_DELIVERED, W_POOL, W_RE
 _SEG = re.compile(r"^shmbuf-([0-9a-f]{16})$")
 _WEIGHTS = re.compile(r"^shmbuf-w([0-9a-f]{16})$")
 _SEM = re.compile(r"^sem\.shmbuf-([0-9a-f]{16})-(r|f\d+)$")
+_INFER = re.compile(r"^shmbuf-i([0-9a-f]{16})$")
+_ISEM = re.compile(r"^sem\.shmbuf-i([0-9a-f]{16})-(s|c\d+)$")
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Found:
     writers: list[tuple[int, int, bool, int, str]] = field(default_factory=list)  # lane, pid, alive, commits, label
     error: str = ""
     weights: bool = False  # a weight-broadcast object (shmbuf._weights), not a pipeline
+    inference: bool = False  # an inference table (shmbuf._inference): slots are its clients
     replay: bool = False  # a replay buffer (shmbuf.storage.replay): slots are its rows, delivered its rows inserted
     owner_elsewhere: bool = False  # the owner is in another pid namespace: whether it lives cannot be known here
     kept: list[tuple[str, str]] = field(default_factory=list)  # (entry in /dev/shm, why clean leaves it alone)
@@ -90,15 +93,20 @@ def scan(directory: str = SHM_DIR, *, name: str | None = None) -> list[Found]:
         if m:
             found.setdefault("/" + entry, Found("/" + entry, segment=True, weights=True, directory=directory))
             continue
+        m = _INFER.match(entry)
+        if m:
+            found.setdefault("/" + entry, Found("/" + entry, segment=True, directory=directory)).segment = True
+            found["/" + entry].inference = True
+            continue
         m = _SEG.match(entry)
         if m:
             pipeline = PREFIX + m.group(1)
             found.setdefault(pipeline, Found(pipeline, segment=True, directory=directory)).segment = True
             continue
-        m = _SEM.match(entry)
+        m = _SEM.match(entry) or _ISEM.match(entry)
         if m:
-            pipeline = PREFIX + m.group(1)
-            f = found.setdefault(pipeline, Found(pipeline, segment=False, directory=directory))
+            pipeline = PREFIX + ("i" if m.re is _ISEM else "") + m.group(1)
+            f = found.setdefault(pipeline, Found(pipeline, segment=False, directory=directory, inference=m.re is _ISEM))
             why = path_problem(os.path.join(directory, entry))
             if why:
                 f.kept.append((entry, why))
@@ -107,7 +115,7 @@ def scan(directory: str = SHM_DIR, *, name: str | None = None) -> list[Found]:
     out = []
     for f in found.values():
         if f.segment:
-            (_inspect_weights if f.weights else _inspect)(f)
+            (_inspect_weights if f.weights else _inspect_inference if f.inference else _inspect)(f)
             if f.error and path_problem(os.path.join(directory, f.name[1:])) is None:
                 f.segment, f.error = False, ""  # removed while we looked: what remains are its semaphores, if any
         if f.segment or f.semaphores or f.kept:
@@ -163,6 +171,18 @@ def _inspect_replay(f: Found, replay: Any) -> None:
     _owner(f, info.owner)
     f.size, f.slots, f.lanes, f.schema, f.delivered = info.size, info.buffer_size, info.max_writers, info.schema, info.inserted
     f.writers = [(slot, pid, live, rows, "inserter") for slot, pid, live, rows in info.writers]
+
+
+def _inspect_inference(f: Found) -> None:
+    """An inference table, read through its clients' own checks: its owner, size and clients."""
+    from shmbuf._inference import describe
+
+    try:
+        owner, f.size, f.slots = describe(f.name)
+    except ShmbufError as exc:
+        f.error = str(exc)
+        return
+    _owner(f, owner)
 
 
 def _inspect_weights(f: Found) -> None:

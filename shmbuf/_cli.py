@@ -29,6 +29,9 @@ def _ls_one(f: _admin.Found, verbose: bool) -> None:
     if f.error:
         print(f"{f.name}  unreadable: {f.error}")
         return
+    if f.inference:
+        print(f"{f.name}  inference table, {_owner(f)}, {f.size / 2**20:.1f} MiB, {f.slots} clients")
+        return
     if f.weights:
         print(f"{f.name}  weight broadcast, {_owner(f)}, {f.size / 2**20:.1f} MiB, {f.slots} buffers")
         return

@@ -147,12 +147,16 @@ def sem_name(name: str, role: str) -> str:
 
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory, and named semaphores as sem.<name>
 WEIGHTS_PREFIX = PREFIX + "w"
+INFERENCE_PREFIX = PREFIX + "i"
 _NAMES = {
     "pipeline": re.compile(r"/shmbuf-[0-9a-f]{16}"),
     "weights": re.compile(r"/shmbuf-w[0-9a-f]{16}"),
-    "any": re.compile(r"/shmbuf-w?[0-9a-f]{16}"),
+    "inference": re.compile(r"/shmbuf-i[0-9a-f]{16}"),
+    "any": re.compile(r"/shmbuf-[wi]?[0-9a-f]{16}"),
 }
-_SEM_NAME = re.compile(r"/shmbuf-[0-9a-f]{16}-(r|f[0-9]{1,3})")
+# A pipeline's doorbell (-r) and lanes' free counts (-f<lane>); an inference table's server doorbell (-s)
+# and clients' answer counts (-c<client>).
+_SEM_NAME = re.compile(r"/shmbuf-[0-9a-f]{16}-(r|f[0-9]{1,3})|/shmbuf-i[0-9a-f]{16}-(s|c[0-9]{1,4})")
 # The fields every shmbuf object's header starts with (a pipeline's and a weight broadcast's):
 # magic, layout version, header bytes, total bytes, owner pid, owner start time. The creator's
 # pid namespace is the header's last word.
@@ -165,13 +169,18 @@ def check_name(name: object, kind: str = "pipeline") -> str:
     """Return ``name`` if it is a shmbuf name of that kind, else raise UsageError saying what one looks like.
 
     ``kind``: ``"pipeline"`` (``/shmbuf-`` and 16 lowercase hex digits, what :func:`new_name`
-    makes), ``"weights"`` (``/shmbuf-w`` and 16) or ``"any"``. Every name is checked here before it
+    makes), ``"weights"`` (``/shmbuf-w`` and 16), ``"inference"`` (``/shmbuf-i`` and 16) or ``"any"``. Every name is checked here before it
     reaches posix_ipc or the file system: a NUL byte crashes posix_ipc (SIGSEGV), a ``/`` or more
     than 255 characters is a bare ValueError there, and ``..`` would leave /dev/shm.
     """
     if isinstance(name, str) and _NAMES[kind].fullmatch(name):
         return name
     got = f"{name!r:.80}" if isinstance(name, str) else f"a {type(name).__name__}"
+    if kind == "inference":
+        raise UsageError(
+            f"an inference table name starts with '{INFERENCE_PREFIX}' followed by 16 lowercase hex digits, as "
+            f"InferenceTable makes it (table.name); got {got}"
+        )
     if kind == "weights":
         raise UsageError(
             f"a weight broadcast name starts with '{WEIGHTS_PREFIX}' followed by 16 lowercase hex digits, as "

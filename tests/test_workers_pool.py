@@ -229,19 +229,25 @@ def test_learner_watch_without_pidfd_falls_back_to_the_pid():
 
 
 def test_workers_uses_only_shmbuf_public_api():
-    """workers is a user of shmbuf: no import of, or attribute from, a private module, and only names in __all__."""
+    """workers is a user of shmbuf: no import of, or attribute from, a private module, and only names in __all__
+    (of shmbuf, or of its public learner-side package shmbuf.storage)."""
     import shmbuf
+    import shmbuf.storage
 
+    public = {"shmbuf": set(shmbuf.__all__), "shmbuf.storage": set(shmbuf.storage.__all__)}
     used = []
     for path in sorted((pathlib.Path(__file__).parent.parent / "workers").glob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shmbuf"):
-                assert node.module == "shmbuf", f"{path.name}:{node.lineno} imports {node.module}"
-                used += [(path.name, node.lineno, a.name) for a in node.names]
+                assert node.module in public, f"{path.name}:{node.lineno} imports {node.module}"
+                bad = [a.name for a in node.names if a.name not in public[node.module]]
+                assert not bad, f"{path.name}:{node.lineno} imports {bad} from {node.module}, outside its __all__"
+                used += [(path.name, node.lineno, a.name) for a in node.names if node.module == "shmbuf"]
             elif isinstance(node, ast.Import):
                 for a in node.names:
-                    assert not a.name.startswith("shmbuf."), f"{path.name}:{node.lineno} imports {a.name}"
+                    if a.name.startswith("shmbuf."):
+                        assert a.name == "shmbuf.storage", f"{path.name}:{node.lineno} imports {a.name}"
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "shmbuf":
                 used.append((path.name, node.lineno, node.attr))
     assert used, "workers is expected to use shmbuf"

@@ -17,7 +17,10 @@ uses; :class:`ActorLoop` is the loop itself, usable in a process you own.
 from workers._actor import ActorLoop, ActorSpec, apply_weights, probe, rollout_example, run_actor, successors
 from workers._collector import CollectedBatch, Collector
 from workers._envs import EnvDriver
+from workers._inference import AsyncBatchedCollector, InferenceServer
 from workers._pool import ActorContext, ActorError, ActorPool, default_start_method
+from workers._remote import RemotePolicy
+from workers._threadpool import ThreadActorPool
 from workers._views import ActorViews
 
 __all__ = [
@@ -27,9 +30,13 @@ __all__ = [
     "ActorPool",
     "ActorSpec",
     "ActorViews",
+    "AsyncBatchedCollector",
     "CollectedBatch",
     "Collector",
     "EnvDriver",
+    "InferenceServer",
+    "RemotePolicy",
+    "ThreadActorPool",
     "apply_weights",
     "default_start_method",
     "probe",

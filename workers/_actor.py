@@ -272,6 +272,9 @@ class ActorLoop:
         horizon: no episode lasts more than this many steps: it is cut there, recorded
             ``truncated``, the sub-env reset (complete-episodes: cut at ``min(horizon, T)``).
             The env's own time limit is left as it is.
+        reset_each_rollout: (truncate-episodes) every rollout starts with freshly reset envs
+            (TorchRL's ``reset_at_each_iter``): an episode still running at a rollout's last step is
+            cut there, recorded ``truncated`` (bootstrapped from ``bootstrap.obs``), and reset.
         soft_horizon: at the horizon, neither reset nor flag: only the episode's return and
             length bookkeeping restart (an episode record with neither flag). Truncate-episodes only.
         no_done_at_end: never record ``terminated``: an episode that ends (or is cut) is
@@ -286,8 +289,11 @@ class ActorLoop:
                  batch_mode: str = "truncate_episodes", max_episodes: int | None = None, weights: Any = None,
                  seed: int | None = None, should_stop: Callable[[], bool] | None = None,
                  view_requirements: dict[str, Any] | None = None, horizon: int | None = None,
-                 soft_horizon: bool = False, no_done_at_end: bool = False):
+                 soft_horizon: bool = False, no_done_at_end: bool = False, reset_each_rollout: bool = False):
         _check_mode(batch_mode)
+        if reset_each_rollout and batch_mode != "truncate_episodes":
+            raise UsageError("reset_each_rollout=True: complete-episodes rollouts start with a reset already; "
+                             "use it with batch_mode='truncate_episodes'")
         check_horizon(batch_mode, horizon, soft_horizon, no_done_at_end)
         if view_requirements is not None:
             check_view_requirements(view_requirements)
@@ -314,6 +320,7 @@ class ActorLoop:
         self.horizon = None if horizon is None else int(horizon)
         self.soft_horizon = soft_horizon
         self.no_done_at_end = no_done_at_end
+        self.reset_each_rollout = reset_each_rollout
         limits = [x for x in (self.horizon, self.T if batch_mode == "complete_episodes" else None) if x is not None]
         self.limit = min(limits) if limits else None  # where the actor ends an episode itself
         self.obs = self.driver.reset(seed)
@@ -326,8 +333,18 @@ class ActorLoop:
         self.update_weights()
 
     def update_weights(self) -> bool:
-        """Take the newest broadcast weights if there are newer ones; True if the policy changed."""
+        """Take the newest broadcast weights if there are newer ones; True if the policy changed.
+
+        Without a broadcast, a policy that knows which weights version answers it (the
+        ``policy_version`` of :class:`workers.RemotePolicy`, served by another process) gives the
+        version instead: the one of its last answer, which no later answer is older than.
+        """
         if self.weights is None:
+            v = getattr(self.policy, "policy_version", None)
+            if v is not None and v > self.version:
+                self.version = int(v)
+                for w in self.writers:
+                    w.policy_version = self.version
             return False
         got = self.weights.poll()
         if got is None:
@@ -404,6 +421,11 @@ class ActorLoop:
             self.ep_len += 1
             self.env_steps += E
             term, trunc, cut, soft = self._flags(term, trunc)
+            if self.reset_each_rollout and t == self.T - 1:
+                last = ~(term | trunc)
+                if last.any():
+                    trunc = trunc | last
+                    cut = last if cut is None else cut | last
             rew32 = rew.astype(np.float32)
             # Exact dtypes and shapes take the Writer's fast path (no per-leaf coercion).
             step = {"obs": row(obs), "action": row(action), "reward": row(rew32),
@@ -532,7 +554,9 @@ class ActorSpec:
     ``env_fns``: one env factory per actor (actor i uses ``env_fns[i % len]``).
     ``policy`` or ``policy_factory`` (called in the actor, for policies that
     cannot be pickled). ``pipeline``/``weights``: shmbuf names.
-    ``view_requirements``, ``horizon``, ``soft_horizon``, ``no_done_at_end``: as :class:`ActorLoop`.
+    ``view_requirements``, ``horizon``, ``soft_horizon``, ``no_done_at_end``, ``reset_each_rollout``: as
+    :class:`ActorLoop`. ``inference``: an inference table's name: the policy is then a
+    :class:`workers.RemotePolicy` on client slot ``ctx.index`` (give neither policy nor factory).
     """
 
     pipeline: str
@@ -551,6 +575,8 @@ class ActorSpec:
     horizon: int | None = None
     soft_horizon: bool = False
     no_done_at_end: bool = False
+    reset_each_rollout: bool = False
+    inference: str | None = None
 
 
 def run_actor(ctx: Any, spec: ActorSpec) -> None:
@@ -559,14 +585,21 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
     Ends quietly when the pool asks it to stop or the reader closes the
     pipeline; an exception goes to the learner through the pool.
     """
-    if (spec.policy is None) == (spec.policy_factory is None):
-        raise ValueError("ActorSpec: give exactly one of policy and policy_factory")
+    given = (spec.policy is not None) + (spec.policy_factory is not None) + (spec.inference is not None)
+    if given != 1:
+        raise ValueError("ActorSpec: give exactly one of policy, policy_factory and inference")
     torch_threads(spec.torch_threads)
     env = spec.env_fns[ctx.index % len(spec.env_fns)]()
     writers: list[Any] = []
     sub = None
+    policy: Any = None
     try:
-        policy = spec.policy if spec.policy is not None else spec.policy_factory()  # type: ignore[misc]
+        if spec.inference is not None:
+            from workers._remote import RemotePolicy
+
+            policy = RemotePolicy(spec.inference, ctx.index)
+        else:
+            policy = spec.policy if spec.policy is not None else spec.policy_factory()  # type: ignore[misc]
         torch_threads(spec.torch_threads)
         n_writers = EnvDriver(env).num_envs if spec.batch_mode == "complete_episodes" else 1
         for k in range(n_writers):
@@ -581,7 +614,8 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         loop = ActorLoop(env, policy, writers, rollout_len=spec.rollout_len, batch_mode=spec.batch_mode,
                          max_episodes=spec.max_episodes, weights=sub, seed=seed,
                          should_stop=lambda: ctx.stop_requested, view_requirements=spec.view_requirements,
-                         horizon=spec.horizon, soft_horizon=spec.soft_horizon, no_done_at_end=spec.no_done_at_end)
+                         horizon=spec.horizon, soft_horizon=spec.soft_horizon, no_done_at_end=spec.no_done_at_end,
+                         reset_each_rollout=spec.reset_each_rollout)
         loop.run(spec.max_rollouts)
     except BaseException as exc:
         # Also tell the reader (it raises WriterError from its next get); the pool gets it from our caller.
@@ -597,4 +631,7 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
             w.close()
         if sub is not None:
             sub.close()
+        close = getattr(policy, "close", None) if spec.inference is not None else None
+        if close is not None:
+            close()
         env.close()

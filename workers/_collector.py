@@ -15,6 +15,7 @@ checks the pool, so an actor's exception is raised here with its traceback.
 
 from __future__ import annotations
 
+import functools
 import math
 import pickle
 import time
@@ -36,6 +37,27 @@ WAIT_SLICE = 0.1
 def _numpy_state(policy: Any) -> dict[str, np.ndarray]:
     """A torch module's state_dict as numpy arrays (copies, CPU)."""
     return {k: v.detach().cpu().numpy().copy() for k, v in policy.state_dict().items()}
+
+
+def with_kwargs(env_fns: tuple[Callable[[], Any], ...], kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None
+                ) -> tuple[Callable[[], Any], ...]:
+    """Env factories with ``create_env_kwargs`` bound (``functools.partial``, picklable when the factory is).
+
+    A dict goes to every factory; a list gives one dict per factory (a single factory is
+    repeated to the list's length).
+    """
+    if kwargs is None:
+        return env_fns
+    if isinstance(kwargs, dict):
+        return tuple(functools.partial(f, **kwargs) for f in env_fns)
+    kws = list(kwargs)
+    if not all(isinstance(k, dict) for k in kws):
+        raise shmbuf.UsageError(f"create_env_kwargs: expected a dict or a list of dicts, got {kwargs!r:.80}")
+    if len(env_fns) == 1:
+        env_fns = env_fns * len(kws)
+    if len(kws) != len(env_fns):
+        raise shmbuf.UsageError(f"create_env_kwargs: {len(kws)} dicts for {len(env_fns)} env factories; give one per factory")
+    return tuple(functools.partial(f, **k) for f, k in zip(env_fns, kws, strict=True))
 
 
 def check_picklable(what: str, obj: Any, start_method: str, fix: str) -> None:
@@ -123,7 +145,13 @@ class Collector:
         stop_timeout: the deadline :meth:`shutdown` gives the actors.
         view_requirements, horizon, soft_horizon, no_done_at_end: passed to each actor's
             :class:`workers.ActorLoop` (the policy's input views; RLlib's horizons), checked here.
+        reset_at_each_iter: (truncate-episodes) every rollout starts from freshly reset envs;
+            an episode still running at a rollout's end is cut there, recorded ``truncated``.
+        postproc: applied to every batch before it is yielded (``batch = postproc(batch)``).
+        create_env_kwargs: keyword arguments for the env factories: a dict for all, or one per factory.
     """
+
+    _remote = False  # AsyncBatchedCollector: the policy stays in this process, behind an inference server
 
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
                  policy_factory: Callable[[], Any] | None = None, frames_per_batch: int, total_frames: int = -1,
@@ -133,7 +161,9 @@ class Collector:
                  max_restarts: int = 3, progress: bool = False, copy: bool = False, seed: int | None = 0,
                  torch_threads: int | None = 1, stop_timeout: float = 5.0, ready_timeout: float = 120.0,
                  timeout: float | None = None, view_requirements: dict[str, Any] | None = None,
-                 horizon: int | None = None, soft_horizon: bool = False, no_done_at_end: bool = False):
+                 horizon: int | None = None, soft_horizon: bool = False, no_done_at_end: bool = False,
+                 reset_at_each_iter: bool = False, postproc: Callable[[CollectedBatch], Any] | None = None,
+                 create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None):
         if batch_mode not in MODES:
             raise ValueError(f"batch_mode: expected one of {MODES}, got {batch_mode!r}")
         check_horizon(batch_mode, horizon, soft_horizon, no_done_at_end)
@@ -144,8 +174,16 @@ class Collector:
         env_fns = tuple(create_env_fn) if isinstance(create_env_fn, Sequence) else (create_env_fn,)
         if not env_fns or not all(callable(f) for f in env_fns):
             raise TypeError("create_env_fn: expected a callable returning an env, or a list of them")
+        env_fns = with_kwargs(env_fns, create_env_kwargs)
+        if reset_at_each_iter and batch_mode != "truncate_episodes":
+            raise shmbuf.UsageError("reset_at_each_iter=True: complete-episodes batches start every episode from a reset "
+                                    "already; use it with batch_mode='truncate_episodes'")
+        if postproc is not None and not callable(postproc):
+            raise shmbuf.UsageError(f"postproc: expected a callable taking and returning a batch, got {postproc!r:.80}")
         method = start_method or default_start_method()
-        if policy is not None:
+        if self._remote:
+            pass  # the policy never leaves this process
+        elif policy is not None:
             check_picklable("policy", policy, method, "Give a picklable policy (a module-level function, or an instance "
                             "of a module-level class), or pass policy_factory=<a module-level function that builds "
                             "it in each actor>")
@@ -166,6 +204,7 @@ class Collector:
         self.stop_timeout = stop_timeout
         self.ready_timeout = ready_timeout
         self.timeout = timeout
+        self.postproc = postproc
         self.frames = 0
         self.batches = 0
         self.failures = []  # type: ignore[var-annotated]
@@ -176,17 +215,19 @@ class Collector:
         self._t0: float | None = None
         self._closed = False
         self.reader = self.pool = self.publisher = self._bar = None  # type: ignore[assignment]
+        self.start_method = method
 
         # Probe one env and the policy here, to lay the rollout out.
         env = env_fns[0]()
         try:
             probe_policy = policy if policy is not None else policy_factory()  # type: ignore[misc]
-            p = probe(env, probe_policy, seed, view_requirements=view_requirements)
+            p = probe(env, self._probe_policy(probe_policy), seed, view_requirements=view_requirements)
             spec_T = getattr(getattr(env, "spec", None), "max_episode_steps", None)
         finally:
             env.close()
         E = p["num_envs"]
         self.num_envs = E
+        extras = self._extras(p)
         if rollout_len is None:
             if batch_mode == "complete_episodes":
                 if not spec_T:
@@ -202,13 +243,13 @@ class Collector:
             self.rollouts_per_batch = frames_per_batch // (T * E)
             n_writers = num_actors
             example = rollout_example(p["obs"], p["action"], rollout_len=T, num_envs=E if p["vector"] else None,
-                                      extras=p["extras"], max_episodes=max_episodes)
+                                      extras=extras, max_episodes=max_episodes)
         else:
             self.rollouts_per_batch = 0
             n_writers = num_actors * E
-            example = rollout_example(p["obs"], p["action"], rollout_len=T, extras=p["extras"],
+            example = rollout_example(p["obs"], p["action"], rollout_len=T, extras=extras,
                                       batch_mode="complete_episodes")
-        if weights is None and hasattr(probe_policy, "state_dict"):
+        if weights is None and not self._remote and hasattr(probe_policy, "state_dict"):
             weights = _numpy_state(probe_policy)
         if slots is None:
             slots = 2 * self.rollouts_per_batch + 2 * n_writers if self.rollouts_per_batch else 4 * n_writers + 8
@@ -217,15 +258,17 @@ class Collector:
             if weights is not None:
                 self.publisher = shmbuf.WeightPublisher(weights)
                 self.publisher.publish(weights, version=0)
+            inference = self._start_inference(p)
             spec = ActorSpec(
-                pipeline=self.reader.name, env_fns=env_fns, rollout_len=T, policy=policy, policy_factory=policy_factory,
+                pipeline=self.reader.name, env_fns=env_fns, rollout_len=T,
+                policy=None if inference else policy, policy_factory=None if inference else policy_factory,
                 batch_mode=batch_mode, max_episodes=max_episodes,
                 weights=self.publisher.name if self.publisher is not None else None, seed=seed,
                 torch_threads=torch_threads, view_requirements=view_requirements, horizon=horizon,
-                soft_horizon=soft_horizon, no_done_at_end=no_done_at_end,
+                soft_horizon=soft_horizon, no_done_at_end=no_done_at_end, reset_each_rollout=reset_at_each_iter,
+                inference=inference,
             )
-            self.pool = ActorPool(run_actor, num_actors, args=(spec,), start_method=method, restart=restart,
-                                  max_restarts=max_restarts, name="shmbuf-collector")
+            self.pool = self._make_pool(spec, num_actors, restart, max_restarts)
             self.pool.start()
             if progress:
                 from tqdm.auto import tqdm
@@ -237,6 +280,24 @@ class Collector:
         except BaseException:
             self.shutdown()
             raise
+
+    # -- hooks (AsyncBatchedCollector overrides them) -----------------------
+
+    def _probe_policy(self, policy: Any) -> Any:
+        """What the probe calls (the policy itself here)."""
+        return policy
+
+    def _extras(self, p: dict[str, Any]) -> dict[str, Any]:
+        """The policy's extra step leaves, from the probe."""
+        return p["extras"]
+
+    def _start_inference(self, p: dict[str, Any]) -> str | None:
+        """Start serving the policy here and return the inference table's name; None: actors hold the policy."""
+        return None
+
+    def _make_pool(self, spec: ActorSpec, num_actors: int, restart: bool, max_restarts: int) -> Any:
+        return ActorPool(run_actor, num_actors, args=(spec,), start_method=self.start_method, restart=restart,
+                         max_restarts=max_restarts, name="shmbuf-collector")
 
     # -- weights ------------------------------------------------------------
 
@@ -281,7 +342,7 @@ class Collector:
                 if self._returns:
                     post["return"] = f"{np.mean(self._returns):.1f}"
                 self._bar.set_postfix(post, refresh=False)
-            yield batch
+            yield batch if self.postproc is None else self.postproc(batch)
 
     def _wait(self, get: Callable[[], Any]) -> Any:
         """Call ``get`` (a reader call with a short timeout) until it succeeds, checking the actors between tries."""

@@ -270,6 +270,8 @@ class ActorPool:
             ``max_restarts`` times in all; its error is kept in :attr:`failures`.
         max_restarts: the budget for ``restart``.
         name: process name prefix.
+        on_failure: called with an actor's index when it failed, before its replacement starts
+            (the inference collector retires the actor's client slot there).
 
     :meth:`check` (call it often, e.g. between batches) raises the first
     failure that is not restarted, as :class:`ActorError` with the actor's
@@ -278,7 +280,7 @@ class ActorPool:
 
     def __init__(self, target: Callable[..., Any], num_actors: int, *, args: tuple[Any, ...] = (),
                  kwargs: dict[str, Any] | None = None, start_method: str | None = None, restart: bool = False,
-                 max_restarts: int = 3, name: str = "shmbuf-actor"):
+                 max_restarts: int = 3, name: str = "shmbuf-actor", on_failure: Callable[[int], None] | None = None):
         if not isinstance(num_actors, int) or num_actors < 1:
             raise ValueError(f"num_actors: expected an int >= 1, got {num_actors!r}")
         method = start_method or default_start_method()
@@ -293,6 +295,7 @@ class ActorPool:
         self.max_restarts = max_restarts
         self.restarts = 0
         self.name = name
+        self.on_failure = on_failure
         self.failures: list[ActorError] = []
         self._ctx = mp.get_context(method)
         self._pid = os.getpid()
@@ -385,6 +388,8 @@ class ActorPool:
             err.exitcode = a.exitcode
             self.failures.append(err)
             self._close_actor(a)
+            if self.on_failure is not None:
+                self.on_failure(a.index)  # before any replacement starts
             if self.restart and self.restarts < self.max_restarts and not self._stopped:
                 self.restarts += 1
                 self._spawn(a)

@@ -1,0 +1,571 @@
+"""The inference table: env workers ask for actions, one server answers them in batches, all in shared memory.
+
+One object holds a request slot and a response slot for each of N clients
+(env workers). A client writes its observation into its request slot, bumps
+its request word and sleeps on its own semaphore; the server finds every
+pending request with one vectorised comparison, reads their observations as
+one batch, runs one forward pass, writes each action into its client's
+response slot, and wakes exactly the clients it answered. Nothing is pickled
+and nothing is queued: a slot is written in place and read in place.
+
+Layout (every region 64-byte aligned)::
+
+    0     header      magic, layout version, sizes, owner pid; clients; schema and data offsets; owner's pid namespace
+    256   CLOSED      1 once the owner closed the table
+    320   SLEEP       1 while the server is (about to be) asleep on its doorbell
+    384   REQ[N]      client i's newest request word: (generation << 32) | sequence        written by client i
+    ...   RESP[N]     the request word the server answered last                           written by the server
+    ...   VER[N]      the policy version of that answer                                   written by the server
+    ...   GEN[N]      client slot i's generation, bumped when its client is replaced      written by the owner
+    ...   PID[N]      the pid of slot i's client                                          written by client i
+    ...   schema      msgpack: {"request": <one client's request tree>, "response": <one client's response tree>}
+    ...   data        each leaf leaf-major, ``(N, *leaf.shape)``: client i's row is row i, so the
+                      requests of clients a..b-1 are one contiguous block
+
+Request path (client ``i``, generation ``g``, sequence ``s``)::
+
+    client:  write request rows; REQ[i] = (g << 32) | s; store-load fence; if SLEEP: post doorbell
+             wait on sem[i] until RESP[i] == REQ[i]; read VER[i] and the response rows
+    server:  pending = REQ != RESP and REQ's generation == GEN   (one numpy comparison over N words)
+             read their request rows; forward; write response rows and VER; fence;
+             for each answered i still of generation g: RESP[i] = REQ word; post sem[i]
+
+Ordering: each word is one aligned 8-byte store, never torn. On x86-64 stores
+become visible in program order and loads are not reordered with older loads,
+so "rows, then REQ" read as "REQ, then rows" (and the same for responses) needs
+no fence there; elsewhere :func:`shmbuf._ring.fence` is a full barrier at
+those places. The doorbell is the ring's wake-up handshake (docs/design/rings.md,
+"Waking"): the server stores SLEEP = 1, *store-load fence*, loads every REQ;
+a client stores REQ, *store-load fence*, loads SLEEP. Whichever is second sees
+the other's store, so a request is never left unseen while the server sleeps.
+Both sides may see each other, and the doorbell then holds a spare count:
+the server's next sleep returns at once and finds nothing, which costs one scan.
+
+Answers: the server posts ``sem[i]`` once per answer and the client waits once
+per request; a spare count (an answer its previous incarnation never took)
+only makes the client look at RESP once more. A request is answered at most
+once (RESP then equals it, and the client makes a new one only after its
+answer); a dead client's pending request is dropped when the owner calls
+:meth:`InferenceTable.retire` before starting its replacement, which bumps
+GEN: the server drops an answer whose generation is no longer current, and a
+stale answer never matches the new client's words.
+
+What this does not do: decide how to batch beyond ``take``'s rule, run the
+policy, or know what an observation means. That is ``workers.AsyncBatchedCollector``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import struct
+import time
+from typing import Any
+
+import numpy as np
+import optree
+import posix_ipc
+
+from shmbuf._errors import BrokenPipeline, PipelineClosed, SchemaError, SegmentError, SlotTimeout, UsageError
+from shmbuf._fork import track
+from shmbuf._lane import WAIT_SLICE, check_timeout
+from shmbuf._proc import Owner, start_time
+from shmbuf._ring import fence, store_load_fence
+from shmbuf._schema import Schema, _align, format_path
+from shmbuf._segment import (
+    HEAD, HEADER_BYTES, INFERENCE_PREFIX, _fmt_bytes, check_head, check_name, check_semaphore, create_object,
+    map_object, stamp_pidns,
+)
+from shmbuf._writer import _ReaderWatch
+
+I_MAGIC = b"\x89SHMBUFI"
+I_LAYOUT_VERSION = 1
+# <the head every shmbuf header starts with> <clients, schema off, schema len, data off, total data bytes>
+_HEADER = struct.Struct(HEAD.format + "IQQQQ")
+CLOSED_WORD = 256 // 8
+SLEEP_WORD = 320 // 8
+ARRAYS_OFF = 384
+MAX_CLIENTS = 4096
+_SEQ_MASK = (1 << 32) - 1
+_TIMESCALES = ("request", "response")
+
+
+def _words_bytes(n: int) -> int:
+    return _align(8 * n)
+
+
+class _Layout:
+    """Offsets derived from (schema, clients): recomputed and compared with the header on attach."""
+
+    def __init__(self, schema: Schema, clients: int):
+        self.schema = schema
+        self.clients = clients
+        wb = _words_bytes(clients)
+        self.req_off, self.resp_off, self.ver_off, self.gen_off, self.pid_off = (ARRAYS_OFF + k * wb for k in range(5))
+        self.schema_len = len(schema.to_msgpack())
+        self.schema_off = ARRAYS_OFF + 5 * wb
+        self.data_off = _align(self.schema_off + self.schema_len)
+        self.leaf_offs: list[int] = []
+        off = self.data_off
+        for lf in schema.leaves:
+            self.leaf_offs.append(off)
+            off = _align(off + clients * lf.nbytes)
+        self.total = max(off, self.data_off + 64)
+
+    def words(self, mm: Any, off: int) -> np.ndarray:
+        return np.ndarray((self.clients,), np.int64, buffer=mm, offset=off)
+
+    def views(self, mm: Any) -> dict[str, list[np.ndarray]]:
+        """Per timescale, its leaves as ``(clients, *leaf.shape)`` arrays, in schema order."""
+        out: dict[str, list[np.ndarray]] = {ts.name: [] for ts in self.schema.timescales}
+        for ts in self.schema.timescales:
+            for lf in ts.leaves:
+                i = self.schema.leaves.index(lf)
+                out[ts.name].append(np.ndarray((self.clients, *lf.shape), lf.dtype, buffer=mm, offset=self.leaf_offs[i]))
+        return out
+
+
+def _schema_of(request: Any, response: Any) -> Schema:
+    for what, tree in (("request", request), ("response", response)):
+        leaves = optree.tree_leaves(tree, none_is_leaf=False)
+        if not leaves or not all(isinstance(x, np.ndarray) for x in leaves):
+            raise UsageError(f"InferenceTable: the {what} example must be a pytree of numpy arrays (one client's "
+                             f"{what}), got {type(tree).__name__}")
+    return Schema.from_example({"request": request, "response": response})
+
+
+def _sem(name: str, role: str) -> str:
+    return f"{name}-{role}"
+
+
+class InferenceTable:
+    """The owner's (and server's) side: creates the table, finds pending requests, answers them.
+
+    Args:
+        request: one client's request as a pytree of numpy arrays (e.g. an
+            observation batched over its sub-envs, ``(E, *obs_shape)``).
+        response: one client's answer, likewise (e.g. ``{"action": (E,), "logp": (E,)}``).
+        clients: how many clients (slots); client ``i`` attaches with ``InferenceClient(name, i)``.
+
+    One server thread calls :meth:`take` and :meth:`respond`; the owner's other
+    calls (:meth:`retire`, :meth:`close`) may come from another thread. The
+    object is owner-only (0600) under ``/shmbuf-i<16 hex>``, with semaphores
+    ``<name>-s`` (the server's doorbell) and ``<name>-c<i>`` (client i's answers),
+    all unlinked by :meth:`close`.
+    """
+
+    def __init__(self, request: Any, response: Any, clients: int):
+        if isinstance(clients, bool) or not isinstance(clients, int) or not 1 <= clients <= MAX_CLIENTS:
+            raise UsageError(f"InferenceTable(clients=...): expected an int from 1 to {MAX_CLIENTS}, got {clients!r:.80}")
+        self.schema = _schema_of(request, response)
+        self._lay = lay = _Layout(self.schema, clients)
+        self.clients = clients
+        self.name = INFERENCE_PREFIX + secrets.token_hex(8)
+        self._pid = os.getpid()
+        self._closed = False
+        self._sems: list[posix_ipc.Semaphore] = []
+        self.doorbell: posix_ipc.Semaphore | None = None
+        fd, self._mm = create_object(self.name, lay.total, f"{clients} request and response slots of "
+                                     f"{_fmt_bytes(lay.total - lay.data_off)} in all")
+        os.close(fd)
+        try:
+            self.doorbell = posix_ipc.Semaphore(_sem(self.name, "s"), posix_ipc.O_CREX, mode=0o600)
+            for i in range(clients):
+                self._sems.append(posix_ipc.Semaphore(_sem(self.name, f"c{i}"), posix_ipc.O_CREX, mode=0o600))
+            pid = os.getpid()
+            self._mm[: _HEADER.size] = _HEADER.pack(I_MAGIC, I_LAYOUT_VERSION, HEADER_BYTES, lay.total, pid,
+                                                    start_time(pid), clients, lay.schema_off, lay.schema_len,
+                                                    lay.data_off, lay.total - lay.data_off)
+            stamp_pidns(self._mm)
+            self._mm[lay.schema_off : lay.schema_off + lay.schema_len] = self.schema.to_msgpack()
+        except BaseException:
+            self.close()
+            raise
+        self._w = memoryview(self._mm).cast("q")
+        self._req, self._resp, self._ver, self._gen, self._cpid = (
+            lay.words(self._mm, off) for off in (lay.req_off, lay.resp_off, lay.ver_off, lay.gen_off, lay.pid_off))
+        self._gen[:] = 1
+        v = lay.views(self._mm)
+        self.request_rows: list[np.ndarray] = v["request"]
+        self.response_rows: list[np.ndarray] = v["response"]
+        self._req_spec = self.schema.timescales[0].treespec
+        self._scratch = [np.empty_like(a) for a in self.request_rows]
+        self._taken = np.empty(clients, np.int64)
+        self._n_taken = 0
+        self._fence = fence()
+        self._sl_fence = store_load_fence()
+        self.dropped = 0  # answers withheld because their client had been retired meanwhile
+        track(self)
+
+    @property
+    def handle(self) -> str:
+        return self.name
+
+    def __reduce__(self) -> Any:
+        return (str, (self.name,))  # a pickled table is its name: clients attach by name
+
+    def _after_fork_in_child(self) -> None:
+        self._pid = -1  # a forked child must not answer, retire or unlink: the table is its parent's
+
+    # -- the server's side ----------------------------------------------------
+
+    def pending(self) -> np.ndarray:
+        """Indices of clients with an unanswered request of their current generation (a new array)."""
+        req = self._req
+        return np.flatnonzero((req != self._resp) & ((req >> 32) == self._gen))
+
+    def take(self, max_count: int, *, min_count: int = 1, linger: float = 0.0, idle: float | None = WAIT_SLICE,
+             rotate: int = 0) -> tuple[np.ndarray, bool]:
+        """Wait for pending requests and take up to ``max_count`` of them; return ``(clients, lingered_out)``.
+
+        With nothing pending, sleeps on the doorbell (no polling) for at most
+        ``idle`` seconds (None: until a request or :meth:`close`), returning an
+        empty array if none came. Once one request is there, waits at most
+        ``linger`` seconds more for ``min_count`` in all; ``lingered_out`` is True
+        when that deadline passed with fewer. More than ``max_count`` pending:
+        the ones from index ``rotate`` on (wrapping) are taken, so a caller that
+        advances ``rotate`` serves everyone in turn. The returned indices are
+        sorted; their request words are remembered for :meth:`respond`.
+        """
+        w = self._w
+        first = None
+        while True:
+            if w[CLOSED_WORD]:
+                raise PipelineClosed(f"inference table {self.name} is closed")
+            got = self.pending()
+            n = len(got)
+            if n:
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                if n >= min_count or n >= self.clients or now - first >= linger:
+                    break
+                self._sleep(first + linger - now)
+                continue
+            if first is not None:  # taken back (retired) while we lingered: start again
+                first = None
+            if idle is not None and idle <= 0:
+                return got, False
+            if not self._sleep(idle):
+                return got, False
+        lingered_out = n < min_count
+        if n > max_count:
+            cut = int(np.searchsorted(got, rotate % self.clients))
+            got = np.sort(np.roll(got, -cut)[:max_count])
+        self._n_taken = len(got)
+        self._taken[: len(got)] = self._req[got]
+        return got, lingered_out
+
+    def _sleep(self, timeout: float | None) -> bool:
+        """Sleep on the doorbell unless a request is already there; False if the wait timed out."""
+        w = self._w
+        w[SLEEP_WORD] = 1
+        self._sl_fence()  # our SLEEP store before our loads of REQ (see Waking in the module doc)
+        if len(self.pending()):
+            w[SLEEP_WORD] = 0
+            return True
+        try:
+            self.doorbell.acquire(None if timeout is None else max(timeout, 0.0))  # type: ignore[union-attr]
+            woke = True
+        except posix_ipc.BusyError:
+            woke = False
+        w[SLEEP_WORD] = 0
+        return woke
+
+    def requests(self, clients: np.ndarray) -> Any:
+        """The taken clients' requests as one tree of ``(n, *leaf.shape)`` arrays.
+
+        Lifetime: when ``clients`` are consecutive (``a, a+1, ..., b-1``) the
+        arrays are views of their request rows, valid until those clients are
+        answered; otherwise they are gathered into scratch arrays reused by the
+        next call. Copy what must live longer.
+        """
+        n = len(clients)
+        if n and clients[-1] - clients[0] == n - 1:
+            a = int(clients[0])
+            leaves = [rows[a : a + n] for rows in self.request_rows]
+        else:
+            leaves = [np.take(rows, clients, axis=0, out=s[:n]) for rows, s in zip(self.request_rows, self._scratch)]
+        return optree.tree_unflatten(self._req_spec, leaves)
+
+    def respond(self, clients: np.ndarray, response: list[np.ndarray], version: int) -> int:
+        """Answer the clients of the last :meth:`take`: ``response`` is a list of ``(n, *leaf.shape)`` arrays in
+        the response's leaf order (:attr:`response_paths`). Returns how many were answered; a client retired
+        since :meth:`take` is skipped (counted in :attr:`dropped`).
+        """
+        n = len(clients)
+        if n != self._n_taken:
+            raise UsageError(f"respond: expected the {self._n_taken} clients of the last take(), got {n}")
+        contiguous = n and clients[-1] - clients[0] == n - 1
+        sel: Any = slice(int(clients[0]), int(clients[0]) + n) if contiguous else clients
+        for rows, x, lf in zip(self.response_rows, response, self.schema.timescales[1].leaves, strict=True):
+            try:
+                rows[sel] = x
+            except (ValueError, TypeError) as exc:
+                raise SchemaError(f"respond: response leaf {format_path(lf.path[1:])}: expected {n} rows of shape "
+                                  f"{lf.shape} and dtype {lf.dtype}, got {np.shape(x)} {np.asarray(x).dtype}: {exc}") from None
+        self._ver[sel] = version
+        if self._fence:  # rows and versions before the words that publish them
+            self._fence()
+        words = self._taken[:n]
+        live = (words >> 32) == self._gen[sel]
+        if not live.all():
+            self.dropped += int(n - live.sum())
+            clients, words = clients[live], words[live]
+        self._resp[clients] = words
+        sems = self._sems
+        for i in clients.tolist():
+            sems[i].release()
+        self._n_taken = 0
+        return len(clients)
+
+    # -- the owner's side -----------------------------------------------------
+
+    def retire(self, client: int) -> None:
+        """Drop client ``client``'s pending request (its process died): call before starting its replacement."""
+        if not 0 <= client < self.clients:
+            raise UsageError(f"retire: client index {client} out of range 0..{self.clients - 1}")
+        self._gen[client] += 1
+
+    def client_pids(self) -> list[int]:
+        return self._cpid.tolist()
+
+    def wake_server(self) -> None:
+        """Post the doorbell (e.g. to let a server thread see a stop flag)."""
+        if self.doorbell is not None:
+            self.doorbell.release()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Mark the table closed, wake every client and the server, unlink the object and its semaphores."""
+        if self._closed:
+            return
+        self._closed = True
+        mine = os.getpid() == self._pid
+        if mine and getattr(self, "_w", None) is not None:
+            self._w[CLOSED_WORD] = 1
+            self._sl_fence()
+        for s in ([self.doorbell] if self.doorbell is not None else []) + self._sems:
+            if mine:
+                try:
+                    s.release()  # a sleeper wakes and sees CLOSED
+                    s.unlink()
+                except posix_ipc.ExistentialError:
+                    pass
+            s.close()
+        self._sems = []
+        self.doorbell = None
+        if mine:
+            try:
+                posix_ipc.unlink_shared_memory(self.name)
+            except posix_ipc.ExistentialError:
+                pass
+        self.request_rows = self.response_rows = self._scratch = []
+        for a in ("_req", "_resp", "_ver", "_gen", "_cpid"):
+            setattr(self, a, None)
+        if getattr(self, "_w", None) is not None:
+            self._w.release()
+            self._w = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a caller still holds a view of the rows; the mapping goes with it
+
+    def __enter__(self) -> InferenceTable:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _read_layout(mm: Any, name: str) -> tuple[Owner, _Layout]:
+    """Check the header and recompute the layout from the schema: nothing read here is trusted."""
+    size = len(mm)
+    owner = check_head(mm, name, magic=I_MAGIC, version=I_LAYOUT_VERSION, what="inference table")
+    *_, clients, schema_off, schema_len, data_off, _data = _HEADER.unpack_from(mm, 0)
+    if not 1 <= clients <= MAX_CLIENTS:
+        raise SegmentError(f"{name}: header declares {clients} clients (limit {MAX_CLIENTS})")
+    if not 0 < schema_len <= size or not ARRAYS_OFF <= schema_off <= size - schema_len:
+        raise SegmentError(f"{name}: schema lies outside the object")
+    schema = Schema.from_msgpack(bytes(mm[schema_off : schema_off + schema_len]))
+    if tuple(ts.name for ts in schema.timescales) != _TIMESCALES:
+        raise SegmentError(f"{name}: the schema's top level is not request and response")
+    lay = _Layout(schema, clients)
+    if (lay.total, lay.schema_off, lay.data_off) != (size, schema_off, data_off):
+        raise SegmentError(f"{name}: the schema calls for a different layout than the header states")
+    return owner, lay
+
+
+def describe(name: str) -> tuple[Owner, int, int]:
+    """``(owner, bytes, clients)`` of an inference table, read-only and checked (for ``shmbuf ls``/``clean``)."""
+    fd, mm = map_object(check_name(name, "inference"), readonly=True, min_size=HEADER_BYTES + 64, what="inference table")
+    os.close(fd)
+    try:
+        owner, lay = _read_layout(mm, name)
+        return owner, len(mm), lay.clients
+    finally:
+        mm.close()
+
+
+class InferenceClient:
+    """One env worker's side: write a request into :attr:`request`, :meth:`call`, read :attr:`response`.
+
+    Args:
+        table: the table's name (``table.name``).
+        index: this client's slot, ``0 <= index < clients``. One live client per slot.
+        timeout: longest wait for one answer before :class:`shmbuf.SlotTimeout` (None: no limit).
+
+    ``request`` and ``response`` are trees of views of this client's rows in
+    shared memory. Lifetime: ``request`` is read by the server between
+    :meth:`call`'s start and its return: write it before calling, not during;
+    ``response`` holds the last answer until the next :meth:`call`.
+    Raises :class:`shmbuf.PipelineClosed` when the owner closed the table and
+    :class:`shmbuf.BrokenPipeline` when the owner's process died (checked
+    every 0.1 s while waiting).
+    """
+
+    def __init__(self, table: str, index: int, *, timeout: float | None = None):
+        self.name = check_name(table if isinstance(table, str) else getattr(table, "name", table), "inference")
+        self.timeout = check_timeout(timeout, "InferenceClient(timeout=...)")
+        fd, self._mm = map_object(self.name, readonly=False, min_size=HEADER_BYTES + 64, what="inference table")
+        os.close(fd)
+        self._sem: posix_ipc.Semaphore | None = None
+        self._doorbell: posix_ipc.Semaphore | None = None
+        self._watch: _ReaderWatch | None = None
+        try:
+            self._setup(len(self._mm), index)
+        except BaseException:
+            self.close()
+            raise
+        track(self)
+
+    def _setup(self, size: int, index: int) -> None:
+        mm = self._mm
+        owner, lay = _read_layout(mm, self.name)
+        schema, clients = lay.schema, lay.clients
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < clients:
+            raise UsageError(f"InferenceClient(index=...): expected an int from 0 to {clients - 1}, got {index!r:.80}")
+        self.index = i = int(index)
+        self.schema = schema
+        self.owner: Owner = owner
+        self._w = memoryview(mm).cast("q")
+        self._word = {k: off // 8 + i for k, off in (("req", lay.req_off), ("resp", lay.resp_off),
+                                                       ("ver", lay.ver_off), ("gen", lay.gen_off), ("pid", lay.pid_off))}
+        v = lay.views(mm)
+        req_rows = [a[i] for a in v["request"]]
+        resp_rows = [a[i] for a in v["response"]]
+        self.request = optree.tree_unflatten(schema.timescales[0].treespec, req_rows)
+        self.response = optree.tree_unflatten(schema.timescales[1].treespec, resp_rows)
+        self.request_leaves = req_rows
+        self.response_leaves = resp_rows
+        for role in ("s", f"c{i}"):
+            check_semaphore(_sem(self.name, role))
+        try:
+            self._doorbell = posix_ipc.Semaphore(_sem(self.name, "s"))
+            self._sem = posix_ipc.Semaphore(_sem(self.name, f"c{i}"))
+        except posix_ipc.ExistentialError:
+            raise SegmentError(f"{self.name}: its semaphores are gone: the owner closed the table") from None
+        self._watch = _ReaderWatch(owner)
+        w = self._w
+        w[self._word["pid"]] = os.getpid()
+        self._gen = w[self._word["gen"]] & _SEQ_MASK
+        # Go on from the slot's last word, so that no word of ours can equal an answer already given.
+        last = w[self._word["req"]]
+        self._seq = (last & _SEQ_MASK) if (last >> 32) == self._gen else 0
+        self._pid = os.getpid()
+        self._fence = fence()
+        self._sl_fence = store_load_fence()
+        self.version = -1  # the policy version of the last answer
+        self.calls = 0
+
+    def _after_fork_in_child(self) -> None:
+        self._pid = -1
+
+    def call(self) -> int:
+        """Send the request now in :attr:`request` and wait for the answer; return its policy version.
+
+        The answer is in :attr:`response` when this returns.
+        """
+        if os.getpid() != self._pid:
+            from shmbuf._errors import WrongProcess
+
+            raise WrongProcess(f"this InferenceClient was made in process {self._pid}; attach a new one in this process")
+        w = self._w
+        wd = self._word
+        self._seq = s = (self._seq + 1) & _SEQ_MASK or 1
+        word = (self._gen << 32) | s
+        if self._fence:  # our request rows before the word that publishes them
+            self._fence()
+        w[wd["req"]] = word
+        self._sl_fence()  # our REQ store before our load of SLEEP (see Waking in the module doc)
+        if w[SLEEP_WORD]:
+            self._doorbell.release()  # type: ignore[union-attr]
+        sem = self._sem
+        resp = wd["resp"]
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            try:
+                sem.acquire(WAIT_SLICE)  # type: ignore[union-attr]
+            except posix_ipc.BusyError:
+                self._check(deadline)
+                continue
+            if w[resp] == word:
+                break
+            if w[CLOSED_WORD]:
+                self._check(deadline)
+        if self._fence:  # the answer's word before its rows
+            self._fence()
+        self.version = w[wd["ver"]]
+        self.calls += 1
+        return self.version
+
+    def _check(self, deadline: float | None) -> None:
+        if self._w[CLOSED_WORD]:
+            raise PipelineClosed(f"inference table {self.name} was closed by its owner")
+        if not self._watch.alive():  # type: ignore[union-attr]
+            raise BrokenPipeline(f"inference table {self.name}: its owner (pid {self.owner.pid}) died")
+        if self._w[self._word["gen"]] & _SEQ_MASK != self._gen:
+            raise PipelineClosed(f"inference table {self.name}: client slot {self.index} was given to another client")
+        if deadline is not None and time.monotonic() > deadline:
+            raise SlotTimeout(f"inference table {self.name}: no answer within timeout={self.timeout} s "
+                              "(InferenceClient(timeout=...)); the server is alive but did not answer")
+
+    def close(self) -> None:
+        """Detach (unmap); the table and its other clients go on."""
+        for s in (self._sem, self._doorbell):
+            if s is not None:
+                s.close()
+        self._sem = self._doorbell = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        self.request = self.response = None
+        self.request_leaves = self.response_leaves = []
+        if getattr(self, "_w", None) is not None:
+            self._w.release()
+            self._w = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+    def __enter__(self) -> InferenceClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
