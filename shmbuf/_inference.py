@@ -516,6 +516,8 @@ class InferenceClient:
             try:
                 sem.acquire(WAIT_SLICE)  # type: ignore[union-attr]
             except posix_ipc.BusyError:
+                if w[resp] == word:  # answered, and the post went to someone else (a retired caller of this slot)
+                    break
                 self._check(deadline)
                 continue
             if w[resp] == word:
