@@ -9,6 +9,10 @@ Learner::
             train(batch.data)
             collector.update_policy_weights(model)
 
+Batched inference: :class:`AsyncBatchedCollector` keeps the policy in the learner, behind one
+inference server that env workers ask for actions through shared memory (docs/inference.md).
+TorchRL's layout: ``batch.to_tensordict()`` (:func:`to_tensordict`).
+
 Lower level: :class:`ActorPool` runs any target in N watched processes;
 :func:`run_actor` with an :class:`ActorSpec` is the target the collector
 uses; :class:`ActorLoop` is the loop itself, usable in a process you own.
@@ -20,6 +24,7 @@ from workers._envs import EnvDriver
 from workers._inference import AsyncBatchedCollector, InferenceServer
 from workers._pool import ActorContext, ActorError, ActorPool, default_start_method
 from workers._remote import RemotePolicy
+from workers._tensordict import to_tensordict
 from workers._threadpool import ThreadActorPool
 from workers._views import ActorViews
 
@@ -43,4 +48,5 @@ __all__ = [
     "rollout_example",
     "run_actor",
     "successors",
+    "to_tensordict",
 ]

@@ -103,6 +103,12 @@ class CollectedBatch:
         for k in self.__slots__:
             setattr(self, k, kw.get(k))
 
+    def to_tensordict(self, *, rename: dict[str, str] | None = None) -> Any:
+        """This batch in TorchRL's layout (tensordict needed): see :func:`workers.to_tensordict`."""
+        from workers._tensordict import to_tensordict
+
+        return to_tensordict(self, rename=rename)
+
     def __repr__(self) -> str:
         return (f"CollectedBatch({self.batch_mode}, frames={self.frames}, episodes={len(self.episode_returns)}, "
                 f"lag={self.policy_lag.tolist()})")
