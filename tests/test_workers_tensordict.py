@@ -382,8 +382,9 @@ def test_torchrl_gae_and_clip_ppo_loss_run_unchanged_on_a_real_batch(vector):
     critic = ValueOperator(net.v, in_keys=["observation"])
     loss = ClipPPOLoss(actor, critic)
     E = 2 if vector else 1
-    with Collector([make_cartpole_vector if vector else make_cartpole] * 2, net, frames_per_batch=512, rollout_len=128 // E,
-                   start_method="forkserver", timeout=60, stop_timeout=5, total_frames=512) as c:
+    # One actor process (its start, importing torch, is most of this test's time): four rollouts of it per batch.
+    with Collector(make_cartpole_vector if vector else make_cartpole, net, num_actors=1, frames_per_batch=512,
+                   rollout_len=128 // E, start_method="forkserver", timeout=60, stop_timeout=5, total_frames=512) as c:
         batch = next(iter(c))
         step = batch.data["step"]
         td = to_tensordict(batch, rename={"logp": loss.tensor_keys.sample_log_prob})
