@@ -46,6 +46,12 @@ class ActorCritic(nn.Module):
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.v(obs).squeeze(-1)
 
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Sample an action per observation; return it with the value and log-probability the learner needs."""
+        dist = torch.distributions.Categorical(logits=self.pi(obs))
+        action = dist.sample()
+        return action, {"value": self.value(obs), "log_prob": dist.log_prob(action)}
+
 
 def numpy_state(model: nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
@@ -60,11 +66,8 @@ class Policy:
 
     def __call__(self, obs: np.ndarray):
         with torch.no_grad():
-            x = torch.from_numpy(obs).float()
-            dist = torch.distributions.Categorical(logits=self.net.pi(x))
-            action = dist.sample()
-            extras = {"value": self.net.value(x).numpy(), "log_prob": dist.log_prob(action).numpy()}
-        return action.numpy(), extras
+            action, extras = self.net(torch.from_numpy(obs).float())
+        return action.numpy(), {k: v.numpy() for k, v in extras.items()}
 
     def load_weights(self, params: dict[str, np.ndarray]) -> None:
         self.net.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
@@ -79,13 +82,36 @@ def values_of(model: ActorCritic, obs: np.ndarray) -> np.ndarray:
         return model.value(torch.from_numpy(np.asarray(obs, np.float32))).numpy()
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--actors", type=int, default=2)
-    ap.add_argument("--envs", type=int, default=8, help="CartPole sub-envs per actor")
-    ap.add_argument("--steps", type=int, default=64, help="T: steps of every sub-env per rollout")
-    ap.add_argument("--max-updates", type=int, default=300)
-    ap.add_argument("--target", type=float, default=475.0, help="mean return of the last 100 episodes to stop at")
+def compute_gae(model: ActorCritic, storage: RolloutStorage, gamma: float, lam: float) -> None:
+    """GAE over ``storage``: bootstrap from V(next observation) after the last step, and, where an episode was cut
+    by the time limit, from V(its final observation); never through a termination."""
+    final = storage.time_out_observations
+    storage.compute_returns(values_of(model, storage.bootstrap_observations), gamma, lam,
+                            time_out_values=storage.time_out_values_from(values_of(model, final.obs)))
+
+
+def ppo_update(model: ActorCritic, opt: torch.optim.Optimizer, storage: RolloutStorage, *, minibatches: int,
+               epochs: int, clip: float, ent: float) -> float:
+    """Epochs of clipped PPO over shuffled minibatches of ``storage``; return the last minibatch's value loss."""
+    for mb in storage.mini_batch_generator(minibatches, epochs):
+        obs = torch.from_numpy(mb.obs).float()
+        dist = torch.distributions.Categorical(logits=model.pi(obs))
+        logp = dist.log_prob(torch.from_numpy(mb.actions).long())
+        adv = torch.from_numpy(mb.advantages).float()
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        ratio = torch.exp(logp - torch.from_numpy(mb.old_actions_log_prob).float())
+        pg = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv).mean()
+        v_loss = 0.5 * (model.value(obs) - torch.from_numpy(mb.returns).float()).pow(2).mean()
+        loss = pg + 0.5 * v_loss - ent * dist.entropy().mean()
+        opt.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    return v_loss.item()
+
+
+def add_ppo_arguments(ap: argparse.ArgumentParser) -> None:
+    """The PPO hyperparameters (and the seed), shared with examples/ppo_async_cartpole.py."""
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--epochs", type=int, default=4)
@@ -95,6 +121,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--ent", type=float, default=0.0, help="entropy bonus")
     ap.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--actors", type=int, default=2)
+    ap.add_argument("--envs", type=int, default=8, help="CartPole sub-envs per actor")
+    ap.add_argument("--steps", type=int, default=64, help="T: steps of every sub-env per rollout")
+    ap.add_argument("--max-updates", type=int, default=300)
+    ap.add_argument("--target", type=float, default=475.0, help="mean return of the last 100 episodes to stop at")
+    add_ppo_arguments(ap)
     ap.add_argument("--start-method", default=None)
     ap.add_argument("--json", action="store_true", help="print one JSON line with the curve at the end")
     args = ap.parse_args(argv)
@@ -113,30 +149,14 @@ def main(argv: list[str] | None = None) -> dict:
                    seed=args.seed) as collector:
         for update, batch in enumerate(collector, 1):
             storage = RolloutStorage.from_rollout(batch)  # [T, B*E] over the batch (views where the layout allows)
-            # Bootstrap from V(next observation) after the last step, and, where an episode was cut by the time
-            # limit, from V(its final observation); never through a termination.
-            final = storage.time_out_observations
-            storage.compute_returns(values_of(model, storage.bootstrap_observations), args.gamma, args.lam,
-                                    time_out_values=storage.time_out_values_from(values_of(model, final.obs)))
-            for mb in storage.mini_batch_generator(args.minibatches, args.epochs):
-                obs = torch.from_numpy(mb.obs).float()
-                dist = torch.distributions.Categorical(logits=model.pi(obs))
-                logp = dist.log_prob(torch.from_numpy(mb.actions).long())
-                adv = torch.from_numpy(mb.advantages).float()
-                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-                ratio = torch.exp(logp - torch.from_numpy(mb.old_actions_log_prob).float())
-                pg = -torch.min(ratio * adv, ratio.clamp(1 - args.clip, 1 + args.clip) * adv).mean()
-                v_loss = 0.5 * (model.value(obs) - torch.from_numpy(mb.returns).float()).pow(2).mean()
-                loss = pg + 0.5 * v_loss - args.ent * dist.entropy().mean()
-                opt.zero_grad()
-                loss.backward()
-                nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-                opt.step()
+            compute_gae(model, storage, args.gamma, args.lam)
+            v_loss = ppo_update(model, opt, storage, minibatches=args.minibatches, epochs=args.epochs, clip=args.clip,
+                                ent=args.ent)
             collector.update_policy_weights(model)
             recent = (recent + batch.episode_returns.tolist())[-100:]
             row = {"update": update, "frames": collector.frames, "seconds": round(time.monotonic() - t0, 2),
                    "episodes": len(batch.episode_returns), "return_100": float(np.mean(recent)) if recent else 0.0,
-                   "v_loss": v_loss.item(), "lag_max": int(batch.policy_lag.max())}
+                   "v_loss": v_loss, "lag_max": int(batch.policy_lag.max())}
             curve.append(row)
             if not args.json:
                 print(f"update {update:3d}  frames {row['frames']:7d}  {row['seconds']:6.1f} s  "

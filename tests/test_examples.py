@@ -102,3 +102,30 @@ def test_bc_example_reaches_80_percent_of_the_expert():
     assert out["ratio"] >= 0.8, f"clone {out['clone_mean_return']:.1f} vs expert {out['expert_mean_return']:.1f}"
     print(f"expert {out['expert_mean_return']:.1f}, clone {out['clone_mean_return']:.1f} ({100 * out['ratio']:.0f}%), "
           f"{out['seconds']['total']} s")
+
+
+# -- issue 11: PPO with the policy only in the learner (examples/ppo_async_cartpole.py) -------------------
+
+def test_ppo_async_example_runs_through_the_inference_server():
+    pytest.importorskip("torch", reason="the PyTorch example needs torch (pip install torch==2.13.0)")
+    out = run_example("ppo_async_cartpole.py", "--max-updates", "3", "--envs", "4", "--steps", "64", "--json",
+                      timeout=240)
+    curve, server = out["curve"], out["server"]
+    assert len(curve) == 3 and out["frames"] == curve[-1]["frames"] == 3 * 4 * 64
+    assert all(np.isfinite(c["v_loss"]) for c in curve)
+    assert server["policy_version"] == 3, "each update_policy_weights must move the server's version on"
+    assert server["forwards"] > 0 and server["requests"] >= out["frames"] and server["dropped"] == 0
+    sizes = {int(k): v for k, v in server["batch_sizes"].items()}
+    assert max(sizes) <= 4 and sum(k * v for k, v in sizes.items()) == server["requests"]
+    assert sum(out["step_lags"]) == out["frames"] and len(out["step_lags"]) <= 3  # the 3rd batch comes at version 2
+
+
+@pytest.mark.slow
+def test_ppo_async_example_reaches_195_on_cartpole():
+    """The issue's bar: mean return 195 over the last 100 episodes, the policy only in the learner process."""
+    pytest.importorskip("torch", reason="the PyTorch example needs torch (pip install torch==2.13.0)")
+    out = run_example("ppo_async_cartpole.py", "--json", timeout=900)
+    assert out["reached"] is not None, f"mean return stayed below 195 for {out['updates']} updates"
+    print(f"reached {out['reached']['return_100']:.1f} after {out['reached']['update']} updates, "
+          f"{out['reached']['frames']} frames, {out['reached']['seconds']} s; lag mean {out['policy_lag_mean']:.2f}, "
+          f"server mean batch {out['server']['mean_batch']:.2f}")
