@@ -276,6 +276,7 @@ class Collector:
             )
             self.pool = self._make_pool(spec, num_actors, restart, max_restarts)
             self.pool.start()
+            self._actors_started()
             if progress:
                 from tqdm.auto import tqdm
 
@@ -300,6 +301,9 @@ class Collector:
     def _start_inference(self, p: dict[str, Any]) -> str | None:
         """Start serving the policy here and return the inference table's name; None: actors hold the policy."""
         return None
+
+    def _actors_started(self) -> None:
+        """Called once the pool has started (threads of ours may start now: a fork start method has forked)."""
 
     def _make_pool(self, spec: ActorSpec, num_actors: int, restart: bool, max_restarts: int) -> Any:
         return ActorPool(run_actor, num_actors, args=(spec,), start_method=self.start_method, restart=restart,

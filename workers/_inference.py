@@ -159,7 +159,7 @@ class InferenceServer(threading.Thread):
             "mean_batch": self.requests / self.forwards if self.forwards else 0.0,
             "batch_sizes": {int(k): int(self.batch_sizes[k]) for k in sizes},
             "lingered_out": self.lingered_out,
-            "dropped": self.table.dropped if not self.table.closed else 0,
+            "dropped": self.table.dropped,
             "forward_s": self.forward_s,
             "busy_s": self.busy_s,
             "policy_version": self.version,
@@ -266,8 +266,10 @@ class AsyncBatchedCollector(Collector):
         self.server = InferenceServer(self.table, self._policy, num_envs=E, max_batch_size=self.max_batch_size,
                                       min_batch_size=self.min_batch_size, server_timeout=self.server_timeout,
                                       device=self.device)
-        self.server.start()
         return self.table.name
+
+    def _actors_started(self) -> None:
+        self.server.start()  # after the workers started, so that start_method="fork" forks no server thread
 
     def _make_pool(self, spec: ActorSpec, num_actors: int, restart: bool, max_restarts: int) -> Any:
         if self.env_backend == "threading":
@@ -326,7 +328,7 @@ class AsyncBatchedCollector(Collector):
             return
         budget = self.stop_timeout if timeout is None else timeout
         ended = True
-        if self.server is not None:
+        if self.server is not None and self.server.is_alive():
             ended = self.server.stop(min(1.0, budget / 2))
         if self.table is not None and ended:
             self.table.close()
