@@ -88,6 +88,7 @@ ARRAYS_OFF = 384
 MAX_CLIENTS = 4096
 _SEQ_MASK = (1 << 32) - 1
 _TIMESCALES = ("request", "response")
+_NONE = np.zeros(0, np.int64)
 
 
 def _words_bytes(n: int) -> int:
@@ -195,6 +196,7 @@ class InferenceTable:
         self._fence = fence()
         self._sl_fence = store_load_fence()
         self.dropped = 0  # answers withheld because their client had been retired meanwhile
+        self._interrupted = False
         track(self)
 
     @property
@@ -226,28 +228,31 @@ class InferenceTable:
         the ones from index ``rotate`` on (wrapping) are taken, so a caller that
         advances ``rotate`` serves everyone in turn. The returned indices are
         sorted; their request words are remembered for :meth:`respond`.
+        :meth:`interrupt` (from another thread) makes it return at once with no clients.
         """
         w = self._w
         first = None
+        until = None if idle is None else time.monotonic() + idle
         while True:
             if w[CLOSED_WORD]:
                 raise PipelineClosed(f"inference table {self.name} is closed")
+            if self._interrupted:
+                self._interrupted = False
+                return _NONE, False
             got = self.pending()
             n = len(got)
+            now = time.monotonic()
             if n:
-                now = time.monotonic()
                 if first is None:
                     first = now
                 if n >= min_count or n >= self.clients or now - first >= linger:
                     break
                 self._sleep(first + linger - now)
                 continue
-            if first is not None:  # taken back (retired) while we lingered: start again
-                first = None
-            if idle is not None and idle <= 0:
+            first = None  # taken back (retired) while we lingered: start again
+            if until is not None and now >= until:
                 return got, False
-            if not self._sleep(idle):
-                return got, False
+            self._sleep(None if until is None else until - now)
         lingered_out = n < min_count
         if n > max_count:
             cut = int(np.searchsorted(got, rotate % self.clients))
@@ -255,6 +260,12 @@ class InferenceTable:
         self._n_taken = len(got)
         self._taken[: len(got)] = self._req[got]
         return got, lingered_out
+
+    def interrupt(self) -> None:
+        """Make the server's current or next :meth:`take` return at once, with no clients (to stop it)."""
+        self._interrupted = True
+        if self.doorbell is not None:
+            self.doorbell.release()
 
     def _sleep(self, timeout: float | None) -> bool:
         """Sleep on the doorbell unless a request is already there; False if the wait timed out."""

@@ -610,9 +610,6 @@ def test_shutdown_returns_within_its_deadline_with_a_hung_env(tmp_path: Any) -> 
     assert c.failures == [] or all(f.kind != "AssertionError" for f in c.failures)
 
 
-@pytest.mark.xfail(strict=True, reason="InferenceServer.stop cannot end InferenceTable.take's linger (no stop check in "
-                   "take's loop), so shutdown does not close the table first and then waits a second full budget "
-                   "for the server: reported to the lead")
 def test_shutdown_keeps_its_deadline_while_the_server_lingers_for_a_hung_worker(tmp_path: Any) -> None:
     """min_batch_size=3 of three workers, one hung in its env: the server lingers (server_timeout=10 s) over the other
     two's requests. shutdown(timeout=1.5) must still return within its deadline and leave nothing behind."""

@@ -144,7 +144,7 @@ class InferenceServer(threading.Thread):
         """Ask the thread to end and wait up to ``timeout`` s; True if it ended."""
         self._stop_requested = True
         try:
-            self.table.wake_server()
+            self.table.interrupt()  # out of take() at once, even while it lingers for min_batch_size
         except Exception:
             pass
         if self.is_alive():
