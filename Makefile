@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-slow bench bench-quick bench-storage clean-shm clean
+.PHONY: demo test test-slow bench bench-quick bench-storage bench-inference clean-shm clean
 
 # One stamp per set of extras, refreshed when pyproject.toml changes.
 $(VENV)/.stamp-%: pyproject.toml
@@ -31,6 +31,11 @@ bench-quick: $(VENV)/.stamp-bench
 # Replay buffer (against TorchRL and a numpy ring, 1/2/4 inserting processes) and GAE: a few minutes.
 bench-storage: $(VENV)/.stamp-bench
 	$(PY) -m benchmarks.storage
+
+# Batched inference (CartPole, shmbuf's AsyncBatchedCollector and Collector against TorchRL's AsyncBatchedCollector and
+# MultiSyncCollector, 4/8/16 envs, two MLPs): about 10 minutes. The demo stamp brings gymnasium, which `bench` lacks.
+bench-inference: $(VENV)/.stamp-bench $(VENV)/.stamp-demo
+	$(PY) -m benchmarks.inference
 
 clean-shm: $(VENV)/.stamp-demo
 	$(PY) -m shmbuf clean

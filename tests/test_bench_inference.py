@@ -1,0 +1,161 @@
+"""The inference benchmark end to end at its smallest, and its event logs.
+
+The sweep runs as its users run it, ``python -m benchmarks.inference --quick`` from the repository
+root, in a session of its own: every process it starts (the forkserver's children keep its process
+group) is killed at teardown even when the test fails, and the test fails if any was still alive
+once the command had returned. One configuration of each of the four collectors, 4 envs, windows
+of a fraction of a second. No timing assertions: only that every figure is there, positive and
+finite, and that nothing is left behind (processes, /dev/shm, the event-log directory).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import leaked_since, shm_objects
+
+for _module in ("torch", "torchrl", "tensordict", "gymnasium", "tqdm"):
+    pytest.importorskip(_module)
+
+from benchmarks import inference  # after the skips: it imports torch and gymnasium
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _group(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        rest = stat[stat.rfind(b")") + 2 :].split()
+        if int(rest[2]) == pgid and rest[0] not in (b"Z", b"X"):
+            out.append(int(entry))
+    return out
+
+
+def _finite_positive(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_quick_sweep_writes_every_figure_and_leaves_nothing(tmp_path: pathlib.Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    before = shm_objects()
+    cmd = [sys.executable, "-m", "benchmarks.inference", "--quick", "--out", str(tmp_path), "--tmp", str(logs),
+           "--windows", "2", "--window-s", "0.25", "--warmup-s", "0.25", "--stall-s", "30", "--start-timeout", "90"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    left: list[int] = []
+    try:
+        out, _ = proc.communicate(timeout=240)
+        deadline = time.monotonic() + 5.0  # the forkserver leaves when it sees the sweep's end of its pipe
+        while _group(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = _group(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in _group(proc.pid):  # every process the sweep started, by pid (its session's process group)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 0, out[-5000:]
+    assert left == [], f"processes of the sweep outlived it: {left}"
+    assert list(logs.iterdir()) == [], "the event-log directory was left behind"
+    leaked = leaked_since(before)
+    assert leaked == [], f"the sweep left shmbuf objects in /dev/shm: {[f.name for f in leaked]}"
+
+    with open(tmp_path / "inference-quick.json") as f:
+        saved = json.load(f)
+    assert (tmp_path / "inference-quick.md").stat().st_size > 0
+    if importlib.util.find_spec("matplotlib") is not None:  # the bench extra; `make test` installs only the test extra
+        assert (tmp_path / "inference-quick.png").stat().st_size > 0
+    for key in ("cpu_model", "cores", "kernel", "python", "numpy", "shmbuf_commit"):
+        assert saved["machine"][key], key
+    assert saved["config"]["torch_threads_per_process"] == 1 and saved["config"]["forkserver_preload"]
+    assert saved["skipped"] == {}
+    systems = {r["system"] for r in saved["runs"]}
+    assert systems == set(inference.SYSTEMS), systems
+    assert {r["variant"] for r in saved["runs"] if r["system"] == "shmbuf_collector"} == {"nx1", "2xvec"}
+    for r in saved["runs"]:
+        what = f"{r['system']} [{r['variant']}]"
+        assert r["status"] == "ok", (what, r.get("error"))
+        assert r["n"] == 4 and r["policy"] == "mlp64" and r["envs_logged"] == 4, what
+        fps = r["frames_per_s"]
+        assert all(_finite_positive(x) for x in fps["windows"]) and fps["min"] <= fps["median"] <= fps["max"], what
+        assert r["batches"] > 0 and r["frames_delivered"] > 0 and min(r["delivered_per_s"]) >= 0, what
+        rt = r["round_trip_us"]
+        assert _finite_positive(rt["p50"]) and rt["p99"] >= rt["p50"] and rt["n"] > 0, what
+        assert _finite_positive(r["env_step_us"]["p50"]) and _finite_positive(r["wait_us"]["p50"]), what
+        fwd = r["forward"]
+        assert fwd["count"] > 0 and sum(fwd["hist"].values()) == fwd["count"], what
+        assert all(1 <= int(k) <= 4 for k in fwd["hist"]), (what, fwd["hist"])
+        assert _finite_positive(fwd["mean"]) and _finite_positive(fwd["duration_us_p50"]), what
+        cpu = r["cpu_cores"]
+        assert all(math.isfinite(cpu[k]) and cpu[k] >= 0 for k in ("learner", "children", "machine", "outside")), what
+        assert r["killed_pids"] == [], (what, r["killed_pids"])
+    ours = next(r for r in saved["runs"] if r["system"] == "shmbuf_async")
+    assert ours["where"] == "learner" and ours["server"]["forwards"] > 0
+    assert any(a["aim"].startswith("at least 20x") for a in saved["aims"])
+
+    # --render rebuilds the table (and plot) from the raw records alone
+    (tmp_path / "inference-quick.md").unlink()
+    inference.main(["--render", str(tmp_path / "inference-quick.json"), "--no-plot"])
+    assert "TorchRL MultiSyncCollector" in (tmp_path / "inference-quick.md").read_text()
+
+
+def test_event_log_keeps_order_across_the_ring_and_checks_its_header(tmp_path: pathlib.Path) -> None:
+    path = str(tmp_path / "ring.log")
+    log = inference.EventLog(path, capacity=5)
+    for i in range(8):
+        log.add(10 * i, 10 * i + 1, i)
+    log.close()
+    recs = inference.read_log(path)
+    assert recs[:, 2].tolist() == [3, 4, 5, 6, 7] and recs[:, 0].tolist() == [30, 40, 50, 60, 70]
+    short = str(tmp_path / "short.log")
+    log = inference.EventLog(short, capacity=5)
+    log.add(1, 2, 3)
+    log.close()
+    assert inference.read_log(short).tolist() == [[1, 2, 3]]
+    bad = tmp_path / "bad.log"
+    np.zeros(8, np.int64).tofile(bad)
+    with pytest.raises(ValueError, match="expected an event log"):
+        inference.read_log(str(bad))
+
+
+def test_analyse_counts_frames_round_trips_and_forwards_inside_the_windows(tmp_path: pathlib.Path) -> None:
+    """Steps every 1 ms from t=0 (a reset at 5 ms), forwards of 2 rows; windows [2, 12) and [12, 22) ms."""
+    ms = 1_000_000
+    env = inference.EventLog(str(tmp_path / "env000-1-a.log"))
+    for k in range(30):
+        env.add(k * ms, k * ms + ms // 10, inference.RESET if k == 5 else inference.STEP)
+    env.close()
+    fwd = inference.EventLog(str(tmp_path / "fwd-1-b.log"))
+    for k in range(30):
+        fwd.add(k * ms, k * ms + ms // 5, 2)
+    fwd.close()
+    got = inference.analyse(str(tmp_path), [2 * ms, 12 * ms, 22 * ms])
+    assert got["frames_per_s"]["windows"] == [9 / 0.01, 10 / 0.01]  # the reset at 5 ms is no frame
+    assert got["round_trip_us"]["n"] == 18  # 19 steps inside; the one right after the reset starts no interval
+    assert got["round_trip_us"]["p50"] == 1000.0 and got["wait_us"]["p50"] == 900.0 and got["env_step_us"]["p50"] == 100.0
+    f = got["forward"]
+    assert f["count"] == 20 and f["hist"] == {2: 20} and f["mean"] == 2.0 and f["duration_us_p50"] == 200.0
