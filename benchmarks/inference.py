@@ -490,22 +490,47 @@ def _machine_busy() -> float:
     return (sum(v[:8]) - v[3] - v[4]) / _TICK
 
 
+def _usage(pid: int) -> tuple[float, float, int]:
+    """(user s, kernel s, context switches) of process ``pid``, all its threads."""
+    user = kernel = 0.0
+    switches = 0
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        rest = stat[stat.rfind(b")") + 2 :].split()
+        user, kernel = int(rest[11]) / _TICK, int(rest[12]) / _TICK
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                switches += sum(int(line.split()[1]) for line in f if "ctxt_switches:" in line)  # voluntary and not
+    except (OSError, ValueError, IndexError):
+        pass
+    return user, kernel, switches
+
+
 def cpu_sample() -> dict[str, Any]:
-    self_cpu = sum(os.times()[:2])
-    return {"t": time.monotonic(), "learner": self_cpu, "children": {p: c for p, (c, _) in descendants().items()},
-            "threads": _threads(), "machine": _machine_busy()}
+    """The learner's and every child process's CPU (user, kernel) and context switches, its threads' CPU, the machine's."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"t": time.monotonic(), "learner": (ru.ru_utime, ru.ru_stime, ru.ru_nvcsw + ru.ru_nivcsw),
+            "children": {p: _usage(p) for p in descendants()}, "threads": _threads(), "machine": _machine_busy()}
 
 
 def cpu_between(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Cores busy between two samples: the learner (and its busiest threads), its child processes, the machine, outside."""
+    """Between two samples: cores busy in the learner (its busiest threads), its child processes, the machine, outside;
+    the kernel's share of each; context switches per second."""
     dt = b["t"] - a["t"]
-    learner = (b["learner"] - a["learner"]) / dt
-    children = sum(c - a["children"].get(p, 0.0) for p, c in b["children"].items() if p in a["children"]) / dt
+    lu, lk, ls = (y - x for x, y in zip(a["learner"], b["learner"]))
+    both = [(a["children"][p], u) for p, u in b["children"].items() if p in a["children"]]
+    cu, ck, cs = (sum(y[i] - x[i] for x, y in both) for i in range(3))
     threads = sorted(((name, (c - a["threads"][tid][1]) / dt) for tid, (name, c) in b["threads"].items()
                       if tid in a["threads"]), key=lambda x: -x[1])
     machine_busy = (b["machine"] - a["machine"]) / dt
+    learner, children = (lu + lk) / dt, (cu + ck) / dt
     return {"learner": learner, "children": children, "machine": machine_busy,
             "outside": max(0.0, machine_busy - learner - children),
+            "learner_kernel": lk / dt, "children_kernel": ck / dt,
+            "learner_switches_per_s": ls / dt, "children_switches_per_s": cs / dt,
             "learner_threads": [[n, round(c, 3)] for n, c in threads[:4] if c > 0.005]}
 
 
@@ -848,6 +873,20 @@ def tables(res: dict[str, Any]) -> str:
                     cells.append(f"{ours['frames_per_s']['median'] / o['frames_per_s']['median']:.2f}x" if o else "n/a")
                 lines.append(f"| {pol} | {n} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += ["## Where the CPU goes (during the windows)", "",
+              ("| policy | envs | collector [configuration] | learner cores (kernel) | its busiest threads | children cores "
+               "(kernel) | forward busy cores | context switches / frame |"),
+              "|---|---:|---|---:|---|---:|---:|---:|"]
+    for r in shown(res):
+        if r["status"] != "ok" or "learner_kernel" not in r["cpu_cores"]:
+            continue
+        cpu = r["cpu_cores"]
+        busiest = ", ".join(f"{name} {cores:.2f}" for name, cores in cpu["learner_threads"][:2])
+        switches = (cpu["learner_switches_per_s"] + cpu["children_switches_per_s"]) / r["frames_per_s"]["median"]
+        lines.append(f"| {r['policy']} | {r['n']} | {_label(r)} | {cpu['learner']:.2f} ({cpu['learner_kernel']:.2f}) | "
+                     f"{busiest} | {cpu['children']:.2f} ({cpu['children_kernel']:.2f}) | {r['forward']['busy_cores']:.2f} | "
+                     f"{switches:.2f} |")
+    lines.append("")
     if res["aims"]:
         lines += ["## Issue 11's aims", "", "| aim | policy | envs | ratio | met |", "|---|---|---:|---:|---|"]
         lines += [f"| {m['aim']} | {m['policy']} | {m['n']} | {m['ratio']:.2f}x | {'yes' if m['met'] else '**no**'} |"
@@ -887,7 +926,7 @@ def plot(res: dict[str, Any], path: str) -> bool:
         return False
     c = res["config"]
     pols, ns = c["policies"], c["num_envs"]
-    fig, axes = plt.subplots(3, len(pols), figsize=(7.5 * len(pols), 14), squeeze=False)
+    fig, axes = plt.subplots(3, len(pols), figsize=(7.5 * len(pols), 14.5), squeeze=False)
     def series(r: dict[str, Any]) -> tuple[str, str]:  # a two-row collector: one series per configuration; else one
         return (r["system"], r["variant"] if SYSTEMS[r["system"]][2] else "")
 
@@ -927,8 +966,10 @@ def plot(res: dict[str, Any], path: str) -> bool:
             ax.grid(axis="y", alpha=0.3, which="both")
         ax_f.set_title(f"{pol}: 4->{POLICIES[pol][0]}->{POLICIES[pol][1]}->2, {ENV_ID}")
         ax_l.set_title(f"{pol}: step round trip (env step + wait for the next action)")
-        if col == 0:
-            ax_f.legend(fontsize=8, loc="upper left")
+        for ax in (ax_f, ax_l):
+            if ax.get_yscale() == "log":
+                lo, hi = ax.get_ylim()
+                ax.set_ylim(lo, hi * 2.5)  # room for the labels above the bars
         # forward batch sizes, frame-weighted, of the collectors that batch across envs
         styles = {4: ":", 8: "--", 16: "-"}
         for s in ("shmbuf_async", "torchrl_async"):
@@ -948,7 +989,9 @@ def plot(res: dict[str, Any], path: str) -> bool:
         ax_b.grid(alpha=0.3)
         if ax_b.lines:
             ax_b.legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=3, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.955))
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True

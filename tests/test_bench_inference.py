@@ -111,7 +111,8 @@ def test_quick_sweep_writes_every_figure_and_leaves_nothing(tmp_path: pathlib.Pa
         assert all(1 <= int(k) <= 4 for k in fwd["hist"]), (what, fwd["hist"])
         assert _finite_positive(fwd["mean"]) and _finite_positive(fwd["duration_us_p50"]), what
         cpu = r["cpu_cores"]
-        assert all(math.isfinite(cpu[k]) and cpu[k] >= 0 for k in ("learner", "children", "machine", "outside")), what
+        assert all(math.isfinite(cpu[k]) and cpu[k] >= 0 for k in ("learner", "children", "machine", "outside", "learner_kernel",
+                                                                   "children_kernel", "children_switches_per_s")), what
         assert r["killed_pids"] == [], (what, r["killed_pids"])
     ours = next(r for r in saved["runs"] if r["system"] == "shmbuf_async")
     assert ours["where"] == "learner" and ours["server"]["forwards"] > 0
