@@ -11,8 +11,9 @@ run, on ``CartPole-v1`` (gymnasium), with 4, 8 and 16 envs and two torch MLP pol
 (4->64->64->2 and 4->512->512->2, an action sampled from the logits by Gumbel-max; the same
 module, with the same weights, in every collector):
 
-1. ``workers.AsyncBatchedCollector``: the policy in a server thread of the learner; env workers in
-   processes or in threads (``env_backend``), tried.
+1. ``workers.AsyncBatchedCollector``: the policy in a server thread of the learner; ``n`` env workers
+   in processes or in threads (``env_backend``), tried; and 2 env processes each with a gymnasium
+   ``SyncVectorEnv`` of ``n/2`` envs (one request per worker holds its ``n/2`` observations). Two rows.
 2. ``workers.Collector``, a policy copy per actor: ``n`` actors x 1 env, and 2 actors each with a
    gymnasium ``SyncVectorEnv`` of ``n/2`` envs (its best configuration on 2 cores). Both rows.
 3. TorchRL's ``AsyncBatchedCollector``, the policy as a ``TensorDictModule``: env workers in threads;
@@ -90,8 +91,6 @@ NUM_ENVS = (4, 8, 16)
 FRAMES_PER_BATCH = 1024
 QUICK_FRAMES_PER_BATCH = 256
 SEED = 0
-# --quick measures one configuration of each tried peer instead of trying them all: the one that starts fastest.
-QUICK_VARIANT = {"shmbuf_async": "processes", "torchrl_async": "threads", "torchrl_multisync": "2xserial"}
 
 # ------------------------------------------------------------------ event logs (memmap files, one writer each)
 
@@ -314,17 +313,18 @@ class Run:
 
 
 class ShmbufAsync(Run):
-    """``workers.AsyncBatchedCollector``: the policy in a server thread of this process; envs in processes or threads."""
+    """``workers.AsyncBatchedCollector``: the policy in a server thread of this process; env workers in processes or threads."""
 
-    VARIANTS: ClassVar[dict[str, str]] = {"processes": "env_backend='multiprocessing'", "threads": "env_backend='threading'"}
+    VARIANTS: ClassVar[dict[str, str]] = {
+        "processes": "n env processes", "threads": "n env threads", "2xvec": "2 env processes x SyncVectorEnv(n/2)"}
 
     def __init__(self, *args: Any):
         super().__init__(*args)
         from workers import AsyncBatchedCollector
 
-        backend = "multiprocessing" if self.variant == "processes" else "threading"
-        self.c = AsyncBatchedCollector(self.envs(), policy=make_policy(self.policy, self.log_dir),
-                                       frames_per_batch=self.fpb, env_backend=backend)
+        envs = self.halves(make_vector_env) if self.variant == "2xvec" else self.envs()
+        self.c = AsyncBatchedCollector(envs, policy=make_policy(self.policy, self.log_dir), frames_per_batch=self.fpb,
+                                       env_backend="threading" if self.variant == "threads" else "multiprocessing")
 
     def batches(self) -> Iterator[int]:
         for b in self.c:
@@ -400,12 +400,13 @@ class TorchRLMultiSync(Run):
             yield int(td.numel())
 
 
-# name -> (class, label, variants measured in full (the others are tried and the best is measured))
-SYSTEMS: dict[str, tuple[type[Run], str, bool]] = {
-    "shmbuf_async": (ShmbufAsync, "shmbuf AsyncBatchedCollector", False),
-    "shmbuf_collector": (ShmbufCollector, "shmbuf Collector", True),
-    "torchrl_async": (TorchRLAsync, "TorchRL AsyncBatchedCollector", False),
-    "torchrl_multisync": (TorchRLMultiSync, "TorchRL MultiSyncCollector", False),
+# name -> (class, label, rows): each row is a group of configurations; a group of several is tried (with the first
+# policy, at each env count) and its fastest is the row; the first of a group is what --quick runs.
+SYSTEMS: dict[str, tuple[type[Run], str, tuple[tuple[str, ...], ...]]] = {
+    "shmbuf_async": (ShmbufAsync, "shmbuf AsyncBatchedCollector", (("processes", "threads"), ("2xvec",))),
+    "shmbuf_collector": (ShmbufCollector, "shmbuf Collector", (("nx1",), ("2xvec",))),
+    "torchrl_async": (TorchRLAsync, "TorchRL AsyncBatchedCollector", (("threads", "processes", "processes-auto"),)),
+    "torchrl_multisync": (TorchRLMultiSync, "TorchRL MultiSyncCollector", (("2xserial", "nx1"),)),
 }
 
 
@@ -702,50 +703,48 @@ def plan(a: argparse.Namespace) -> list[tuple[str, int, str]]:
 
 
 def sweep(a: argparse.Namespace, log_root: str, res: dict[str, Any]) -> None:
-    """Every run of the plan, in order, into ``res["runs"]``; a tried collector's losing configurations get ``chosen: False``."""
+    """Every run of the plan, in order, into ``res["runs"]``; a tried group's slower configurations get ``chosen: False``."""
     from tqdm.auto import tqdm
 
     steps = plan(a)
     first = a.policies[0]
-    bar = tqdm(total=sum(len(_variants(s, a, tried=pol == first)) for pol, _, s in steps), unit="run",
-               desc="inference bench", dynamic_ncols=True)
-    chosen: dict[tuple[str, int], str] = {}  # (system, n) -> the fastest configuration with the first policy
+    bar = tqdm(total=sum(len(_todo(s, g, a, tried=pol == first)) for pol, _, s in steps for g in range(len(SYSTEMS[s][2]))),
+               unit="run", desc="inference bench", dynamic_ncols=True)
+    chosen: dict[tuple[str, int, int], str] = {}  # (system, n, group) -> its fastest configuration with the first policy
     try:
         for pol, n, system in steps:
             label = SYSTEMS[system][1]
-            tried = pol == first and _tried(system, a)
-            variants = _variants(system, a, tried=tried) if (system, n) not in chosen else [chosen[(system, n)]]
-            runs = []
-            for v in variants:
-                bar.set_postfix_str(f"{pol} n={n} {label} [{v}]")
-                r = run_one(system, v, n, pol, a, log_root)
-                r["tried"], r["chosen"] = bool(tried), True
-                runs.append(r)
-                res["runs"].append(r)
-                bar.update(1)
-                bar.write(_line(r))
-            if tried:
-                ok = [r for r in runs if r["status"] == "ok"]
-                best = max(ok, key=lambda r: r["frames_per_s"]["median"]) if ok else runs[0]
-                chosen[(system, n)] = best["variant"]
-                for r in runs:
-                    r["chosen"] = r is best
+            for g in range(len(SYSTEMS[system][2])):
+                tried = pol == first and _tried(system, g, a)
+                variants = [chosen[(system, n, g)]] if (system, n, g) in chosen else _todo(system, g, a, tried=tried)
+                runs = []
+                for v in variants:
+                    bar.set_postfix_str(f"{pol} n={n} {label} [{v}]")
+                    r = run_one(system, v, n, pol, a, log_root)
+                    r["group"], r["tried"], r["chosen"] = g, tried, True
+                    runs.append(r)
+                    res["runs"].append(r)
+                    bar.update(1)
+                    bar.write(_line(r))
+                if tried:
+                    ok = [r for r in runs if r["status"] == "ok"]
+                    best = max(ok, key=lambda r: r["frames_per_s"]["median"]) if ok else runs[0]
+                    chosen[(system, n, g)] = best["variant"]
+                    for r in runs:
+                        r["chosen"] = r is best
     finally:
         bar.close()
 
 
-def _tried(system: str, a: argparse.Namespace) -> bool:
-    """Whether ``system``'s configurations are tried (with the first policy) for the fastest (not with --quick)."""
-    cls, _, all_variants = SYSTEMS[system]
-    return not all_variants and not a.quick and len(cls.VARIANTS) > 1
+def _tried(system: str, group: int, a: argparse.Namespace) -> bool:
+    """Whether row ``group`` of ``system`` is a choice among configurations, tried for the fastest (not with --quick)."""
+    return not a.quick and len(SYSTEMS[system][2][group]) > 1
 
 
-def _variants(system: str, a: argparse.Namespace, *, tried: bool) -> list[str]:
-    """The configurations measured: all of them (a two-row collector, or one being tried), else --quick's or the default."""
-    cls, _, all_variants = SYSTEMS[system]
-    if all_variants or (tried and _tried(system, a)):
-        return list(cls.VARIANTS)
-    return [QUICK_VARIANT.get(system, next(iter(cls.VARIANTS)))] if a.quick else [next(iter(cls.VARIANTS))]
+def _todo(system: str, group: int, a: argparse.Namespace, *, tried: bool) -> list[str]:
+    """The configurations to run for a row: all of a tried group, else its first (the trials' winner replaces it later)."""
+    variants = SYSTEMS[system][2][group]
+    return list(variants) if tried and _tried(system, group, a) else [variants[0]]
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -771,6 +770,15 @@ def _batch_summary(f: dict[str, Any]) -> str:
         return "n/a"
     spread = f"{f['p10']:.0f}" if f["p10"] == f["p90"] else f"{f['p10']:.0f}-{f['p90']:.0f}"
     return f"{f['mean']:.1f} ({spread}; per frame {f['frame_weighted_mean']:.1f}; max {f['max']})"
+
+
+def _group_desc(system: str, group: int) -> str:
+    """A row's configuration in words; a tried group is named by its choices."""
+    cls, _, groups = SYSTEMS[system]
+    variants = groups[group] if group < len(groups) else ()
+    if len(variants) == 1:
+        return cls.VARIANTS[variants[0]]
+    return "fastest of: " + "; ".join(cls.VARIANTS[v] for v in variants)
 
 
 def _label(r: dict[str, Any]) -> str:
@@ -927,8 +935,8 @@ def plot(res: dict[str, Any], path: str) -> bool:
     c = res["config"]
     pols, ns = c["policies"], c["num_envs"]
     fig, axes = plt.subplots(3, len(pols), figsize=(7.5 * len(pols), 14.5), squeeze=False)
-    def series(r: dict[str, Any]) -> tuple[str, str]:  # a two-row collector: one series per configuration; else one
-        return (r["system"], r["variant"] if SYSTEMS[r["system"]][2] else "")
+    def series(r: dict[str, Any]) -> tuple[str, int]:  # one series per row of a collector
+        return (r["system"], r.get("group", 0))
 
     keys: list[tuple[str, str]] = []
     for r in shown(res):
@@ -947,7 +955,7 @@ def plot(res: dict[str, Any], path: str) -> bool:
             xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(ns))]
             rows = [by.get((pol, n, s, v)) for n in ns]
             color, alpha = shades[(s, v)]
-            label = f"{SYSTEMS[s][1]} [{SYSTEMS[s][0].VARIANTS[v]}]" if v else f"{SYSTEMS[s][1]} [its fastest configuration]"
+            label = f"{SYSTEMS[s][1]} [{_group_desc(s, v)}]"
             fps = [r["frames_per_s"]["median"] if r else 0 for r in rows]
             bars = ax_f.bar(xs, fps, width, color=color, alpha=alpha, label=label)
             for b, f in zip(bars, fps):
@@ -974,7 +982,7 @@ def plot(res: dict[str, Any], path: str) -> bool:
         styles = {4: ":", 8: "--", 16: "-"}
         for s in ("shmbuf_async", "torchrl_async"):
             for n in ns:
-                r = next((r for (p, nn, ss, _), r in by.items() if p == pol and nn == n and ss == s), None)
+                r = by.get((pol, n, s, 0))  # shmbuf's first row: one env per worker, the case batching is for
                 if r is None or not r["forward"]["hist"]:
                     continue
                 h = {int(k): v for k, v in r["forward"]["hist"].items()}
