@@ -778,7 +778,7 @@ def _group_desc(system: str, group: int) -> str:
     variants = groups[group] if group < len(groups) else ()
     if len(variants) == 1:
         return cls.VARIANTS[variants[0]]
-    return "fastest of: " + "; ".join(cls.VARIANTS[v] for v in variants)
+    return "fastest of " + " / ".join(variants)  # the names; the table says which won, in words
 
 
 def _label(r: dict[str, Any]) -> str:
@@ -855,9 +855,10 @@ def tables(res: dict[str, Any]) -> str:
              f"{OUTSIDE_MARK} core of load from outside the run). **round trip**: between consecutive `step()` calls of "
              "one env (its step, then the wait for its next action), pooled over the envs; **env step** and **wait** are "
              "its two parts. **forward batch**: rows per forward pass, mean (p10-p90 over forwards; per frame: the batch "
-             "the average frame's forward had; the largest). **forward µs/row**: forward time per row, and where the "
-             "forward runs. **CPU µs/frame**: the learner process's CPU and its child processes' CPU per env frame. "
-             "**outside**: cores busy outside the run."), ""]
+             "the average frame's forward had; the largest). **forward µs/row**: forward wall time per row (a forward "
+             "preempted by other processes counts its wait), and where the forward runs. **CPU µs/frame**: the learner process's CPU and its child processes' CPU per env frame. "
+             "**outside**: cores busy outside the run. **forwards running at once**: summed forward wall time per second "
+             "(for one server thread: the share of its time spent in the policy)."), ""]
     for pol in c["policies"]:
         lines += [f"## {pol} (4->{POLICIES[pol][0]}->{POLICIES[pol][1]}->2)", "",
                   ("| envs | collector [configuration] | frames/s | round trip p50 / p99 µs | env step p50 µs | wait p50 µs | "
@@ -883,7 +884,7 @@ def tables(res: dict[str, Any]) -> str:
         lines.append("")
     lines += ["## Where the CPU goes (during the windows)", "",
               ("| policy | envs | collector [configuration] | learner cores (kernel) | its busiest threads | children cores "
-               "(kernel) | forward busy cores | context switches / frame |"),
+               "(kernel) | forwards running at once (mean) | context switches / frame |"),
               "|---|---:|---|---:|---|---:|---:|---:|"]
     for r in shown(res):
         if r["status"] != "ok" or "learner_kernel" not in r["cpu_cores"]:
