@@ -34,7 +34,7 @@ bench-storage: $(VENV)/.stamp-bench
 
 # Batched inference (CartPole, shmbuf's AsyncBatchedCollector and Collector against TorchRL's AsyncBatchedCollector and
 # MultiSyncCollector, 4/8/16 envs, two MLPs): about 10 minutes. The demo stamp brings gymnasium, which `bench` lacks.
-bench-inference: $(VENV)/.stamp-bench $(VENV)/.stamp-demo
+bench-inference: $(VENV)/.stamp-bench
 	$(PY) -m benchmarks.inference
 
 clean-shm: $(VENV)/.stamp-demo

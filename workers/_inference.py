@@ -86,10 +86,11 @@ class InferenceServer(threading.Thread):
     """
 
     def __init__(self, table: shmbuf.InferenceTable, policy: Any, *, num_envs: int, max_batch_size: int,
-                 min_batch_size: int, server_timeout: float, device: Any = None):
+                 min_batch_size: int, server_timeout: float, device: Any = None, torch_threads: int | None = 1):
         super().__init__(name="shmbuf-inference-server", daemon=True)
         self.table = table
         self.forward = _Forward(policy, device)
+        self.torch_threads = torch_threads
         self.E = num_envs
         self.max_batch_size = max_batch_size
         self.min_batch_size = min_batch_size
@@ -111,6 +112,10 @@ class InferenceServer(threading.Thread):
         table, E = self.table, self.E
         rotate = 0
         try:
+            if self.forward.torch is not None and self.torch_threads is not None:
+                # Per thread: torch.set_num_threads in the main thread does not reach this one, whose
+                # default OpenMP team would otherwise spin a second core between forward passes.
+                self.forward.torch.set_num_threads(self.torch_threads)
             while not self._stop_requested:
                 idx, lingered = table.take(self.max_batch_size, min_count=self.min_batch_size,
                                            linger=self.server_timeout, idle=0.1, rotate=rotate)
@@ -189,6 +194,9 @@ class AsyncBatchedCollector(Collector):
         yield_completed_trajectories: yield whole episodes as they finish
             (``batch_mode="complete_episodes"``; ``frames_per_batch`` is then a minimum).
         num_envs: env workers when ``create_env_fn`` is a single factory.
+        server_threads: torch's intra-op threads in the server thread (default 1: on a CPU, the
+            env workers want the other cores; raise it for a large policy on many cores; None:
+            torch's default, whose idle OpenMP threads spin between forward passes).
         **kwargs: :class:`workers.Collector`'s other settings (``rollout_len``, ``restart``,
             ``max_restarts``, ``progress``, ``seed``, ``timeout``, ``stop_timeout``,
             ``start_method``, ``copy``, ``slots``, ``horizon``, ...).
@@ -206,7 +214,7 @@ class AsyncBatchedCollector(Collector):
                  env_backend: str = "multiprocessing", reset_at_each_iter: bool = False,
                  postproc: Callable[[Any], Any] | None = None, yield_completed_trajectories: bool = False,
                  create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
-                 num_envs: int | None = None, **kwargs: Any):
+                 num_envs: int | None = None, server_threads: int | None = 1, **kwargs: Any):
         if (policy is None) == (policy_factory is None):
             raise shmbuf.UsageError("give exactly one of policy and policy_factory")
         if env_backend not in ENV_BACKENDS:
@@ -234,6 +242,10 @@ class AsyncBatchedCollector(Collector):
         self.min_batch_size = min_batch_size
         self.server_timeout = float(server_timeout)
         self.device = device
+        if server_threads is not None and (isinstance(server_threads, bool) or not isinstance(server_threads, int)
+                                           or server_threads < 1):
+            raise shmbuf.UsageError(f"server_threads: expected an int >= 1 or None, got {server_threads!r}")
+        self.server_threads = server_threads
         self.server: InferenceServer | None = None
         self.table: shmbuf.InferenceTable | None = None
         server_policy = policy if policy is not None else policy_factory()  # type: ignore[misc]
@@ -265,7 +277,7 @@ class AsyncBatchedCollector(Collector):
         self.table = shmbuf.InferenceTable(request, response, self.num_actors)
         self.server = InferenceServer(self.table, self._policy, num_envs=E, max_batch_size=self.max_batch_size,
                                       min_batch_size=self.min_batch_size, server_timeout=self.server_timeout,
-                                      device=self.device)
+                                      device=self.device, torch_threads=self.server_threads)
         return self.table.name
 
     def _actors_started(self) -> None:
