@@ -139,7 +139,26 @@ def _sem(name: str, role: str) -> str:
     return f"{name}-{role}"
 
 
-class InferenceTable:
+class _Closable:
+    """Both sides: a context manager that closes, and closes when collected."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class InferenceTable(_Closable):
     """The owner's (and server's) side: creates the table, finds pending requests, answers them.
 
     Args:
@@ -291,18 +310,20 @@ class InferenceTable:
         answered; otherwise they are gathered into scratch arrays reused by the
         next call. Copy what must live longer.
         """
+        return optree.tree_unflatten(self._req_spec, self.request_leaves(clients))
+
+    def request_leaves(self, clients: np.ndarray) -> list[np.ndarray]:
+        """:meth:`requests` as a list of leaves in the request's leaf order (no tree built), same lifetime."""
         n = len(clients)
         if n and clients[-1] - clients[0] == n - 1:
             a = int(clients[0])
-            leaves = [rows[a : a + n] for rows in self.request_rows]
-        else:
-            leaves = [np.take(rows, clients, axis=0, out=s[:n]) for rows, s in zip(self.request_rows, self._scratch)]
-        return optree.tree_unflatten(self._req_spec, leaves)
+            return [rows[a : a + n] for rows in self.request_rows]
+        return [np.take(rows, clients, axis=0, out=s[:n]) for rows, s in zip(self.request_rows, self._scratch)]
 
     def respond(self, clients: np.ndarray, response: list[np.ndarray], version: int) -> int:
         """Answer the clients of the last :meth:`take`: ``response`` is a list of ``(n, *leaf.shape)`` arrays in
-        the response's leaf order (:attr:`response_paths`). Returns how many were answered; a client retired
-        since :meth:`take` is skipped (counted in :attr:`dropped`).
+        the response's leaf order (optree's: dict keys sorted). Returns how many were answered; a client
+        retired since :meth:`take` is skipped (counted in :attr:`dropped`).
         """
         n = len(clients)
         if n != self._n_taken:
@@ -323,7 +344,8 @@ class InferenceTable:
         if not live.all():
             self.dropped += int(n - live.sum())
             clients, words = clients[live], words[live]
-        self._resp[clients] = words
+            sel = clients
+        self._resp[sel] = words
         sems = self._sems
         for i in clients.tolist():
             sems[i].release()
@@ -385,17 +407,6 @@ class InferenceTable:
         except BufferError:
             pass  # a caller still holds a view of the rows; the mapping goes with it
 
-    def __enter__(self) -> InferenceTable:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def _read_layout(mm: Any, name: str) -> tuple[Owner, _Layout]:
@@ -427,7 +438,7 @@ def describe(name: str) -> tuple[Owner, int, int]:
         mm.close()
 
 
-class InferenceClient:
+class InferenceClient(_Closable):
     """One env worker's side: write a request into :attr:`request`, :meth:`call`, read :attr:`response`.
 
     Args:
@@ -571,14 +582,3 @@ class InferenceClient:
         except BufferError:
             pass
 
-    def __enter__(self) -> InferenceClient:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

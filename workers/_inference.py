@@ -46,6 +46,7 @@ from workers._remote import VERSION_KEY
 from workers._threadpool import ThreadActorPool
 
 ENV_BACKENDS = ("multiprocessing", "threading")
+_NONE = np.zeros(0, np.int64)
 
 
 class _Forward:
@@ -72,7 +73,9 @@ class _Forward:
             return t if dev is None else t.to(dev, non_blocking=True)
 
         with torch.no_grad():
-            out = self.policy(optree.tree_map(to_tensor, obs))
+            out = self.policy(to_tensor(obs) if type(obs) is np.ndarray else optree.tree_map(to_tensor, obs))
+        if isinstance(out, torch.Tensor):  # the common case, without a tree walk
+            return out.detach().cpu().numpy()
         return optree.tree_map(lambda x: x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x, out)
 
 
@@ -110,6 +113,8 @@ class InferenceServer(threading.Thread):
 
     def run(self) -> None:
         table, E = self.table, self.E
+        spec = optree.tree_structure(table.requests(_NONE))
+        bare = spec.is_leaf()  # the request is one array: no tree to build per batch
         rotate = 0
         try:
             if self.forward.torch is not None and self.torch_threads is not None:
@@ -124,13 +129,18 @@ class InferenceServer(threading.Thread):
                     continue
                 t0 = time.perf_counter()
                 rotate = int(idx[-1]) + 1
-                obs = optree.tree_map(lambda a: a.reshape(n * E, *a.shape[2:]), table.requests(idx))
+                flat = [a.reshape(n * E, *a.shape[2:]) for a in table.request_leaves(idx)]
+                obs = flat[0] if bare else optree.tree_unflatten(spec, flat)
                 with self.lock:
                     t1 = time.perf_counter()
-                    action, extras = split_policy_output(self.forward(obs))
+                    got = self.forward(obs)
                     version = self.version
                     self.forward_s += time.perf_counter() - t1
-                out = optree.tree_leaves({"action": action, **({"extras": extras} if extras else {})})
+                if type(got) is np.ndarray:
+                    out = [got]
+                else:
+                    action, extras = split_policy_output(got)
+                    out = optree.tree_leaves({"action": action, **({"extras": extras} if extras else {})})
                 table.respond(idx, [np.asarray(x).reshape(n, E, *np.shape(x)[1:]) for x in out], version)
                 self.forwards += 1
                 self.requests += n
