@@ -97,8 +97,9 @@ class TagEnv(gym.Env):
         self.k = -1
         self.length = 0
         self.last = np.zeros(OBS_DIM)
-        if ignore_term:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # Not here: the collector probes env 0 in the learner (this test process), whose later fork
+        # children would inherit the ignored SIGTERM. Only a worker that hangs ignores it.
+        self.ignore_term = ignore_term
 
     def _obs(self) -> np.ndarray:
         self.last = np.array([self.worker, os.getpid(), self.uid, self.g, self.t, self.k, time.monotonic()], np.float64)
@@ -120,6 +121,8 @@ class TagEnv(gym.Env):
         if self.raise_at is not None and self.g == self.raise_at:
             raise ValueError(f"TagEnv worker {self.worker} breaks at step {self.g}")
         if self.hang_flag is not None and os.path.exists(self.hang_flag):
+            if self.ignore_term:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
             with open(f"{self.hang_flag}.{self.worker}", "w"):
                 pass
             while True:
