@@ -66,6 +66,7 @@ import numpy as np
 import optree
 import posix_ipc
 
+from shmbuf._closable import Closable
 from shmbuf._errors import BrokenPipeline, PipelineClosed, SchemaError, SegmentError, SlotTimeout, UsageError
 from shmbuf._fork import track
 from shmbuf._lane import WAIT_SLICE, check_timeout
@@ -139,26 +140,7 @@ def _sem(name: str, role: str) -> str:
     return f"{name}-{role}"
 
 
-class _Closable:
-    """Both sides: a context manager that closes, and closes when collected."""
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class InferenceTable(_Closable):
+class InferenceTable(Closable):
     """The owner's (and server's) side: creates the table, finds pending requests, answers them.
 
     Args:
@@ -438,7 +420,7 @@ def describe(name: str) -> tuple[Owner, int, int]:
         mm.close()
 
 
-class InferenceClient(_Closable):
+class InferenceClient(Closable):
     """One env worker's side: write a request into :attr:`request`, :meth:`call`, read :attr:`response`.
 
     Args:

@@ -84,6 +84,7 @@ import numpy as np
 import optree
 import posix_ipc
 
+from shmbuf._closable import Closable
 from shmbuf._errors import PipelineClosed, SchemaError, SegmentError, SlotTimeout, UsageError
 from shmbuf._proc import Owner, start_time
 from shmbuf._ring import Fence
@@ -146,7 +147,7 @@ class _Layout:
         ]
 
 
-class WeightPublisher:
+class WeightPublisher(Closable):
     """The learner's side: owns the shared object and publishes versions into it.
 
     Args:
@@ -262,17 +263,6 @@ class WeightPublisher:
         except BufferError:
             pass  # arrays taken from the buffers still exist; the mapping goes with them
 
-    def __enter__(self) -> WeightPublisher:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def _param_name(path: tuple[Any, ...]) -> str:
@@ -286,7 +276,7 @@ def _is_arrays(tree: Any) -> bool:
         return False
 
 
-class WeightSubscriber:
+class WeightSubscriber(Closable):
     """An actor's side: a read-only mapping; :meth:`read` copies out the newest complete version.
 
     Args:
@@ -394,14 +384,3 @@ class WeightSubscriber:
         except BufferError:
             pass
 
-    def __enter__(self) -> WeightSubscriber:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
