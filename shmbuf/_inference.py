@@ -165,6 +165,9 @@ class InferenceTable(Closable):
         self.name = INFERENCE_PREFIX + secrets.token_hex(8)
         self._pid = os.getpid()
         self._closed = False
+        self._w: memoryview | None = None
+        self._fence = fence()
+        self._sl_fence = store_load_fence()
         self._sems: list[posix_ipc.Semaphore] = []
         self.doorbell: posix_ipc.Semaphore | None = None
         fd, self._mm = create_object(self.name, lay.total, f"{clients} request and response slots of "
@@ -180,22 +183,22 @@ class InferenceTable(Closable):
                                                     lay.data_off, lay.total - lay.data_off)
             stamp_pidns(self._mm)
             self._mm[lay.schema_off : lay.schema_off + lay.schema_len] = self.schema.to_msgpack()
+            self._w = memoryview(self._mm).cast("q")
+            self._req, self._resp, self._ver, self._gen, self._cpid = (
+                lay.words(self._mm, off) for off in (lay.req_off, lay.resp_off, lay.ver_off, lay.gen_off, lay.pid_off))
+            self._gen[:] = 1
+            v = lay.views(self._mm)
+            self.request_rows: list[np.ndarray] = v["request"]
+            self.response_rows: list[np.ndarray] = v["response"]
+            self._req_spec = self.schema.timescales[0].treespec
+            self._scratch = [np.empty_like(a) for a in self.request_rows]
+            self._taken = np.empty(clients, np.int64)
+            self._taken_clients = np.empty(clients, np.int64)
         except BaseException:
             self.close()
             raise
-        self._w = memoryview(self._mm).cast("q")
-        self._req, self._resp, self._ver, self._gen, self._cpid = (
-            lay.words(self._mm, off) for off in (lay.req_off, lay.resp_off, lay.ver_off, lay.gen_off, lay.pid_off))
-        self._gen[:] = 1
-        v = lay.views(self._mm)
-        self.request_rows: list[np.ndarray] = v["request"]
-        self.response_rows: list[np.ndarray] = v["response"]
-        self._req_spec = self.schema.timescales[0].treespec
-        self._scratch = [np.empty_like(a) for a in self.request_rows]
-        self._taken = np.empty(clients, np.int64)
         self._n_taken = 0
-        self._fence = fence()
-        self._sl_fence = store_load_fence()
+        self.next_rotate = 0  # where the next take() should start when more than max_count are pending
         self.dropped = 0  # answers withheld because their client had been retired meanwhile
         self._interrupted = False
         track(self)
@@ -226,8 +229,8 @@ class InferenceTable(Closable):
         empty array if none came. Once one request is there, waits at most
         ``linger`` seconds more for ``min_count`` in all; ``lingered_out`` is True
         when that deadline passed with fewer. More than ``max_count`` pending:
-        the ones from index ``rotate`` on (wrapping) are taken, so a caller that
-        advances ``rotate`` serves everyone in turn. The returned indices are
+        the ones from index ``rotate`` on (wrapping) are taken; a caller that passes
+        :attr:`next_rotate` as the next ``rotate`` serves everyone in turn. The returned indices are
         sorted; their request words are remembered for :meth:`respond`.
         :meth:`interrupt` (from another thread) makes it return at once with no clients.
         """
@@ -248,7 +251,7 @@ class InferenceTable(Closable):
                     first = now
                 if n >= min_count or n >= self.clients or now - first >= linger:
                     break
-                self._sleep(first + linger - now)
+                self._sleep(first + linger - now, need=min_count)  # a sleep, not a spin, until min_count or linger
                 continue
             first = None  # taken back (retired) while we lingered: start again
             if until is not None and now >= until:
@@ -257,9 +260,17 @@ class InferenceTable(Closable):
         lingered_out = n < min_count
         if n > max_count:
             cut = int(np.searchsorted(got, rotate % self.clients))
-            got = np.sort(np.roll(got, -cut)[:max_count])
-        self._n_taken = len(got)
-        self._taken[: len(got)] = self._req[got]
+            chosen = np.roll(got, -cut)[:max_count]
+            self.next_rotate = int(chosen[-1]) + 1  # just after the last one served in turn, not the highest index
+            got = np.sort(chosen)
+        else:
+            self.next_rotate = int(got[-1]) + 1
+        k = len(got)
+        self._n_taken = k
+        self._taken[:k] = self._req[got]
+        self._taken_clients[:k] = got
+        if self._fence:  # the request words before the rows they publish
+            self._fence()
         return got, lingered_out
 
     def interrupt(self) -> None:
@@ -268,12 +279,12 @@ class InferenceTable(Closable):
         if self.doorbell is not None:
             self.doorbell.release()
 
-    def _sleep(self, timeout: float | None) -> bool:
-        """Sleep on the doorbell unless a request is already there; False if the wait timed out."""
+    def _sleep(self, timeout: float | None, need: int = 1) -> bool:
+        """Sleep on the doorbell unless ``need`` requests are already there; False if the wait timed out."""
         w = self._w
         w[SLEEP_WORD] = 1
         self._sl_fence()  # our SLEEP store before our loads of REQ (see Waking in the module doc)
-        if len(self.pending()):
+        if len(self.pending()) >= need:
             w[SLEEP_WORD] = 0
             return True
         try:
@@ -308,8 +319,9 @@ class InferenceTable(Closable):
         retired since :meth:`take` is skipped (counted in :attr:`dropped`).
         """
         n = len(clients)
-        if n != self._n_taken:
-            raise UsageError(f"respond: expected the {self._n_taken} clients of the last take(), got {n}")
+        if n != self._n_taken or not np.array_equal(clients, self._taken_clients[:n]):
+            raise UsageError(f"respond: expected the {self._n_taken} clients of the last take(), "
+                             f"{self._taken_clients[: self._n_taken].tolist()}, got {np.asarray(clients).tolist()}")
         contiguous = n and clients[-1] - clients[0] == n - 1
         sel: Any = slice(int(clients[0]), int(clients[0]) + n) if contiguous else clients
         for rows, x, lf in zip(self.response_rows, response, self.schema.timescales[1].leaves, strict=True):
@@ -349,6 +361,20 @@ class InferenceTable(Closable):
         """Post the doorbell (e.g. to let a server thread see a stop flag)."""
         if self.doorbell is not None:
             self.doorbell.release()
+
+    def shut(self) -> None:
+        """Mark the table closed and wake every client and the server, keeping it mapped (a server thread
+        may still be inside a forward pass): each waiting client raises ``PipelineClosed`` at once.
+        :meth:`close` does this too, then unlinks and unmaps."""
+        if self._closed or os.getpid() != self._pid or self._w is None:
+            return
+        self._w[CLOSED_WORD] = 1
+        self._sl_fence()
+        for s in ([self.doorbell] if self.doorbell is not None else []) + self._sems:
+            try:
+                s.release()
+            except posix_ipc.ExistentialError:
+                pass
 
     @property
     def closed(self) -> bool:
@@ -543,7 +569,7 @@ class InferenceClient(Closable):
             raise PipelineClosed(f"inference table {self.name}: client slot {self.index} was given to another client")
         if deadline is not None and time.monotonic() > deadline:
             raise SlotTimeout(f"inference table {self.name}: no answer within timeout={self.timeout} s "
-                              "(InferenceClient(timeout=...)); the server is alive but did not answer")
+                              "(InferenceClient(timeout=...)); the table's owner is alive, but no answer came")
 
     def close(self) -> None:
         """Detach (unmap); the table and its other clients go on."""

@@ -350,3 +350,38 @@ def test_a_forked_child_cannot_unlink_its_parents_table(table: shmbuf.InferenceT
     assert os.waitstatus_to_exitcode(status) == 0
     assert os.path.exists(f"/dev/shm/{table.name[1:]}") and not table._w[CLOSED_WORD]
     shmbuf.InferenceClient(table.name, 0).close()
+
+
+def _all_pending(t: shmbuf.InferenceTable) -> None:
+    """Make every client's request pending without client processes (the request words alone)."""
+    t._req[:] = (t._gen << 32) | ((t._resp & 0xFFFFFFFF) + 1)
+
+
+def test_more_pending_than_max_count_serves_everyone_in_turn(table: shmbuf.InferenceTable) -> None:
+    big = shmbuf.InferenceTable(REQ, RESP, 8)
+    try:
+        served = np.zeros(8, int)
+        for _ in range(8):
+            _all_pending(big)
+            idx, _ = big.take(3, rotate=big.next_rotate)
+            served[idx] += 1
+            answer(big, idx)
+        assert served.tolist() == [3] * 8  # a wrapped batch [0, 6, 7] once made client 0 the favourite
+        with pytest.raises(shmbuf.UsageError, match="clients of the last take"):
+            _all_pending(big)
+            idx, _ = big.take(3)
+            big.respond(idx[::-1].copy() + 1, [np.zeros((3, 2), np.int64), np.zeros((3, 2, 3))], 0)
+    finally:
+        big.close()
+
+
+def test_waiting_for_min_count_sleeps_instead_of_spinning(table: shmbuf.InferenceTable) -> None:
+    _all_pending(table)
+    table._req[1:] = table._resp[1:]  # one request pending of the 3 asked for
+    t0 = time.thread_time()
+    w0 = time.monotonic()
+    idx, lingered = table.take(4, min_count=3, linger=0.3)
+    cpu, wall = time.thread_time() - t0, time.monotonic() - w0
+    assert idx.tolist() == [0] and lingered and wall >= 0.29
+    assert cpu < 0.1, f"take() used {cpu:.3f} s of CPU in a {wall:.3f} s linger: a spin, not a sleep"
+    answer(table, idx)

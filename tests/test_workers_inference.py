@@ -648,6 +648,42 @@ class FailingPolicy(TagPolicy):
         return super().__call__(obs)
 
 
+class SlowOnce:
+    """Answers like TagPolicy; once ``slow`` is set, one forward pass takes ``seconds`` (``inside`` is set meanwhile)."""
+
+    def __init__(self, seconds: float):
+        self.inner = TagPolicy()
+        self.seconds = seconds
+        self.slow = threading.Event()
+        self.inside = threading.Event()
+
+    def __call__(self, obs: np.ndarray) -> Any:
+        if self.slow.is_set() and not self.inside.is_set():
+            self.inside.set()
+            time.sleep(self.seconds)
+        return self.inner(obs)
+
+
+def test_shutdown_wakes_waiting_workers_even_while_a_forward_pass_runs_long() -> None:
+    """The server is inside a 3 s forward pass when shutdown(timeout=2) comes: workers waiting for an answer
+    are woken at once (they exit 0, not by SIGTERM), and shutdown keeps its deadline."""
+    policy = SlowOnce(3.0)
+    c = AsyncBatchedCollector([make_tag_env] * 2, policy=policy, create_env_kwargs=workers(2, max_sleep=0.001),
+                              frames_per_batch=16, rollout_len=8, max_batch_size=1, timeout=30, start_method="fork")
+    try:
+        next(iter(c))
+        policy.slow.set()
+        assert policy.inside.wait(10), "the slow forward pass never started"
+        t0 = time.monotonic()
+        c.shutdown(timeout=2.0)
+        took = time.monotonic() - t0
+        codes = [a.exitcode for a in c.pool._actors]
+    finally:
+        c.shutdown()
+    assert codes == [0, 0], f"workers did not leave on their own: exit codes {codes}"
+    assert took < 3.0, f"shutdown took {took:.2f} s for a 2 s deadline"
+
+
 @pytest.mark.parametrize("backend", ["multiprocessing", "threading"])
 def test_a_policy_error_in_the_server_is_raised_by_the_learner(backend: str) -> None:
     c = AsyncBatchedCollector(make_tag_env, policy=FailingPolicy(), create_env_kwargs=workers(3, max_sleep=0.001),
@@ -753,12 +789,16 @@ def test_yield_completed_trajectories_yields_whole_episodes() -> None:
     check_streams(spans)
 
 
-def test_reset_at_each_iter_starts_every_rollout_at_a_reset_and_dict_kwargs_go_to_every_env() -> None:
+@pytest.mark.parametrize("max_episodes", [None, 2], ids=["table-T", "table-2"])
+def test_reset_at_each_iter_starts_every_rollout_at_a_reset_and_dict_kwargs_go_to_every_env(max_episodes: Any) -> None:
+    """With a small episode table rollouts are committed short; those too end in a reset."""
     with AsyncBatchedCollector(make_tag_env, policy=TagPolicy(), num_envs=2, create_env_kwargs={"worker": 7},
                                frames_per_batch=16, rollout_len=8, total_frames=320, reset_at_each_iter=True,
-                               copy=True, timeout=30, start_method="fork") as c:
+                               copy=True, timeout=30, start_method="fork", max_episodes=max_episodes) as c:
         batches = list(c)
     rollouts = rollouts_of(batches)
+    if max_episodes is not None:
+        assert any(len(r["step"]["obs"]) < 8 for r in rollouts), "no rollout was committed short: the case is not tested"
     uids = set()
     for r in rollouts:
         s = r["step"]

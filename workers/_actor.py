@@ -421,7 +421,10 @@ class ActorLoop:
             self.ep_len += 1
             self.env_steps += E
             term, trunc, cut, soft = self._flags(term, trunc)
-            if self.reset_each_rollout and t == self.T - 1:
+            # The rollout's last step: T - 1, or earlier when the episode table could overflow at the next step
+            # (this step may end up to E episodes). With reset_each_rollout, every episode still running ends here.
+            last = t == self.T - 1 or (self.reset_each_rollout and n_ep + 2 * E > M)
+            if self.reset_each_rollout and last:
                 last = ~(term | trunc)
                 if last.any():
                     trunc = trunc | last
@@ -451,7 +454,7 @@ class ActorLoop:
                 self.cut_episodes += int(cut.sum())
             self._advance_views(action, extras, rew32, term, trunc, nobs)
             self.obs = nobs
-            if n_ep + E > M and t < self.T - 1:
+            if (last or n_ep + E > M) and t < self.T - 1:
                 break  # the next step could overflow the episode table: commit short
         w.add("bootstrap", {"obs": row(succ), "env_steps": np.int64(self.env_steps)})
         w.commit(self.version)

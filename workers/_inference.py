@@ -110,6 +110,9 @@ class InferenceServer(threading.Thread):
         self.error: BaseException | None = None
         self.error_traceback = ""
         self._stop_requested = False
+        self.exit_lock = threading.Lock()
+        self.close_table_at_exit = False  # set by a shutdown that could not wait for this thread
+        self.exited = False
 
     def run(self) -> None:
         table, E = self.table, self.E
@@ -128,7 +131,7 @@ class InferenceServer(threading.Thread):
                 if not n or self._stop_requested:
                     continue
                 t0 = time.perf_counter()
-                rotate = int(idx[-1]) + 1
+                rotate = table.next_rotate
                 flat = [a.reshape(n * E, *a.shape[2:]) for a in table.request_leaves(idx)]
                 obs = flat[0] if bare else optree.tree_unflatten(spec, flat)
                 with self.lock:
@@ -154,6 +157,11 @@ class InferenceServer(threading.Thread):
             if not self._stop_requested:
                 self.error = exc
                 self.error_traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        finally:
+            with self.exit_lock:
+                self.exited = True
+                if self.close_table_at_exit:
+                    self.table.close()
 
     def stop(self, timeout: float) -> bool:
         """Ask the thread to end and wait up to ``timeout`` s; True if it ended."""
@@ -324,8 +332,8 @@ class AsyncBatchedCollector(Collector):
         Every action answered after this returns carries the new version.
         """
         s = self.server
-        if s is None:
-            raise RuntimeError("this AsyncBatchedCollector has no server (it was shut down)")
+        if s is None or self._closed:
+            raise RuntimeError("this AsyncBatchedCollector was shut down: its server no longer answers")
         src = policy_or_weights
         with s.lock:
             if src is not None and src is not self._policy:
@@ -345,20 +353,32 @@ class AsyncBatchedCollector(Collector):
         return out
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Stop the server, close the inference table (waking every waiting worker), then as Collector."""
+        """Stop the server, wake every worker waiting for an answer, then as Collector; all within ``timeout``.
+
+        A server still inside a forward pass at the deadline is left to finish it (a daemon thread):
+        the table stays shut (every worker woken) and the thread closes it when its pass returns.
+        """
         if self._closed:
             return
         budget = self.stop_timeout if timeout is None else timeout
+        end = time.monotonic() + budget
         ended = True
         if self.server is not None and self.server.is_alive():
             ended = self.server.stop(min(1.0, budget / 2))
-        if self.table is not None and ended:
-            self.table.close()
-        super().shutdown(timeout)
+        if self.table is not None:
+            if ended:
+                self.table.close()
+            else:
+                self.table.shut()  # wake them now; the server may still be writing answers into the rows
+        super().shutdown(max(0.1, end - time.monotonic()))
         if self.table is not None and not ended:
-            if self.server is not None:
-                self.server.join(budget)
-            self.table.close()  # the server was mid-forward: its views keep the mapping until it lets go
+            s = self.server
+            s.join(max(0.0, end - time.monotonic()))  # type: ignore[union-attr]
+            with s.exit_lock:  # type: ignore[union-attr]
+                if s.is_alive() and not s.exited:  # type: ignore[union-attr]
+                    s.close_table_at_exit = True  # type: ignore[union-attr]
+                    return  # it unmaps nothing under the thread's feet: the thread closes the table when it ends
+            self.table.close()
 
 
 def _load_into(policy: Any, src: Any) -> None:
