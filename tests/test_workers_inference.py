@@ -828,3 +828,11 @@ def test_bad_settings_are_usage_errors_naming_the_setting() -> None:
     with pytest.raises(shmbuf.UsageError, match="create_env_kwargs"):
         AsyncBatchedCollector([make_tag_env] * 3, policy=TagPolicy(), **{**base, "create_env_kwargs": workers(2)})
     assert not [t.name for t in threading.enumerate() if t.name.startswith("shmbuf")], "a server thread was left running"
+
+
+def test_update_policy_weights_after_shutdown_raises() -> None:
+    c = AsyncBatchedCollector([make_tag_env], policy=TagPolicy(), create_env_kwargs=workers(1), frames_per_batch=8,
+                              rollout_len=8, env_backend="threading", timeout=30)
+    c.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        c.update_policy_weights()
