@@ -25,10 +25,9 @@ def shm_objects() -> set[str]:
         return set()
 
 
-def child_pids() -> list[int]:
-    """Live children of this process, less multiprocessing's own helpers (forkserver, resource tracker)."""
-    me = os.getpid()
-    kids = []
+def live_processes() -> list[tuple[int, int, int, bytes]]:
+    """``(pid, ppid, process group, cmdline)`` of every live process (zombies and dead ones left out)."""
+    out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -40,12 +39,16 @@ def child_pids() -> list[int]:
         except OSError:
             continue
         rest = stat[stat.rfind(b")") + 2 :].split()
-        if int(rest[1]) != me or rest[0] in (b"Z", b"X"):
-            continue
-        if b"resource_tracker" in cmd or b"forkserver" in cmd:
-            continue
-        kids.append(int(entry))
-    return kids
+        if rest[0] not in (b"Z", b"X"):
+            out.append((int(entry), int(rest[1]), int(rest[2]), cmd))
+    return out
+
+
+def child_pids() -> list[int]:
+    """Live children of this process, less multiprocessing's own helpers (forkserver, resource tracker)."""
+    me = os.getpid()
+    return [pid for pid, ppid, _, cmd in live_processes()
+            if ppid == me and b"resource_tracker" not in cmd and b"forkserver" not in cmd]
 
 
 def leaked_since(before: set[str]) -> list[Any]:

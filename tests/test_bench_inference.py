@@ -30,25 +30,14 @@ for _module in ("torch", "torchrl", "tensordict", "gymnasium", "tqdm"):
     pytest.importorskip(_module)
 
 from benchmarks import inference  # after the skips: it imports torch and gymnasium
+from tests.conftest import live_processes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _group(pgid: int) -> list[int]:
     """Live processes of process group ``pgid``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        rest = stat[stat.rfind(b")") + 2 :].split()
-        if int(rest[2]) == pgid and rest[0] not in (b"Z", b"X"):
-            out.append(int(entry))
-    return out
+    return [pid for pid, _, group, _ in live_processes() if group == pgid]
 
 
 def _finite_positive(x: float) -> bool:

@@ -104,11 +104,8 @@ def test_consecutive_clients_are_one_view_others_are_gathered(table: shmbuf.Infe
             c.close()
 
 
-def _send(c: shmbuf.InferenceClient, value: float, errors: list[BaseException] | None = None) -> threading.Thread:
-    """Make a request from a thread (the call blocks until answered); its exception goes to ``errors``."""
-    c.request["obs"][:] = value
-    c.request["mask"][:] = 0
-    errors = [] if errors is None else errors
+def _call_in_thread(c: shmbuf.InferenceClient, errors: list[BaseException]) -> threading.Thread:
+    """Start ``c.call()`` in a thread (it blocks until answered); its exception goes to ``errors``."""
 
     def call() -> None:
         try:
@@ -119,6 +116,13 @@ def _send(c: shmbuf.InferenceClient, value: float, errors: list[BaseException] |
     th = threading.Thread(target=call, daemon=True)
     th.start()
     return th
+
+
+def _send(c: shmbuf.InferenceClient, value: float, errors: list[BaseException] | None = None) -> threading.Thread:
+    """Make a request of ``value`` from a thread (see :func:`_call_in_thread`)."""
+    c.request["obs"][:] = value
+    c.request["mask"][:] = 0
+    return _call_in_thread(c, [] if errors is None else errors)
 
 
 def _wait_pending(t: shmbuf.InferenceTable, n: int) -> None:
@@ -217,16 +221,8 @@ def test_close_wakes_a_waiting_client_with_pipeline_closed() -> None:
     t = shmbuf.InferenceTable(REQ, RESP, 2)
     c = shmbuf.InferenceClient(t.name, 0)
     err: list[BaseException] = []
-
-    def call() -> None:
-        try:
-            c.call()
-        except BaseException as exc:
-            err.append(exc)
-
-    th = threading.Thread(target=call, daemon=True)
     try:
-        th.start()
+        th = _call_in_thread(c, err)
         _wait_pending(t, 1)
         t0 = time.monotonic()
         t.close()
@@ -254,15 +250,7 @@ def test_a_client_waiting_on_a_dead_owner_raises_broken_pipeline_within_2_s() ->
         name = owner.stdout.readline().strip()  # type: ignore[union-attr]
         c = shmbuf.InferenceClient(name, 0)
         err: list[BaseException] = []
-
-        def call() -> None:
-            try:
-                c.call()
-            except BaseException as exc:
-                err.append(exc)
-
-        th = threading.Thread(target=call, daemon=True)
-        th.start()
+        th = _call_in_thread(c, err)
         time.sleep(0.1)
         t0 = time.monotonic()
         owner.kill()
