@@ -37,6 +37,7 @@ import os
 import re
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -154,6 +155,13 @@ def _write_json(path: str, obj: Any, fsync: bool) -> None:
             os.fsync(f.fileno())
 
 
+# np.load parses a .npy header with ast.literal_eval, and CPython 3.11's AST conversion keeps its recursion
+# depth per interpreter, not per thread: two threads loading at once (play() in a thread beside a
+# RolloutDataset in another) can fail with "SystemError: AST constructor recursion depth mismatch" (seen in
+# test_playback_delivers_exactly_the_recorded_data). Loads take this lock; the header is all it covers.
+_NPY_LOAD = threading.Lock()
+
+
 def _load_npy(path: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     """A read-only memory map of ``path``, checked against metadata.json's dtype and shape.
 
@@ -161,7 +169,8 @@ def _load_npy(path: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     the last array made from it is dropped.
     """
     try:
-        a = np.load(path, mmap_mode="r", allow_pickle=False)
+        with _NPY_LOAD:
+            a = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
         raise SegmentError(f"{path}: missing (metadata.json lists this field); the trajectory is incomplete or was "
                            "written by something else: remove its directory") from None
