@@ -187,7 +187,7 @@ def learner_main(system: str, payload: str, mode: str, n_actors: int, batch: int
         conn.send_bytes(json.dumps(result).encode())
         # Keep serving until every actor has noted the stop (its last CPU reading), then close.
         rows = [c[C_ACTORS + i * _row_words(windows):][: _row_words(windows)] for i in range(n_actors)]
-        if system == "echo":  # sample() cannot time out: close the server from a timer if the actors went quiet
+        if system in transports.ECHO_SYSTEMS:  # sample() cannot time out: close the server from a timer if the actors went quiet
             timer = threading.Timer(2.0, side.close)
             timer.daemon = True
             timer.start()
@@ -341,7 +341,7 @@ def run_one(system: str, payload: str, mode: str, actors: int, *, batch: int, de
         if system == "mp_queue" and shared is not None:
             shared.cancel_join_thread()
             shared.close()
-        if system == "shmbuf":
+        if system in transports.SHMBUF_SYSTEMS:
             left = _remove_shmbuf_objects(address) if isinstance(address, str) else _remove_owned_by(procs[:1])
             if left:
                 record["shm_removed_after_kill"] = left

@@ -1,4 +1,9 @@
-"""From raw run records to the numbers people read: per-run summaries, the targets of issue 3, a table, a plot."""
+"""From raw run records to the numbers people read: per-run summaries, the targets of issue 12, a table, a plot.
+
+echo runs in two configurations ("echo": its defaults; "echo1": one drainer, one TCP thread). Every ratio
+against echo takes the better of the two in the same row (higher rollouts/s, lower p99) as its denominator,
+and names the configuration it was.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,20 @@ from typing import Any
 
 import numpy as np
 
-NAMES = {"shmbuf": "shmbuf", "echo": "echo (TCP)", "faster_fifo": "faster_fifo", "mp_queue": "mp.Queue"}
+NAMES = {"shmbuf": "shmbuf", "shmbuf_gather": "shmbuf gather", "echo": "echo", "echo1": "echo1",
+         "faster_fifo": "faster_fifo", "mp_queue": "mp.Queue"}
+LONG = {"shmbuf": "shmbuf, `get_batch(16)` (view=None: zero-copy views when the 16 rollouts are one aligned run of slots)",
+        "shmbuf_gather": "shmbuf, `get_batch(16, view=False)` (always one gather copy into the batch)",
+        "echo": "echo 0.2 over TCP, its defaults: `Server(example, 16, transport=TcpTransport(port=0))` "
+                "(8 drainer threads, 8 TCP threads)",
+        "echo1": "echo over TCP, `Server(..., transport=TcpTransport(port=0, num_threads=1), num_drainers=1)`",
+        "faster_fifo": "`faster_fifo.Queue`, 16 `get_many`s stacked into a preallocated batch",
+        "mp_queue": "`multiprocessing.Queue`, 16 `get`s stacked into a preallocated batch"}
+ECHOS = ("echo", "echo1")
+GOALS = {"small": 3.0, "rl": 8.0, "atari": 12.0}  # issue 12: shmbuf / echo's better, transport, 2 actors, B=16
+ADD_GOAL = 0.25
+P99_GOAL = 0.1
+LEARNER_CPU_GOAL = 3.0  # µs per small rollout at B=16
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
@@ -19,6 +37,7 @@ def _spread(values: list[float]) -> dict[str, Any]:
 def summarize(rec: dict[str, Any]) -> dict[str, Any]:
     """Rollouts/s, MB/s, latency and CPU per rollout of one run, each as median over windows with min/max."""
     out = {k: rec[k] for k in ("system", "payload", "mode", "actors", "batch", "status")}
+    out["depth"] = rec.get("depth")
     if rec["status"] != "ok":
         out["detail"] = rec.get("stall") or rec.get("error")
         return out
@@ -39,6 +58,11 @@ def summarize(rec: dict[str, Any]) -> dict[str, Any]:
     actor_cpu, actor_sw = _actor_usage(rec["actor_rows"])
     out["cpu_us_per_rollout"] = {"learner": _spread(lcpu)["median"], "actors": actor_cpu}
     out["context_switches_per_rollout"] = {"learner": _spread(lsw)["median"], "actors": actor_sw}
+    extra = learner.get("extra") or {}
+    if isinstance(extra.get("batches"), dict):  # shmbuf: zero-copy views and gathered batches, whole run
+        views, gathered = extra["batches"].get("views", 0), extra["batches"].get("gathered", 0)
+        out["batches"] = {"views": views, "gathered": gathered}
+        out["views_fraction"] = views / (views + gathered) if views + gathered else None
     # Cores busy on the machine during the windows, less what this run's learner and actors used: other people's load.
     if rec.get("machine_busy_cores") is not None and actor_cpu is not None:
         span = cuts[-1]["t"] - cuts[0]["t"]
@@ -79,61 +103,151 @@ def _med(s: dict[str, Any] | None, *path: str) -> float | None:
     return x["median"] if isinstance(x, dict) else x
 
 
-def copy_bound(rollout_bytes: int, cores: int, copy_gb_s: float) -> float:
-    """Rollouts/s a design that copies each byte twice (the actor's write into the slot, the learner's
-    gather into the batch) cannot exceed with ``cores`` cores copying at ``copy_gb_s`` each."""
-    return cores * copy_gb_s * 1e9 / (2 * rollout_bytes)
+def copy_bound(rollout_bytes: int, cores: int, copy_gb_s: float, copies: float = 2.0) -> float:
+    """Rollouts/s a design that copies each byte ``copies`` times (2: the actor's write into the slot and the
+    learner's gather into the batch; 1 with zero-copy batches) cannot exceed with ``cores`` cores copying at
+    ``copy_gb_s`` each."""
+    return cores * copy_gb_s * 1e9 / (copies * rollout_bytes)
+
+
+def echo_best(summaries: list[dict[str, Any]], payload: str, mode: str, actors: int,
+              path: tuple[str, ...] = ("rollouts_per_s",), lower: bool = False) -> tuple[float | None, str | None]:
+    """echo's better figure of its two configurations in one row (higher, or lower with ``lower``) and which one."""
+    got = [(v, s) for s in ECHOS
+           if (v := _med(find(summaries, system=s, payload=payload, mode=mode, actors=actors), *path))]
+    if not got:
+        return None, None
+    return (min if lower else max)(got, key=lambda x: x[0])
+
+
+def _views(s: dict[str, Any] | None) -> float | None:
+    return None if s is None or s["status"] != "ok" else s.get("views_fraction")
+
+
+def _cpu(s: dict[str, Any] | None, side: str) -> float | None:
+    return None if s is None or s["status"] != "ok" else s["cpu_us_per_rollout"][side]
+
+
+def micro_kinds(micro: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The microbench's item kinds, by issue 12's names; a results file from before helper W's rewrite has
+    "scalars" (numpy scalars, i.e. "numpy") and "arrays" only."""
+    if not micro:
+        return {}
+    kinds = {k: micro[k] for k in ("numpy", "python", "arrays") if isinstance(micro.get(k), dict)}
+    if "numpy" not in kinds and isinstance(micro.get("scalars"), dict):
+        kinds["numpy"] = micro["scalars"]
+    return kinds
+
+
+def _throughput_bound(summaries: list[dict[str, Any]], payload: str, need: float, cores: int,
+                      copy_bw: dict[str, Any], payload_bytes: dict[str, int] | None, actors: int) -> str:
+    """Where a missed throughput target's time goes, from the run's own figures: the learner's CPU per rollout
+    against one core, all CPU per rollout against the machine, and the copy bound at DRAM speed."""
+    s = find(summaries, system="shmbuf", payload=payload, mode="transport", actors=actors)
+    rate, lrn, act = _med(s, "rollouts_per_s"), _cpu(s, "learner"), _cpu(s, "actors")
+    if not rate or not lrn or not act:
+        return ""
+    caps = {"the learner's core": 1e6 / lrn, f"{cores} cores of CPU": cores * 1e6 / (lrn + act)}
+    parts = [f"learner {lrn:.1f} µs/rollout x {rate:,.0f}/s = {rate * lrn / 1e6:.2f} core (at most {1e6 / lrn:,.0f}/s)",
+             f"learner + actors {lrn + act:.1f} µs/rollout (at most {cores * 1e6 / (lrn + act):,.0f}/s on {cores} cores)"]
+    if payload_bytes and payload != "small":
+        v = _views(s)
+        copies = 2.0 - (v or 0.0)  # each gathered batch adds a copy
+        cap = copy_bound(payload_bytes[payload], cores, copy_bw["dram"], copies)
+        caps[f"the {copies:.2g}-copy bound"] = cap
+        parts.append(f"{copies:.2g}-copy bound at DRAM copy speed {cap:,.0f}/s")
+    name = min(caps, key=caps.__getitem__)
+    parts.append(f"tightest: {name}; the target needs {need:,.0f}/s, i.e. at most "
+                 f"{cores * 1e6 / need:.1f} µs of CPU per rollout in all")
+    return "; ".join(parts)
 
 
 def targets(summaries: list[dict[str, Any]], micro: dict[str, Any] | None, copy_bw: dict[str, Any],
-            stalls: list[dict[str, Any]], cores: int = 2, payload_bytes: dict[str, int] | None = None
-            ) -> list[dict[str, Any]]:
-    """Each target of issue 3: the figures, the ratio, met or not (None when a figure is missing)."""
+            stalls: list[dict[str, Any]], cores: int = 2, payload_bytes: dict[str, int] | None = None,
+            actors: int = 2) -> list[dict[str, Any]]:
+    """Each target of issue 12 (transport mode, ``actors`` actors, B=16, against echo's better configuration):
+    the figure, the goal, met or not (None when a figure is missing), and for a missed one what bounds it."""
     out: list[dict[str, Any]] = []
 
-    def add(name: str, value: float | None, goal: str, met: bool | None, detail: str = "") -> None:
-        out.append({"target": name, "value": value, "goal": goal, "met": met, "detail": detail})
+    def add(name: str, value: float | None, goal: str, met: bool | None, detail: str = "", bound: str = "") -> None:
+        out.append({"target": name, "value": value, "goal": goal, "met": met, "detail": detail,
+                    "bound": bound if met is False else ""})
 
-    need = {"small": 4.0, "rl": 8.0, "atari": 10.0}
-    for payload, k in need.items():
-        shm = _med(find(summaries, system="shmbuf", payload=payload, mode="transport", actors=2), "rollouts_per_s")
-        for other in ("echo", "faster_fifo", "mp_queue"):
-            o = _med(find(summaries, system=other, payload=payload, mode="transport", actors=2), "rollouts_per_s")
-            ratio = shm / o if shm and o else None
-            goal = k if other == "echo" else 1.0
-            detail = f"{shm and round(shm)} vs {o and round(o)} rollouts/s"
-            if other == "echo" and o and payload_bytes and payload != "small":
-                bound = copy_bound(payload_bytes[payload], cores, copy_bw["dram"])
-                detail += f"; 2-copy bound at DRAM copy speed {bound:,.0f}/s = {bound / o:.1f}x echo"
-            add(f"transport {payload}, 2 actors: shmbuf / {NAMES[other]} rollouts/s", ratio, f">= {goal:g}x",
-                None if ratio is None else ratio >= goal, detail)
-    atari = find(summaries, system="shmbuf", payload="atari", mode="transport", actors=2)
-    mb = _med(atari, "mb_per_s")
-    for label, bw in (("cache-resident copy (one rollout)", copy_bw["rollout"]), ("DRAM copy (128 MiB)", copy_bw["dram"])):
-        frac = mb / (bw * 1e3) if mb else None
-        add(f"transport atari, 2 actors: shmbuf MB/s / single-core {label}", frac, ">= 0.40",
-            None if frac is None else frac >= 0.40, f"{mb and round(mb)} MB/s vs {bw * 1e3:.0f} MB/s")
-    shm = find(summaries, system="shmbuf", payload="small", mode="step", actors=2)
-    ech = find(summaries, system="echo", payload="small", mode="step", actors=2)
-    a = shm["cpu_us_per_rollout"]["actors"] if shm and shm["status"] == "ok" else None
-    e = ech["cpu_us_per_rollout"]["actors"] if ech and ech["status"] == "ok" else None
-    r = a / e if a and e else None
-    add("step small, 2 actors: actor CPU per rollout shmbuf / echo", r, "<= 0.333", None if r is None else r <= 1 / 3,
-        f"{a and round(a, 1)} vs {e and round(e, 1)} µs per rollout")
-    if micro:
-        for kind, label in (("scalars", "scalar items (headline)"), ("arrays", "0-d array items")):
-            x = micro[kind]
-            r = x["ratio_shmbuf_to_echo"]
-            add(f"step small: Writer.add / TrajectoryAccumulator.add per step, {label}", r, "<= 0.4", r <= 0.4,
-                f"{x['shmbuf']['us_per_add']:.2f} vs {x['echo']['us_per_add']:.2f} µs per add")
-    for payload in ("small", "rl", "atari"):
-        s = _med(find(summaries, system="shmbuf", payload=payload, mode="transport", actors=2), "latency_us", "p99")
-        e = _med(find(summaries, system="echo", payload=payload, mode="transport", actors=2), "latency_us", "p99")
+    for payload, k in GOALS.items():
+        shm = _med(find(summaries, system="shmbuf", payload=payload, mode="transport", actors=actors), "rollouts_per_s")
+        gat = _med(find(summaries, system="shmbuf_gather", payload=payload, mode="transport", actors=actors),
+                   "rollouts_per_s")
+        e, which = echo_best(summaries, payload, "transport", actors)
+        ratio = shm / e if shm and e else None
+        v = _views(find(summaries, system="shmbuf", payload=payload, mode="transport", actors=actors))
+        detail = f"{_fmt(shm)} vs {_fmt(e)} rollouts/s ({which})"
+        if v is not None:
+            detail += f"; {v:.0%} of batches were views"
+        if gat and e:
+            detail += f"; shmbuf gather {_fmt(gat)}/s = {gat / e:.2f}x"
+        bound = _throughput_bound(summaries, payload, k * e, cores, copy_bw, payload_bytes, actors) if e else ""
+        add(f"transport {payload}, {actors} actors: shmbuf / echo's better, rollouts/s", ratio, f">= {k:g}x",
+            None if ratio is None else ratio >= k, detail, bound)
+        for other in ("faster_fifo", "mp_queue"):
+            o = _med(find(summaries, system=other, payload=payload, mode="transport", actors=actors), "rollouts_per_s")
+            if o is None:
+                continue
+            r = shm / o if shm else None
+            add(f"transport {payload}, {actors} actors: shmbuf / {NAMES[other]}, rollouts/s", r, ">= 1x",
+                None if r is None else r >= 1, f"{_fmt(shm)} vs {_fmt(o)} rollouts/s")
+    kinds = micro_kinds(micro)
+    plain = (micro or {}).get("plain") or {}
+    for kind, label in (("numpy", "numpy items"), ("python", "Python-scalar items")):
+        x = kinds.get(kind)
+        if x is None:
+            add(f"`Writer.add` / `TrajectoryAccumulator.add` per step, {label}", None, f"<= {ADD_GOAL:g}", None,
+                "not measured in this run")
+            continue
+        r, us, ue = x["ratio_shmbuf_to_echo"], x["shmbuf"]["us_per_add"], x["echo"]["us_per_add"]
+        bound = ""
+        if plain.get("us_per_add"):
+            p = plain["us_per_add"]
+            bound = (f"a plain slot write costs {p:.2f} µs ({p / ue:.2f}x echo's add), `add` {us:.2f}: its "
+                     f"{us - p:.2f} µs above the floor would have to fall to {ADD_GOAL * ue - p:.2f}")
+        add(f"`Writer.add` / `TrajectoryAccumulator.add` per step, {label}", r, f"<= {ADD_GOAL:g}", r <= ADD_GOAL,
+            f"{us:.2f} vs {ue:.2f} µs per add, windows {x['ratio_min']:.2f}-{x['ratio_max']:.2f}", bound)
+    for payload in GOALS:
+        key = find(summaries, system="shmbuf", payload=payload, mode="transport", actors=actors)
+        s = _med(key, "latency_us", "p99")
+        e, which = echo_best(summaries, payload, "transport", actors, ("latency_us", "p99"), lower=True)
         r = s / e if s and e else None
-        add(f"latency at saturation, {payload}, 2 actors: shmbuf p99 / echo p99", r, "<= 0.1", None if r is None else r <= 0.1,
-            f"{s and round(s)} vs {e and round(e)} µs")
-    shm_stalls = [x for x in stalls if x["system"] == "shmbuf"]
-    add("stalls of shmbuf in the whole sweep", len(shm_stalls), "0", not shm_stalls)
+        bound = ""
+        rate = _med(key, "rollouts_per_s")
+        if rate and e:
+            depth = key.get("depth", 32) if key else 32
+            batch = key["batch"] if key else 16
+            bound = (f"p99 goal {P99_GOAL * e:,.0f} µs; {depth} rollouts in flight at {rate:,.0f}/s wait "
+                     f"{depth / rate * 1e6:,.0f} µs on average (Little's law) and a batch of {batch} fills in "
+                     f"{batch / rate * 1e6:,.0f} µs: at this rate the goal allows about "
+                     f"{P99_GOAL * e * 1e-6 * rate:.1f} rollouts in flight")
+        add(f"saturation latency, {payload}, {actors} actors, B=16: shmbuf p99 / echo's better p99", r,
+            f"<= {P99_GOAL:g}", None if r is None else r <= P99_GOAL, f"{_fmt(s)} vs {_fmt(e)} µs ({which})", bound)
+    key = find(summaries, system="shmbuf", payload="small", mode="transport", actors=actors)
+    lrn = _cpu(key, "learner")
+    gat = _cpu(find(summaries, system="shmbuf_gather", payload="small", mode="transport", actors=actors), "learner")
+    e_l = [x for x in (_cpu(find(summaries, system=s, payload="small", mode="transport", actors=actors), "learner")
+                       for s in ECHOS) if x]
+    detail = "" if lrn is None else f"{lrn:.2f} µs ({lrn * 16:.0f} µs per batch of 16)"
+    if lrn is not None and _views(key) is not None:
+        detail += f", {_views(key):.0%} of batches views"
+    bound = ""
+    if lrn is not None:
+        rate = _med(key, "rollouts_per_s") or 0
+        bound = (f"the learner was {rate * lrn / 1e6:.2f} core busy at {rate:,.0f}/s"
+                 + (f"; gathering every batch (shmbuf gather) costs {gat:.2f} µs" if gat else "")
+                 + (f"; echo's learner {min(e_l):.1f} µs" if e_l else ""))
+    add(f"learner CPU per small rollout, transport, {actors} actors, B=16 (µs)", lrn, f"<= {LEARNER_CPU_GOAL:g}",
+        None if lrn is None else lrn <= LEARNER_CPU_GOAL, detail, bound)
+    shm_stalls = [x for x in stalls if x["system"] in ("shmbuf", "shmbuf_gather")]
+    others = {n: sum(1 for x in stalls if x["system"] == n) for n in NAMES if n not in ("shmbuf", "shmbuf_gather")}
+    add("shmbuf stalls in the whole sweep", len(shm_stalls), "0", not shm_stalls,
+        "others: " + ", ".join(f"{NAMES[n]} {c}" for n, c in others.items()),
+        "; ".join(f"{x['system']} {x['payload']} {x['mode']} x{x['actors']}: {x.get('detail')}" for x in shm_stalls))
     return out
 
 
@@ -166,83 +280,135 @@ def _cell(s: dict[str, Any] | None, key: str, nd: int = 0) -> str:
     return f"{_fmt(v['median'], nd)} ±{spread / 2:.0f}%{mark}"
 
 
+def _counts(S: list[dict[str, Any]], mode: str, payload: str) -> list[int]:
+    return sorted({x["actors"] for x in S if x["mode"] == mode and x["payload"] == payload})
+
+
+def _ratio_cell(num: float | None, den: float | None, which: str | None = None) -> str:
+    if not num or not den:
+        return "–"
+    return f"{num / den:.2f}x" + (f" ({which})" if which else "")
+
+
+def _present(S: list[dict[str, Any]], systems: list[str], mode: str) -> list[str]:
+    return [s for s in systems if any(x["mode"] == mode and x["system"] == s for x in S)]
+
+
+def _throughput_tables(result: dict[str, Any], mode: str, title: str) -> list[str]:
+    S = result["summaries"]
+    ms = _present(S, result["config"]["systems"], mode)
+    if not ms:
+        return []
+    has_echo = any(s in ECHOS for s in ms)
+    ratio_heads = ([f"{NAMES[s]} / echo's better" for s in ("shmbuf", "shmbuf_gather") if s in ms] if has_echo else [])
+    ratio_heads += [f"shmbuf / {NAMES[s]}" for s in ("faster_fifo", "mp_queue") if s in ms and "shmbuf" in ms]
+    lines = [f"## {title}: rollouts/s", "", "| payload | actors | " + " | ".join(NAMES[s] for s in ms) + " | "
+             + " | ".join(ratio_heads) + " |", "|---|---:|" + "---:|" * (len(ms) + len(ratio_heads))]
+    for payload in result["config"]["payloads"]:
+        for n in _counts(S, mode, payload):
+            row = {s: find(S, system=s, payload=payload, mode=mode, actors=n) for s in ms}
+            if not any(row.values()):
+                continue
+            e, which = echo_best(S, payload, mode, n)
+            ratios = []
+            if has_echo:
+                ratios += [_ratio_cell(_med(row[s], "rollouts_per_s"), e, which) for s in ("shmbuf", "shmbuf_gather")
+                           if s in ms]
+            ratios += [_ratio_cell(_med(row["shmbuf"], "rollouts_per_s"), _med(row[s], "rollouts_per_s"))
+                       for s in ("faster_fifo", "mp_queue") if s in ms and "shmbuf" in ms]
+            lines.append(f"| {payload} | {n} | " + " | ".join(_cell(row[s], "rollouts_per_s") for s in ms) + " | "
+                         + " | ".join(ratios) + " |")
+    bw = result["copy_bandwidth"]
+    lines += ["", f"## {title}: MB/s", "", "| payload | actors | " + " | ".join(NAMES[s] for s in ms)
+              + " | shmbuf / 1-core copy (DRAM; cache-resident) |", "|---|---:|" + "---:|" * (len(ms) + 1)]
+    for payload in result["config"]["payloads"]:
+        for n in _counts(S, mode, payload):
+            row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in ms]
+            mb = _med(row[ms.index("shmbuf")], "mb_per_s") if "shmbuf" in ms else None
+            frac = f"{mb / (bw['dram'] * 1e3):.1%}; {mb / (bw['rollout'] * 1e3):.1%}" if mb else "–"
+            lines.append(f"| {payload} | {n} | " + " | ".join(_cell(r, "mb_per_s") for r in row) + f" | {frac} |")
+    shm = [s for s in ("shmbuf", "shmbuf_gather") if s in ms]
+    lines += ["", f"## {title}: CPU µs per rollout (all actors together / learner)", "",
+              "| payload | actors | " + " | ".join(NAMES[s] for s in ms) + "".join(f" | {NAMES[s]}: batches as views"
+                                                                           for s in shm) + " |",
+              "|---|---:|" + "---:|" * (len(ms) + len(shm))]
+    for payload in result["config"]["payloads"]:
+        for n in _counts(S, mode, payload):
+            row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in ms]
+            cells = _cells(row, lambda r: f"{_fmt(r['cpu_us_per_rollout']['actors'], 1)} / "
+                                          f"{_fmt(r['cpu_us_per_rollout']['learner'], 1)}")
+            views = []
+            for s in shm:
+                v = _views(row[ms.index(s)])
+                views.append("–" if v is None else f"{v:.0%}")
+            lines.append(f"| {payload} | {n} | " + " | ".join(cells + views) + " |")
+    lines.append("")
+    return lines
+
+
+def _bound_lines(result: dict[str, Any]) -> list[str]:
+    missed = [t for t in result["targets"] if t["met"] is False and t.get("bound")]
+    if not missed:
+        return []
+    lines = ["### What bounds each missed target (from this run's figures)", ""]
+    lines += [f"- {t['target']}: {t['bound']}." for t in missed]
+    return lines + [""]
+
+
 def markdown(result: dict[str, Any]) -> str:
-    """The Markdown page: machine line, the throughput tables, latency, CPU, the targets."""
+    """The Markdown page: machine line, the throughput tables, CPU, latency, the add microbench, the targets."""
     S = result["summaries"]
     systems = result["config"]["systems"]
     m = result["machine"]
+    cfg = result["config"]
+    bw = result["copy_bandwidth"]
+    sweep = (f"Sweep: B={cfg['batch']} stacked rollouts per batch, queue depth {cfg['depth']}, {cfg['windows']} windows "
+             f"of {cfg['window_s']} s after {cfg['warmup_s']} s of warm-up; medians over windows, ± half the min–max "
+             f"spread; {len(result.get('runs', S))} runs in {result.get('sweep_s', 0) / 60:.1f} minutes. Load average "
+             f"at start {m['loadavg_start'][0]:.2f}, at end {m.get('loadavg_end', [0])[0]:.2f}. ‡: more than {LOADED} "
+             "core of other people's load on the machine during that run (see the section on it below).")
     lines = [f"# shmbuf benchmark {result['date']} on {m['host']}", "", f"Machine: {result['machine_line']}", "",
-             f"Single-core `np.copyto` bandwidth in this run: {result['copy_bandwidth']['rollout']:.1f} GB/s "
-             f"on one atari rollout (cache-resident), {result['copy_bandwidth']['dram']:.1f} GB/s on 128 MiB (DRAM).",
-             "", f"Sweep: B={result['config']['batch']} stacked rollouts per batch, queue depth {result['config']['depth']}, "
-             f"{result['config']['windows']} windows of {result['config']['window_s']} s after {result['config']['warmup_s']} s "
-             f"of warm-up; medians over windows, ± half the min–max spread. Load average at start "
-             f"{m['loadavg_start'][0]:.2f}, at end {m.get('loadavg_end', [0])[0]:.2f}. ‡: more than {LOADED} core of "
-             f"other people's load on the machine during that run (see the section on it below).", ""]
-    for mode, title in (("transport", "Transport mode (actors send a built rollout)"),
-                        ("step", "Step mode (actors add T steps, then commit / build + send)")):
-        ms = [s for s in systems if any(x["mode"] == mode and x["system"] == s for x in S)]
-        if not ms:
-            continue
-        lines += [f"## {title}: rollouts/s", "", "| payload | actors | " + " | ".join(NAMES[s] for s in ms) + " | "
-                  + " | ".join(f"shmbuf / {NAMES[s]}" for s in ms if s != "shmbuf") + " |",
-                  "|---|---:|" + "---:|" * (2 * len(ms) - 1)]
-        for payload in result["config"]["payloads"]:
-            for n in result["config"]["actors"]:
-                row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in ms]
-                if not any(row):
-                    continue
-                shm = _med(row[ms.index("shmbuf")], "rollouts_per_s") if "shmbuf" in ms else None
-                ratios = []
-                for s, r in zip(ms, row):
-                    if s == "shmbuf":
-                        continue
-                    o = _med(r, "rollouts_per_s")
-                    ratios.append(f"{shm / o:.2f}x" if shm and o else "–")
-                lines.append(f"| {payload} | {n} | " + " | ".join(_cell(r, "rollouts_per_s") for r in row) + " | "
-                             + " | ".join(ratios) + " |")
-        bw = result["copy_bandwidth"]
-        lines += ["", f"## {title}: MB/s", "", "| payload | actors | " + " | ".join(NAMES[s] for s in ms)
-                  + " | shmbuf / 1-core copy (DRAM; cache-resident) |", "|---|---:|" + "---:|" * (len(ms) + 1)]
-        for payload in result["config"]["payloads"]:
-            for n in result["config"]["actors"]:
-                row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in ms]
-                if any(row):
-                    mb = _med(row[ms.index("shmbuf")], "mb_per_s") if "shmbuf" in ms else None
-                    frac = f"{mb / (bw['dram'] * 1e3):.1%}; {mb / (bw['rollout'] * 1e3):.1%}" if mb else "–"
-                    lines.append(f"| {payload} | {n} | " + " | ".join(_cell(r, "mb_per_s") for r in row) + f" | {frac} |")
-        lines += ["", f"## {title}: CPU µs per rollout (actors, all of them / learner)", "",
-                  "| payload | actors | " + " | ".join(NAMES[s] for s in ms) + " |", "|---|---:|" + "---:|" * len(ms)]
-        for payload in result["config"]["payloads"]:
-            for n in result["config"]["actors"]:
-                row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in ms]
-                if not any(row):
-                    continue
-                cells = _cells(row, lambda r: f"{_fmt(r['cpu_us_per_rollout']['actors'], 1)} / "
-                                              f"{_fmt(r['cpu_us_per_rollout']['learner'], 1)}")
-                lines.append(f"| {payload} | {n} | " + " | ".join(cells) + " |")
-        lines.append("")
+             (f"Single-core `np.copyto` bandwidth in this run: {bw['rollout']:.1f} GB/s on one atari rollout "
+              f"(cache-resident), {bw['dram']:.1f} GB/s on 128 MiB (DRAM)."), "", sweep, "", "Systems:", ""]
+    lines += [f"- **{NAMES[s]}**: {LONG[s]}" for s in systems if s in LONG]
+    lines += ["", ("Every ratio against echo divides by echo's better configuration in that row (higher rollouts/s, "
+                   "lower p99) and names it in brackets."), ""]
+    lines += _throughput_tables(result, "transport", "Transport mode (actors send a built rollout)")
+    lines += _throughput_tables(result, "step", "Step mode (actors add T steps, then commit / build + send)")
+    lat_sys = [s for s in systems if any(x["system"] == s and x["mode"] in ("latency", "transport") for x in S)]
     lines += ["## Latency, send/commit to the learner holding the batch: p50 / p99 µs", "",
-              "| payload | load | " + " | ".join(NAMES[s] for s in systems) + " |", "|---|---|" + "---:|" * len(systems)]
-    for payload in result["config"]["payloads"]:
-        for mode, label in (("latency", f"paced, {result['config']['pace_rate']:g}/s, B=1"),
-                            ("transport", f"saturation, B={result['config']['batch']}")):
-            n = result["config"]["latency_actors"]
-            row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in systems]
+              "| payload | load | " + " | ".join(NAMES[s] for s in lat_sys) + " | shmbuf p99 / echo's better p99 |",
+              "|---|---|" + "---:|" * (len(lat_sys) + 1)]
+    n = cfg["latency_actors"]
+    for payload in cfg["payloads"]:
+        for mode, label in (("latency", f"paced, {cfg['pace_rate']:g}/s, B=1"), ("transport", f"saturation, B={cfg['batch']}")):
+            row = [find(S, system=s, payload=payload, mode=mode, actors=n) for s in lat_sys]
             if not any(row):
                 continue
             cells = _cells(row, lambda r: f"{_fmt(_med(r, 'latency_us', 'p50'))} / {_fmt(_med(r, 'latency_us', 'p99'))}")
-            lines.append(f"| {payload} | {label}, {n} actors | " + " | ".join(cells) + " |")
+            e, which = echo_best(S, payload, mode, n, ("latency_us", "p99"), lower=True)
+            shm = _med(find(S, system="shmbuf", payload=payload, mode=mode, actors=n), "latency_us", "p99")
+            lines.append(f"| {payload} | {label}, {n} actors | " + " | ".join(cells) + f" | {_ratio_cell(shm, e, which)} |")
     lines.append("")
-    if result.get("microbench"):
+    kinds = micro_kinds(result.get("microbench"))
+    if kinds:
         mb = result["microbench"]
         lines += ["## Per-step accumulate (one process, small payload, µs per `add`)", "",
                   "| items | shmbuf `Writer.add` | echo `TrajectoryAccumulator.add` | ratio (median of windows) |",
                   "|---|---:|---:|---:|"]
-        for kind, label in (("scalars", "numpy scalars (`reward[t]`)"), ("arrays", "arrays, 0-d for scalars (`reward[t, ...]`)")):
-            x = mb[kind]
+        for kind, label in (("numpy", "numpy items, as indexing a rollout gives (`reward[t]`)"),
+                            ("python", "Python scalars, float32 array obs (one gymnasium env)"),
+                            ("arrays", "arrays, 0-d for scalar leaves (`reward[t, ...]`)")):
+            x = kinds.get(kind)
+            if x is None:
+                lines.append(f"| {label} | – | – | not measured |")
+                continue
             lines.append(f"| {label} | {x['shmbuf']['us_per_add']:.2f} | {x['echo']['us_per_add']:.2f} | "
                          f"{x['ratio_shmbuf_to_echo']:.2f} ({x['ratio_min']:.2f}–{x['ratio_max']:.2f}) |")
+        plain = mb.get("plain") or {}
+        if plain.get("us_per_add"):
+            lines.append(f"| the floor: a hand-written slot write (`dst[i] = x` per leaf, no checks) | "
+                         f"{plain['us_per_add']:.2f} | | |")
         lines.append("")
     other = [(x.get("other_load_cores"), x) for x in S if x.get("other_load_cores") is not None]
     if other:
@@ -261,57 +427,91 @@ def markdown(result: dict[str, Any]) -> str:
                          f"({s.get('detail')})")
     else:
         lines.append("None.")
-    lines += ["", "## Targets (issue 3)", "", "| target | value | goal | met |", "|---|---:|---|---|"]
+    lines += ["", "## Targets (issue 12: transport, 2 actors, B=16, against echo's better configuration)", "",
+              "| target | value | goal | met |", "|---|---:|---|---|"]
     for t in result["targets"]:
         v = t["value"]
         vs = "–" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
         met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
         lines.append(f"| {t['target']} ({t['detail']}) | {vs} | {t['goal']} | {met} |" if t["detail"]
                      else f"| {t['target']} | {vs} | {t['goal']} | {met} |")
+    lines.append("")
+    lines += _bound_lines(result)
     return "\n".join(lines) + "\n"
 
 
+COLORS = {"shmbuf": "C0", "shmbuf_gather": "C9", "echo": "C3", "echo1": "C1", "faster_fifo": "C2", "mp_queue": "C7"}
+
+
 def plot(result: dict[str, Any], path: str) -> None:
-    """Rollouts/s and MB/s against actor count, one panel per payload, transport mode (step mode dashed)."""
+    """Transport mode, rollouts/s: one panel of bars per payload and system at the targets' actor count, then
+    one panel per payload of the scaling row (rollouts/s against actor processes). Log scales."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    S = result["summaries"]
-    payloads = result["config"]["payloads"]
-    fig, axes = plt.subplots(2, len(payloads), figsize=(4.6 * len(payloads), 7.5), squeeze=False)
-    colors = {"shmbuf": "C0", "echo": "C3", "faster_fifo": "C2", "mp_queue": "C7"}
-    for j, payload in enumerate(payloads):
-        for i, (key, label) in enumerate((("rollouts_per_s", "rollouts/s"), ("mb_per_s", "MB/s"))):
-            ax = axes[i][j]
-            for mode, style in (("transport", "-"), ("step", "--")):
-                for s in result["config"]["systems"]:
-                    pts = [(x["actors"], x[key]) for x in S
-                           if x["system"] == s and x["payload"] == payload and x["mode"] == mode and x["status"] == "ok"]
-                    if not pts:
-                        continue
-                    xs = [p[0] for p in pts]
-                    ys = [p[1]["median"] for p in pts]
-                    lo = [p[1]["median"] - p[1]["min"] for p in pts]
-                    hi = [p[1]["max"] - p[1]["median"] for p in pts]
-                    ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style + "o", color=colors[s], capsize=3, ms=4,
-                                label=f"{NAMES[s]} ({mode})")
-                    for x in S:  # mark stalls on the axis
-                        if x["system"] == s and x["payload"] == payload and x["mode"] == mode and x["status"] != "ok":
-                            ax.plot([x["actors"]], [0], "x", color=colors[s], ms=9)
-            ax.set_yscale("log")
-            ax.set_xticks(result["config"]["actors"])
-            ax.set_xlabel("actor processes")
-            ax.set_ylabel(label)
-            ax.set_title(f"{payload} ({result['payload_bytes'][payload] / 1e6:.3g} MB/rollout)" if i == 0 else "")
-            ax.grid(True, which="both", alpha=0.3)
-        if payload == "atari":
-            bw = result["copy_bandwidth"]["dram"] * 1e3
-            axes[1][j].axhline(bw, color="k", ls=":", lw=1, label="1-core copy, DRAM")
-    axes[0][0].legend(fontsize=7, loc="lower left")
-    axes[1][-1].legend(fontsize=7, loc="lower left")
-    fig.suptitle(f"shmbuf vs echo TCP vs queues, B={result['config']['batch']} batches — {result['machine']['cpu_model']}, "
+    S = [x for x in result["summaries"] if x["mode"] == "transport"]
+    cfg = result["config"]
+    systems = [s for s in cfg["systems"] if any(x["system"] == s for x in S)]
+    payloads = [p for p in cfg["payloads"] if any(x["payload"] == p for x in S)]
+    n0 = cfg.get("target_actors", 2)
+    if not any(x["actors"] == n0 for x in S):  # a narrowed sweep without the targets' actor count
+        n0 = min((x["actors"] for x in S), default=n0)
+    scaling = [p for p in payloads if len(_counts(S, "transport", p)) > 1]
+    fig, axes = plt.subplots(1, 1 + len(scaling), figsize=(6.5 + 4.6 * len(scaling), 5.2), squeeze=False,
+                             gridspec_kw={"width_ratios": [1.4] + [1] * len(scaling)})
+    ax = axes[0][0]
+    width = 0.8 / max(1, len(systems))
+    top = 1.0
+    for i, s in enumerate(systems):
+        for j, p in enumerate(payloads):
+            r = find(S, system=s, payload=p, actors=n0)
+            x = j + (i - (len(systems) - 1) / 2) * width
+            if r is None:
+                continue
+            if r["status"] != "ok":
+                ax.plot([x], [1], "x", color=COLORS.get(s, "k"), ms=9)
+                continue
+            v = r["rollouts_per_s"]
+            top = max(top, v["max"])
+            ax.bar(x, v["median"], width, color=COLORS.get(s, "k"), label=NAMES[s] if j == 0 else None,
+                   yerr=[[v["median"] - v["min"]], [v["max"] - v["median"]]], capsize=2, error_kw={"lw": 0.8})
+            if s == "shmbuf":
+                e, which = echo_best(S, p, "transport", n0)
+                if e:
+                    ax.annotate(f"{v['median'] / e:.1f}x\n{which}", (x, v["max"]), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(payloads)))
+    ax.set_xticklabels([f"{p}\n({result['payload_bytes'][p] / 1e6:.3g} MB)" for p in payloads])
+    ax.set_yscale("log")
+    ax.set_ylim(top=top * 6)  # room for the ratio labels and the legend above the bars
+    ax.set_ylabel("rollouts/s")
+    ax.set_title(f"transport, {n0} actors, B={cfg['batch']} (label: shmbuf / echo's better)", fontsize=9)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper right", ncol=3)
+    for k, p in enumerate(scaling, start=1):
+        ax = axes[0][k]
+        for s in systems:
+            pts = sorted((x["actors"], x["rollouts_per_s"]) for x in S
+                         if x["system"] == s and x["payload"] == p and x["status"] == "ok")
+            if pts:
+                xs, ys = [a for a, _ in pts], [v["median"] for _, v in pts]
+                yerr = [[v["median"] - v["min"] for _, v in pts], [v["max"] - v["median"] for _, v in pts]]
+                ax.errorbar(xs, ys, yerr=yerr, fmt="-o", color=COLORS.get(s, "k"), capsize=3, ms=4, label=NAMES[s])
+        bottom = ax.get_ylim()[0]
+        for x in S:  # mark runs that stalled or failed at the bottom of the axis
+            if x["payload"] == p and x["status"] != "ok":
+                ax.plot([x["actors"]], [bottom], "x", color=COLORS.get(x["system"], "k"), ms=9, clip_on=False)
+        counts = _counts(S, "transport", p)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts)
+        ax.set_xticklabels([str(c) for c in counts])
+        ax.set_yscale("log")
+        ax.set_xlabel("actor processes")
+        ax.set_title(f"scaling, {p}, transport, B={cfg['batch']}", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(f"rollouts/s per payload and system — {result['machine']['cpu_model']}, "
                  f"{result['machine']['cores']} cores, {result['date']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

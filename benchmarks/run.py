@@ -1,8 +1,8 @@
 """The benchmark sweep: ``python benchmarks/run.py [--quick] [--out DIR]`` (also ``shmbuf bench``, ``make bench``).
 
-Runs shmbuf, echo's TCP transport, faster_fifo and multiprocessing.Queue on the
-same payloads in one run, and writes ``<out>/<date>-<host>.json`` (every raw
-figure), ``.md`` (the tables, and the targets in benchmarks/README.md) and ``.png`` (the plot).
+Runs shmbuf (zero-copy and gathered batches), echo's TCP transport (its defaults and one drainer with one
+TCP thread), faster_fifo and multiprocessing.Queue on the same payloads in one run, and writes
+``<out>/<date>-<host>.json`` (every raw figure), ``.md`` (the tables, and issue 12's targets) and ``.png`` (the plot).
 See benchmarks/README.md for what is measured and how.
 """
 
@@ -20,10 +20,14 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # run as a script from anywhere: make `benchmarks` and `shmbuf` importable
     sys.path.insert(0, _ROOT)
 
-FULL = {"actors": (1, 2, 4), "windows": 5, "window_s": 2.0, "warmup_s": 1.5, "micro_windows": 5, "micro_window_s": 0.5,
-        "copy_s": 1.0}
-QUICK = {"actors": (2,), "windows": 3, "window_s": 0.25, "warmup_s": 0.25, "micro_windows": 3, "micro_window_s": 0.1,
-         "copy_s": 0.2}
+# Every transport and step configuration runs with TARGET_ACTORS actors (the targets' configuration); the scaling
+# row adds SCALING_ACTORS for the SCALING_PAYLOADS in transport mode. About 78 runs of ~12 s: ~17 minutes on 2 cores.
+FULL = {"actors": (2,), "scaling_actors": (1, 2, 4, 8), "windows": 5, "window_s": 2.0, "warmup_s": 1.5,
+        "micro_windows": 5, "micro_window_s": 0.5, "copy_s": 1.0}
+QUICK = {"actors": (2,), "scaling_actors": (), "windows": 3, "window_s": 0.25, "warmup_s": 0.25, "micro_windows": 3,
+         "micro_window_s": 0.1, "copy_s": 0.2}
+TARGET_ACTORS = 2
+SCALING_PAYLOADS = ("small", "atari")
 BATCH = 16
 DEPTH = 32  # rollouts in flight: shmbuf slots, mp.Queue maxsize, faster_fifo byte budget
 PACE_RATE = 200.0  # rollouts/s, all actors together, in the paced latency runs
@@ -46,7 +50,13 @@ def parse_args(argv: list[str] | None, prog: str = "benchmarks/run.py") -> argpa
     p.add_argument("--systems", type=_csv(str), default=transports.SYSTEMS, help="subset, comma-separated")
     p.add_argument("--payloads", type=_csv(str), default=payloads.NAMES, help="subset, comma-separated")
     p.add_argument("--modes", type=_csv(str), default=MODES, help="subset of transport,step,latency")
-    p.add_argument("--actors", type=_csv(int), default=None, help="actor counts (default 1,2,4; quick: 2)")
+    p.add_argument("--actors", type=_csv(int), default=None,
+                   help=f"actor counts of every transport and step run (default {TARGET_ACTORS}); given alone, it also "
+                        "replaces the scaling row")
+    p.add_argument("--scaling-actors", type=_csv(int), default=None,
+                   help="the scaling row's actor counts, transport mode (default 1,2,4,8; quick: none)")
+    p.add_argument("--scaling-payloads", type=_csv(str), default=SCALING_PAYLOADS,
+                   help=f"payloads of the scaling row (default {','.join(SCALING_PAYLOADS)})")
     p.add_argument("--windows", type=int, default=None, help="measured windows per run")
     p.add_argument("--window-s", type=float, default=None, help="seconds per window")
     p.add_argument("--warmup-s", type=float, default=None, help="warm-up seconds, dropped")
@@ -54,11 +64,14 @@ def parse_args(argv: list[str] | None, prog: str = "benchmarks/run.py") -> argpa
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--render", metavar="JSON", help="only rewrite the .md and .png of a results file (no run)")
     a = p.parse_args(argv)
-    for name, allowed in (("systems", transports.SYSTEMS), ("payloads", payloads.NAMES), ("modes", MODES)):
+    for name, allowed in (("systems", transports.SYSTEMS), ("payloads", payloads.NAMES), ("modes", MODES),
+                          ("scaling_payloads", payloads.NAMES)):
         bad = [x for x in getattr(a, name) if x not in allowed]
         if bad:
-            p.error(f"--{name}: unknown {bad}; expected a subset of {','.join(allowed)}")
+            p.error(f"--{name.replace('_', '-')}: unknown {bad}; expected a subset of {','.join(allowed)}")
     base = QUICK if a.quick else FULL
+    if a.scaling_actors is None:  # --actors alone narrows everything to those counts
+        a.scaling_actors = () if a.actors is not None else base["scaling_actors"]
     for k in ("actors", "windows", "window_s", "warmup_s"):
         if getattr(a, k) is None:
             setattr(a, k, base[k])
@@ -66,17 +79,26 @@ def parse_args(argv: list[str] | None, prog: str = "benchmarks/run.py") -> argpa
     return a
 
 
+def actor_counts(a: argparse.Namespace, mode: str, payload: str) -> tuple[int, ...]:
+    """The actor counts one (mode, payload) runs with: the scaling row's for its payloads in transport mode."""
+    if mode == "latency":
+        return (LATENCY_ACTORS,)
+    if mode == "transport" and payload in a.scaling_payloads and a.scaling_actors:
+        return tuple(sorted(set(a.scaling_actors) | set(a.actors)))
+    return tuple(a.actors)
+
+
 def plan(a: argparse.Namespace) -> list[dict[str, Any]]:
     """Every run of the sweep. Systems are interleaved inside each configuration, so that a drift
     in the machine's load hits them alike."""
     from benchmarks import transports
 
+    only = {"step": transports.STEP_SYSTEMS, "latency": transports.LATENCY_SYSTEMS}
     runs = []
     for mode in a.modes:
-        systems = [s for s in a.systems if mode != "step" or s in transports.STEP_SYSTEMS]
+        systems = [s for s in a.systems if s in only.get(mode, transports.SYSTEMS)]
         for payload in a.payloads:
-            counts = a.actors if mode != "latency" else (LATENCY_ACTORS,)
-            for n in counts:
+            for n in actor_counts(a, mode, payload):
                 for s in systems:
                     runs.append({
                         "system": s, "payload": payload, "mode": mode, "actors": n,
@@ -84,6 +106,14 @@ def plan(a: argparse.Namespace) -> list[dict[str, Any]]:
                         "pace_s": n / PACE_RATE if mode == "latency" else 0.0,
                     })
     return runs
+
+
+def estimate_s(a: argparse.Namespace, runs: list[dict[str, Any]]) -> float:
+    """Wall time of a sweep: each run's warm-up and windows, plus start-up and shutdown (about 0.6 s, and 0.15 s
+    per actor to spawn, from the 2026-11-21 sweep's per-run wall times), plus the microbench and copy measurements."""
+    per_run = sum(a.warmup_s + a.windows * a.window_s + 0.6 + 0.15 * r["actors"] for r in runs)
+    micro = 4 * 2 * a.micro_windows * a.micro_window_s + 3.0 if "step" in a.modes else 0.0
+    return per_run + micro + 4 * 2 * a.copy_s
 
 
 def _microbench(a: argparse.Namespace) -> dict[str, Any] | None:
@@ -142,14 +172,14 @@ def _write_page(result: dict[str, Any], stem: str, plot: bool) -> None:
 
 
 # What each part of a sweep imports, and the package that provides it (all in the `bench` extra).
-_NEEDS = {"echo": ("echo", "id-echo"), "faster_fifo": ("faster_fifo", "faster-fifo")}
+_NEEDS = {"echo": ("echo", "id-echo"), "echo1": ("echo", "id-echo"), "faster_fifo": ("faster_fifo", "faster-fifo")}
 
 
 def _require_extras(a: argparse.Namespace) -> None:
     """Stop at once, saying what to install, rather than fail mid-sweep when the bench extra is missing."""
     import importlib.util
 
-    needed = [_NEEDS[s] for s in a.systems if s in _NEEDS] + [("tqdm", "tqdm")]
+    needed = list(dict.fromkeys(_NEEDS[s] for s in a.systems if s in _NEEDS)) + [("tqdm", "tqdm")]
     if not a.no_plot:
         needed.append(("matplotlib", "matplotlib"))
     missing = [pkg for mod, pkg in needed if importlib.util.find_spec(mod) is None]
@@ -172,6 +202,7 @@ def main(argv: list[str] | None = None, prog: str = "benchmarks/run.py") -> dict
     runs = plan(a)
     m = machine.info()
     print(f"machine: {machine.line(m)}", flush=True)
+    print(f"{len(runs)} runs, about {estimate_s(a, runs) / 60:.1f} minutes", flush=True)
     bw_bytes = payloads.nbytes("atari")
     copy_start = {"rollout": machine.copy_bandwidth(bw_bytes, a.copy_s), "dram": machine.copy_bandwidth(128 << 20, a.copy_s)}
     t0 = time.monotonic()
@@ -188,7 +219,8 @@ def main(argv: list[str] | None = None, prog: str = "benchmarks/run.py") -> dict
         if s["status"] != "ok":
             bar.write(f"  {r['system']} {r['payload']} {r['mode']} x{r['actors']}: {s['status']} ({s.get('detail')})")
     bar.close()
-    micro = _microbench(a) if "step" in a.modes and "shmbuf" in a.systems and "echo" in a.systems else None
+    echo_in = any(s in a.systems for s in ("echo", "echo1"))
+    micro = _microbench(a) if "step" in a.modes and "shmbuf" in a.systems and echo_in else None
     copy_end = {"rollout": machine.copy_bandwidth(bw_bytes, a.copy_s), "dram": machine.copy_bandwidth(128 << 20, a.copy_s)}
     m["loadavg_end"] = list(os.getloadavg())
     copy_bw = {k: (copy_start[k]["gb_s"] + copy_end[k]["gb_s"]) / 2 for k in ("rollout", "dram")}
@@ -199,7 +231,8 @@ def main(argv: list[str] | None = None, prog: str = "benchmarks/run.py") -> dict
         "machine": m,
         "machine_line": machine.line(m),
         "config": {"systems": list(a.systems), "payloads": list(a.payloads), "modes": list(a.modes),
-                   "actors": list(a.actors), "batch": BATCH, "depth": DEPTH, "windows": a.windows, "window_s": a.window_s,
+                   "actors": list(a.actors), "scaling_actors": list(a.scaling_actors),
+                   "scaling_payloads": list(a.scaling_payloads), "target_actors": TARGET_ACTORS, "batch": BATCH, "depth": DEPTH, "windows": a.windows, "window_s": a.window_s,
                    "warmup_s": a.warmup_s, "stall_s": a.stall_s, "pace_rate": PACE_RATE, "latency_actors": LATENCY_ACTORS,
                    "quick": a.quick},
         "payload_bytes": {p: payloads.nbytes(p) for p in payloads.NAMES},
@@ -209,6 +242,7 @@ def main(argv: list[str] | None = None, prog: str = "benchmarks/run.py") -> dict
         "summaries": summaries,
         "stalls": stalls,
         "sweep_s": round(time.monotonic() - t0, 1),
+        "estimate_s": round(estimate_s(a, runs), 1),
         "runs": records,
     }
     result["targets"] = report.targets(summaries, micro, copy_bw, stalls, cores=m["cores_usable"],

@@ -1,4 +1,9 @@
-"""The four systems behind one small interface, so that the harness runs them all the same way.
+"""The systems behind one small interface, so that the harness runs them all the same way.
+
+Six systems, four transports: shmbuf twice (``shmbuf``: ``get_batch``'s default, zero-copy views
+when the batch's rollouts sit in consecutive slots; ``shmbuf_gather``: ``get_batch(view=False)``,
+always gathered), echo twice (``echo``: its defaults; ``echo1``: one drainer thread and one TCP
+thread, which beat the defaults on 2 cores in issue 12), faster_fifo and multiprocessing.Queue.
 
 For each system:
 
@@ -15,20 +20,24 @@ For each system:
 Queue depth is the same for every system that has one to set: ``depth`` rollouts
 (shmbuf slots, ``multiprocessing.Queue(maxsize)``, faster_fifo's byte budget for
 ``depth`` messages). echo keeps its defaults (3 ring buffers of ``batch``, 8 per
-connection, 32 unacknowledged sends per client): that is what its users run.
+connection, 32 unacknowledged sends per client), in both of its configurations.
 """
 
 from __future__ import annotations
 
 import queue as _queue
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import optree
 
-SYSTEMS = ("shmbuf", "echo", "faster_fifo", "mp_queue")
-STEP_SYSTEMS = ("shmbuf", "echo")  # step mode compares the two accumulators
+SYSTEMS = ("shmbuf", "shmbuf_gather", "echo", "echo1", "faster_fifo", "mp_queue")
+SHMBUF_SYSTEMS = ("shmbuf", "shmbuf_gather")
+ECHO_SYSTEMS = ("echo", "echo1")  # every ratio takes the better of the two as its denominator
+STEP_SYSTEMS = ("shmbuf", "echo", "echo1")  # step mode compares the two accumulators
+# Paced latency takes batches of 1: one rollout is always one contiguous run, so the two shmbuf systems are the same.
+LATENCY_SYSTEMS = ("shmbuf", "echo", "echo1", "faster_fifo", "mp_queue")
 
 
 class Busy(Exception):
@@ -42,7 +51,20 @@ def _now() -> np.ndarray:
 # -- shmbuf -----------------------------------------------------------------
 
 
+def _has_view_arg(reader: Any) -> bool:
+    """Whether this shmbuf's ``get_batch`` takes ``view=`` (issue 12's zero-copy batches)."""
+    import inspect
+
+    return "view" in inspect.signature(reader.get_batch).parameters
+
+
 class ShmbufLearner:
+    """``get_batch(B)`` with its default ``view=None``: zero-copy views when the B rollouts are one aligned run
+    of slots, gathered otherwise. Each batch (``copy=False``) stays valid until the next ``get_batch``, which
+    releases it: the harness touches it before asking for the next."""
+
+    VIEW: bool | None = None
+
     def __init__(self, shared: Any, example: Any, batch: int, n_actors: int, depth: int):
         import shmbuf
 
@@ -50,19 +72,33 @@ class ShmbufLearner:
         self.reader = shmbuf.create(example, slots=depth, max_writers=max(8, n_actors))
         self.address = self.reader.name
         self.batch = batch
+        # A shmbuf from before issue 12 has no view= and always gathers; extra() then says so.
+        self.view_api = _has_view_arg(self.reader)
+        self._kw = {"view": self.VIEW} if self.view_api else {}
 
     def next_batch(self, timeout: float) -> Any:
         try:
-            return self.reader.get_batch(self.batch, timeout).data
+            return self.reader.get_batch(self.batch, timeout, **self._kw).data
         except self._shmbuf.SlotTimeout:
             return None
 
     def extra(self) -> dict[str, Any]:
         st = self.reader.stats()
-        return {k: st[k] for k in ("rollouts", "latency_us_p50", "latency_us_p99", "partial_dropped", "lanes_reclaimed")}
+        out = {k: st.get(k) for k in ("rollouts", "latency_us_p50", "latency_us_p99", "partial_dropped", "lanes_reclaimed")}
+        out["view_api"] = self.view_api
+        out["view_arg"] = self.VIEW
+        # Batches that were zero-copy views, and gathered ones, over the whole run (warm-up included).
+        out["batches"] = dict(st["batches"]) if isinstance(st.get("batches"), dict) else None
+        return out
 
     def close(self) -> None:
         self.reader.close()
+
+
+class ShmbufGatherLearner(ShmbufLearner):
+    """``get_batch(B, view=False)``: always one gather copy into the batch (the slots are released at once)."""
+
+    VIEW = False
 
 
 class ShmbufActor:
@@ -92,10 +128,16 @@ class ShmbufActor:
 
 
 class EchoLearner:
+    """echo's ``Server`` with its defaults (``num_drainers=8``, ``TcpTransport(port=0)``: 8 TCP threads)."""
+
+    SETTINGS: ClassVar[dict[str, int]] = {}  # Server / TcpTransport keywords; empty: echo's defaults
+
     def __init__(self, shared: Any, example: Any, batch: int, n_actors: int, depth: int):
         from echo import Server, TcpTransport
 
-        self.server = Server(example, batch_size=batch, transport=TcpTransport(port=0))
+        kw = dict(self.SETTINGS)
+        transport = TcpTransport(port=0, **({"num_threads": kw.pop("num_threads")} if "num_threads" in kw else {}))
+        self.server = Server(example, batch_size=batch, transport=transport, **kw)
         self.server.start()
         self.address = self.server.port
 
@@ -104,10 +146,16 @@ class EchoLearner:
         return None if s is None else s.batch
 
     def extra(self) -> dict[str, Any]:
-        return {}
+        return {"settings": dict(self.SETTINGS)}
 
     def close(self) -> None:
         self.server.close()
+
+
+class Echo1Learner(EchoLearner):
+    """echo with one drainer thread and one TCP thread: faster than the defaults on a 2-core machine (issue 12)."""
+
+    SETTINGS: ClassVar[dict[str, int]] = {"num_drainers": 1, "num_threads": 1}
 
 
 class EchoActor:
@@ -243,5 +291,7 @@ def shared(system: str, ctx: Any, depth: int, msg_bytes: int) -> Any:
     return None
 
 
-LEARNERS = {"shmbuf": ShmbufLearner, "echo": EchoLearner, "faster_fifo": FasterFifoLearner, "mp_queue": MpQueueLearner}
-ACTORS = {"shmbuf": ShmbufActor, "echo": EchoActor, "faster_fifo": FasterFifoActor, "mp_queue": MpQueueActor}
+LEARNERS = {"shmbuf": ShmbufLearner, "shmbuf_gather": ShmbufGatherLearner, "echo": EchoLearner, "echo1": Echo1Learner,
+            "faster_fifo": FasterFifoLearner, "mp_queue": MpQueueLearner}
+ACTORS = {"shmbuf": ShmbufActor, "shmbuf_gather": ShmbufActor, "echo": EchoActor, "echo1": EchoActor,
+          "faster_fifo": FasterFifoActor, "mp_queue": MpQueueActor}
