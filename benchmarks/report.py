@@ -159,6 +159,15 @@ def _throughput_bound(summaries: list[dict[str, Any]], payload: str, need: float
     name = min(caps, key=caps.__getitem__)
     parts.append(f"tightest: {name}; the target needs {need:,.0f}/s, i.e. at most "
                  f"{cores * 1e6 / need:.1f} µs of CPU per rollout in all")
+    busy = rate * (lrn + act) / 1e6
+    if caps[name] >= need:  # the CPU per rollout would allow it: the run left cores idle (waits, or other load)
+        other = s.get("other_load_cores") if s else None
+        why = (f"outside load ({other:.2f} core) took part of the machine" if other and other > 0.25
+               else "waiting, not CPU, is what is left")
+        parts.append(f"the CPU per rollout would allow it with every core busy, but the run's processes kept "
+                     f"{busy:.2f} of {cores} cores busy: {why}")
+    else:
+        parts.append(f"the run's processes kept {busy:.2f} of {cores} cores busy")
     return "; ".join(parts)
 
 
