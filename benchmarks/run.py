@@ -21,7 +21,7 @@ if _ROOT not in sys.path:  # run as a script from anywhere: make `benchmarks` an
     sys.path.insert(0, _ROOT)
 
 # Every transport and step configuration runs with TARGET_ACTORS actors (the targets' configuration); the scaling
-# row adds SCALING_ACTORS for the SCALING_PAYLOADS in transport mode. About 78 runs of ~12 s: ~17 minutes on 2 cores.
+# row adds SCALING_ACTORS for the SCALING_PAYLOADS in transport mode. 78 runs of ~12-14 s: ~18 minutes on 2 cores.
 FULL = {"actors": (2,), "scaling_actors": (1, 2, 4, 8), "windows": 5, "window_s": 2.0, "warmup_s": 1.5,
         "micro_windows": 5, "micro_window_s": 0.5, "copy_s": 1.0}
 QUICK = {"actors": (2,), "scaling_actors": (), "windows": 3, "window_s": 0.25, "warmup_s": 0.25, "micro_windows": 3,
@@ -109,9 +109,10 @@ def plan(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def estimate_s(a: argparse.Namespace, runs: list[dict[str, Any]]) -> float:
-    """Wall time of a sweep: each run's warm-up and windows, plus start-up and shutdown (about 0.6 s, and 0.15 s
-    per actor to spawn, from the 2026-11-21 sweep's per-run wall times), plus the microbench and copy measurements."""
-    per_run = sum(a.warmup_s + a.windows * a.window_s + 0.6 + 0.15 * r["actors"] for r in runs)
+    """Wall time of a sweep: each run's warm-up and windows, plus start-up and shutdown (0.8 s, and 0.3 s per actor
+    to spawn: the 2026-11-21 sweep's per-run wall times, and 8-actor runs on a busy machine, rounded up), plus the
+    microbench and the copy measurements."""
+    per_run = sum(a.warmup_s + a.windows * a.window_s + 0.8 + 0.3 * r["actors"] for r in runs)
     micro = 4 * 2 * a.micro_windows * a.micro_window_s + 3.0 if "step" in a.modes else 0.0
     return per_run + micro + 4 * 2 * a.copy_s
 
