@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None, prog: str = "benchmarks/run.py") -> argpa
     from benchmarks import payloads, transports
 
     p = argparse.ArgumentParser(prog=prog, description=" ".join(__doc__.split("\n\n")[1].split()))
-    p.add_argument("--quick", action="store_true", help="CI-sized: 2 actors only, short windows (about a minute)")
+    p.add_argument("--quick", action="store_true", help="CI-sized: 2 actors only, short windows (about 2 minutes)")
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"), help="where to write the results (default: benchmarks/results/)")
     p.add_argument("--systems", type=_csv(str), default=transports.SYSTEMS, help="subset, comma-separated")
     p.add_argument("--payloads", type=_csv(str), default=payloads.NAMES, help="subset, comma-separated")
