@@ -74,7 +74,7 @@ class _ReaderWatch:
 class _Ts:
     """A timescale as the writer's hot path wants it: everything precomputed, nothing to look up."""
 
-    __slots__ = ("index", "spec", "leaves", "keys", "checks", "scratch", "capacity", "buffered")
+    __slots__ = ("index", "spec", "leaves", "keys", "store", "scratch", "capacity", "buffered")
 
     def __init__(self, index: int, spec: Timescale):
         self.index = index
@@ -85,10 +85,105 @@ class _Ts:
         st = spec.structure
         flat = st[0] == "dict" and all(c[0] == "leaf" for c in st[2])
         self.keys: tuple[str, ...] | None = tuple(st[1]) if flat else None
-        # (key, dtype, item shape) per leaf: what an exact incoming array looks like
-        self.checks = tuple(zip(self.keys or ("",) * len(spec.leaves), (lf.dtype for lf in spec.leaves),
-                                (lf.item_shape for lf in spec.leaves)))
+        # A buffered flat dict (the common case) gets add()'s fast path, a function made for it (_ItemStore).
+        self.store = _ItemStore(self) if flat and spec.buffered else None
         self.scratch: list[Any] = [None] * len(spec.leaves)
+
+
+def _item_format_ok(dtype: np.dtype) -> bool:
+    """Can a memoryview store this dtype's items (bool, integers, float32, float64; native order)?"""
+    return dtype.kind in "biu" or (dtype.kind == "f" and dtype.itemsize in (4, 8))
+
+
+def _flat_memoryview(a: np.ndarray) -> memoryview | None:
+    """A 1-d memoryview of a slot's (C-contiguous) leaf in numpy's own format, for item and row stores."""
+    if not _item_format_ok(a.dtype) or a.nbytes == 0:
+        return None
+    m = memoryview(a)
+    return m.cast("B").cast(m.format)
+
+
+class _ItemStore:
+    """add()'s fast path for one buffered flat-dict timescale: check every leaf of a step, then store them.
+
+    Python's per-bytecode cost, not numpy's copy, dominates an add of small items, so the check
+    is one straight-line function made for the timescale when the Writer starts (like the
+    ``__init__`` that ``dataclasses`` writes): per leaf a chain of identity tests on the item's type,
+    each with the store that type gets, then the stores. No user text goes into its source: keys,
+    dtypes and bounds are passed in by name. ``source`` keeps the text, for reading.
+
+    The routes, per leaf (all give the same bits as numpy's assignment of the same item):
+
+    - a numpy integer or bool scalar of the leaf's own type, or a Python bool: an item store
+      through the slot's memoryview (``mv[i] = x``), no numpy call;
+    - a Python int within the leaf's range (integer leaves), or within +-2**53 (float leaves), and a
+      Python float within float32's finite range (float32 leaves; any, for float64): the same item
+      store. Outside these ranges the general path decides (its range error, numpy's overflow);
+    - a numpy float scalar of the leaf's own type: numpy's own store (through a C double, a
+      memoryview store would quiet a signalling NaN);
+    - an ndarray of the leaf's exact dtype and item shape: for a 1-d item of a memoryview-able
+      dtype, a row store through the memoryview (``mv[a:b] = x``, a plain copy, half numpy's
+      cost); otherwise numpy's ``arr[i] = x``;
+    - anything else (other dtypes, a leading 1, Python numbers out of range, ``__array__``
+      objects, a missing key): the general path, ``_coerce``, then numpy's store; it raises
+      before anything is stored if the item is refused.
+    """
+
+    __slots__ = ("source", "fn")
+
+    def __init__(self, ts: _Ts):
+        spec = ts.spec
+        ns: dict[str, Any] = {"ndarray": np.ndarray, "MISSING": _MISSING, "slow": _SlowItem(ts)}
+        checks, stores = [], []
+        for j, (key, leaf) in enumerate(zip(ts.keys or (), spec.leaves)):
+            dt, mv = leaf.dtype, _item_format_ok(leaf.dtype) and leaf.nbytes > 0
+            ns[f"K{j}"], ns[f"DT{j}"], ns[f"SH{j}"] = key, dt, leaf.item_shape
+            x, item, general = f"x{j}", f"d{j} = mvs[{j}]; k{j} = i", f"d{j} = arrs[{j}]; k{j} = i"
+            lines = [f"{x} = data.get(K{j}, MISSING)"]
+            if leaf.item_shape == ():
+                ns[f"NT{j}"] = dt.type
+                lines.append(f"t = type({x})")
+                lines.append(f"if t is NT{j}: {item if mv and dt.kind in 'biu' else general}")
+                if mv:
+                    lines.append(f"elif t is bool: {item}")
+                    if dt.kind in "iuf":
+                        info = np.iinfo(dt) if dt.kind in "iu" else None
+                        ns[f"IL{j}"], ns[f"IH{j}"] = (int(info.min), int(info.max)) if info else (-(2**53), 2**53)
+                        lines.append(f"elif t is int and IL{j} <= {x} <= IH{j}: {item}")
+                    if dt.kind == "f":
+                        lim = float(np.finfo(np.float32).max) if dt.itemsize == 4 else float("inf")
+                        ns[f"FL{j}"], ns[f"FH{j}"] = -lim, lim
+                        lines.append(f"elif t is float and FL{j} <= {x} <= FH{j}: {item}")
+                lines.append(f"elif t is ndarray and {x}.dtype is DT{j} and {x}.shape == (): {general}")
+            else:
+                exact = f"type({x}) is ndarray and {x}.dtype is DT{j} and {x}.shape == SH{j}"
+                if mv and len(leaf.item_shape) == 1:
+                    n = leaf.item_shape[0]
+                    ns[f"ROWS{j}"] = tuple(slice(r * n, r * n + n) for r in range(spec.capacity))
+                    lines.append(f"if {exact}: d{j} = mvs[{j}]; k{j} = ROWS{j}[i]")
+                else:
+                    lines.append(f"if {exact}: {general}")
+            lines.append(f"else: {x} = slow({j}, {x}, data); {general}")
+            checks += lines
+            stores.append(f"d{j}[k{j}] = {x}")
+        body = "\n".join("    " + ln for ln in checks + stores)
+        self.source = f"def store(data, i, arrs, mvs):\n{body}\n"
+        exec(compile(self.source, f"<shmbuf add() of timescale {spec.name!r}>", "exec"), ns)  # noqa: S102  # our own text: no user input in it
+        self.fn = ns["store"]
+
+
+class _SlowItem:
+    """The general path of one leaf of a fast-path timescale: a missing key, or an item to coerce."""
+
+    __slots__ = ("ts",)
+
+    def __init__(self, ts: _Ts):
+        self.ts = ts
+
+    def __call__(self, j: int, x: Any, data: dict[Any, Any]) -> np.ndarray:
+        if x is _MISSING:
+            _keys_mismatch(self.ts, data)
+        return _coerce(self.ts.leaves[j], x, True, whole=False)
 
 
 class Writer:
@@ -181,8 +276,11 @@ class Writer:
         for ts in schema.timescales:
             self._leaf_base[ts.name] = first
             first += len(ts.leaves)
-        self._slot_views: dict[int, list[list[np.ndarray]]] = {}  # built on a slot's first use, then reused
+        # Per slot, built on its first use and then reused: per timescale, each leaf's array view and
+        # (for add's fast path) its flat memoryview, or None.
+        self._slot_views: dict[int, tuple[list[list[np.ndarray]], list[list[memoryview | None]]]] = {}
         self._cur: list[list[np.ndarray]] = []
+        self._cur_mv: list[list[memoryview | None]] = []
         self._fill = [0] * len(schema.timescales)
         self._direct = False  # slot() handed out the views: commit counts every timescale full
         self._seq = 0
@@ -236,7 +334,7 @@ class Writer:
             os.close(self._lock_fd)  # drops the lane lock
             self._lock_fd = -1
         if self._seg is not None:
-            self._cur = []
+            self._forget_views()
             self._slot_views = {}
             self._leaf_all = []
             self._seg.close()
@@ -264,7 +362,7 @@ class Writer:
         """In a child that inherited this Writer by fork: let go of what is the parent's."""
         self._foreign = True
         self._slot = -1
-        self._cur = []
+        self._forget_views()
         watch = getattr(self, "_reader_watch", None)
         if watch is not None:
             watch.close()
@@ -323,19 +421,19 @@ class Writer:
             self._claim_slot()
         elif self._w[W_CLOSED] or _now() >= self._next_check:
             self._guard()
+        store = ts.store
+        if store is not None and type(data) is dict and len(data) == len(ts.scratch):
+            t = ts.index
+            store.fn(data, i, self._cur[t], self._cur_mv[t])  # checks every leaf, then stores them all
+            self._fill[t] = i + 1
+            return
         vals = ts.scratch
         if ts.keys is not None and type(data) is dict and len(data) == len(vals):
-            # Fast path, a flat dict of exact arrays: check everything before writing anything.
-            j = 0
-            for k, dt, shape in ts.checks:
+            for j, k in enumerate(ts.keys):
                 x = data.get(k, _MISSING)
-                tx = type(x)  # an array, or a numpy scalar (reward[t]) of the leaf's own type
-                if (tx is not np.ndarray and tx is not dt.type) or x.dtype is not dt or x.shape != shape:
-                    if x is _MISSING:
-                        self._keys_mismatch(ts, data)
-                    x = _coerce(ts.leaves[j], x, ts.buffered, whole=False)
-                vals[j] = x
-                j += 1
+                if x is _MISSING:
+                    _keys_mismatch(ts, data)
+                vals[j] = _coerce(ts.leaves[j], x, ts.buffered, whole=False)
         else:
             leaves = self._leaves_of(ts, data)
             for j, x in enumerate(leaves):
@@ -476,11 +574,17 @@ class Writer:
         self._slot = slot
         views = self._slot_views.get(slot)
         if views is None:
-            views = self._slot_views[slot] = [
-                [self._leaf_all[self._leaf_base[ts.name] + j][slot, ...] for j in range(len(ts.leaves))]
-                for ts in self.schema.timescales
-            ]
-        self._cur = views
+            arrays = [[self._leaf_all[self._leaf_base[ts.name] + j][slot, ...] for j in range(len(ts.leaves))]
+                      for ts in self.schema.timescales]
+            mvs = [[_flat_memoryview(a) for a in leaves] if ts.store is not None else [None] * len(leaves)
+                   for ts, leaves in zip(self._ts_list, arrays)]
+            views = self._slot_views[slot] = (arrays, mvs)
+        self._cur, self._cur_mv = views
+
+    def _forget_views(self) -> None:
+        """Drop every reference to the current slot's views (the mapping cannot be closed while one lives)."""
+        self._cur = []
+        self._cur_mv = []
 
     def _guard(self) -> None:
         """Raise if this Writer can do nothing more: forked copy, closed, pipeline closed, reader dead, lane lost."""
@@ -550,31 +654,33 @@ class Writer:
             "commit() (or reset()) starts the next rollout"
         )
 
-    def _keys_mismatch(self, ts: _Ts, data: dict[str, Any]) -> None:
-        expected = set(ts.keys or ())
-        got = set(data)
-        missing = sorted(expected - got, key=str)
-        extra = sorted(got - expected, key=str)
-        parts = []
-        if missing:
-            parts.append("missing " + ", ".join(f"{ts.spec.name}/{k}" for k in missing))
-        if extra:
-            parts.append("unexpected " + ", ".join(f"{ts.spec.name}/{k}" for k in extra))
-        raise SchemaError(
-            f"timescale '{ts.spec.name}': expected keys {sorted(expected)}, got {sorted(got, key=str)} ({'; '.join(parts)})"
-        )
-
     def _leaves_of(self, ts: _Ts, data: Any) -> list[Any]:
         """The leaves of ``data`` in schema order, or a SchemaError naming the first mismatch."""
         if ts.keys is not None and isinstance(data, dict):
             if set(data) != set(ts.keys):
-                self._keys_mismatch(ts, data)
+                _keys_mismatch(ts, data)
             return [data[k] for k in ts.keys]
         leaves, spec = optree.tree_flatten(data)
         if spec != self._treespecs[ts.spec.name]:  # not the example's exact containers: walk and compare
             leaves = []
             flatten_like(ts.spec.structure, data, (ts.spec.name,), leaves)
         return leaves
+
+
+def _keys_mismatch(ts: _Ts, data: dict[Any, Any]) -> None:
+    """Raise the SchemaError naming the missing and the unexpected keys of a flat timescale."""
+    expected = set(ts.keys or ())
+    got = set(data)
+    missing = sorted(expected - got, key=str)
+    extra = sorted(got - expected, key=str)
+    parts = []
+    if missing:
+        parts.append("missing " + ", ".join(f"{ts.spec.name}/{k}" for k in missing))
+    if extra:
+        parts.append("unexpected " + ", ".join(f"{ts.spec.name}/{k}" for k in extra))
+    raise SchemaError(
+        f"timescale '{ts.spec.name}': expected keys {sorted(expected)}, got {sorted(got, key=str)} ({'; '.join(parts)})"
+    )
 
 
 # Which kinds of Python number may go into which kinds of leaf: numpy's own rules for Python scalars
