@@ -10,6 +10,7 @@ send. The lane protocol underneath (claim, wait, publish, mail, retire) is
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import time
@@ -34,6 +35,10 @@ from shmbuf._segment import S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segm
 # the closed flag (one load), and at most this often at the reader's process (a few microseconds).
 LIVENESS_INTERVAL = 0.25
 _MISSING = object()
+_F32_MAX = float(np.finfo(np.float32).max)
+# add()'s fast path is a function compiled for the timescale when the Writer starts, at about 0.3 ms
+# per leaf; a timescale with more leaves than this takes the general path instead.
+MAX_FAST_LEAVES = 256
 _now = time.monotonic
 
 
@@ -86,7 +91,8 @@ class _Ts:
         flat = st[0] == "dict" and all(c[0] == "leaf" for c in st[2])
         self.keys: tuple[str, ...] | None = tuple(st[1]) if flat else None
         # A buffered flat dict (the common case) gets add()'s fast path, a function made for it (_ItemStore).
-        self.store = _ItemStore(self) if flat and spec.buffered else None
+        fast = flat and spec.buffered and len(spec.leaves) <= MAX_FAST_LEAVES
+        self.store = _ItemStore(self) if fast else None
         self.scratch: list[Any] = [None] * len(spec.leaves)
 
 
@@ -133,7 +139,7 @@ class _ItemStore:
 
     def __init__(self, ts: _Ts):
         spec = ts.spec
-        ns: dict[str, Any] = {"ndarray": np.ndarray, "MISSING": _MISSING, "slow": _SlowItem(ts)}
+        ns: dict[str, Any] = {"ndarray": np.ndarray, "MISSING": _MISSING, "slow": _SlowItem(spec, ts.keys or ())}
         checks, stores = [], []
         for j, (key, leaf) in enumerate(zip(ts.keys or (), spec.leaves)):
             dt, mv = leaf.dtype, _item_format_ok(leaf.dtype) and leaf.nbytes > 0
@@ -146,14 +152,15 @@ class _ItemStore:
                 lines.append(f"if t is NT{j}: {item if mv and dt.kind in 'biu' else general}")
                 if mv:
                     lines.append(f"elif t is bool: {item}")
-                    if dt.kind in "iuf":
-                        info = np.iinfo(dt) if dt.kind in "iu" else None
-                        ns[f"IL{j}"], ns[f"IH{j}"] = (int(info.min), int(info.max)) if info else (-(2**53), 2**53)
-                        lines.append(f"elif t is int and IL{j} <= {x} <= IH{j}: {item}")
-                    if dt.kind == "f":
-                        lim = float(np.finfo(np.float32).max) if dt.itemsize == 4 else float("inf")
+                    if dt.kind in "iu":
+                        ns[f"IL{j}"], ns[f"IH{j}"] = int(np.iinfo(dt).min), int(np.iinfo(dt).max)
+                    elif dt.kind == "f":  # ints a double holds exactly: then one rounding, as numpy's
+                        ns[f"IL{j}"], ns[f"IH{j}"] = -(2**53), 2**53
+                        lim = _F32_MAX if dt.itemsize == 4 else math.inf
                         ns[f"FL{j}"], ns[f"FH{j}"] = -lim, lim
                         lines.append(f"elif t is float and FL{j} <= {x} <= FH{j}: {item}")
+                    if dt.kind in "iuf":
+                        lines.append(f"elif t is int and IL{j} <= {x} <= IH{j}: {item}")
                 lines.append(f"elif t is ndarray and {x}.dtype is DT{j} and {x}.shape == (): {general}")
             else:
                 exact = f"type({x}) is ndarray and {x}.dtype is DT{j} and {x}.shape == SH{j}"
@@ -168,22 +175,23 @@ class _ItemStore:
             stores.append(f"d{j}[k{j}] = {x}")
         body = "\n".join("    " + ln for ln in checks + stores)
         self.source = f"def store(data, i, arrs, mvs):\n{body}\n"
-        exec(compile(self.source, f"<shmbuf add() of timescale {spec.name!r}>", "exec"), ns)  # noqa: S102  # our own text: no user input in it
+        # exec of our own text: no user input in it (the timescale's name goes only into the file name)
+        exec(compile(self.source, f"<shmbuf add() of timescale {spec.name!r}>", "exec"), ns)  # noqa: S102
         self.fn = ns["store"]
 
 
 class _SlowItem:
     """The general path of one leaf of a fast-path timescale: a missing key, or an item to coerce."""
 
-    __slots__ = ("ts",)
+    __slots__ = ("keys", "spec")
 
-    def __init__(self, ts: _Ts):
-        self.ts = ts
+    def __init__(self, spec: Timescale, keys: tuple[str, ...]):
+        self.spec, self.keys = spec, keys  # not the _Ts: no reference cycle through the function's globals
 
     def __call__(self, j: int, x: Any, data: dict[Any, Any]) -> np.ndarray:
         if x is _MISSING:
-            _keys_mismatch(self.ts, data)
-        return _coerce(self.ts.leaves[j], x, True, whole=False)
+            _keys_mismatch(self.spec.name, self.keys, data)
+        return _coerce(self.spec.leaves[j], x, True, whole=False)
 
 
 class Writer:
@@ -432,7 +440,7 @@ class Writer:
             for j, k in enumerate(ts.keys):
                 x = data.get(k, _MISSING)
                 if x is _MISSING:
-                    _keys_mismatch(ts, data)
+                    _keys_mismatch(ts.spec.name, ts.keys, data)
                 vals[j] = _coerce(ts.leaves[j], x, ts.buffered, whole=False)
         else:
             leaves = self._leaves_of(ts, data)
@@ -658,7 +666,7 @@ class Writer:
         """The leaves of ``data`` in schema order, or a SchemaError naming the first mismatch."""
         if ts.keys is not None and isinstance(data, dict):
             if set(data) != set(ts.keys):
-                _keys_mismatch(ts, data)
+                _keys_mismatch(ts.spec.name, ts.keys, data)
             return [data[k] for k in ts.keys]
         leaves, spec = optree.tree_flatten(data)
         if spec != self._treespecs[ts.spec.name]:  # not the example's exact containers: walk and compare
@@ -667,19 +675,19 @@ class Writer:
         return leaves
 
 
-def _keys_mismatch(ts: _Ts, data: dict[Any, Any]) -> None:
-    """Raise the SchemaError naming the missing and the unexpected keys of a flat timescale."""
-    expected = set(ts.keys or ())
+def _keys_mismatch(name: str, keys: tuple[str, ...] | None, data: dict[Any, Any]) -> None:
+    """Raise the SchemaError naming the missing and the unexpected keys of flat timescale ``name``."""
+    expected = set(keys or ())
     got = set(data)
     missing = sorted(expected - got, key=str)
     extra = sorted(got - expected, key=str)
     parts = []
     if missing:
-        parts.append("missing " + ", ".join(f"{ts.spec.name}/{k}" for k in missing))
+        parts.append("missing " + ", ".join(f"{name}/{k}" for k in missing))
     if extra:
-        parts.append("unexpected " + ", ".join(f"{ts.spec.name}/{k}" for k in extra))
+        parts.append("unexpected " + ", ".join(f"{name}/{k}" for k in extra))
     raise SchemaError(
-        f"timescale '{ts.spec.name}': expected keys {sorted(expected)}, got {sorted(got, key=str)} ({'; '.join(parts)})"
+        f"timescale '{name}': expected keys {sorted(expected)}, got {sorted(got, key=str)} ({'; '.join(parts)})"
     )
 
 

@@ -271,3 +271,23 @@ def test_leaf_without_a_memoryview_format_and_zero_size_leaves_take_numpys_store
     with reader.get(timeout=5) as r:
         assert r.data["step"]["h"].tolist() == list(range(8)) and r.data["step"]["x"].tolist() == list(range(8))
     writer.close()
+
+
+def test_a_timescale_past_max_fast_leaves_takes_the_general_path(make_reader: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    reader = make_reader(example(), slots=4, max_writers=2)
+    fast = shmbuf.Writer(reader.handle, timeout=5.0)
+    monkeypatch.setattr(_writer, "MAX_FAST_LEAVES", 2)
+    general = shmbuf.Writer(reader.handle, timeout=5.0)
+    reader.poll()
+    assert fast._ts["step"].store is not None and general._ts["step"].store is None
+    for w in (fast, general):
+        for leaf, x in CASES[: T]:
+            item = base_item()
+            item[leaf] = x
+            w.add("step", item)
+        w.commit()
+    with reader.get(timeout=5) as a, reader.get(timeout=5) as b:
+        for k in a.data["step"]:
+            assert a.data["step"][k].tobytes() == b.data["step"][k].tobytes(), k
+    fast.close()
+    general.close()
