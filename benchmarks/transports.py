@@ -59,11 +59,11 @@ def _has_view_arg(reader: Any) -> bool:
 
 
 class ShmbufLearner:
-    """``get_batch(B)`` with its default ``view=None``: zero-copy views when the B rollouts are one aligned run
-    of slots, gathered otherwise. Each batch (``copy=False``) stays valid until the next ``get_batch``, which
+    """``get_batch(B)`` with its default ``view=True``: zero-copy views when the B rollouts are one aligned run
+    of slots (and in every lane's commit order), gathered otherwise. Each batch (``copy=False``) stays valid until the next ``get_batch``, which
     releases it: the harness touches it before asking for the next."""
 
-    VIEW: bool | None = None
+    VIEW = True
 
     def __init__(self, shared: Any, example: Any, batch: int, n_actors: int, depth: int):
         import shmbuf

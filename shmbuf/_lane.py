@@ -68,6 +68,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import posix_ipc
 
 from shmbuf._errors import PipelineClosed, SlotTimeout, UsageError
@@ -331,11 +332,12 @@ class WriterLane:
 class ReaderLane:
     """The reader's half of one active lane: adopt, take commits and mail, lend slots, wake, free."""
 
-    __slots__ = ("rec", "w", "ready", "free", "sem", "pid", "start", "label", "given", "stats", "_fence")
+    __slots__ = ("rec", "w", "wn", "ready", "free", "sem", "pid", "start", "label", "given", "stats", "_fence")
 
-    def __init__(self, rec: Record, w: memoryview, mm: Any, sem: posix_ipc.Semaphore):
+    def __init__(self, rec: Record, w: memoryview, wn: np.ndarray, mm: Any, sem: posix_ipc.Semaphore):
         self.rec = rec
         self.w = w
+        self.wn = wn  # the same words as an int64 array: slots are taken and lent in bulk
         self._fence = fence()
         if self._fence:  # STATE == ACTIVE (our caller's load) before who holds the lane
             self._fence()
@@ -353,11 +355,12 @@ class ReaderLane:
     def index(self) -> int:
         return self.rec.index
 
-    def take_commits(self) -> list[int]:
-        """Every slot the writer published since the last call (checked by the caller)."""
+    def take_commits(self) -> bytes | None:
+        """Every slot the writer published since the last call, as raw native int64s (checked by the
+        caller), or None."""
         n = self.ready.available()
         if not n:
-            return []
+            return None
         if self._fence:  # READY_HEAD before the entries and the slot data it covers
             self._fence()
         return self.ready.pop_many(n)
@@ -374,8 +377,8 @@ class ReaderLane:
             return set()
         return {w[rec.free_ring + k % rec.cap] for k in range(tail, head)}
 
-    def lend(self, slots: list[int]) -> None:
-        self.free.push_many(slots)
+    def lend(self, slots: np.ndarray) -> None:
+        self.free.push_many(self.wn, slots)
         self.given += len(slots)
 
     def arm(self, quota: int) -> None:

@@ -47,6 +47,8 @@ from __future__ import annotations
 import platform
 import threading
 
+import numpy as np
+
 from shmbuf._errors import SegmentError
 
 I64_MAX = 2**63 - 1
@@ -122,8 +124,11 @@ class Producer:
         self._head = h + 1
         w[self._head_w] = h + 1
 
-    def push_many(self, values: list[int]) -> None:
-        """Push several entries and publish them with one store of ``head``."""
+    def push_many(self, words: np.ndarray, values: np.ndarray) -> None:
+        """Push several entries (at most two slice stores) and publish them with one store of ``head``.
+
+        ``words``: the same words as an int64 array (the reader's; it lends in bulk).
+        """
         w = self._w
         h = self._head
         n = len(values)
@@ -131,9 +136,7 @@ class Producer:
             raise SegmentError(
                 f"ring overflow (head {h} + {n}, tail {w[self._tail_w]}, capacity {self._cap}): the segment is corrupt"
             )
-        ring, cap = self._ring, self._cap
-        for k, v in enumerate(values):
-            w[ring + (h + k) % cap] = v
+        _ring_store(words, self._ring, self._cap, h, values)
         if self._fence:
             self._fence()
         self._head = h + n
@@ -165,10 +168,15 @@ class Consumer:
             raise SegmentError(f"ring counters out of range (head-tail = {n}, capacity {self._cap}): the segment is corrupt")
         return n
 
-    def pop_many(self, n: int) -> list[int]:
-        """The next ``n`` entries (call after :meth:`available` said there are), with one store of ``tail``."""
+    def pop_many(self, n: int) -> bytes:
+        """The next ``n`` entries as raw native int64s (call after :meth:`available` said there are),
+        with one store of ``tail``: the reader compares them to the run it expects in one go."""
         w, ring, cap, t = self._w, self._ring, self._cap, self._tail
-        out = [w[ring + (t + k) % cap] for k in range(n)]
+        i = t % cap
+        if i + n <= cap:
+            out = w[ring + i : ring + i + n].tobytes()
+        else:
+            out = w[ring + i : ring + cap].tobytes() + w[ring : ring + i + n - cap].tobytes()
         self._tail = t + n
         w[self._tail_w] = t + n
         return out
@@ -180,3 +188,13 @@ class Consumer:
         self._tail = t + 1
         self._w[self._tail_w] = t + 1
         return v
+
+
+def _ring_store(words: np.ndarray, ring: int, cap: int, at: int, values: np.ndarray) -> None:
+    """Store ``values`` at ring positions ``at, at + 1, ...`` (mod ``cap``): one slice, or two where it wraps."""
+    i, n = at % cap, len(values)
+    first = min(n, cap - i)
+    words[ring + i : ring + i + first] = values[:first]
+    if first < n:
+        words[ring : ring + n - first] = values[first:]
+

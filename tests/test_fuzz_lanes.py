@@ -251,6 +251,7 @@ class Rig:
         self.log: list[str] = []
         self.writers: list[shmbuf.Writer] = []
         self.held: list[shmbuf.Rollout] = []
+        self.batch: shmbuf.Batch | None = None  # the last batch: a zero-copy one holds its slots until released
         self.scribbler: Scribbler | None = None
         self.reader = shmbuf.create(small_example(T), SLOTS, max_writers=rng.choice([2, 3]),
                                     raise_writer_errors=rng.random() < 0.7)
@@ -322,6 +323,9 @@ class Rig:
         slots = s["slots"]
         total = slots["pool"] + slots["lent"] + slots["ready"] + slots["held"]
         held = sum(1 for r in self.held if not r.released)
+        b = self.batch
+        if b is not None and b.zero_copy and not b.released:
+            held += b.size
         if total != SLOTS or min(slots.values()) < 0 or slots["held"] != held:
             self.fail("slot accounting", f"slot accounting broken: {slots} (slots={SLOTS}, the test holds {held})", None)
 
@@ -422,9 +426,19 @@ class Rig:
     def r_batch(self) -> None:
         size = self.rng.randint(1, 2) if self.rng.random() < 0.7 else self.rng.randint(1, SLOTS)
         b = self.call("get_batch()", self.reader.get_batch, size, self.rng.choice(READER_TIMEOUTS),
-                      copy=self.rng.random() < 0.5)
+                      copy=self.rng.random() < 0.5, view=self.rng.random() < 0.7)
         if not isinstance(b, BaseException):
+            self.batch = b
             self.call("batch repr()", repr, b)
+
+    def r_batch_use(self) -> None:
+        b = self.batch
+        if b is None:
+            return
+        if self.rng.random() < 0.6:
+            self.call("batch.data", lambda: b.data)  # a released batch's is a StaleRollout
+        else:
+            self.call("batch.release()", b.release)  # so is a second release
 
     def r_poll(self) -> None:
         self.call("poll()", self.reader.poll)
@@ -446,7 +460,7 @@ class Rig:
     def r_scan(self) -> None:
         self.check_scan()
 
-    OPS = ("w_rollout", "w_rollout", "w_send", "w_partial", "w_report", "w_stats", "w_replace", "r_get", "r_get", "r_batch",
+    OPS = ("w_rollout", "w_rollout", "w_send", "w_partial", "w_report", "w_stats", "w_replace", "r_get", "r_get", "r_batch", "r_batch_use",
            "r_poll", "r_poll", "r_stats", "r_held", "r_scan")
 
     # -- a trial ------------------------------------------------------------

@@ -59,13 +59,13 @@ def test_batch_data_gives_every_batch_its_own_containers(pair: Any) -> None:
     reader, writer = pair
     write(writer, 1.0)
     write(writer, 2.0)
-    b = reader.get_batch(2, timeout=5)
+    b = reader.get_batch(2, timeout=5, view=False)
     obs = b.data["step"]["obs"]
     b.data["step"]["obs"] = "replaced"
     b.data["step"]["mine"] = 1
     write(writer, 3.0)
     write(writer, 4.0)
-    b2 = reader.get_batch(2, timeout=5)
+    b2 = reader.get_batch(2, timeout=5, view=False)
     assert b2.data["step"]["obs"] is obs  # the same preallocated array, refilled (copy=False)...
     assert "mine" not in b2.data["step"] and b2.data["step"]["obs"][:, 0, 0].tolist() == [3.0, 4.0]  # ...in new dicts
 
@@ -84,6 +84,8 @@ def test_get_batch_above_the_latency_window_delivers_and_loses_no_slot(make_read
                 writer.commit()
         batch = reader.get_batch(n, timeout=10)
         assert batch.size == n and batch.seq.tolist() == list(range(n))
+        assert batch.zero_copy and reader.stats()["slots"]["held"] == n  # every slot, in order: one run
+        batch.release()
         s = reader.stats()
         assert s["slots"]["held"] == s["slots"]["ready"] == 0 and s["slots"]["pool"] + s["slots"]["lent"] == n
         assert s["latency_us_p50"] is not None
@@ -97,12 +99,14 @@ def test_a_failure_during_get_batch_puts_every_taken_slot_back(pair: Any, monkey
         write(writer, float(k))
     reader.poll()
 
-    bufs = reader._batch_buffer(3)[1]
+    bufs = reader._batch_buffer(3)
     monkeypatch.setattr(reader, "_leaf_all", [_Exploding(v) for v in reader._leaf_all])
-    with pytest.raises(MemoryError):
-        reader.get_batch(3, timeout=5)
+    for view in (False, True):  # a gather, and a run of views (whose leaf views are made from _leaf_all)
+        with pytest.raises(MemoryError):
+            reader.get_batch(3, timeout=5, view=view)
     monkeypatch.undo()
-    assert bufs is reader._batch_buffer(3)[1]
+    assert bufs is reader._batch_buffer(3)
+    assert reader.stats()["slots"]["ready"] == 3
     batch = reader.get_batch(3, timeout=5)
     assert batch.data["step"]["obs"][:, 0, 0].tolist() == [0.0, 1.0, 2.0]  # all three, in order
 
@@ -113,6 +117,9 @@ class _Exploding:
 
     def take(self, *a: Any, **kw: Any) -> None:
         raise MemoryError("while gathering")
+
+    def __getitem__(self, key: Any) -> None:
+        raise MemoryError("while making views")
 
 
 def test_a_python_int_that_does_not_fit_the_leaf_is_refused(make_reader: Any) -> None:

@@ -97,7 +97,8 @@ def test_batches_gather_rollouts_and_release_their_slots(pair: Any) -> None:
     for k in range(3):
         write(writer, float(k), length=T - k)
     reader.poll()
-    batch = reader.get_batch(3, timeout=5)
+    batch = reader.get_batch(3, timeout=5, view=False)
+    assert not batch.zero_copy
     assert batch.data["step"]["obs"].shape == (3, T, 4)
     assert batch.data["step"]["obs"][:, 0, 0].tolist() == [0.0, 1.0, 2.0]
     assert batch.fill["step"].tolist() == [T, T - 1, T - 2]
@@ -106,11 +107,11 @@ def test_batches_gather_rollouts_and_release_their_slots(pair: Any) -> None:
     first = batch.data["step"]["obs"]
     for k in range(3):
         write(writer, 10.0 + k)
-    again = reader.get_batch(3, timeout=5)
+    again = reader.get_batch(3, timeout=5, view=False)
     assert again.data["step"]["obs"] is first  # copy=False: the same preallocated buffer, refilled
     for k in range(3):
         write(writer, 20.0 + k)
-    mine = reader.get_batch(3, timeout=5, copy=True)
+    mine = reader.get_batch(3, timeout=5, copy=True, view=False)
     assert mine.data["step"]["obs"] is not first and mine.data["step"]["obs"][:, 0, 0].tolist() == [20.0, 21.0, 22.0]
 
 

@@ -628,7 +628,9 @@ def test_shutdown_keeps_its_deadline_while_the_server_lingers_for_a_hung_worker(
         pids, names = list(c.pool.pids), names_of(c)
         open(flag, "w").close()
         wait_until(lambda: os.path.exists(f"{flag}.0"), 20, "worker 0 to hang")
-        wait_until(lambda: len(c.table.pending()) == 2, 20, "the other two workers' requests")  # type: ignore[union-attr]
+        # The reader lends slots only when called: poll, so that the two others wait on the server, not for a slot.
+        wait_until(lambda: c.reader.poll() >= 0 and len(c.table.pending()) == 2, 20,  # type: ignore[union-attr]
+                   "the other two workers' requests")
         t0 = time.monotonic()
         c.shutdown(timeout=1.5)
         took = time.monotonic() - t0

@@ -140,7 +140,7 @@ class Collector:
         batch_mode: ``"truncate_episodes"`` or ``"complete_episodes"``.
         weights: initial weights (pytree of arrays) to broadcast; default: a
             torch policy's ``state_dict``. Needed for :meth:`update_policy_weights`.
-        slots: shmbuf slots (default: two batches' worth plus two per writer).
+        slots: shmbuf slots (default: two batches' worth plus two per writer, rounded up to whole batches).
         start_method: for the actor processes (default forkserver, else spawn).
         restart: restart a failed actor (its error is kept in ``failures``).
         progress: show a tqdm progress bar.
@@ -258,7 +258,10 @@ class Collector:
         if weights is None and not self._remote and hasattr(probe_policy, "state_dict"):
             weights = _numpy_state(probe_policy)
         if slots is None:
-            slots = 2 * self.rollouts_per_batch + 2 * n_writers if self.rollouts_per_batch else 4 * n_writers + 8
+            B = self.rollouts_per_batch
+            # a whole number of batches, so that every batch can be a run of slots (zero-copy): two, and
+            # room for two rollouts a writer
+            slots = B * (2 + -(-2 * n_writers // B)) if B else 4 * n_writers + 8
         try:
             self.reader = shmbuf.create(example, slots, max_writers=n_writers, raise_writer_errors=False)
             if weights is not None:

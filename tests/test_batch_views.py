@@ -1,0 +1,229 @@
+"""Zero-copy batches: when get_batch hands out views, how long they live, and that nothing is lost or overwritten."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmbuf
+from shmbuf import StaleRollout
+
+T = 8
+EX = {"step": {"x": np.zeros((T, 3), np.float32)}, "tag": {"writer": np.zeros((), np.int64), "k": np.zeros((), np.int64)}}
+
+
+def send(w: shmbuf.Writer, writer: int, k: int) -> None:
+    """A rollout whose every value says who wrote it and which it is: 1000 * writer + k."""
+    w.send({"step": {"x": np.full((T, 3), 1000 * writer + k, np.float32)},
+            "tag": {"writer": np.array(writer), "k": np.array(k)}})
+
+
+def check_rows(batch: shmbuf.Batch) -> list[tuple[int, int]]:
+    """Each row's data matches its tag; return the tags."""
+    d = batch.data
+    tags = list(zip(d["tag"]["writer"].tolist(), d["tag"]["k"].tolist()))
+    for i, (wr, k) in enumerate(tags):
+        assert (d["step"]["x"][i] == 1000 * wr + k).all(), f"row {i} holds another rollout's data"
+    return tags
+
+
+def _is_view_of_the_segment(reader: shmbuf.Reader, a: np.ndarray) -> bool:
+    return any(np.shares_memory(a, leaf) for leaf in reader._leaf_all)
+
+
+def test_a_run_of_consecutive_slots_is_handed_out_as_views(make_reader: Any) -> None:
+    reader = make_reader(EX, slots=8, max_writers=1)
+    with shmbuf.Writer(reader, timeout=2.0) as w:
+        reader.poll()
+        for k in range(4):
+            send(w, 0, k)
+        b = reader.get_batch(4, timeout=5)
+        assert b.zero_copy and _is_view_of_the_segment(reader, b.data["step"]["x"])
+        assert check_rows(b) == [(0, 0), (0, 1), (0, 2), (0, 3)] and b.seq.tolist() == [0, 1, 2, 3]
+        assert reader.stats()["slots"]["held"] == 4 and reader.stats()["batches"] == {"views": 1, "gathered": 0}
+        reader.poll()  # the writer runs in this thread: lend it slots
+        for k in range(4, 8):
+            send(w, 0, k)
+        g = reader.get_batch(4, timeout=5, view=False)
+        assert not g.zero_copy and not _is_view_of_the_segment(reader, g.data["step"]["x"])
+        assert check_rows(g) == [(0, 4), (0, 5), (0, 6), (0, 7)] and reader.stats()["slots"]["held"] == 0
+        reader.poll()
+        for k in range(8, 12):
+            send(w, 0, k)
+        c = reader.get_batch(4, timeout=5, copy=True)
+        assert check_rows(c) == [(0, 8), (0, 9), (0, 10), (0, 11)] and reader.stats()["slots"]["held"] == 0
+        assert not _is_view_of_the_segment(reader, c.data["step"]["x"]) and not c.released
+        c.release()  # copy=True: the arrays are yours, nothing to give back
+        assert check_rows(c)
+
+
+def test_a_released_batch_raises_on_access_and_on_a_second_release(make_reader: Any) -> None:
+    reader = make_reader(EX, slots=8, max_writers=1)
+    with shmbuf.Writer(reader, timeout=2.0) as w:
+        reader.poll()
+        for k in range(4):
+            send(w, 0, k)
+        with reader.get_batch(4, timeout=5) as b:
+            assert b.zero_copy and not b.released
+        assert b.released and reader.stats()["slots"]["held"] == 0  # the with block gave the slots back
+        with pytest.raises(StaleRollout, match="batch of 4 was released"):
+            b.data
+        with pytest.raises(StaleRollout):
+            b["step"]
+        with pytest.raises(StaleRollout):
+            b.release()
+        assert b.seq.tolist() == [0, 1, 2, 3]  # the metadata are copies: still there
+        # The next get_batch releases the batch before it, views and gathered alike.
+        for view in (True, False):
+            reader.poll()
+            for k in range(4):
+                send(w, 0, 10 + k)
+            first = reader.get_batch(4, timeout=5, view=view)
+            first.data
+            reader.poll()
+            for k in range(4):
+                send(w, 0, 20 + k)
+            reader.get_batch(4, timeout=5, view=view).release()
+            assert first.released
+            with pytest.raises(StaleRollout):
+                first.data
+        reader.poll()
+        for k in range(4):
+            send(w, 0, 30 + k)
+        last = reader.get_batch(4, timeout=5)
+    reader.close()
+    assert last.released
+    with pytest.raises(StaleRollout, match="closed"):
+        last.data
+
+
+def test_a_timed_out_get_batch_has_still_released_the_batch_before_it(make_reader: Any) -> None:
+    reader = make_reader(EX, slots=8, max_writers=1)
+    with shmbuf.Writer(reader, timeout=2.0) as w:
+        reader.poll()
+        for k in range(4):
+            send(w, 0, k)
+        b = reader.get_batch(4, timeout=5)
+        with pytest.raises(shmbuf.SlotTimeout):
+            reader.get_batch(4, timeout=0.05)
+        assert b.released and reader.stats()["slots"]["held"] == 0
+
+
+def _writer_proc(name: str, writer: int, n: int) -> None:
+    with shmbuf.Writer(name, timeout=20.0) as w:
+        for k in range(n):
+            send(w, writer, k)
+
+
+@pytest.mark.parametrize("view", [True, False])
+def test_every_rollout_is_delivered_exactly_once_and_intact(make_reader: Any, procs: Any, view: bool) -> None:
+    n, writers, size = 400, 2, 8
+    reader = make_reader(EX, slots=32, max_writers=writers)
+    for i in range(writers):
+        procs(_writer_proc, reader.name, i, n)
+    seen: list[tuple[int, int]] = []
+    deadline = time.monotonic() + 60
+    while len(seen) < n * writers:
+        assert time.monotonic() < deadline, f"only {len(seen)} of {n * writers} rollouts in 60 s"
+        b = reader.get_batch(size, timeout=10, view=view)
+        if not view:
+            assert not b.zero_copy
+        seen += check_rows(b)
+    assert sorted(seen) == [(i, k) for i in range(writers) for k in range(n)]  # none lost, none twice
+    per_writer = {i: [k for wr, k in seen if wr == i] for i in range(writers)}
+    assert all(ks == sorted(ks) for ks in per_writer.values())  # each writer's commit order, views or gathered
+    st = reader.stats()
+    assert st["batches"]["views"] + st["batches"]["gathered"] == n * writers // size
+    if view:
+        assert st["batches"]["views"] > 0
+    s = st["slots"]
+    assert s["pool"] + s["lent"] + s["ready"] + s["held"] == 32
+
+
+def _flood(name: str, writer: int, seconds: float) -> None:
+    """Send as fast as slots come, for ``seconds``."""
+    end = time.monotonic() + seconds
+    k = 0
+    with shmbuf.Writer(name, timeout=20.0) as w:
+        while time.monotonic() < end:
+            send(w, writer, k)
+            k += 1
+
+
+def test_no_writer_writes_a_slot_a_held_batch_covers(make_reader: Any, procs: Any) -> None:
+    """Two writers keep committing while the learner holds a zero-copy batch and takes rollouts one by one."""
+    reader = make_reader(EX, slots=16, max_writers=2)
+    for i in range(2):
+        procs(_flood, reader.name, i, 4.0)
+    for _ in range(100):  # the first batches may be gathered while the writers start
+        b = reader.get_batch(4, timeout=10)
+        if b.zero_copy:
+            break
+    assert b.zero_copy
+    before = {k: np.array(v) for k, v in b.data["step"].items()}
+    tags = check_rows(b)
+    turned = 0
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:  # every other slot is written and read again, many times
+        with reader.get(timeout=10) as r:
+            assert (r.data["step"]["x"] == 1000 * int(r.data["tag"]["writer"]) + int(r.data["tag"]["k"])).all()
+            turned += 1
+        assert reader.stats()["slots"]["held"] == 4
+    assert turned > 50, f"the writers committed only {turned} rollouts beside the held batch"
+    for k, v in b.data["step"].items():
+        assert (v == before[k]).all(), "a writer wrote into a slot the held batch covers"
+    assert check_rows(b) == tags
+    b.release()
+    while reader.stats()["writers"]:  # drain until the writers finish, so that they exit cleanly
+        try:
+            reader.get(timeout=0.2).release()
+        except shmbuf.SlotTimeout:
+            pass
+
+
+def test_a_hung_writer_delays_a_default_batch_only_briefly(make_reader: Any) -> None:
+    """A writer that holds a slot in the middle of a run and never commits: get_batch gathers the rest
+    rather than wait for that run."""
+    reader = make_reader(EX, slots=8, max_writers=2)
+    hung = shmbuf.Writer(reader, timeout=2.0)
+    busy = shmbuf.Writer(reader, timeout=2.0)
+    try:
+        reader.poll()
+        hung.add("step", {"x": np.zeros(3, np.float32)})  # takes its first lent slot and stops there
+        for k in range(4):
+            if k % 2 == 0:
+                reader.poll()  # the writers run in this thread: lend them slots (2 per lane at a time)
+            send(busy, 1, k)
+        # 4 ready, but each run of 4 slots has one the hung writer holds or may write
+        t0 = time.monotonic()
+        b = reader.get_batch(4, timeout=5)
+        assert time.monotonic() - t0 < 2.0  # bounded by the patience rule, far below the timeout
+        assert check_rows(b) == [(1, 0), (1, 1), (1, 2), (1, 3)]
+    finally:
+        hung.close()
+        busy.close()
+
+
+def test_held_rollouts_in_every_run_mean_a_gather_at_once(make_reader: Any) -> None:
+    reader = make_reader(EX, slots=4, max_writers=1)  # runs of 2: slots 0-1 and 2-3
+    with shmbuf.Writer(reader, timeout=2.0) as w:
+        reader.poll()
+        for k in range(2):
+            send(w, 0, k)  # slots 0, 1
+        a = reader.get(timeout=5)  # slot 0
+        reader.poll()
+        for k in range(2, 4):
+            send(w, 0, k)  # slots 2, 3
+        reader.get(timeout=5).release()  # slot 1
+        c = reader.get(timeout=5)  # slot 2: now each run holds a rollout taken with get()
+        reader.poll()
+        send(w, 0, 4)  # slot 1
+        g = reader.get_batch(2, timeout=5)
+        assert not g.zero_copy and [k for _, k in check_rows(g)] == [3, 4]  # gathered, oldest first
+        a.release()
+        c.release()
+    with pytest.raises(shmbuf.UsageError, match="view"):
+        reader.get_batch(2, view=None)
