@@ -59,7 +59,7 @@ def record(data_dir: str, args: argparse.Namespace) -> list[float]:
                    total_frames=args.frames, rollout_len=args.steps, seed=args.seed,
                    start_method=args.start_method) as collector, Recorder(data_dir, fsync=False) as rec:
         for batch in collector:
-            rec.write(batch)  # copies what it keeps: the batch buffer is refilled by the next one
+            rec.write(batch)  # copies what it keeps: the batch is released by the next one
             returns += batch.episode_returns.tolist()
     return returns
 

@@ -123,7 +123,7 @@ def run_shmbuf(n_actors: int, n_rollouts: int, batch: int) -> tuple[float, float
             p.start()
         total = 0.0
         for _ in range(n_actors * n_rollouts // batch):
-            b = reader.get_batch(batch, timeout=60)  # (batch, T, ...), gathered with one copy
+            b = reader.get_batch(batch, timeout=60)  # (batch, T, ...): views of a run of slots, or gathered
             total += float(b.data["step"]["reward"].sum())
         return time.perf_counter() - t0, total
     finally:

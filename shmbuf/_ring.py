@@ -21,7 +21,7 @@ for the free ring), then the entry, then ``head``. The consumer loads
 never to see the new ``head`` before the entry and payload it covers.
 
 - Every store here is an aligned 8-byte store done by one C call
-  (memoryview item assignment, or numpy's copy for the payload). The C
+  (memoryview item assignment; numpy slice copies for entries and payload). The C
   compiler cannot move stores across an opaque call into another function
   that may touch the same memory, so the program order above is the order
   the CPU receives. Aligned 8-byte stores are single-copy atomic on x86-64
