@@ -29,7 +29,9 @@ QUICK = {"actors": (2,), "scaling_actors": (), "windows": 3, "window_s": 0.25, "
 TARGET_ACTORS = 2
 SCALING_PAYLOADS = ("small", "atari")
 BATCH = 16
-DEPTH = 32  # rollouts in flight: shmbuf slots, mp.Queue maxsize, faster_fifo byte budget
+# Rollouts in flight: shmbuf slots, mp.Queue maxsize, faster_fifo byte budget. Three batches, as echo's Server
+# holds by default (num_buffers=3): the learner holds one batch while the actors fill the other two.
+DEPTH = 3 * BATCH
 PACE_RATE = 200.0  # rollouts/s, all actors together, in the paced latency runs
 LATENCY_ACTORS = 2
 STALL_S = 10.0
