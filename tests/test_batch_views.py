@@ -30,86 +30,84 @@ def check_rows(batch: shmbuf.Batch) -> list[tuple[int, int]]:
     return tags
 
 
+@pytest.fixture
+def one_writer(make_reader: Any) -> Any:
+    """A pipeline of 8 slots and one Writer in this thread (lent slots as each test polls)."""
+    reader = make_reader(EX, slots=8, max_writers=1)
+    w = shmbuf.Writer(reader, timeout=2.0)
+    yield reader, w
+    w.close()
+
+
+def fill(reader: shmbuf.Reader, w: shmbuf.Writer, first: int, n: int = 4) -> None:
+    """Lend the writer slots (it runs in this thread) and send rollouts ``first .. first + n - 1`` of writer 0."""
+    reader.poll()
+    for k in range(first, first + n):
+        send(w, 0, k)
+
+
 def _is_view_of_the_segment(reader: shmbuf.Reader, a: np.ndarray) -> bool:
     return any(np.shares_memory(a, leaf) for leaf in reader._leaf_all)
 
 
-def test_a_run_of_consecutive_slots_is_handed_out_as_views(make_reader: Any) -> None:
-    reader = make_reader(EX, slots=8, max_writers=1)
-    with shmbuf.Writer(reader, timeout=2.0) as w:
-        reader.poll()
-        for k in range(4):
-            send(w, 0, k)
-        b = reader.get_batch(4, timeout=5)
-        assert b.zero_copy and _is_view_of_the_segment(reader, b.data["step"]["x"])
-        assert check_rows(b) == [(0, 0), (0, 1), (0, 2), (0, 3)] and b.seq.tolist() == [0, 1, 2, 3]
-        assert reader.stats()["slots"]["held"] == 4 and reader.stats()["batches"] == {"views": 1, "gathered": 0}
-        reader.poll()  # the writer runs in this thread: lend it slots
-        for k in range(4, 8):
-            send(w, 0, k)
-        g = reader.get_batch(4, timeout=5, view=False)
-        assert not g.zero_copy and not _is_view_of_the_segment(reader, g.data["step"]["x"])
-        assert check_rows(g) == [(0, 4), (0, 5), (0, 6), (0, 7)] and reader.stats()["slots"]["held"] == 0
-        reader.poll()
-        for k in range(8, 12):
-            send(w, 0, k)
-        c = reader.get_batch(4, timeout=5, copy=True)
-        assert check_rows(c) == [(0, 8), (0, 9), (0, 10), (0, 11)] and reader.stats()["slots"]["held"] == 0
-        assert not _is_view_of_the_segment(reader, c.data["step"]["x"]) and not c.released
-        c.release()  # copy=True: the arrays are yours, nothing to give back
-        assert check_rows(c)
+def test_a_run_of_consecutive_slots_is_handed_out_as_views(one_writer: Any) -> None:
+    reader, w = one_writer
+    fill(reader, w, 0)
+    b = reader.get_batch(4, timeout=5)
+    assert b.zero_copy and _is_view_of_the_segment(reader, b.data["step"]["x"])
+    assert check_rows(b) == [(0, 0), (0, 1), (0, 2), (0, 3)] and b.seq.tolist() == [0, 1, 2, 3]
+    assert reader.stats()["slots"]["held"] == 4 and reader.stats()["batches"] == {"views": 1, "gathered": 0}
+    fill(reader, w, 4)
+    g = reader.get_batch(4, timeout=5, view=False)
+    assert not g.zero_copy and not _is_view_of_the_segment(reader, g.data["step"]["x"])
+    assert check_rows(g) == [(0, 4), (0, 5), (0, 6), (0, 7)] and reader.stats()["slots"]["held"] == 0
+    fill(reader, w, 8)
+    c = reader.get_batch(4, timeout=5, copy=True)
+    assert check_rows(c) == [(0, 8), (0, 9), (0, 10), (0, 11)] and reader.stats()["slots"]["held"] == 0
+    assert not _is_view_of_the_segment(reader, c.data["step"]["x"]) and not c.released
+    c.release()  # copy=True: the arrays are yours, nothing to give back
+    assert check_rows(c)
 
 
-def test_a_released_batch_raises_on_access_and_on_a_second_release(make_reader: Any) -> None:
-    reader = make_reader(EX, slots=8, max_writers=1)
-    with shmbuf.Writer(reader, timeout=2.0) as w:
-        reader.poll()
-        for k in range(4):
-            send(w, 0, k)
-        with reader.get_batch(4, timeout=5) as b:
-            assert b.zero_copy and not b.released
-        assert b.released and reader.stats()["slots"]["held"] == 0  # the with block gave the slots back
-        with pytest.raises(StaleRollout, match="batch of 4 was released"):
-            b.data
+def test_a_released_batch_raises_on_access_and_on_a_second_release(one_writer: Any) -> None:
+    reader, w = one_writer
+    fill(reader, w, 0)
+    with reader.get_batch(4, timeout=5) as b:
+        assert b.zero_copy and not b.released
+    assert b.released and reader.stats()["slots"]["held"] == 0  # the with block gave the slots back
+    with pytest.raises(StaleRollout, match="batch of 4 was released"):
+        b.data
+    with pytest.raises(StaleRollout):
+        b["step"]
+    with pytest.raises(StaleRollout):
+        b.release()
+    assert b.seq.tolist() == [0, 1, 2, 3]  # the metadata are copies: still there
+    # The next get_batch releases the batch before it, views and gathered alike.
+    for view in (True, False):
+        fill(reader, w, 10)
+        first = reader.get_batch(4, timeout=5, view=view)
+        first.data
+        fill(reader, w, 20)
+        reader.get_batch(4, timeout=5, view=view).release()
+        assert first.released
         with pytest.raises(StaleRollout):
-            b["step"]
-        with pytest.raises(StaleRollout):
-            b.release()
-        assert b.seq.tolist() == [0, 1, 2, 3]  # the metadata are copies: still there
-        # The next get_batch releases the batch before it, views and gathered alike.
-        for view in (True, False):
-            reader.poll()
-            for k in range(4):
-                send(w, 0, 10 + k)
-            first = reader.get_batch(4, timeout=5, view=view)
             first.data
-            reader.poll()
-            for k in range(4):
-                send(w, 0, 20 + k)
-            reader.get_batch(4, timeout=5, view=view).release()
-            assert first.released
-            with pytest.raises(StaleRollout):
-                first.data
-        reader.poll()
-        for k in range(4):
-            send(w, 0, 30 + k)
-        last = reader.get_batch(4, timeout=5)
+    fill(reader, w, 30)
+    last = reader.get_batch(4, timeout=5)
+    w.close()
     reader.close()
     assert last.released
     with pytest.raises(StaleRollout, match="closed"):
         last.data
 
 
-def test_a_timed_out_get_batch_has_still_released_the_batch_before_it(make_reader: Any) -> None:
-    reader = make_reader(EX, slots=8, max_writers=1)
-    with shmbuf.Writer(reader, timeout=2.0) as w:
-        reader.poll()
-        for k in range(4):
-            send(w, 0, k)
-        b = reader.get_batch(4, timeout=5)
-        with pytest.raises(shmbuf.SlotTimeout):
-            reader.get_batch(4, timeout=0.05)
-        assert b.released and reader.stats()["slots"]["held"] == 0
+def test_a_timed_out_get_batch_has_still_released_the_batch_before_it(one_writer: Any) -> None:
+    reader, w = one_writer
+    fill(reader, w, 0)
+    b = reader.get_batch(4, timeout=5)
+    with pytest.raises(shmbuf.SlotTimeout):
+        reader.get_batch(4, timeout=0.05)
+    assert b.released and reader.stats()["slots"]["held"] == 0
 
 
 def _writer_proc(name: str, writer: int, n: int) -> None:
