@@ -46,6 +46,7 @@ NOT_READY = np.iinfo(np.int64).max  # the arrival number of a slot that is not r
 # for one at least this long (longer if the batch itself took longer to arrive), then gathers.
 RUN_PATIENCE = 0.02
 _BYTEORDER = sys.byteorder
+CYCLE_MASK = 0xFFFFFFFF  # lending rounds are numbered mod 2**32: a slot would have to wait that many to alias
 NO_VERSION = np.iinfo(np.int64).min  # the learner's policy version, where it had not set one
 
 
@@ -208,7 +209,7 @@ class Batch:
     def data(self) -> dict[str, Any]:
         """The batch as a tree shaped like the example, each leaf ``(size, ...)``."""
         reader = self._reader
-        if reader is not None and (reader._batch_token != self._token or reader._closed):
+        if reader is not None and (reader._batch_token != self._token or reader._closed or reader._foreign):
             reader._stale_batch(self)
         return self._data
 
@@ -220,7 +221,7 @@ class Batch:
         reader = self._reader
         if reader is None:
             return  # copy=True: the arrays are yours and the slots went back already
-        if reader._batch_token != self._token or reader._closed:
+        if reader._batch_token != self._token or reader._closed or reader._foreign:
             reader._stale_batch(self)
         reader._end_batch()
 
@@ -303,8 +304,8 @@ class Reader:
         self._n_ready = 0
         self._held = 0
         self._cursor = 0  # slots are lent in cyclic order from here: runs of consecutive slots fill together
-        self._cycle = 0  # how many times the cursor went round (mod 2**16); each slot's at lending, 2 bytes a slot
-        self._lent_in = bytearray(2 * n)
+        self._cycle = 0  # a number per lending round (mod 2**32); each slot's at lending, 4 bytes a slot
+        self._lent_in = bytearray(4 * n)
         self._run = 0  # get_batch's size, once it said one: slots are then lent a run at a time
         self._open_end = 0  # the end of the run being lent
         self._lanes: dict[int, ReaderLane] = {}
@@ -323,7 +324,6 @@ class Reader:
         self._leaf_all = [seg.leaf_view(i) for i in range(len(self.schema.leaves))]
         self._slot_table = np.ndarray((n, self._plan.slot_bytes // 8), np.int64, buffer=seg.mm, offset=self._plan.slots_off)
         self._slot_leaves: dict[int, list[np.ndarray]] = {}  # views of one slot's leaves; never the containers
-        self._run_leaves: dict[tuple[int, int], list[np.ndarray]] = {}  # views of a run of slots, per (first, size)
         self._batch_bufs: dict[int, list[np.ndarray]] = {}
         # The newest LATENCY_WINDOW rollouts delivered: commit time, time delivered, policy version they were
         # collected with, and the learner's version when delivered (NO_VERSION: it had not set one).
@@ -439,11 +439,7 @@ class Reader:
     def _view_batch(self, first: int, size: int, copy: bool) -> Batch:
         """Hand out slots ``first .. first + size - 1`` (all ready) as one batch of views."""
         run = slice(first, first + size)
-        leaves = self._run_leaves.get((first, size))
-        if leaves is None:
-            if len(self._run_leaves) >= 64:  # many sizes over time: keep the cache small
-                self._run_leaves.clear()
-            leaves = self._run_leaves[(first, size)] = [leaf_all[run] for leaf_all in self._leaf_all]
+        leaves = [leaf_all[run] for leaf_all in self._leaf_all]  # new views: a batch's are its own to reshape
         if copy:
             leaves = [np.array(leaf) for leaf in leaves]
         meta = self._slot_table[run].copy()
@@ -524,15 +520,24 @@ class Reader:
         )
 
     def _full_run(self, size: int) -> int:
-        """The first slot of an aligned run of ``size`` ready slots (looked for from the end of the last run
-        handed out, then from slot 0), or -1."""
-        where, run = self._where, self._fill_bytes[SLOT_READY][:size]
-        for start in ((self._read_cursor, 0) if self._read_cursor else (0,)):
-            first = where.find(run, start)
-            while first >= 0 and first % size:  # not aligned: the next aligned place it could start
-                first = where.find(run, first - first % size + size)
-            if first >= 0:
-                return first
+        """The first slot of an aligned run of ``size`` ready slots that can be handed out in order (see
+        ``_in_order``), looked for from the end of the last run handed out, round to it; or -1."""
+        where, run, n = self._where, self._fill_bytes[SLOT_READY][:size], self.slots
+        top = n - n % size
+        start = self._read_cursor - self._read_cursor % size
+        start = start if start < top else 0
+        for lo, hi in ((start, top), (0, start)):
+            at = lo
+            while at < hi:
+                first = where.find(run, at, hi)
+                if first < 0:
+                    break
+                if first % size:  # not aligned: the next place an aligned run could start
+                    at = first - first % size + size
+                    continue
+                if self._in_order(first, size):
+                    return first
+                at = first + size
         return -1
 
     def _in_order(self, first: int, size: int) -> bool:
@@ -541,10 +546,10 @@ class Reader:
         outside it may be older than one inside (it would be handed out after its successors)."""
         run = slice(first, first + size)
         inner = self._arrived[run]
-        lent_in = self._lent_in[2 * first : 2 * (first + size)]
+        lent_in = self._lent_in[4 * first : 4 * (first + size)]
         # Lent in one turn of the cursor: in slot order, so each lane took them, and committed them, in slot order.
         # Otherwise look at the arrival order, per lane.
-        if lent_in != lent_in[:2] * size:
+        if lent_in != lent_in[:4] * size:
             lanes = self._lane_of[run]
             order = lanes.argsort(kind="stable")
             a, ln = inner[order], lanes[order]
@@ -600,10 +605,10 @@ class Reader:
                 if not view:
                     return -1
                 first = self._full_run(size)
-                if first >= 0 and self._in_order(first, size):
+                if first >= 0:
                     return first
-                if not self._run_possible(size):
-                    return -1
+                if not self._run_possible(size) or SLOT_LENT not in self._where:
+                    return -1  # no run can fill (held rollouts in each), or no commit can arrive: gather now
                 now = time.monotonic()
                 if patience_end is None:
                     patience_end = now + max(RUN_PATIENCE, now - t_call)
@@ -616,6 +621,8 @@ class Reader:
                 now = time.monotonic()
             wait = WAIT_SLICE if deadline is None else min(WAIT_SLICE, deadline - now)
             if wait <= 0:
+                if want <= 0 or patience_end is not None:
+                    return -1  # enough are ready: the deadline decides for a gather, not a timeout
                 raise SlotTimeout(f"pipeline {self.name}: no {'rollout' if size == 1 else f'batch of {size}'} within "
                                   f"timeout={timeout} s")
             if patience_end is not None:
@@ -842,43 +849,47 @@ class Reader:
                 self._reclaim(lane, died=True, corrupt=True)
 
     def _feed_runs(self, need: int, fed: list[ReaderLane], corrupt: list[ReaderLane]) -> int:
-        """Lend whole runs of ``self._run`` slots, each split among every lane: lane ``i`` (by index) gets
-        one stretch of consecutive slots of it. Return how many slots were lent.
+        """Lend whole runs of ``self._run`` slots, each to one lane that is short of slots (the one with
+        fewest untaken first). Return how many slots were lent.
 
-        Every lane's stretch of a run is lent before its stretch of the next run, so a lane commits
-        them in run order: a run can complete only after the runs opened before it, and its rows are
-        each lane's rollouts in commit order (``_in_order`` then passes at its first test). A run is
-        opened only when all its slots are in the pool, when some lane has fewer untaken slots than
-        its stretch and the lanes have fewer than two runs untaken between them (an idle writer
-        holds at most that), or when the reader is about to wait for commits the lanes cannot make.
+        A run lent to one lane in one piece is filled by that writer in its commit order, and it
+        completes whatever the other writers do: a slow or idle writer delays only its own runs, and
+        ``_in_order`` passes at its first test. A lane is short when it has fewer than ``depth``
+        untaken (``slots // (2 * lanes)``, at least one); a lane that does not take its slots (an idle
+        writer) stops getting any, so it holds at most one run. A run is opened only when all its
+        slots are in the pool; when none is, a short lane gets pool slots in cyclic order, as before
+        runs, so that no writer waits for a slot while the pool has one. Before the reader waits
+        (``need``) every lane counts as short.
         """
         size = self._run
-        lanes = sorted(self._lanes.values(), key=_index)
-        stretch, extra = divmod(size, len(lanes))
+        lanes = list(self._lanes.values())
+        depth = max(1, self.slots // (2 * len(lanes)))
         lent = 0
-        for _ in range(self.slots // size):  # each turn opens a run, or stops
-            queued = [lane.queued() for lane in lanes]
-            held = sum(lane.given for lane in lanes)
-            if not ((min(queued) < stretch and sum(queued) < 2 * size) or held < need):
+        for _ in range(self.slots // size + 1):  # each turn opens a run, or stops
+            queued = {lane.index: lane.queued() for lane in lanes}
+            short = sorted((lane for lane in lanes if queued[lane.index] < depth), key=lambda ln: queued[ln.index])
+            if not short and sum(lane.given for lane in lanes) < need:
+                short = sorted(lanes, key=_hungry)
+            if not short:
                 return lent
+            lane = short[0]
             first = self._free_run(self._open_end)
-            if first < 0:
+            if first < 0:  # no whole run in the pool: the short lanes get what there is
+                for lane in short:
+                    if not self._where.count(SLOT_POOL):
+                        break
+                    got = self._lend(lane, max(1, depth - queued[lane.index]), fed)
+                    if got < 0 and lane not in corrupt:
+                        corrupt.append(lane)
+                    lent += max(got, 0)
                 return lent
             self._open_end = first + size
-            self._cycle = (self._cycle + 1) & 0xFFFF
-            at = first
-            failed = False
-            for k, lane in enumerate(lanes):
-                m = stretch + (k < extra)
-                if self._lend_span(lane, at, m, fed) < 0:
-                    failed = True
-                    if lane not in corrupt:
-                        corrupt.append(lane)  # its stretch stays in the pool; _feed takes the lane back
-                else:
-                    lent += m
-                at += m
-            if failed:
+            self._cycle = (self._cycle + 1) & CYCLE_MASK
+            if self._lend_span(lane, first, size, fed) < 0:
+                if lane not in corrupt:
+                    corrupt.append(lane)  # the run stays in the pool; _feed takes the lane back
                 return lent
+            lent += size
         return lent
 
     def _lend(self, lane: ReaderLane, k: int, fed: list[ReaderLane]) -> int:
@@ -894,7 +905,7 @@ class Reader:
                     break
             span = where[first : first + k - lent]
             m = len(span) - len(span.lstrip(b"\0"))  # pool slots in a row from ``first``
-            self._cycle = (self._cycle + 1) & 0xFFFF
+            self._cycle = (self._cycle + 1) & CYCLE_MASK
             got = self._lend_span(lane, first, m, fed)
             if got < 0:
                 return -1 if not lent else lent
@@ -912,7 +923,7 @@ class Reader:
             return -1
         self._where[first : first + m] = self._fill_bytes[SLOT_LENT][:m]
         self._owner[first : first + m] = self._lane_mark(lane.index)[:m]
-        self._lent_in[2 * first : 2 * (first + m)] = self._cycle.to_bytes(2, "little") * m
+        self._lent_in[4 * first : 4 * (first + m)] = self._cycle.to_bytes(4, "little") * m
         if lane not in fed:
             fed.append(lane)
         return m
@@ -1113,7 +1124,6 @@ class Reader:
             sem.close()
         self._sems = []
         self._slot_leaves = {}
-        self._run_leaves = {}
         self._batch_bufs = {}
         self._leaf_all = []
         self._held_run = None

@@ -225,3 +225,96 @@ def test_held_rollouts_in_every_run_mean_a_gather_at_once(make_reader: Any) -> N
         c.release()
     with pytest.raises(shmbuf.UsageError, match="view"):
         reader.get_batch(2, view=None)
+
+
+def test_an_idle_writer_does_not_stall_the_others(make_reader: Any, procs: Any) -> None:
+    """A writer that holds a lane and never writes gets at most one run; the others keep delivering zero-copy
+    batches (before: it held a stretch of every run, and after the first gather every get_batch timed out)."""
+    reader = make_reader(EX, slots=48, max_writers=2)
+    idle = shmbuf.Writer(reader, timeout=20.0)
+    try:
+        procs(_flood, reader.name, 1, 6.0)
+        views = 0
+        for _ in range(40):
+            b = reader.get_batch(16, timeout=5)
+            views += b.zero_copy
+            assert all(wr == 1 for wr, _ in check_rows(b))
+        assert views >= 30, f"only {views} of 40 batches were zero-copy beside an idle writer"
+        b.release()
+    finally:
+        idle.close()
+    while reader.stats()["writers"]:  # drain until the flooding writer finishes
+        try:
+            reader.get(timeout=0.2).release()
+        except shmbuf.SlotTimeout:
+            pass
+
+
+def test_more_writers_than_the_batch_size_still_get_zero_copy_batches(make_reader: Any, procs: Any) -> None:
+    """Before: with 3 writers and batches of 2 every batch waited out the run patience, then gathered."""
+    reader = make_reader(EX, slots=8, max_writers=3)
+    for i in range(3):
+        procs(_writer_proc, reader.name, i, 300)
+    seen: list[tuple[int, int]] = []
+    while len(seen) < 900:
+        seen += check_rows(reader.get_batch(2, timeout=10))
+    assert sorted(seen) == [(i, k) for i in range(3) for k in range(300)]
+    st = reader.stats()["batches"]
+    assert st["views"] > st["gathered"], st
+
+
+def test_a_deadline_with_enough_ready_gathers_rather_than_times_out(make_reader: Any) -> None:
+    """A hung writer keeps every run from completing in order; with 4 ready, get_batch(4, timeout=0) gathers."""
+    reader = make_reader(EX, slots=8, max_writers=2)
+    hung = shmbuf.Writer(reader, timeout=2.0)
+    busy = shmbuf.Writer(reader, timeout=2.0)
+    try:
+        reader.poll()
+        hung.add("step", {"x": np.zeros(3, np.float32)})
+        for k in range(4):
+            if k % 2 == 0:
+                reader.poll()
+            send(busy, 1, k)
+        for timeout in (0, 0.01):
+            b = reader.get_batch(4, timeout=timeout)
+            assert not b.zero_copy and [k for _, k in check_rows(b)] == [0, 1, 2, 3]
+            reader.poll()
+            for k in range(4):
+                if k % 2 == 0:
+                    reader.poll()
+                send(busy, 1, k)
+    finally:
+        hung.close()
+        busy.close()
+
+
+def _touch_in_child(batch: shmbuf.Batch, conn: Any) -> None:
+    out = []
+    for what in (lambda: batch.data, batch.release):
+        try:
+            what()
+            out.append("ok")
+        except shmbuf.WrongProcess:
+            out.append("WrongProcess")
+    conn.send_bytes(",".join(out).encode())
+
+
+def test_a_batch_copied_into_a_forked_child_refuses_to_be_read_or_released(one_writer: Any) -> None:
+    import multiprocessing as mp
+
+    reader, w = one_writer
+    fill(reader, w, 0)
+    b = reader.get_batch(4, timeout=5)
+    rx, tx = mp.get_context("fork").Pipe(duplex=False)
+    p = mp.get_context("fork").Process(target=_touch_in_child, args=(b, tx), daemon=True)
+    p.start()
+    try:
+        assert rx.poll(20), "the child did not answer"
+        assert rx.recv_bytes().decode() == "WrongProcess,WrongProcess"
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not b.released and check_rows(b) == [(0, 0), (0, 1), (0, 2), (0, 3)]  # the parent's batch is untouched
+    assert reader.stats()["slots"]["held"] == 4

@@ -619,9 +619,11 @@ def test_shutdown_keeps_its_deadline_while_the_server_lingers_for_a_hung_worker(
     flag = str(tmp_path / "hang")
     kwargs = workers(3, max_sleep=0.001)
     kwargs[0]["hang_flag"] = flag
+    # Room for many rollouts (slots=60): nobody reads after the first batch, and the two others must be waiting
+    # on the server, not for a slot, when worker 0 hangs.
     c = AsyncBatchedCollector(make_tag_env, policy=TagPolicy(), create_env_kwargs=kwargs, frames_per_batch=24,
                               rollout_len=8, timeout=30, min_batch_size=3, max_batch_size=3, server_timeout=10.0,
-                              start_method="fork")
+                              start_method="fork", slots=60)
     with c:
         it = iter(c)
         next(it)

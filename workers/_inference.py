@@ -155,8 +155,9 @@ class InferenceServer(threading.Thread):
             pass
         except BaseException as exc:
             if not self._stop_requested:
-                self.error = exc
+                # the traceback first: the learner's thread reads ``error`` as the signal, then the traceback
                 self.error_traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                self.error = exc
         finally:
             with self.exit_lock:
                 self.exited = True
