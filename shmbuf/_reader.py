@@ -1151,9 +1151,6 @@ def _given(lane: ReaderLane) -> int:
     return lane.given
 
 
-def _index(lane: ReaderLane) -> int:
-    return lane.index
-
 
 def _hungry(lane: ReaderLane) -> tuple[bool, int]:
     """Writers asleep for want of a slot first, then the lanes holding fewest."""
