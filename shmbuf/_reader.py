@@ -208,9 +208,8 @@ class Batch:
     @property
     def data(self) -> dict[str, Any]:
         """The batch as a tree shaped like the example, each leaf ``(size, ...)``."""
-        reader = self._reader
-        if reader is not None and (reader._batch_token != self._token or reader._closed or reader._foreign):
-            reader._stale_batch(self)
+        if self._reader is not None:
+            self._reader._check_batch(self)
         return self._data
 
     def __getitem__(self, timescale: str) -> Any:
@@ -221,8 +220,7 @@ class Batch:
         reader = self._reader
         if reader is None:
             return  # copy=True: the arrays are yours and the slots went back already
-        if reader._batch_token != self._token or reader._closed or reader._foreign:
-            reader._stale_batch(self)
+        reader._check_batch(self)
         reader._end_batch()
 
     @property
@@ -508,7 +506,10 @@ class Reader:
         self._where[first : first + size] = self._fill_bytes[SLOT_POOL][:size]
         self._held -= size
 
-    def _stale_batch(self, b: Batch) -> None:
+    def _check_batch(self, b: Batch) -> None:
+        """Raise unless ``b`` is the batch handed out last and still held (``_check_live``'s twin for batches)."""
+        if b._token == self._batch_token and not self._closed and not self._foreign:
+            return
         if self._foreign:
             self._guard()
         if self._closed:
