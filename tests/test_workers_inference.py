@@ -591,6 +591,17 @@ def test_when_the_learner_is_killed_every_env_worker_exits_within_2s() -> None:
     assert no_objects_named(names)
 
 
+def drop_what_is_ready(c: AsyncBatchedCollector) -> bool:
+    """Serve the writers and release every ready rollout, so that no worker waits for a slot (always True).
+
+    Tests that stop reading and wait for each worker to reach a flag in its env need this: the reader lends
+    slots only when called, and a worker that has filled what it was lent never steps again.
+    """
+    for _ in range(c.reader.poll()):  # type: ignore[union-attr]
+        c.reader.get(timeout=0).release()  # type: ignore[union-attr]
+    return True
+
+
 def test_shutdown_returns_within_its_deadline_with_a_hung_env(tmp_path: Any) -> None:
     """Every env hangs in step (one of them ignoring SIGTERM too); shutdown(timeout=1.5) still cleans everything."""
     flag = str(tmp_path / "hang")
@@ -603,7 +614,8 @@ def test_shutdown_returns_within_its_deadline_with_a_hung_env(tmp_path: Any) -> 
         next(it)
         pids, names = list(c.pool.pids), names_of(c)
         open(flag, "w").close()
-        wait_until(lambda: all(os.path.exists(f"{flag}.{w}") for w in range(3)), 20, "every env to hang")
+        wait_until(lambda: drop_what_is_ready(c) and all(os.path.exists(f"{flag}.{w}") for w in range(3)), 20,
+                   "every env to hang")
         t0 = time.monotonic()
         c.shutdown(timeout=1.5)
         took = time.monotonic() - t0
@@ -629,7 +641,7 @@ def test_shutdown_keeps_its_deadline_while_the_server_lingers_for_a_hung_worker(
         next(it)
         pids, names = list(c.pool.pids), names_of(c)
         open(flag, "w").close()
-        wait_until(lambda: os.path.exists(f"{flag}.0"), 20, "worker 0 to hang")
+        wait_until(lambda: drop_what_is_ready(c) and os.path.exists(f"{flag}.0"), 20, "worker 0 to hang")
         # The reader lends slots only when called: poll, so that the two others wait on the server, not for a slot.
         wait_until(lambda: c.reader.poll() >= 0 and len(c.table.pending()) == 2, 20,  # type: ignore[union-attr]
                    "the other two workers' requests")
