@@ -13,6 +13,10 @@ Batched inference: :class:`AsyncBatchedCollector` keeps the policy in the learne
 inference server that env workers ask for actions through shared memory (docs/inference.md).
 TorchRL's layout: ``batch.to_tensordict()`` (:func:`to_tensordict`).
 
+Past one machine: :class:`RayCollector` (the ``ray`` extra) runs a Collector on every node of a
+Ray cluster and yields the same batches, with the node each came from (docs/ray.md). It is
+imported on first use, so that ``import workers`` never imports ray.
+
 Lower level: :class:`ActorPool` runs any target in N watched processes;
 :func:`run_actor` with an :class:`ActorSpec` is the target the collector
 uses; :class:`ActorLoop` is the loop itself, usable in a process you own.
@@ -50,3 +54,16 @@ __all__ = [
     "successors",
     "to_tensordict",
 ]
+
+# Ray is an optional extra: these names import workers._ray (and ray) when first asked for.
+_RAY_NAMES = ("NodeFailure", "NodeOwner", "RayBatch", "RayCollector")
+
+
+def __getattr__(name: str) -> object:
+    if name in _RAY_NAMES:
+        try:
+            from workers import _ray
+        except ImportError as exc:
+            raise ImportError(f"workers.{name} needs Ray: pip install 'shmbuf[ray]' ({exc})") from exc
+        return getattr(_ray, name)
+    raise AttributeError(f"module 'workers' has no attribute {name!r}")

@@ -1,0 +1,615 @@
+"""RayCollector: a shmbuf pipeline on every node of a Ray cluster; Ray places the processes and moves the batches.
+
+    import ray
+    from workers import RayCollector
+
+    ray.init(address="auto")
+    with RayCollector(make_env, policy, frames_per_batch=1024, actors_per_node=8) as collector:
+        for batch in collector:                      # a CollectedBatch, plus batch.node
+            train(batch.data)
+            collector.update_policy_weights(model)
+
+On each node a *node owner* (a Ray actor pinned there with
+``NodeAffinitySchedulingStrategy``) runs a :class:`workers.Collector`: its
+actor processes write rollouts straight into that node's shared memory, as
+they do on one machine. The owner takes whole batches out of it and returns
+each as one Ray object; the learner keeps ``max_in_flight`` ``next_batch``
+calls outstanding per node and takes whichever comes first (``ray.wait``).
+
+What crosses between nodes, per batch: one Ray object, a msgpack header and
+the batch's arrays, which Ray's serialiser carries as out-of-band buffers
+(``ray.get`` on the learner's node maps them without a copy). Once per
+weights version: one ``ray.put`` object, fetched by each node once. Once per
+node: the schema, as msgpack, checked on arrival. Nothing of shmbuf's is
+pickled; Ray frames its own objects with pickle protocol 5, as it does for
+every object, and a Ray cluster trusts its members (see docs/ray.md).
+
+Exactly once: each ``next_batch`` call returns a batch that no other call
+returns, so a batch reaches the learner once or, when its node's owner dies
+with the call in flight, never (counted in ``stats()``). The learner going
+away takes every owner with it (Ray's owner fate-sharing), and an owner going
+away takes its actor processes (they watch the owner, see workers._pool).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import optree
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+import shmbuf
+from workers._collector import CollectedBatch, Collector, _numpy_state, check_picklable, with_kwargs
+from workers._pool import default_start_method
+
+logger = logging.getLogger(__name__)
+
+WIRE_MAGIC = "shmbuf-ray-batch"
+WIRE_VERSION = 1
+WAIT_SLICE = 0.1
+# How long a node owner's next_batch waits for its Collector before looking at its stop flag again.
+OWNER_SLICE = 0.25
+# Per rollout, in this order, after the data leaves and (truncate-episodes) one fill column per timescale.
+META = ("policy_version", "lane", "seq", "lengths")
+EPISODES = ("episode_returns", "episode_lengths")
+
+
+class RayBatch(CollectedBatch):
+    """A :class:`workers.CollectedBatch` that came through Ray, with where it came from.
+
+    ``node``: the index of the node in ``RayCollector.nodes``; ``node_id``: Ray's node id (hex).
+    ``lane``/``seq`` are per node: ``(node, lane, seq)`` names one rollout.
+
+    Lifetime: ``data``'s arrays are read-only views of the batch's Ray object (on the learner's
+    node, in its object store's shared memory). They stay valid as long as you hold them, and the
+    next batch does not overwrite them; the object is freed when the last of them goes.
+    ``RayCollector(copy=True)`` gives writable arrays of your own instead.
+    """
+
+    __slots__ = ("node", "node_id")
+
+    def __init__(self, **kw: Any):
+        for k in CollectedBatch.__slots__ + RayBatch.__slots__:
+            setattr(self, k, kw.get(k))
+
+    def __repr__(self) -> str:
+        return (f"RayBatch(node {self.node}, {self.batch_mode}, frames={self.frames}, "
+                f"episodes={len(self.episode_returns)}, lag={self.policy_lag.tolist()})")
+
+
+@dataclass
+class NodeFailure:
+    """A node owner's call that failed: which node, Ray's error (with the remote traceback), and what followed."""
+
+    node: int
+    node_id: str
+    error: BaseException
+    lost_batches: int  # calls that were in flight when it failed: their batches were never delivered
+    restarting: bool
+
+    def __str__(self) -> str:
+        then = "Ray restarts it" if self.restarting else "its node is out of the collection"
+        return f"node {self.node} ({self.node_id[:12]}): {type(self.error).__name__}: {self.error}; {then}"
+
+
+class NodeOwner:
+    """One node's pipeline: a :class:`workers.Collector` in a Ray actor pinned to that node.
+
+    Made by :class:`RayCollector` through ``ray.remote``; its methods are called through Ray.
+    ``next_batch`` and ``shutdown`` run in Ray's default concurrency group (one thread, in call
+    order), ``set_weights``, ``stop`` and ``stats`` in the ``control`` group, so that they reach
+    the owner while it waits for a batch.
+    """
+
+    def __init__(self, node: int, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self.node = node
+        self.collector = Collector(*args, **kwargs)
+        self.schema: shmbuf.Schema = self.collector.reader.schema
+        try:
+            names = [self.collector.reader.name] + ([self.collector.publisher.name] if self.collector.publisher else [])
+            self.janitor_pid = _start_janitor(names)
+        except BaseException:
+            self.collector.shutdown()
+            raise
+        self._iter: Iterator[CollectedBatch] | None = None
+        self._stop = threading.Event()
+        self.batches = self.frames = 0
+        self.t0 = time.monotonic()
+
+    def describe(self) -> bytes:
+        """Who and where this owner is, and the rollout layout: msgpack."""
+        c = self.collector
+        ctx = ray.get_runtime_context()
+        return msgpack.packb({
+            "magic": WIRE_MAGIC, "version": WIRE_VERSION, "node_id": ctx.get_node_id(),
+            "host": ray.util.get_node_ip_address(), "pid": os.getpid(), "schema": self.schema.to_msgpack(),
+            "batch_mode": c.batch_mode, "num_actors": c.num_actors, "num_envs": c.num_envs,
+            "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.reader.slots,
+            "actor_pids": list(c.pool.pids), "janitor_pid": self.janitor_pid,
+        }, use_bin_type=True)
+
+    def next_batch(self) -> tuple[bytes, list[np.ndarray]] | None:
+        """The next batch from this node's pipeline: (msgpack header, arrays), or None once stopped.
+
+        The arrays are views of the node's shared memory. Ray copies them into its object store
+        after this method returns and before it runs the next call of the default group (this
+        owner's next ``next_batch``, which releases them, or ``shutdown``, which unmaps them).
+        """
+        while not self._stop.is_set():
+            if self._iter is None:
+                self._iter = self.collector.iterator()
+            try:
+                b = next(self._iter)
+            except shmbuf.SlotTimeout:  # nothing within OWNER_SLICE: look at the stop flag, then wait again
+                self._iter = None
+                continue
+            self.batches += 1
+            self.frames += b.frames
+            return self._pack(b)
+        return None
+
+    def _pack(self, b: CollectedBatch) -> tuple[bytes, list[np.ndarray]]:
+        arrays = [leaf for ts in self.schema.timescales for leaf in ts.treespec.flatten_up_to(b.data[ts.name])]
+        if b.fill is not None:
+            arrays += [np.asarray(b.fill[ts.name]) for ts in self.schema.timescales]
+        arrays += [np.asarray(getattr(b, k)) for k in META + EPISODES]
+        header = msgpack.packb({"magic": WIRE_MAGIC, "version": WIRE_VERSION, "frames": int(b.frames),
+                                "fill": b.fill is not None, "sent": time.time()}, use_bin_type=True)
+        return header, arrays
+
+    def set_weights(self, weights: Any, version: int) -> int:
+        """Republish ``weights`` (fetched once to this node by Ray) in the node's shared-memory broadcast."""
+        return self.collector.update_policy_weights(weights, version=version)
+
+    def stats(self) -> dict[str, Any]:
+        """This owner's counts (not the pipeline's: the reader belongs to next_batch's thread)."""
+        elapsed = time.monotonic() - self.t0
+        return {"batches": self.batches, "frames": self.frames, "seconds": elapsed,
+                "actor_restarts": self.collector.pool.restarts, "failures": [str(f) for f in self.collector.failures]}
+
+    def stop(self) -> None:
+        """(control group) Make ``next_batch`` return None within OWNER_SLICE, and every later one at once."""
+        self._stop.set()
+
+    def shutdown(self, timeout: float) -> list[str]:
+        """(default group, so after every next_batch's output is stored) Stop the actors, remove the shared memory."""
+        self._stop.set()
+        self.collector.shutdown(timeout)
+        return [str(f) for f in self.collector.failures]
+
+
+# Started through a short-lived middle process, so that the janitor is not the owner's child: Ray kills a
+# worker's children with it (kill_child_processes_on_worker_exit), and the janitor must outlive the owner.
+_DETACH = ("import subprocess, sys; "
+           "p = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, "
+           "stderr=subprocess.DEVNULL, start_new_session=True); print(p.pid)")
+
+
+def _start_janitor(names: list[str]) -> int:
+    """Start ``shmbuf clean --after <this pid> <names>``, detached; return its pid.
+
+    Ray SIGKILLs an owner whose learner died, or that ``ray.kill`` hits: then the janitor removes
+    the node's shared memory (``clean`` removes only objects whose owner is dead). After a clean
+    shutdown it finds nothing to remove, and it exits with the owner either way.
+    """
+    cmd = [sys.executable, "-c", _DETACH, sys.executable, "-m", "shmbuf", "clean", "--after", str(os.getpid()), *names]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=True)
+    return int(out.stdout)
+
+
+@dataclass
+class _Node:
+    index: int
+    node_id: str
+    owner: Any = None
+    state: str = "starting"  # starting -> running -> (restarting -> running)* -> dead | stopped
+    host: str = ""
+    info: dict[str, Any] | None = None
+    describe_ref: Any = None
+    batches: int = 0
+    frames: int = 0
+    lost: int = 0
+    first: float | None = None
+    last: float | None = None
+
+
+class RayCollector:
+    """Batches of rollouts from every node of a Ray cluster, each node collecting through its own shared memory.
+
+    Takes :class:`workers.Collector`'s arguments (env factories, policy, layout, restart...), which
+    each node's owner uses as they are, plus:
+
+    Args:
+        nodes: Ray node ids (hex) to collect on, or None for every alive node. One owner each.
+        actors_per_node: actor processes per node (``Collector``'s ``num_actors``).
+        max_in_flight: ``next_batch`` calls outstanding per node: how many batches a node may have
+            made that the learner has not taken. A slow learner slows the nodes; memory stays bounded.
+        restart: an owner that dies is restarted by Ray (up to ``max_restarts`` times), and a failed
+            actor process by its owner's pool; its weights are sent again when it is back.
+        timeout: longest wait for a batch from any node before :class:`shmbuf.SlotTimeout` (None: none).
+        ready_timeout: longest wait for the owners to start (their pipelines and actor processes).
+        copy: give each batch writable arrays of its own (default: read-only views of the Ray object).
+        owner_options: extra ``.options()`` for the owner actors (``num_cpus``, ``resources``,
+            ``runtime_env``...). Owners ask for no CPU by default: their actor processes run outside
+            Ray's accounting, so give the nodes to this collector, or say so in ``resources``.
+        raise_on_node_failure: raise the first node failure here instead of going on without it.
+
+    Each batch comes from one node (``batch.node``); ``frames_per_batch`` is per batch, as in
+    ``Collector``. Seeds: node ``k`` uses ``seed + 10**7 * k`` (then ``Collector``'s per-actor rule).
+    """
+
+    def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
+                 policy_factory: Callable[[], Any] | None = None, frames_per_batch: int, total_frames: int = -1,
+                 nodes: Sequence[str] | None = None, actors_per_node: int | None = None, max_in_flight: int = 2,
+                 restart: bool = False, max_restarts: int = 3, timeout: float | None = None,
+                 ready_timeout: float = 300.0, copy: bool = False, weights: Any = None, seed: int | None = 0,
+                 start_method: str | None = None, stop_timeout: float = 5.0, progress: bool = False,
+                 owner_options: dict[str, Any] | None = None, raise_on_node_failure: bool = False,
+                 create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None, **collector_kwargs: Any):
+        if not ray.is_initialized():
+            raise shmbuf.UsageError("RayCollector needs a Ray cluster: call ray.init() (or ray.init(address=...)) first")
+        for name in ("num_actors", "total_frames", "progress", "postproc"):
+            if name in collector_kwargs:
+                raise shmbuf.UsageError(f"RayCollector({name}=...): not passed to the nodes; "
+                                        + ("use actors_per_node" if name == "num_actors" else "the learner does this"))
+        if not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise shmbuf.UsageError(f"max_in_flight: expected an int >= 1, got {max_in_flight!r}")
+        if (policy is None) == (policy_factory is None):
+            raise ValueError("give exactly one of policy and policy_factory")
+        env_fns = tuple(create_env_fn) if isinstance(create_env_fn, Sequence) else (create_env_fn,)
+        if not env_fns or not all(callable(f) for f in env_fns):
+            raise TypeError("create_env_fn: expected a callable returning an env, or a list of them")
+        env_fns = with_kwargs(env_fns, create_env_kwargs)
+        # The owners hand these on to actor processes the way Collector does: check here, not on each node.
+        method = start_method or default_start_method()
+        if policy is not None:
+            check_picklable("policy", policy, method, "Give a picklable policy, or pass policy_factory=")
+        else:
+            check_picklable("policy_factory", policy_factory, method, "Give a module-level function")
+        for f in env_fns:
+            check_picklable("create_env_fn", f, method, "Give a module-level function (or a functools.partial of one)")
+        alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+        ids = list(alive) if nodes is None else list(nodes)
+        if not ids:
+            raise shmbuf.UsageError("nodes: no alive Ray node to collect on")
+        for i in ids:
+            if i not in alive:
+                raise shmbuf.UsageError(f"nodes: {i!r} is not an alive node of this Ray cluster (alive: {sorted(alive)})")
+        if len(set(ids)) != len(ids):
+            raise shmbuf.UsageError("nodes: a node is listed twice; one owner runs per node (raise actors_per_node)")
+        self.frames_per_batch = frames_per_batch
+        self.total_frames = total_frames
+        self.max_in_flight = max_in_flight
+        self.timeout = timeout
+        self.ready_timeout = ready_timeout
+        self.stop_timeout = stop_timeout
+        self.copy = copy
+        self.restart = restart
+        self.raise_on_node_failure = raise_on_node_failure
+        self.policy_version = 0
+        self.frames = self.batches = 0
+        self.failures: list[NodeFailure] = []
+        self.schema: shmbuf.Schema | None = None
+        self._policy = policy
+        self._weights_ref: Any = None  # the latest version's object, sent again to an owner that restarts
+        self._weight_acks: list[Any] = []
+        self._stopping: list[Any] = []  # shutdown calls to owners whose collector raised
+        self._pending: dict[Any, _Node] = {}
+        self._lags: deque[int] = deque(maxlen=10_000)
+        self._returns: deque[float] = deque(maxlen=100)
+        self._t0: float | None = None
+        self._closed = False
+        self._bar = None
+        self.nodes = [_Node(k, i) for k, i in enumerate(ids)]
+        owner_cls = ray.remote(concurrency_groups={"control": 2})(NodeOwner)
+        options = {"num_cpus": 0, "max_restarts": max_restarts if restart else 0, "max_task_retries": 0,
+                   **(owner_options or {})}
+        base = dict(policy=policy, policy_factory=policy_factory, frames_per_batch=frames_per_batch,
+                    num_actors=actors_per_node, weights=weights, start_method=start_method, restart=restart,
+                    max_restarts=max_restarts, timeout=OWNER_SLICE, stop_timeout=stop_timeout, copy=False,
+                    **collector_kwargs)
+        try:
+            for n in self.nodes:
+                kw = dict(base, seed=None if seed is None else seed + 10**7 * n.index)
+                n.owner = owner_cls.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
+                    name=None, **options,
+                ).remote(n.index, (env_fns,), kw)
+                n.describe_ref = n.owner.describe.remote()
+            self._await_owners()
+            if progress:
+                from tqdm.auto import tqdm
+
+                self._bar = tqdm(total=total_frames if total_frames > 0 else None, unit="frame", unit_scale=True,
+                                 desc=f"collecting on {len(self.nodes)} nodes", dynamic_ncols=True)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- start --------------------------------------------------------------
+
+    def _await_owners(self) -> None:
+        refs = {n.describe_ref: n for n in self.nodes}
+        deadline = time.monotonic() + self.ready_timeout
+        while refs:
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = ", ".join(f"node {n.index} ({n.node_id[:12]})" for n in refs.values())
+                raise shmbuf.SlotTimeout(f"the node owners did not start within ready_timeout={self.ready_timeout} s: {late}")
+            n = refs.pop(ready[0])
+            self._took_description(n, ray.get(ready[0]))  # an owner that failed to start raises here, with Ray's error
+
+    def _took_description(self, n: _Node, raw: bytes) -> None:
+        info = _unpack_header(raw, f"node {n.index}'s description")
+        schema = shmbuf.Schema.from_msgpack(info["schema"])
+        if self.schema is None:
+            self.schema = schema
+            self.batch_mode = info["batch_mode"]
+            self.num_envs = info["num_envs"]
+            self.rollout_len = info["rollout_len"]
+            self.rollouts_per_batch = info["rollouts_per_batch"]
+        elif schema != self.schema:
+            raise shmbuf.UsageError(f"node {n.index} ({n.node_id[:12]}) lays rollouts out differently from node "
+                                    f"{self.nodes[0].index}: {self.schema.first_difference(schema)}; every node must "
+                                    "build the same envs and policy")
+        n.info, n.host, n.state, n.describe_ref = info, info["host"], "running", None
+
+    # -- weights ------------------------------------------------------------
+
+    def update_policy_weights(self, policy_or_weights: Any = None, *, version: int | None = None) -> int:
+        """Send new weights to every node (one ``ray.put``); each owner republishes them on its node.
+
+        Accepts what :meth:`workers.Collector.update_policy_weights` does. Returns the new version.
+        The learner does not wait: an owner that has failed is skipped, one that restarts gets them again.
+        """
+        src = policy_or_weights if policy_or_weights is not None else self._policy
+        if src is None:
+            raise ValueError("update_policy_weights(): no weights given and the collector holds no policy to read them from")
+        params = _numpy_state(src) if hasattr(src, "state_dict") else src
+        new = self.policy_version + 1 if version is None else int(version)
+        if new <= self.policy_version:
+            raise ValueError(f"version: expected more than the current {self.policy_version}, got {new}")
+        self._weights_ref = ray.put(params)
+        self.policy_version = new
+        self._weight_acks = [a for a in self._weight_acks if not _done(a)]  # keep only the unanswered
+        for n in self.nodes:
+            if n.state == "running":
+                self._weight_acks.append(n.owner.set_weights.options(concurrency_group="control").remote(
+                    self._weights_ref, new))
+        return new
+
+    # -- iteration ----------------------------------------------------------
+
+    def __iter__(self) -> Iterator[RayBatch]:
+        return self.iterator()
+
+    def iterator(self) -> Iterator[RayBatch]:
+        if self._closed:
+            raise RuntimeError("this RayCollector was shut down")
+        if self._t0 is None:
+            self._t0 = time.monotonic()
+        for n in self.nodes:
+            self._fill(n)
+        while self.total_frames < 0 or self.frames < self.total_frames:
+            batch = self._next()
+            self.frames += batch.frames
+            self.batches += 1
+            self._lags.extend(batch.policy_lag.tolist())
+            self._returns.extend(batch.episode_returns.tolist())
+            if self._bar is not None:
+                self._bar.update(batch.frames)
+                self._bar.set_postfix(self._rates(), refresh=False)
+            yield batch
+
+    def _fill(self, n: _Node) -> None:
+        """Keep ``max_in_flight`` next_batch calls outstanding on a running node."""
+        if n.state != "running":
+            return
+        have = sum(1 for m in self._pending.values() if m is n)
+        for _ in range(self.max_in_flight - have):
+            self._pending[n.owner.next_batch.remote()] = n
+
+    def _next(self) -> RayBatch:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            self._look_at_restarting()
+            if not self._pending and not any(n.state in ("running", "restarting") for n in self.nodes):
+                raise RuntimeError("every node has failed; no more batches will come: "
+                                   + "; ".join(str(f) for f in self.failures))
+            ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=WAIT_SLICE) if self._pending else ([], [])
+            if not ready:
+                if not self._pending:
+                    time.sleep(WAIT_SLICE)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise shmbuf.SlotTimeout(f"no batch from any node within timeout={self.timeout} s "
+                                             f"(RayCollector(timeout=...)): {self._states()}")
+                continue
+            ref = ready[0]
+            n = self._pending.pop(ref)
+            try:
+                got = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                self._failed(n, exc)
+                continue
+            if got is None:  # the owner was stopped
+                continue
+            self._fill(n)
+            batch = self._unpack(n, *got)
+            now = time.monotonic()
+            n.first = n.first if n.first is not None else now
+            n.last, n.batches, n.frames = now, n.batches + 1, n.frames + batch.frames
+            return batch
+
+    def _failed(self, n: _Node, exc: BaseException) -> None:
+        lost = 1 + sum(1 for m in self._pending.values() if m is n)
+        self._pending = {r: m for r, m in self._pending.items() if m is not n}
+        n.lost += lost
+        restarting = self.restart and isinstance(exc, ray.exceptions.RayActorError)
+        if not isinstance(exc, ray.exceptions.RayActorError):
+            # The owner lives but its collector raised (an actor process failed without restart, say): stop it,
+            # so that its actors exit and its shared memory goes. Ray restarts only an owner that died.
+            self._stopping.append(self._stop_owner(n, self.stop_timeout))
+        failure = NodeFailure(n.index, n.node_id, exc, lost - 1, restarting)
+        self.failures.append(failure)
+        logger.warning("shmbuf RayCollector: %s", failure)
+        if restarting:
+            n.state, n.describe_ref = "restarting", n.owner.describe.remote()
+        else:
+            n.state = "dead"
+        if self.raise_on_node_failure:
+            raise RuntimeError(f"a node failed: {failure}") from exc
+
+    def _look_at_restarting(self) -> None:
+        for n in self.nodes:
+            if n.state != "restarting" or not _done(n.describe_ref):
+                continue
+            try:
+                self._took_description(n, ray.get(n.describe_ref))
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                n.state, n.describe_ref = "dead", None  # out of restarts
+                self.failures.append(NodeFailure(n.index, n.node_id, exc, 0, False))
+                logger.warning("shmbuf RayCollector: %s", self.failures[-1])
+                continue
+            if self._weights_ref is not None:
+                self._weight_acks.append(n.owner.set_weights.options(concurrency_group="control").remote(
+                    self._weights_ref, self.policy_version))
+            self._fill(n)
+
+    def _unpack(self, n: _Node, raw: bytes, arrays: list[np.ndarray]) -> RayBatch:
+        """Check a batch against the schema (it came over the network) and rebuild the CollectedBatch."""
+        head = _unpack_header(raw, f"a batch from node {n.index}")
+        schema = self.schema
+        assert schema is not None
+        leaves = [lf for ts in schema.timescales for lf in ts.leaves]
+        want = len(leaves) + (len(schema.timescales) if head["fill"] else 0) + len(META) + len(EPISODES)
+        if len(arrays) != want:
+            raise shmbuf.SchemaError(f"a batch from node {n.index}: expected {want} arrays, got {len(arrays)}")
+        complete = self.batch_mode == "complete_episodes"
+        for lf, a in zip(leaves, arrays):
+            tail = lf.item_shape if complete and lf.path[0] == "step" else lf.shape
+            if not isinstance(a, np.ndarray) or a.dtype != lf.dtype or a.shape[1:] != tuple(tail):
+                got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+                raise shmbuf.SchemaError(f"a batch from node {n.index}, leaf {lf.name}: expected {lf.dtype} "
+                                         f"(N, {', '.join(map(str, tail))}), got {got}")
+        if self.copy:
+            arrays = [np.array(a) for a in arrays]
+        it = iter(arrays)
+        data = {ts.name: optree.tree_unflatten(ts.treespec, [next(it) for _ in ts.leaves]) for ts in schema.timescales}
+        fill = {ts.name: next(it) for ts in schema.timescales} if head["fill"] else None
+        meta = {k: next(it) for k in META + EPISODES}
+        version = meta["policy_version"]
+        return RayBatch(data=data, fill=fill, policy_version=version, policy_lag=self.policy_version - version,
+                        lane=meta["lane"], seq=meta["seq"], frames=int(head["frames"]),
+                        episode_returns=meta["episode_returns"], episode_lengths=meta["episode_lengths"],
+                        lengths=meta["lengths"], batch_mode=self.batch_mode, node=n.index, node_id=n.node_id)
+
+    # -- introspection and shutdown -----------------------------------------
+
+    def _rates(self) -> dict[str, str]:
+        return {f"node{n.index}": f"{_rate(n):,.0f}/s" for n in self.nodes}
+
+    def _states(self) -> str:
+        return ", ".join(f"node {n.index} {n.state}" for n in self.nodes)
+
+    def stats(self) -> dict[str, Any]:
+        """Frames and rates, overall and per node (frames/s from a node's first batch to its last), lag, failures."""
+        elapsed = time.monotonic() - self._t0 if self._t0 is not None else 0.0
+        lags = np.asarray(self._lags) if self._lags else np.zeros(1)
+        return {
+            "frames": self.frames,
+            "batches": self.batches,
+            "seconds": elapsed,
+            "frames_per_s": self.frames / elapsed if elapsed > 0 else math.nan,
+            "policy_version": self.policy_version,
+            "policy_lag_mean": float(lags.mean()),
+            "policy_lag_max": int(lags.max()),
+            "return_mean_100": float(np.mean(self._returns)) if self._returns else math.nan,
+            "nodes": [{"node": n.index, "node_id": n.node_id, "host": n.host, "state": n.state, "batches": n.batches,
+                       "frames": n.frames, "frames_per_s": _rate(n), "lost_batches": n.lost} for n in self.nodes],
+            "failures": [str(f) for f in self.failures],
+        }
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop every node (its actors, its shared memory) within ``timeout`` (default ``stop_timeout``), then its owner."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+        timeout = self.stop_timeout if timeout is None else timeout
+        stops = {ref: None for ref in self._stopping}
+        for n in self.nodes:
+            if n.owner is not None and n.state in ("starting", "running", "restarting"):
+                stops[self._stop_owner(n, timeout)] = n
+        if stops:
+            done, _ = ray.wait(list(stops), num_returns=len(stops), timeout=timeout + OWNER_SLICE + 5.0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                    pass  # already gone: nothing of it is left to stop
+        for n in self.nodes:
+            if n.owner is not None:
+                ray.kill(n.owner, no_restart=True)
+            n.state = "stopped" if n.state != "dead" else n.state
+        self._pending.clear()
+        self._weights_ref = None
+        self._weight_acks.clear()
+
+    @staticmethod
+    def _stop_owner(n: _Node, timeout: float) -> Any:
+        """Ask an owner to stop (at once, through the control group), then to shut down after its last batch."""
+        n.owner.stop.options(concurrency_group="control").remote()
+        return n.owner.shutdown.remote(timeout)
+
+    def __enter__(self) -> RayCollector:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def _done(ref: Any) -> bool:
+    ready, _ = ray.wait([ref], timeout=0)
+    return bool(ready)
+
+
+def _rate(n: _Node) -> float:
+    if n.first is None or n.last is None or n.last <= n.first or n.batches < 2:
+        return math.nan
+    return n.frames * (n.batches - 1) / n.batches / (n.last - n.first)
+
+
+def _unpack_header(raw: Any, what: str) -> dict[str, Any]:
+    """A msgpack header from a node: magic and version checked, anything malformed a SchemaError naming it."""
+    if not isinstance(raw, bytes) or len(raw) > 1 << 24:
+        raise shmbuf.SchemaError(f"{what}: expected msgpack bytes, got {type(raw).__name__}")
+    try:
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise shmbuf.SchemaError(f"{what}: not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(obj, dict) or obj.get("magic") != WIRE_MAGIC:
+        raise shmbuf.SchemaError(f"{what}: expected a {WIRE_MAGIC!r} header, got {str(obj)[:80]!r}")
+    if obj.get("version") != WIRE_VERSION:
+        raise shmbuf.SchemaError(f"{what}: wire version {obj.get('version')!r}, expected {WIRE_VERSION}: "
+                                 "run the same shmbuf on every node")
+    return obj
