@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
+import select
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -64,8 +66,34 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _await_exit(pid: int) -> None:
+    """Return once process ``pid`` has exited (a pidfd on Linux >= 5.3, else a 0.2 s poll)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd here: poll
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            except PermissionError:
+                pass  # another user's process under this pid: it lives
+            time.sleep(0.2)
+    try:
+        select.select([fd], [], [])  # readable once the process has exited
+    finally:
+        os.close(fd)
+
+
 def _clean(args: argparse.Namespace) -> int:
-    found = _admin.scan()
+    if args.after is not None:
+        _await_exit(args.after)
+    if args.names:
+        found = [f for name in args.names for f in _admin.scan(name=name if name.startswith("/") else "/" + name)]
+    else:
+        found = _admin.scan()
     for f in found:
         if not f.removable:
             continue
@@ -140,6 +168,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("clean", help="remove what dead owners left in /dev/shm (never a live owner's)",
                        formatter_class=defaults)
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.add_argument("--after", type=_at_least(int, 1), metavar="PID", default=None,
+                   help="first wait for process PID to exit (a janitor for a process that may be killed)")
+    p.add_argument("names", nargs="*", metavar="NAME", help="only these pipelines or weight broadcasts (default: all)")
     sub.add_parser("bench", help="run the benchmarks (arguments pass through; see shmbuf bench --help)", add_help=False)
     return parser
 

@@ -68,6 +68,36 @@ def test_clean_removes_only_dead_owners_objects(make_reader: Any, orphan: str, c
     shmbuf.Writer(live.handle).close()  # and still usable
 
 
+def test_clean_after_a_pid_waits_for_it_then_removes_only_the_named(orphan: str) -> None:
+    """`shmbuf clean --after PID NAME`: a janitor for a process that may be SIGKILLed (RayCollector's node owners)."""
+    rx, tx = CTX.Pipe(duplex=False)
+    owner = CTX.Process(target=_owner, args=(tx,), daemon=True)
+    owner.start()
+    janitor, name = None, None
+    try:
+        assert rx.poll(20)
+        name = msgpack.unpackb(rx.recv_bytes())
+        janitor = subprocess.Popen([sys.executable, "-m", "shmbuf", "clean", "--after", str(owner.pid), name],
+                                   stdout=subprocess.PIPE, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):
+            janitor.wait(1.0)  # the owner lives: the janitor waits and removes nothing
+        assert any(name[1:] in e for e in shm_objects())
+        os.kill(owner.pid, signal.SIGKILL)
+        out, _ = janitor.communicate(timeout=20)
+        assert janitor.returncode == 0 and f"removed: {name}" in out, out
+        assert not any(name[1:] in e for e in shm_objects())
+        assert any(orphan[1:] in e for e in shm_objects()), "clean NAME removed a pipeline it was not given"
+    finally:
+        if janitor is not None and janitor.poll() is None:
+            janitor.kill()
+            janitor.wait(5)
+        if owner.is_alive():
+            os.kill(owner.pid, signal.SIGKILL)
+        owner.join(5)
+        if name is not None:
+            shmbuf._segment.unlink_all(name, 2)
+
+
 def test_clean_removes_semaphores_whose_segment_is_gone(capsys: Any) -> None:
     name = shmbuf._segment.new_name()
     sem = posix_ipc.Semaphore(name + "-r", posix_ipc.O_CREX, mode=0o600)
