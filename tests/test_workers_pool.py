@@ -253,3 +253,13 @@ def test_workers_uses_only_shmbuf_public_api():
     assert used, "workers is expected to use shmbuf"
     private = [u for u in used if u[2] not in shmbuf.__all__]
     assert not private, f"names outside shmbuf.__all__: {private}"
+
+
+def test_actor_error_survives_a_pickle_with_its_fields() -> None:
+    """Ray carries a node owner's exception to the learner by pickle: an ActorError must come back whole."""
+    err = ActorError("actor 1 (pid 7) raised ValueError: x", index=1, pid=7, kind="ValueError", exitcode=None,
+                     remote_traceback="Traceback...\nValueError: x\n")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is ActorError and str(back) == str(err)
+    assert (back.index, back.pid, back.kind, back.exitcode, back.remote_traceback) == (1, 7, "ValueError", None,
+                                                                                        err.remote_traceback)

@@ -48,6 +48,11 @@ MAX_TEXT = 16000
 _MSG_FIELDS = {"stop": set(), "ready": set(), "error": {"type", "message", "traceback"}}
 
 
+def _actor_error(message: str, index: int, pid: int | None, kind: str, exitcode: int | None,
+                 remote_traceback: str) -> ActorError:
+    return ActorError(message, index=index, pid=pid, kind=kind, exitcode=exitcode, remote_traceback=remote_traceback)
+
+
 class ActorError(RuntimeError):
     """An actor process failed: it raised (``remote_traceback`` holds its traceback text) or died.
 
@@ -67,6 +72,12 @@ class ActorError(RuntimeError):
         self.kind = kind
         self.exitcode = exitcode
         self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # keyword-only fields: rebuilt through _actor_error, so that an ActorError survives a pickle (Ray
+        # carries a node owner's exception to the learner that way; without it Ray gives UnserializableException)
+        return _actor_error, (self.args[0] if self.args else "", self.index, self.pid, self.kind, self.exitcode,
+                              self.remote_traceback)
 
     def __str__(self) -> str:
         head = super().__str__()

@@ -70,8 +70,10 @@ EPISODES = ("episode_returns", "episode_lengths")
 class RayBatch(CollectedBatch):
     """A :class:`workers.CollectedBatch` that came through Ray, with where it came from.
 
-    ``node``: the index of the node in ``RayCollector.nodes``; ``node_id``: Ray's node id (hex).
-    ``lane``/``seq`` are per node: ``(node, lane, seq)`` names one rollout.
+    ``node``: the index of the node in ``RayCollector.nodes``; ``node_id``: Ray's node id (hex);
+    ``incarnation``: 0 for the node's first owner, one more each time Ray restarts it (a new
+    pipeline, whose lanes count from 0 again). ``lane``/``seq`` are per pipeline:
+    ``(node, incarnation, lane, seq)`` names one rollout.
 
     Lifetime: ``data``'s arrays are read-only views of the batch's Ray object (on the learner's
     node, in its object store's shared memory). They stay valid as long as you hold them, and the
@@ -79,14 +81,14 @@ class RayBatch(CollectedBatch):
     ``RayCollector(copy=True)`` gives writable arrays of your own instead.
     """
 
-    __slots__ = ("node", "node_id")
+    __slots__ = ("node", "node_id", "incarnation")
 
     def __init__(self, **kw: Any):
         for k in CollectedBatch.__slots__ + RayBatch.__slots__:
             setattr(self, k, kw.get(k))
 
     def __repr__(self) -> str:
-        return (f"RayBatch(node {self.node}, {self.batch_mode}, frames={self.frames}, "
+        return (f"RayBatch(node {self.node}.{self.incarnation}, {self.batch_mode}, frames={self.frames}, "
                 f"episodes={len(self.episode_returns)}, lag={self.policy_lag.tolist()})")
 
 
@@ -109,9 +111,9 @@ class NodeOwner:
     """One node's pipeline: a :class:`workers.Collector` in a Ray actor pinned to that node.
 
     Made by :class:`RayCollector` through ``ray.remote``; its methods are called through Ray.
-    ``next_batch`` and ``shutdown`` run in Ray's default concurrency group (one thread, in call
-    order), ``set_weights``, ``stop`` and ``stats`` in the ``control`` group, so that they reach
-    the owner while it waits for a batch.
+    ``describe``, ``next_batch`` and ``shutdown`` run in Ray's default concurrency group (one
+    thread, in call order); ``set_weights`` and ``stop`` in the ``control`` group (one thread of
+    its own), so that they reach the owner while it waits for a batch.
     """
 
     def __init__(self, node: int, args: tuple[Any, ...], kwargs: dict[str, Any]):
@@ -119,15 +121,14 @@ class NodeOwner:
         self.collector = Collector(*args, **kwargs)
         self.schema: shmbuf.Schema = self.collector.reader.schema
         try:
-            names = [self.collector.reader.name] + ([self.collector.publisher.name] if self.collector.publisher else [])
-            self.janitor_pid = _start_janitor(names)
+            c = self.collector
+            self.names = [c.reader.name] + ([c.publisher.name] if c.publisher is not None else [])
+            self.janitor_pid = _start_janitor(self.names)
         except BaseException:
             self.collector.shutdown()
             raise
         self._iter: Iterator[CollectedBatch] | None = None
         self._stop = threading.Event()
-        self.batches = self.frames = 0
-        self.t0 = time.monotonic()
 
     def describe(self) -> bytes:
         """Who and where this owner is, and the rollout layout: msgpack."""
@@ -137,8 +138,8 @@ class NodeOwner:
             "magic": WIRE_MAGIC, "version": WIRE_VERSION, "node_id": ctx.get_node_id(),
             "host": ray.util.get_node_ip_address(), "pid": os.getpid(), "schema": self.schema.to_msgpack(),
             "batch_mode": c.batch_mode, "num_actors": c.num_actors, "num_envs": c.num_envs,
-            "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.reader.slots,
-            "actor_pids": list(c.pool.pids), "janitor_pid": self.janitor_pid,
+            "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.reader.slots, "broadcast": c.publisher is not None,
+            "actor_pids": list(c.pool.pids), "janitor_pid": self.janitor_pid, "names": self.names,
         }, use_bin_type=True)
 
     def next_batch(self) -> tuple[bytes, list[np.ndarray]] | None:
@@ -156,8 +157,6 @@ class NodeOwner:
             except shmbuf.SlotTimeout:  # nothing within OWNER_SLICE: look at the stop flag, then wait again
                 self._iter = None
                 continue
-            self.batches += 1
-            self.frames += b.frames
             return self._pack(b)
         return None
 
@@ -173,12 +172,6 @@ class NodeOwner:
     def set_weights(self, weights: Any, version: int) -> int:
         """Republish ``weights`` (fetched once to this node by Ray) in the node's shared-memory broadcast."""
         return self.collector.update_policy_weights(weights, version=version)
-
-    def stats(self) -> dict[str, Any]:
-        """This owner's counts (not the pipeline's: the reader belongs to next_batch's thread)."""
-        elapsed = time.monotonic() - self.t0
-        return {"batches": self.batches, "frames": self.frames, "seconds": elapsed,
-                "actor_restarts": self.collector.pool.restarts, "failures": [str(f) for f in self.collector.failures]}
 
     def stop(self) -> None:
         """(control group) Make ``next_batch`` return None within OWNER_SLICE, and every later one at once."""
@@ -219,6 +212,7 @@ class _Node:
     host: str = ""
     info: dict[str, Any] | None = None
     describe_ref: Any = None
+    incarnation: int = -1  # one more each time the owner describes itself: 0 once it has started
     batches: int = 0
     frames: int = 0
     lost: int = 0
@@ -314,7 +308,7 @@ class RayCollector:
         self._closed = False
         self._bar = None
         self.nodes = [_Node(k, i) for k, i in enumerate(ids)]
-        owner_cls = ray.remote(concurrency_groups={"control": 2})(NodeOwner)
+        owner_cls = ray.remote(concurrency_groups={"control": 1})(NodeOwner)  # one: publishes never overlap
         options = {"num_cpus": 0, "max_restarts": max_restarts if restart else 0, "max_task_retries": 0,
                    **(owner_options or {})}
         base = dict(policy=policy, policy_factory=policy_factory, frames_per_batch=frames_per_batch,
@@ -361,11 +355,13 @@ class RayCollector:
             self.num_envs = info["num_envs"]
             self.rollout_len = info["rollout_len"]
             self.rollouts_per_batch = info["rollouts_per_batch"]
+            self._broadcast = info["broadcast"]
         elif schema != self.schema:
             raise shmbuf.UsageError(f"node {n.index} ({n.node_id[:12]}) lays rollouts out differently from node "
                                     f"{self.nodes[0].index}: {self.schema.first_difference(schema)}; every node must "
                                     "build the same envs and policy")
         n.info, n.host, n.state, n.describe_ref = info, info["host"], "running", None
+        n.incarnation += 1
 
     # -- weights ------------------------------------------------------------
 
@@ -375,6 +371,9 @@ class RayCollector:
         Accepts what :meth:`workers.Collector.update_policy_weights` does. Returns the new version.
         The learner does not wait: an owner that has failed is skipped, one that restarts gets them again.
         """
+        if not self._broadcast:
+            raise RuntimeError("this RayCollector has no weight broadcast: pass weights=... (or a torch policy) at construction")
+        self._check_acks()
         src = policy_or_weights if policy_or_weights is not None else self._policy
         if src is None:
             raise ValueError("update_policy_weights(): no weights given and the collector holds no policy to read them from")
@@ -384,12 +383,26 @@ class RayCollector:
             raise ValueError(f"version: expected more than the current {self.policy_version}, got {new}")
         self._weights_ref = ray.put(params)
         self.policy_version = new
-        self._weight_acks = [a for a in self._weight_acks if not _done(a)]  # keep only the unanswered
         for n in self.nodes:
             if n.state == "running":
                 self._weight_acks.append(n.owner.set_weights.options(concurrency_group="control").remote(
                     self._weights_ref, new))
         return new
+
+    def _check_acks(self) -> None:
+        """Raise here what an owner's ``set_weights`` raised (weights that do not fit its broadcast, say).
+
+        An owner that died meanwhile is not an error of the weights: its next_batch reports it.
+        """
+        done = [a for a in self._weight_acks if _done(a)]
+        self._weight_acks = [a for a in self._weight_acks if a not in done]
+        for a in done:
+            try:
+                ray.get(a)
+            except ray.exceptions.RayActorError:
+                pass
+            except Exception as exc:
+                raise RuntimeError(f"a node could not take weights version {self.policy_version}: {exc}") from exc
 
     # -- iteration ----------------------------------------------------------
 
@@ -426,6 +439,7 @@ class RayCollector:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             self._look_at_restarting()
+            self._check_acks()
             if not self._pending and not any(n.state in ("running", "restarting") for n in self.nodes):
                 raise RuntimeError("every node has failed; no more batches will come: "
                                    + "; ".join(str(f) for f in self.failures))
@@ -441,8 +455,8 @@ class RayCollector:
             n = self._pending.pop(ref)
             try:
                 got = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-                self._failed(n, exc)
+            except Exception as exc:  # noqa: BLE001 - whatever the call raised is that node's failure, not ours
+                self._failed(n, exc)  # (RayActorError: the owner died; RayTaskError: its collector raised; ...)
                 continue
             if got is None:  # the owner was stopped
                 continue
@@ -478,7 +492,7 @@ class RayCollector:
                 continue
             try:
                 self._took_description(n, ray.get(n.describe_ref))
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            except Exception as exc:  # noqa: BLE001 - out of restarts, or its new collector failed to start
                 n.state, n.describe_ref = "dead", None  # out of restarts
                 self.failures.append(NodeFailure(n.index, n.node_id, exc, 0, False))
                 logger.warning("shmbuf RayCollector: %s", self.failures[-1])
@@ -514,7 +528,8 @@ class RayCollector:
         return RayBatch(data=data, fill=fill, policy_version=version, policy_lag=self.policy_version - version,
                         lane=meta["lane"], seq=meta["seq"], frames=int(head["frames"]),
                         episode_returns=meta["episode_returns"], episode_lengths=meta["episode_lengths"],
-                        lengths=meta["lengths"], batch_mode=self.batch_mode, node=n.index, node_id=n.node_id)
+                        lengths=meta["lengths"], batch_mode=self.batch_mode, node=n.index, node_id=n.node_id,
+                        incarnation=n.incarnation)
 
     # -- introspection and shutdown -----------------------------------------
 
@@ -538,7 +553,8 @@ class RayCollector:
             "policy_lag_max": int(lags.max()),
             "return_mean_100": float(np.mean(self._returns)) if self._returns else math.nan,
             "nodes": [{"node": n.index, "node_id": n.node_id, "host": n.host, "state": n.state, "batches": n.batches,
-                       "frames": n.frames, "frames_per_s": _rate(n), "lost_batches": n.lost} for n in self.nodes],
+                       "frames": n.frames, "frames_per_s": _rate(n), "lost_batches": n.lost, "restarts": max(0, n.incarnation)}
+                      for n in self.nodes],
             "failures": [str(f) for f in self.failures],
         }
 

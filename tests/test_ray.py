@@ -1,0 +1,387 @@
+"""RayCollector on a local two-node Ray cluster: exactly once from both nodes, weights to both, node faults, shutdown.
+
+One cluster (``ray.cluster_utils.Cluster``: a head and one more node, each with its own raylet and
+object store) serves the module, about 50 s in all, so every test here runs in ``make test``: the
+first collects from both nodes, sends weights and checks that shutdown leaves nothing; the others
+kill an owner, restart one, fail every node's collector, and kill the learner.
+
+The env and policy live here, at module level: Ray ships the driver's ``sys.path`` to its workers,
+so the node owners import them by name, and their forkserver actors too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import gymnasium as gym
+import msgpack
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the `ray` extra (make test installs it)")
+
+import shmbuf  # noqa: E402
+from tests.conftest import child_pids, shm_objects, wait_until  # noqa: E402
+from workers import CollectedBatch, RayCollector  # noqa: E402
+from workers import _ray  # noqa: E402
+
+T, E = 8, 2
+FRAMES = 4 * T * E  # four rollouts a batch
+W = {0: 0.0, 1: 7.0, 2: -3.0}  # the action every step takes under each weights version
+
+
+class CountEnv(gym.Env):
+    """obs = [uid, g, t]: g counts this env's steps over its whole life, so a step delivered twice shows.
+
+    Episodes last ``length`` steps. ``fail_flag``: once that file exists, ``step`` raises.
+    """
+
+    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012
+
+    def __init__(self, length: int = 5, step_sleep: float = 0.0005, fail_flag: str | None = None):
+        self.length, self.step_sleep, self.fail_flag = length, step_sleep, fail_flag
+        self.uid = float(np.random.default_rng().integers(1, 2**40))
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
+        self.action_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float64)
+        self.g = self.t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        self.t = 0
+        return np.array([self.uid, self.g, self.t], np.float64), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        if self.fail_flag is not None and os.path.exists(self.fail_flag):
+            raise ValueError("CountEnv: the fail flag is set")
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        self.g += 1
+        self.t += 1
+        return np.array([self.uid, self.g, self.t], np.float64), 1.0, self.t >= self.length, False, {}
+
+
+def make_count_env(**kw: Any) -> gym.Env:
+    return gym.vector.SyncVectorEnv([lambda: CountEnv(**kw) for _ in range(E)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+class WeightPolicy:
+    """Every action is the broadcast weight ``w``: a rollout shows which weights it was collected with."""
+
+    def __init__(self) -> None:
+        self.w = np.zeros(1)
+
+    def __call__(self, obs: np.ndarray) -> np.ndarray:
+        return np.broadcast_to(self.w, (len(obs), 1)).copy()
+
+    def load_weights(self, params: dict[str, np.ndarray]) -> None:
+        self.w = np.asarray(params["w"], np.float64).copy()
+
+
+def weights(version: int) -> dict[str, np.ndarray]:
+    return {"w": np.full(1, W[version])}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Any:
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        c.add_node(num_cpus=1)
+        ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+        wait_until(lambda: sum(n["Alive"] for n in ray.nodes()) == 2, 60, "both Ray nodes to be alive")
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        wait_until(lambda: not [p for p in child_pids() if b"ray" in cmdline(p)], 30, "the Ray cluster's processes to exit")
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def collector(**kw: Any) -> RayCollector:
+    args = dict(frames_per_batch=FRAMES, rollout_len=T, actors_per_node=1, weights=weights(0), timeout=60,
+                create_env_kwargs={}, stop_timeout=5.0)
+    args.update(kw)
+    return RayCollector(make_count_env, WeightPolicy(), **args)
+
+
+def described(rc: RayCollector) -> list[dict[str, Any]]:
+    """What each node's owner said about itself at start: pids, names."""
+    return [n.info for n in rc.nodes]  # type: ignore[misc]
+
+
+def pids_of(info: list[dict[str, Any]]) -> list[int]:
+    return [p for i in info for p in (i["pid"], i["janitor_pid"], *i["actor_pids"])]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def on_shm(info: dict[str, Any]) -> bool:
+    """Is any of a node's shared-memory objects (its pipeline, its weight broadcast) still in /dev/shm?"""
+    return any(e == n[1:] or e.startswith(f"sem.{n[1:]}-") for e in shm_objects() for n in info["names"])
+
+
+class Ledger:
+    """Every delivered rollout, checked as it comes: each (node, lane, seq) and each env step at most once."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+        self.steps: dict[float, list[np.ndarray]] = defaultdict(list)
+        self.versions: dict[int, set[int]] = defaultdict(set)
+        self.batches: list[int] = []
+
+    def take(self, b: Any) -> None:
+        assert isinstance(b, CollectedBatch) and isinstance(b, _ray.RayBatch)
+        self.batches.append(b.node)
+        obs, act = b.data["step"]["obs"], b.data["step"]["action"]
+        assert obs.shape == (len(b.lane), T, E, 3) and not obs.flags.writeable  # views of the Ray object
+        for i, (lane, seq, v) in enumerate(zip(b.lane.tolist(), b.seq.tolist(), b.policy_version.tolist())):
+            self.seqs[(b.node, b.incarnation, lane)].append(seq)
+            self.versions[b.node].add(v)
+            n = int(b.fill["step"][i])
+            assert np.all(act[i, :n] == W[v]), f"a rollout of version {v} took actions {np.unique(act[i, :n])}"
+            for e in range(E):
+                self.steps[float(obs[i, 0, e, 0])].append(obs[i, :n, e, 1].copy())
+        assert np.all(b.policy_lag >= 0)
+
+    def check_once(self) -> None:
+        for key, seqs in self.seqs.items():
+            assert len(seqs) == len(set(seqs)), f"node/incarnation/lane {key}: a rollout delivered twice"
+        for uid, parts in self.steps.items():
+            g = np.concatenate(parts)
+            assert len(g) == len(np.unique(g)), f"env {uid}: a step delivered twice"
+
+    def check_contiguous(self) -> None:
+        for key, seqs in self.seqs.items():
+            assert sorted(seqs) == list(range(min(seqs), min(seqs) + len(seqs))), f"{key}: a rollout missing"
+
+
+def test_every_rollout_once_from_both_nodes_weights_reach_both_and_shutdown_leaves_nothing(cluster: Any) -> None:
+    """The fast check (make test): two nodes deliver, nothing twice, nothing missing; version 1 reaches both; clean exit."""
+    ledger = Ledger()
+    with collector() as rc:
+        info = described(rc)
+        assert len({i["node_id"] for i in info}) == 2 and all(i["actor_pids"] for i in info)
+        assert all(on_shm(i) for i in info), "the owners' pipelines are not in this machine's /dev/shm"
+        deadline = time.monotonic() + 60
+        for k, b in enumerate(rc):
+            ledger.take(b)
+            if k == 3:
+                assert rc.update_policy_weights(weights(1)) == 1
+            if k > 3 and all(1 in ledger.versions[n] for n in (0, 1)) and len(ledger.batches) >= 12:
+                break
+            assert time.monotonic() < deadline, f"version 1 did not reach both nodes: {dict(ledger.versions)}"
+        stats = rc.stats()
+    ledger.check_once()
+    ledger.check_contiguous()
+    assert {0, 1} <= set(ledger.batches)
+    assert all(n["frames"] > 0 and n["lost_batches"] == 0 for n in stats["nodes"]) and stats["failures"] == []
+    assert stats["policy_version"] == 1 and stats["policy_lag_max"] >= 0
+    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "the owners, their actors and janitors to exit")
+    wait_until(lambda: not any(on_shm(i) for i in info), 10, "the nodes' shared memory to go")
+
+
+def test_usage_errors_name_the_setting(cluster: Any, monkeypatch: Any) -> None:
+    with pytest.raises(shmbuf.UsageError, match=r"nodes: 'nope' is not an alive node"):
+        collector(nodes=["nope"])
+    with pytest.raises(shmbuf.UsageError, match=r"max_in_flight: expected an int >= 1, got 0"):
+        collector(max_in_flight=0)
+    with pytest.raises(shmbuf.UsageError, match=r"num_actors=.*use actors_per_node"):
+        collector(num_actors=2)
+    with pytest.raises(shmbuf.UsageError, match=r"policy: .*cannot be pickled"):
+        RayCollector(make_count_env, lambda obs: obs[:, :1], frames_per_batch=FRAMES, rollout_len=T)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(shmbuf.UsageError, match=r"needs a Ray cluster: call ray.init"):
+        collector()
+
+
+def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
+    with pytest.raises(shmbuf.SchemaError, match="expected msgpack bytes"):
+        _ray._unpack_header(["not", "bytes"], "a batch from node 0")
+    with pytest.raises(shmbuf.SchemaError, match="not valid msgpack"):
+        _ray._unpack_header(b"\xc1", "a batch from node 0")
+    with pytest.raises(shmbuf.SchemaError, match="wire version 99, expected 1"):
+        _ray._unpack_header(msgpack.packb({"magic": _ray.WIRE_MAGIC, "version": 99}), "a batch from node 0")
+    # _unpack against a real schema, without a cluster: a collector shell with the schema of CountEnv's rollouts
+    from workers import probe, rollout_example
+
+    env = make_count_env()
+    try:
+        p = probe(env, WeightPolicy(), 0)
+    finally:
+        env.close()
+    example = rollout_example(p["obs"], p["action"], rollout_len=T, num_envs=E, extras=p["extras"])
+    rc = RayCollector.__new__(RayCollector)
+    rc.schema, rc.batch_mode, rc.copy, rc.policy_version, rc._closed = shmbuf.Schema.from_example(example), \
+        "truncate_episodes", False, 0, True
+    node = _ray._Node(0, "n0")
+    leaves = [lf for ts in rc.schema.timescales for lf in ts.leaves]
+    good = [np.zeros((2, *lf.shape), lf.dtype) for lf in leaves]
+    good += [np.zeros(2, np.int64) for _ in rc.schema.timescales]
+    good += [np.zeros(2, np.int64) for _ in _ray.META] + [np.zeros(0), np.zeros(0, np.int64)]
+    head = msgpack.packb({"magic": _ray.WIRE_MAGIC, "version": 1, "frames": 2 * T * E, "fill": True})
+    assert rc._unpack(node, head, good).data["step"]["obs"].shape == (2, T, E, 3)
+    bad = list(good)
+    i = next(k for k, lf in enumerate(leaves) if lf.name == "step/obs")
+    bad[i] = np.zeros((2, T, E, 4))
+    with pytest.raises(shmbuf.SchemaError, match=r"leaf step/obs: expected float64 \(N, 8, 2, 3\), got float64 \(2, 8, 2, 4\)"):
+        rc._unpack(node, head, bad)
+    with pytest.raises(shmbuf.SchemaError, match=r"expected \d+ arrays, got \d+"):
+        rc._unpack(node, head, good[:-1])
+
+
+def test_killing_one_owner_leaves_the_other_delivering(cluster: Any) -> None:
+    ledger = Ledger()
+    with collector() as rc:
+        info = described(rc)
+        it = iter(rc)
+        for _ in range(6):
+            ledger.take(next(it))
+        ray.kill(rc.nodes[1].owner, no_restart=True)
+        deadline = time.monotonic() + 60
+        while not rc.failures:
+            ledger.take(next(it))
+            assert time.monotonic() < deadline, "the dead owner was never reported"
+        failure = rc.failures[0]
+        assert failure.node == 1 and isinstance(failure.error, ray.exceptions.RayActorError) and not failure.restarting
+        assert rc.nodes[1].state == "dead"
+        after = len(ledger.batches)
+        for _ in range(8):
+            ledger.take(next(it))
+        assert ledger.batches[after:] == [0] * 8, "batches after the failure must come from the living node"
+        stats = rc.stats()
+        assert stats["nodes"][1]["state"] == "dead" and stats["nodes"][1]["lost_batches"] >= 1
+        assert "ActorDiedError" in stats["failures"][0] or "RayActorError" in stats["failures"][0]
+        # The dead owner's actors and janitor exit; the janitor removes its node's shared memory.
+        wait_until(lambda: all(gone(p) for p in pids_of(info[1:])), 20, "node 1's processes to exit")
+        wait_until(lambda: not on_shm(info[1]), 10, "node 1's shared memory to be removed")
+        assert on_shm(info[0]), "the living node's shared memory went too"
+    ledger.check_once()
+    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "every owner's processes to exit")
+
+
+def test_restart_brings_a_killed_owner_back_with_the_latest_weights(cluster: Any) -> None:
+    ledger = Ledger()
+    with collector(restart=True, max_restarts=1) as rc:
+        before = described(rc)[1]
+        it = iter(rc)
+        for _ in range(4):
+            ledger.take(next(it))
+        rc.update_policy_weights(weights(1))
+        rc.update_policy_weights(weights(2))
+        ray.kill(rc.nodes[1].owner, no_restart=False)
+        deadline = time.monotonic() + 90
+        while not (rc.failures and rc.nodes[1].state == "running" and 2 in ledger.versions[1]
+                   and ledger.batches[-1] == 1):
+            ledger.take(next(it))
+            assert time.monotonic() < deadline, f"node 1 did not come back with version 2: {rc.stats()}"
+        assert rc.failures[0].restarting and rc.failures[0].node == 1
+        assert rc.nodes[1].info["pid"] != before["pid"], "Ray did not restart the owner in a new process"
+        assert rc.nodes[1].incarnation == 1 and rc.stats()["nodes"][1]["restarts"] == 1
+        info = described(rc)
+    ledger.check_once()
+    wait_until(lambda: all(gone(p) for p in pids_of(info) + pids_of([before])), 20, "every owner's processes to exit")
+
+
+def test_a_collector_error_on_every_node_is_raised_with_both_failures(cluster: Any, tmp_path: Any) -> None:
+    flag = str(tmp_path / "fail")
+    with collector(create_env_kwargs={"fail_flag": flag}) as rc:
+        info = described(rc)
+        it = iter(rc)
+        next(it)
+        open(flag, "w").close()
+        with pytest.raises(RuntimeError, match="every node has failed") as raised:
+            for _ in range(10_000):
+                next(it)
+        assert "CountEnv: the fail flag is set" in str(raised.value)
+        assert {f.node for f in rc.failures} == {0, 1}
+        assert all(isinstance(f.error, ray.exceptions.RayTaskError) for f in rc.failures)
+    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "every owner's processes to exit")
+    assert not any(on_shm(i) for i in info), f"left in /dev/shm: {sorted(shm_objects())}"
+
+
+def test_complete_episodes_through_ray(cluster: Any) -> None:
+    with collector(batch_mode="complete_episodes", rollout_len=16, frames_per_batch=40) as rc:
+        info = described(rc)
+        got = []
+        for b in rc:
+            got.append(b)
+            assert b.data["step"]["obs"].shape[0] == int(b.lengths.sum()) >= 40
+            assert np.all(b.lengths == 5) and np.all(b.episode_lengths == 5)
+            if len({g.node for g in got}) == 2 and len(got) >= 4:
+                break
+    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "every owner's processes to exit")
+
+
+LEARNER = """
+import json, sys, time
+import ray
+sys.path[:0] = {path!r}
+from tests.test_ray import collector
+ray.init(address={address!r}, include_dashboard=False, log_to_driver=False)
+rc = collector()
+next(iter(rc))
+print(json.dumps([{{k: n.info[k] for k in ("pid", "janitor_pid", "actor_pids", "names")}} for n in rc.nodes]), flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_learner_dying_stops_every_node(cluster: Any) -> None:
+    """SIGKILL the learner: Ray's fate-sharing kills the owners, their actors follow, the janitors clean up."""
+    code = LEARNER.format(path=sys.path, address=cluster.address)
+    learner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        line = learner.stdout.readline()  # type: ignore[union-attr]
+        assert line, "the learner did not start"
+        import json
+
+        info = json.loads(line)
+        assert all(on_shm(i) for i in info)
+        learner.send_signal(signal.SIGKILL)
+        learner.wait(10)
+        t0 = time.monotonic()
+        wait_until(lambda: all(gone(p) for p in pids_of(info)), 30, "every node's processes to exit after the learner died")
+        took = time.monotonic() - t0
+        wait_until(lambda: not any(on_shm(i) for i in info), 10, f"the janitors to remove {[i['names'] for i in info]}")
+        assert took < 30
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+        learner.wait(10)
+        learner.stdout.close()  # type: ignore[union-attr]
+
+
+def test_weights_that_do_not_fit_a_node_are_raised_in_the_learner(cluster: Any) -> None:
+    with collector(weights=None) as rc:
+        with pytest.raises(RuntimeError, match="has no weight broadcast: pass weights="):
+            rc.update_policy_weights(weights(1))
+    with collector() as rc:
+        it = iter(rc)
+        next(it)
+        rc.update_policy_weights({"w": np.zeros(3)})  # the broadcast holds w as float64 (1,)
+        deadline = time.monotonic() + 30
+        with pytest.raises(RuntimeError, match=r"could not take weights version 1: .*w") as raised:
+            while time.monotonic() < deadline:
+                next(it)
+        assert isinstance(raised.value.__cause__, Exception)
+        next(iter(rc))  # the nodes go on with the weights they had; a new iterator takes up where that one stopped
+        assert rc.failures == []
