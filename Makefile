@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-slow bench bench-quick bench-storage bench-inference clean-shm clean
+.PHONY: demo demo-ray test test-slow bench bench-quick bench-storage bench-inference clean-shm clean
 
 # One stamp per set of extras, refreshed when pyproject.toml changes.
 $(VENV)/.stamp-%: pyproject.toml
@@ -15,6 +15,10 @@ $(VENV)/.stamp-%: pyproject.toml
 
 demo: $(VENV)/.stamp-demo
 	$(PY) -m shmbuf demo
+
+# CartPole over a two-node Ray cluster started on this machine (a head node and one more) for 15 s, then per-node rates.
+demo-ray: $(VENV)/.stamp-ray
+	$(PY) examples/ray_cartpole.py --seconds 15
 
 test: $(VENV)/.stamp-test
 	$(PY) -m pytest -q -m "not slow"
