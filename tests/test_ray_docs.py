@@ -1,0 +1,149 @@
+"""docs/ray.md's Python block and examples/ray_cartpole.py run as written, on a local two-node Ray cluster.
+
+Each runs in a fresh interpreter in a session of its own (``start_new_session``). Ray's processes
+(gcs, raylets, workers, the node owners) and the owners' actor processes stay in that session, so
+"no Ray process left" is checked exactly: no live process in it once the run has returned. The node
+owners' janitors (``shmbuf clean --after PID``) start sessions of their own: none may outlive its
+owner. Other runs on this machine may hold their own Ray clusters and pipelines at the same time;
+only what these runs made is judged. docs/ray.md's ```text blocks need a real cluster (``ray start``
+on several machines) and are not run; the example's ``--address`` mode is what they describe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from tests.conftest import leaked_since, shm_objects
+from tests.helpers import doc_blocks
+
+pytest.importorskip("ray", reason="the `ray` extra (make test installs it)")
+pytest.importorskip("gymnasium")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEADLINE = 180.0  # for one run: starting a local cluster takes ~5-10 s on a busy 2-core machine
+CLEANUP = 30.0  # for Ray's processes, the owners' actors and the janitors to be gone after a run returns
+
+# Which test runs each ```python block of docs/ray.md: a block is known by a line only it has.
+PYTHON_BLOCKS = {"cluster.add_node(num_cpus=1)": "test_first_run_block_collects_from_both_nodes_and_leaves_nothing"}
+
+
+def block(marker: str) -> str:
+    (found,) = [b for b in doc_blocks("ray.md") if marker in b]
+    return found
+
+
+def session_of(pid: int) -> int | None:
+    """The session id of a live process, or None (gone, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    rest = stat[stat.rfind(b")") + 2 :].split()
+    return None if rest[0] in (b"Z", b"X") else int(rest[3])
+
+
+def in_session(sid: int) -> list[tuple[int, str]]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and session_of(int(entry)) == sid:
+            try:
+                cmd = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            out.append((int(entry), cmd[:200]))
+    return out
+
+
+def orphaned_janitors() -> list[tuple[int, str]]:
+    """`shmbuf clean --after PID` processes whose PID has exited: a janitor must leave right after its owner."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or session_of(int(entry)) is None:
+            continue
+        try:
+            argv = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"shmbuf" in argv and b"clean" in argv and b"--after" in argv:
+            owner = int(argv[argv.index(b"--after") + 1])
+            if session_of(owner) is None:
+                out.append((int(entry), b" ".join(argv).decode(errors="replace")[:200]))
+    return out
+
+
+def run(args: list[str], cwd: pathlib.Path, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
+    """Run a script in a session of its own; afterwards, nothing of the session, no orphaned janitor, no shmbuf leak.
+
+    Warnings are errors. Output goes to files, not pipes, so that a process left behind cannot hold the test
+    up. Whatever of the session outlives the deadlines is killed by pid (those processes are this run's) and
+    reported.
+    """
+    before = shm_objects()
+    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
+        proc = subprocess.Popen([sys.executable, "-W", "error", *args], cwd=cwd, stdout=out_f, stderr=err_f,
+                                start_new_session=True)
+    sid = proc.pid
+    try:
+        proc.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    finally:
+        deadline = time.monotonic() + CLEANUP
+        while (in_session(sid) or orphaned_janitors() or leaked_since(before)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left, janitors, leaked = in_session(sid), orphaned_janitors(), leaked_since(before)
+        for pid, _ in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    out, err = out_path.read_text(), err_path.read_text()
+    assert proc.returncode == 0, f"{args} exited {proc.returncode} (-9: killed after {DEADLINE} s):\n{out[-3000:]}\n{err[-5000:]}"
+    assert not left, f"{CLEANUP} s after the run, its processes were still there (killed now): {left}"
+    assert not janitors, f"janitors outlived their owners: {janitors}"
+    assert not leaked, f"left in /dev/shm: {[f.name for f in leaked]}"
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def test_every_python_block_of_the_ray_doc_is_run_by_a_test() -> None:
+    for b in doc_blocks("ray.md"):
+        assert sum(m in b for m in PYTHON_BLOCKS) == 1, f"a docs/ray.md python block no test runs:\n{b}"
+    assert len(doc_blocks("ray.md")) == len(PYTHON_BLOCKS)
+
+
+def test_first_run_block_collects_from_both_nodes_and_leaves_nothing(tmp_path: pathlib.Path) -> None:
+    """The block as a script, run from the repository's root as the doc says. No PYTHONPATH: the nodes import
+    cartpole_collect only through the block's runtime_env py_modules (examples/ is on no path of theirs)."""
+    script = tmp_path / "ray_doc_block.py"
+    script.write_text(block("cluster.add_node(num_cpus=1)"))
+    done = run([str(script)], cwd=ROOT, tmp_path=tmp_path)
+    lines = re.findall(r"^node (\d) \((\w{12})\): (\d+) batches, (\d+) frames, (\d+) lost$", done.stdout, re.M)
+    assert len(lines) == 2, done.stdout
+    assert {n for n, *_ in lines} == {"0", "1"} and len({i for _, i, *_ in lines}) == 2
+    assert all(int(b) > 0 and int(f) == 1024 * int(b) and lost == "0" for _, _, b, f, lost in lines), lines
+    assert sum(int(b) for _, _, b, _, _ in lines) >= 20
+
+
+def test_ray_cartpole_example_runs_on_two_local_nodes_and_leaves_nothing(tmp_path: pathlib.Path) -> None:
+    done = run([str(ROOT / "examples" / "ray_cartpole.py"), "--seconds", "3", "--json"], cwd=ROOT, tmp_path=tmp_path)
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    nodes = out["nodes"]
+    assert len(nodes) == 2 and len({n["node_id"] for n in nodes}) == 2
+    assert all(n["frames"] > 0 and n["batches"] > 0 and n["lost_batches"] == 0 for n in nodes), nodes
+    assert out["frames"] == sum(n["frames"] for n in nodes) and out["failures"] == []
+    assert out["frames"] == out["batches"] * out["frames_per_batch"] == out["batches"] * 8 * 128
+    assert out["policy_version"] == out["batches"] // 4  # new weights every 4 batches
+    assert "collecting on 2 nodes" in done.stderr  # the progress bar
