@@ -107,6 +107,8 @@ def table(out: dict) -> str:
                 f"{out['frames_per_batch']} frames a batch, {out['seconds']:.1f} s; policy version "
                 f"{out['policy_version']}, lag max {out['policy_lag_max']}; mean return (last 100) "
                 f"{out['return_mean_100']:.1f}")
+    rows.append("frames/s: a node's from its first batch to its last; all: from the first call, the actors' start-up "
+                "included")
     for f in out["failures"]:
         rows.append(f"failure: {f}")
     return "\n".join(rows)
