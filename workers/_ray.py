@@ -75,8 +75,9 @@ class RayBatch(CollectedBatch):
     pipeline, whose lanes count from 0 again). ``lane``/``seq`` are per pipeline:
     ``(node, incarnation, lane, seq)`` names one rollout.
 
-    Lifetime: ``data``'s arrays are read-only views of the batch's Ray object (on the learner's
-    node, in its object store's shared memory). They stay valid as long as you hold them, and the
+    Lifetime: ``data``'s arrays are read-only views of the batch's Ray object: in the object
+    store's shared memory of the learner's node from about 100 KiB up, in the learner's heap
+    below (Ray returns small objects inline). They stay valid as long as you hold them, and the
     next batch does not overwrite them; the object is freed when the last of them goes.
     ``RayCollector(copy=True)`` gives writable arrays of your own instead.
     """
@@ -99,7 +100,7 @@ class NodeFailure:
     node: int
     node_id: str
     error: BaseException
-    lost_batches: int  # calls that were in flight when it failed: their batches were never delivered
+    lost_batches: int  # its calls in flight when it failed, the failed one too: their batches were never delivered
     restarting: bool
 
     def __str__(self) -> str:
@@ -476,7 +477,7 @@ class RayCollector:
             # The owner lives but its collector raised (an actor process failed without restart, say): stop it,
             # so that its actors exit and its shared memory goes. Ray restarts only an owner that died.
             self._stopping.append(self._stop_owner(n, self.stop_timeout))
-        failure = NodeFailure(n.index, n.node_id, exc, lost - 1, restarting)
+        failure = NodeFailure(n.index, n.node_id, exc, lost, restarting)
         self.failures.append(failure)
         logger.warning("shmbuf RayCollector: %s", failure)
         if restarting:
