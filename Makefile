@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo demo-ray test test-slow bench bench-quick bench-storage bench-inference clean-shm clean
+.PHONY: demo demo-ray test test-slow bench bench-quick bench-storage bench-inference bench-ray clean-shm clean
 
 # One stamp per set of extras, refreshed when pyproject.toml changes.
 $(VENV)/.stamp-%: pyproject.toml
@@ -40,6 +40,11 @@ bench-storage: $(VENV)/.stamp-bench
 # MultiSyncCollector, 4/8/16 envs, two MLPs): about 10 minutes. The demo stamp brings gymnasium, which `bench` lacks.
 bench-inference: $(VENV)/.stamp-bench
 	$(PY) -m benchmarks.inference
+
+# shmbuf on Ray (workers.RayCollector, one and two local nodes) against plain Ray actors and shmbuf alone: small, atari,
+# CartPole; about 12 minutes (--quick: under 1). Results in benchmarks/results/<date>-<host>-ray.*
+bench-ray: $(VENV)/.stamp-bench
+	$(PY) -m benchmarks.on_ray
 
 clean-shm: $(VENV)/.stamp-demo
 	$(PY) -m shmbuf clean
