@@ -19,8 +19,10 @@ batch, it measures rollouts/s, frames/s and CPU per rollout of:
 Every learner sums each batch's rewards (it reads the batch). Start-up (Ray's, the pipeline's, the
 actors') is never counted: the clock starts after the first batch and a warm-up. Per window: rollouts
 and frames taken, the machine's busy time (``/proc/stat``: every jiffy not idle or iowait, all
-processes, ours and anyone else's) and the learner process's own CPU time (``time.process_time()``,
-every thread, Ray's included), each divided by the rollouts. Figures are medians over every window of
+processes, ours and anyone else's), the run's own (every process below this one: Ray's daemons and
+workers, the owners, the actors; the machine's less this is other people's load) and the learner
+process's own CPU time (``time.process_time()``, every thread, Ray's included), each divided by the
+rollouts. Figures are medians over every window of
 every repeat. Writes ``<out>/<date>-<host>-ray[-quick].{json,md,png}``; see benchmarks/README.md ("Ray").
 """
 
@@ -73,10 +75,25 @@ def _jiffies() -> tuple[int, int]:
     return sum(fields) - fields[3] - fields[4], sum(fields)
 
 
+def _ours_jiffies() -> int:
+    """CPU jiffies (user + system) so far of this process and every live one below it: the run's own share of the
+    machine (Ray's daemons and workers, node owners, actor processes); a process that exits takes its count along."""
+    total = 0
+    for pid in descendants() | {os.getpid()}:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        rest = stat[stat.rfind(b")") + 2:].split()
+        total += int(rest[11]) + int(rest[12])  # utime, stime
+    return total
+
+
 def _cut(rollouts: int, frames: int) -> dict[str, Any]:
     busy, total = _jiffies()
     return {"t": time.monotonic(), "rollouts": rollouts, "frames": frames, "busy_jiffies": busy, "all_jiffies": total,
-            "learner_cpu_s": time.process_time()}
+            "ours_jiffies": _ours_jiffies(), "learner_cpu_s": time.process_time()}
 
 
 def measure(next_batch: Callable[[], tuple[int, int]], *, warmup_s: float, windows: int, window_s: float

@@ -43,7 +43,7 @@ def summarize(runs: list[dict[str, Any]], clk_tck: int) -> list[dict[str, Any]]:
         key = (label(r), r["workload"])
         row = rows.setdefault(key, {"label": key[0], "system": r["system"], "workload": r["workload"], "nodes": r["nodes"],
                                     "per_call": r["per_call"], "in_flight": r["in_flight"], "runs": 0, "ok_runs": 0,
-                                    "errors": [], "_w": {k: [] for k in ("rps", "fps", "mcpu", "lcpu", "busy")},
+                                    "errors": [], "_w": {k: [] for k in ("rps", "fps", "mcpu", "ocpu", "lcpu", "busy", "outside")},
                                     "_start": []})
         row["runs"] += 1
         if r["status"] != "ok":
@@ -62,13 +62,18 @@ def summarize(runs: list[dict[str, Any]], clk_tck: int) -> list[dict[str, Any]]:
             row["_w"]["mcpu"].append(busy_s / n * 1e6)
             row["_w"]["lcpu"].append((b["learner_cpu_s"] - a["learner_cpu_s"]) / n * 1e6)
             row["_w"]["busy"].append(busy_s / dt)
+            if "ours_jiffies" in a:  # results files from before it was recorded lack it
+                ours_s = (b["ours_jiffies"] - a["ours_jiffies"]) / clk_tck
+                row["_w"]["ocpu"].append(ours_s / n * 1e6)
+                row["_w"]["outside"].append(max(0.0, busy_s - ours_s) / dt)
     out = []
     for row in rows.values():
         w = row.pop("_w")
         start = row.pop("_start")
         row.update({"rollouts_per_s": _spread(w["rps"]), "frames_per_s": _spread(w["fps"]),
                     "machine_cpu_us_per_rollout": _spread(w["mcpu"]), "learner_cpu_us_per_rollout": _spread(w["lcpu"]),
-                    "machine_busy_cores": _spread(w["busy"]), "startup_s": _spread(start)})
+                    "machine_busy_cores": _spread(w["busy"]), "startup_s": _spread(start),
+                    "run_cpu_us_per_rollout": _spread(w["ocpu"]), "outside_cores": _spread(w["outside"])})
         row["status"] = "ok" if row["rollouts_per_s"] else "failed"
         out.append(row)
     return out
@@ -82,6 +87,11 @@ def best_peer(rows: list[dict[str, Any]], workload: str, system: str = "ray_acto
     """The peer's best configuration on ``workload``: the highest median rollouts/s."""
     got = [r for r in rows if r["system"] == system and r["workload"] == workload and _med(r)]
     return max(got, key=_med) if got else None
+
+
+def _cpu(row: dict[str, Any] | None) -> float | None:
+    """A row's CPU per rollout: its own processes', or the whole machine's where that was not recorded."""
+    return _med(row, "run_cpu_us_per_rollout") or _med(row, "machine_cpu_us_per_rollout")
 
 
 def row_of(rows: list[dict[str, Any]], system: str, workload: str) -> dict[str, Any] | None:
@@ -208,38 +218,40 @@ def markdown(result: dict[str, Any]) -> str:
     if costs:
         L += ["", "## Where the time goes", "",
               ("The actor loops alone, in one process, no transport (µs per rollout): `workers.ActorLoop`, which every "
-               "shmbuf actor runs, and the peer's loop (`ray_envs.RolloutActor`). Then each system's whole-machine CPU "
-               "per rollout, and what it spends beyond its loop (transport, learner, Ray's processes, and anyone "
-               "else's load on the machine)."), "",
-              ("| workload | ActorLoop alone | peer loop alone | (c) machine | (c) beyond loop | (a) machine "
-               "| (a) beyond loop | (b) machine | (b) beyond loop |"),
+               "shmbuf actor runs, and the peer's loop (`ray_envs.RolloutActor`). Then each system's CPU per rollout "
+               "(its own processes: every one below the run's; the whole machine's in a results file without it) and "
+               "what it spends beyond its loop: transport, learner, Ray's processes, and the cost of sharing 2 cores "
+               "among more processes (switches, caches)."), "",
+              ("| workload | ActorLoop alone | peer loop alone | (c) CPU | (c) beyond loop | (a) CPU "
+               "| (a) beyond loop | (b) CPU | (b) beyond loop |"),
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for wl in wls:
             c = costs.get(wl)
             if not c:
                 continue
-            mc = _med(row_of(rows, "shmbuf", wl), "machine_cpu_us_per_rollout")
-            ma = _med(row_of(rows, "shmbuf_ray", wl), "machine_cpu_us_per_rollout")
-            mb = _med(best_peer(rows, wl), "machine_cpu_us_per_rollout")
+            mc, ma, mb = (_cpu(r) for r in (row_of(rows, "shmbuf", wl), row_of(rows, "shmbuf_ray", wl), best_peer(rows, wl)))
             less = (lambda m, loop: None if m is None else m - loop)
             L.append(f"| {wl} | {_fmt(c['actor_loop_us'])} | {_fmt(c['peer_loop_us'])} | {_fmt(mc)} "
                      f"| {_fmt(less(mc, c['actor_loop_us']))} | {_fmt(ma)} | {_fmt(less(ma, c['actor_loop_us']))} "
                      f"| {_fmt(mb)} | {_fmt(less(mb, c['peer_loop_us']))} |")
     L += ["", "## Every row", "",
           ("Rollouts/s median [min-max over windows]; CPU per rollout in µs: the whole machine (busy jiffies, "
-           "everyone's) and the learner process alone; busy cores: the machine's, during the windows; start-up: "
-           "construction to first batch (not counted in the rates)."), "",
-          ("| workload | row | rollouts/s | frames/s | machine CPU µs/rollout | learner CPU µs/rollout | busy cores "
-           "| start-up s | runs ok |"),
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "everyone's), the run's own processes (this one and every one below it: Ray's daemons and workers, the "
+           "owners, the actors) and the learner process alone; busy cores: the machine's during the windows, and of "
+           "them the outside load (the machine's less the run's: other people's); start-up: construction to first "
+           "batch (not counted in the rates)."), "",
+          ("| workload | row | rollouts/s | frames/s | machine CPU µs/rollout | run CPU µs/rollout "
+           "| learner CPU µs/rollout | busy cores | outside load, cores | start-up s | runs ok |"),
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     order = {s: i for i, s in enumerate(SYSTEMS)}
     for wl in wls:
         for r in sorted((r for r in rows if r["workload"] == wl), key=lambda r: (order[r["system"]], r["label"])):
             v = r["rollouts_per_s"]
             rng = f"{_fmt(v['median'])} [{_fmt(v['min'])}-{_fmt(v['max'])}]" if v else "failed"
             L.append(f"| {wl} | {LETTER.get(r['system'], '')} {r['label']} | {rng} | {_fmt(_med(r, 'frames_per_s'))} "
-                     f"| {_fmt(_med(r, 'machine_cpu_us_per_rollout'))} | {_fmt(_med(r, 'learner_cpu_us_per_rollout'))} "
-                     f"| {_fmt(_med(r, 'machine_busy_cores'), 2)} | {_fmt(_med(r, 'startup_s'), 1)} "
+                     f"| {_fmt(_med(r, 'machine_cpu_us_per_rollout'))} | {_fmt(_med(r, 'run_cpu_us_per_rollout'))} "
+                     f"| {_fmt(_med(r, 'learner_cpu_us_per_rollout'))} | {_fmt(_med(r, 'machine_busy_cores'), 2)} "
+                     f"| {_fmt(_med(r, 'outside_cores'), 2)} | {_fmt(_med(r, 'startup_s'), 1)} "
                      f"| {r['ok_runs']}/{r['runs']} |")
     errs = [(r["label"], r["workload"], e) for r in rows for e in r["errors"]]
     if errs:
