@@ -54,10 +54,11 @@ FULL = {"workloads": ("small", "atari", "cartpole"), "repeats": 3, "windows": 3,
 QUICK = {"workloads": ("small", "cartpole"), "repeats": 1, "windows": 2, "window_s": 0.4, "warmup_s": 0.3,
          "per_call": (1, BATCH // ACTORS), "in_flight": (2,), "loop_rollouts": 8}
 STALL_S = 30.0
+IDLE_S = 1.0  # after a cluster starts: how much CPU its processes take doing nothing
 # Wall time for the estimate: a run's start-up, first batch and shutdown, and a cluster's start and stop (quick runs on
 # the busy 2-core machine, 2026-11-21, rounded up).
 START_S = {"shmbuf": 1.5, "shmbuf_ray": 2.0, "ray_actors": 1.2, "shmbuf_ray_2node": 2.7, "ray_actors_2node": 1.6}
-CLUSTER_S = {1: 7.0, 2: 6.0}
+CLUSTER_S = {1: 8.0, 2: 7.0}
 STEP_KEYS = ("obs", "action", "reward", "terminated", "truncated", "bootstrap_obs", "episode_returns")
 
 
@@ -347,6 +348,9 @@ def ray_cluster(nodes: int, cores: int, record: dict[str, Any], pids: set[int]) 
         if len(ids) != nodes:
             raise RuntimeError(f"Ray cluster: expected {nodes} alive nodes, got {len(ids)}")
         record["start_s"] = round(time.monotonic() - t0, 2)
+        j0, t1 = _ours_jiffies(), time.monotonic()  # what Ray's processes cost doing nothing
+        time.sleep(IDLE_S)
+        record["idle_cores"] = round((_ours_jiffies() - j0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t1), 3)
         yield ids
     finally:
         pids |= descendants()

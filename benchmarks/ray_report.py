@@ -258,8 +258,10 @@ def markdown(result: dict[str, Any]) -> str:
         L += ["", "Failed or stalled runs:", ""] + [f"- {lb}, {wl}: {e}" for lb, wl, e in errs]
     cl = result["clusters"]
     left = sorted({p for c in cl for p in c.get("left", [])} | set(result.get("left_pids", [])))
-    L += ["", (f"Ray clusters started: {len(cl)} (start {', '.join(str(c.get('start_s')) for c in cl)} s, not counted). "
-               f"Processes left after the run: {left or 'none'}."), "", "## What a second physical node would change", "",
+    idle = ", ".join(f"{c['idle_cores']:.2f}" for c in cl if c.get("idle_cores") is not None)
+    L += ["", (f"Ray clusters started: {len(cl)} (start {', '.join(str(c.get('start_s')) for c in cl)} s, not counted"
+               + (f"; their processes idle, before any run: {idle} cores" if idle else "")
+               + f"). Processes left after the run: {left or 'none'}."), "", "## What a second physical node would change", "",
           SECOND_NODE]
     tr = transfer_rows(result)
     if tr:
