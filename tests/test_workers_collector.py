@@ -168,6 +168,29 @@ def test_timeout_when_actors_are_alive_but_too_slow():
         assert time.monotonic() - t0 < 3
 
 
+def test_complete_episodes_lose_nothing_to_a_timeout_between_episodes():
+    """A SlotTimeout between two episodes of a batch keeps the episodes taken so far for the next batch.
+
+    They used to be dropped with the frame that held them: RayCollector's node owners wait in short
+    slices, so complete-episodes batches through Ray lost every episode that came more than 0.25 s
+    before the batch was full.
+    """
+    with Collector([partial(make_counting, 0, 0.02)], EchoPolicy(), num_actors=1, frames_per_batch=12, rollout_len=8,
+                   batch_mode="complete_episodes", start_method="fork", timeout=0.1, stop_timeout=3, seed=None) as c:
+        batches, timeouts = [], 0
+        deadline = time.monotonic() + 30
+        while len(batches) < 4:
+            assert time.monotonic() < deadline, f"4 batches did not come within 30 s ({timeouts} timeouts)"
+            try:
+                batches.append(next(iter(c)))
+            except shmbuf.SlotTimeout:
+                timeouts += 1
+    assert timeouts > 0, "no timeout came between two episodes: the test tested nothing"
+    seqs = np.concatenate([b.seq for b in batches]).tolist()
+    assert seqs == list(range(len(seqs))), f"episodes lost to a timeout: {seqs}"
+    assert all(b.frames >= 12 and b.lengths.sum() == b.frames for b in batches)
+
+
 def test_complete_episodes_with_vector_envs_shares_slots_among_sub_env_lanes():
     """One actor, 3 sub-envs, 3 lanes: all must get slots (none may wait for ever behind the first lane)."""
     with Collector(partial(make_vector, 3, "NextStep"), EchoPolicy(), num_actors=1, frames_per_batch=30,

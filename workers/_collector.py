@@ -78,6 +78,11 @@ def check_picklable(what: str, obj: Any, start_method: str, fix: str) -> None:
         ) from exc
 
 
+def _no_episodes() -> dict[str, Any]:
+    """A complete-episodes batch being gathered: the episodes' copies, their metadata, their frames."""
+    return {"got": [], "versions": [], "lanes": [], "seqs": [], "lengths": [], "frames": 0}
+
+
 class CollectedBatch:
     """One batch from a :class:`Collector`.
 
@@ -218,6 +223,7 @@ class Collector:
         self._policy = policy if policy is not None else None
         self._lags: deque[int] = deque(maxlen=10_000)
         self._returns: deque[float] = deque(maxlen=100)
+        self._partial = _no_episodes()  # complete-episodes: what the next batch has so far
         self._t0: float | None = None
         self._closed = False
         self.reader = self.pool = self.publisher = self._bar = None  # type: ignore[assignment]
@@ -394,21 +400,24 @@ class Collector:
         )
 
     def _complete(self) -> CollectedBatch:
-        got: list[dict[str, Any]] = []
-        versions, lanes, seqs, lengths = [], [], [], []
-        frames = 0
-        while frames < self.frames_per_batch:
+        # The episodes taken so far live on the collector, not in this frame: an exception between two of
+        # them (a timeout, say) loses none, and the next batch starts with them.
+        part = self._partial
+        while part["frames"] < self.frames_per_batch:
             r = self._wait(lambda: self.reader.get(WAIT_SLICE))
             try:
-                got.append(r.copy())
-                versions.append(r.policy_version)
-                lanes.append(r.lane)
-                seqs.append(r.seq)
-                lengths.append(r.fill["step"])
-                frames += r.fill["step"]
+                part["got"].append(r.copy())
+                part["versions"].append(r.policy_version)
+                part["lanes"].append(r.lane)
+                part["seqs"].append(r.seq)
+                part["lengths"].append(r.fill["step"])
+                part["frames"] += r.fill["step"]
             finally:
                 r.release()
         self._check_actors()
+        self._partial = _no_episodes()
+        got, versions, lanes, seqs, lengths, frames = (part[k] for k in ("got", "versions", "lanes", "seqs", "lengths",
+                                                                         "frames"))
         data = {
             "step": optree.tree_map(lambda *xs: np.concatenate(xs), *[g["step"] for g in got]),
             "episode": optree.tree_map(lambda *xs: np.stack(xs), *[g["episode"] for g in got]),
