@@ -94,6 +94,8 @@ def _clean(args: argparse.Namespace) -> int:
         found = [f for name in args.names for f in _admin.scan(name=name if name.startswith("/") else "/" + name)]
     else:
         found = _admin.scan()
+    if args.after is not None:  # only what that process created (its header says so: pid and start time)
+        found = [f for f in found if f.segment and f.owner_pid == args.after]
     for f in found:
         if not f.removable:
             continue
@@ -169,7 +171,8 @@ def _parser() -> argparse.ArgumentParser:
                        formatter_class=defaults)
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p.add_argument("--after", type=_at_least(int, 1), metavar="PID", default=None,
-                   help="first wait for process PID to exit (a janitor for a process that may be killed)")
+                   help="wait for process PID to exit, then remove only what it created (a janitor for a process "
+                        "that may be killed)")
     p.add_argument("names", nargs="*", metavar="NAME", help="only these pipelines or weight broadcasts (default: all)")
     sub.add_parser("bench", help="run the benchmarks (arguments pass through; see shmbuf bench --help)", add_help=False)
     return parser

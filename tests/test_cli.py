@@ -68,8 +68,12 @@ def test_clean_removes_only_dead_owners_objects(make_reader: Any, orphan: str, c
     shmbuf.Writer(live.handle).close()  # and still usable
 
 
-def test_clean_after_a_pid_waits_for_it_then_removes_only_the_named(orphan: str) -> None:
-    """`shmbuf clean --after PID NAME`: a janitor for a process that may be SIGKILLed (RayCollector's node owners)."""
+@pytest.mark.parametrize("named", [True, False])
+def test_clean_after_a_pid_waits_for_it_then_removes_only_what_it_created(orphan: str, named: bool) -> None:
+    """`shmbuf clean --after PID [NAME]`: a janitor for a process that may be SIGKILLed (RayCollector's node owners).
+
+    The orphan (another dead owner's pipeline) stays either way: --after removes only PID's objects.
+    """
     rx, tx = CTX.Pipe(duplex=False)
     owner = CTX.Process(target=_owner, args=(tx,), daemon=True)
     owner.start()
@@ -77,7 +81,7 @@ def test_clean_after_a_pid_waits_for_it_then_removes_only_the_named(orphan: str)
     try:
         assert rx.poll(20)
         name = msgpack.unpackb(rx.recv_bytes())
-        janitor = subprocess.Popen([sys.executable, "-m", "shmbuf", "clean", "--after", str(owner.pid), name],
+        janitor = subprocess.Popen([sys.executable, "-m", "shmbuf", "clean", "--after", str(owner.pid)] + [name] * named,
                                    stdout=subprocess.PIPE, text=True)
         with pytest.raises(subprocess.TimeoutExpired):
             janitor.wait(1.0)  # the owner lives: the janitor waits and removes nothing
@@ -86,7 +90,7 @@ def test_clean_after_a_pid_waits_for_it_then_removes_only_the_named(orphan: str)
         out, _ = janitor.communicate(timeout=20)
         assert janitor.returncode == 0 and f"removed: {name}" in out, out
         assert not any(name[1:] in e for e in shm_objects())
-        assert any(orphan[1:] in e for e in shm_objects()), "clean NAME removed a pipeline it was not given"
+        assert any(orphan[1:] in e for e in shm_objects()), "clean --after removed another owner's pipeline"
     finally:
         if janitor is not None and janitor.poll() is None:
             janitor.kill()

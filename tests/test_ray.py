@@ -20,6 +20,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import multiprocessing as mp
+
 import gymnasium as gym
 import msgpack
 import numpy as np
@@ -34,7 +36,9 @@ from workers import _ray  # noqa: E402
 
 T, E = 8, 2
 FRAMES = 4 * T * E  # four rollouts a batch
-W = {0: 0.0, 1: 7.0, 2: -3.0}  # the action every step takes under each weights version
+def W(version: int) -> float:  # noqa: N802
+    """The action every step takes under weights ``version``."""
+    return 7.0 * version - 0.5 * version**2
 
 
 class CountEnv(gym.Env):
@@ -45,8 +49,11 @@ class CountEnv(gym.Env):
 
     metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012
 
-    def __init__(self, length: int = 5, step_sleep: float = 0.0005, fail_flag: str | None = None):
+    def __init__(self, length: int = 5, step_sleep: float = 0.0005, fail_flag: str | None = None,
+                 slow_start: float = 0.0):
         self.length, self.step_sleep, self.fail_flag = length, step_sleep, fail_flag
+        if slow_start and mp.parent_process() is not None:  # in an actor process, not in the owner's probe
+            time.sleep(slow_start)
         self.uid = float(np.random.default_rng().integers(1, 2**40))
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
         self.action_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float64)
@@ -85,7 +92,7 @@ class WeightPolicy:
 
 
 def weights(version: int) -> dict[str, np.ndarray]:
-    return {"w": np.full(1, W[version])}
+    return {"w": np.full(1, W(version))}
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +166,7 @@ class Ledger:
             self.seqs[(b.node, b.incarnation, lane)].append(seq)
             self.versions[b.node].add(v)
             n = int(b.fill["step"][i])
-            assert np.all(act[i, :n] == W[v]), f"a rollout of version {v} took actions {np.unique(act[i, :n])}"
+            assert np.all(act[i, :n] == W(v)), f"a rollout of version {v} took actions {np.unique(act[i, :n])}"
             for e in range(E):
                 self.steps[float(obs[i, 0, e, 0])].append(obs[i, :n, e, 1].copy())
         assert np.all(b.policy_lag >= 0)
@@ -240,14 +247,30 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
     good += [np.zeros(2, np.int64) for _ in rc.schema.timescales]
     good += [np.zeros(2, np.int64) for _ in _ray.META] + [np.zeros(0), np.zeros(0, np.int64)]
     head = msgpack.packb({"magic": _ray.WIRE_MAGIC, "version": 1, "frames": 2 * T * E, "fill": True})
-    assert rc._unpack(node, head, good).data["step"]["obs"].shape == (2, T, E, 3)
+    assert rc._unpack(node, (head, good)).data["step"]["obs"].shape == (2, T, E, 3)
     bad = list(good)
     i = next(k for k, lf in enumerate(leaves) if lf.name == "step/obs")
     bad[i] = np.zeros((2, T, E, 4))
-    with pytest.raises(shmbuf.SchemaError, match=r"leaf step/obs: expected float64 \(N, 8, 2, 3\), got float64 \(2, 8, 2, 4\)"):
-        rc._unpack(node, head, bad)
+    with pytest.raises(shmbuf.SchemaError, match=r"leaf step/obs: expected float64 \(2, 8, 2, 3\), got float64 \(2, 8, 2, 4\)"):
+        rc._unpack(node, (head, bad))
     with pytest.raises(shmbuf.SchemaError, match=r"expected \d+ arrays, got \d+"):
-        rc._unpack(node, head, good[:-1])
+        rc._unpack(node, (head, good[:-1]))
+    with pytest.raises(shmbuf.SchemaError, match=r"expected \(header, list of arrays\), got tuple"):
+        rc._unpack(node, (head,))
+    uneven = list(good)
+    uneven[i] = np.zeros((3, T, E, 3))  # another leading size than the other leaves'
+    with pytest.raises(shmbuf.SchemaError, match=r"leaf step/obs: expected float64 \(2, 8, 2, 3\), got float64 \(3, 8, 2, 3\)"):
+        rc._unpack(node, (head, uneven))
+    long_meta = good[:-4] + [np.zeros(7, np.int64)] + good[-3:]
+    with pytest.raises(shmbuf.SchemaError, match=r"expected integers of shape \(2,\), got int64 \(7,\)"):
+        rc._unpack(node, (head, long_meta))
+    text_meta = good[:-4] + [np.array(["a", "b"])] + good[-3:]
+    with pytest.raises(shmbuf.SchemaError, match=r"expected integers of shape \(2,\), got <U1 \(2,\)"):
+        rc._unpack(node, (head, text_meta))
+    for bad_head in ({"frames": "many", "fill": True}, {"fill": True}, {"frames": -1, "fill": True}, {"frames": 1}):
+        h = msgpack.packb({"magic": _ray.WIRE_MAGIC, "version": 1, **bad_head})
+        with pytest.raises(shmbuf.SchemaError, match=r"header field frames .* or fill .* missing or wrong"):
+            rc._unpack(node, (h, good))
 
 
 def test_killing_one_owner_leaves_the_other_delivering(cluster: Any) -> None:
@@ -320,16 +343,26 @@ def test_a_collector_error_on_every_node_is_raised_with_both_failures(cluster: A
     assert not any(on_shm(i) for i in info), f"left in /dev/shm: {sorted(shm_objects())}"
 
 
-def test_complete_episodes_through_ray(cluster: Any) -> None:
-    with collector(batch_mode="complete_episodes", rollout_len=16, frames_per_batch=40) as rc:
+def test_complete_episodes_through_ray_lose_no_episode(cluster: Any) -> None:
+    """Episodes 0.4 s apart: longer than the owners' 0.25 s waits, which once dropped the episodes taken so far."""
+    with collector(batch_mode="complete_episodes", rollout_len=16, frames_per_batch=20,
+                   create_env_kwargs={"step_sleep": 0.08}) as rc:
         info = described(rc)
         got = []
+        deadline = time.monotonic() + 60
         for b in rc:
             got.append(b)
-            assert b.data["step"]["obs"].shape[0] == int(b.lengths.sum()) >= 40
+            assert b.data["step"]["obs"].shape[0] == int(b.lengths.sum()) >= 20
             assert np.all(b.lengths == 5) and np.all(b.episode_lengths == 5)
             if len({g.node for g in got}) == 2 and len(got) >= 4:
                 break
+            assert time.monotonic() < deadline
+    seqs: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for b in got:
+        for lane, seq in zip(b.lane.tolist(), b.seq.tolist()):
+            seqs[(b.node, lane)].append(seq)
+    for key, s in seqs.items():
+        assert s == list(range(len(s))), f"node/lane {key}: episodes lost or out of order: {s}"
     wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "every owner's processes to exit")
 
 
@@ -386,3 +419,41 @@ def test_weights_that_do_not_fit_a_node_are_raised_in_the_learner(cluster: Any) 
         assert isinstance(raised.value.__cause__, Exception)
         next(iter(rc))  # the nodes go on with the weights they had; a new iterator takes up where that one stopped
         assert rc.failures == []
+
+
+def test_a_restart_while_the_learner_publishes_every_batch(cluster: Any) -> None:
+    """Weights sent while the owner is down or restarting: it comes back (not declared dead) and takes the latest."""
+    ledger = Ledger()
+    with collector(restart=True, max_restarts=2) as rc:
+        it = iter(rc)
+        ledger.take(next(it))
+        ray.kill(rc.nodes[1].owner, no_restart=False)
+        deadline = time.monotonic() + 90
+        while not (rc.failures and rc.nodes[1].state == "running" and ledger.batches[-1] == 1
+                   and max(ledger.versions[1]) >= 2):
+            ledger.take(next(it))
+            rc.update_policy_weights(weights(rc.policy_version + 1))
+            assert time.monotonic() < deadline, f"node 1 did not come back: {rc.stats()}"
+        assert rc.nodes[1].incarnation == 1 and all(f.node == 1 and f.restarting for f in rc.failures)
+        info = described(rc)
+    ledger.check_once()
+    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "every owner's processes to exit")
+
+
+def test_ready_timeout_covers_the_actor_processes_and_leaves_nothing(cluster: Any) -> None:
+    """Actors that take 60 s to start: the constructor gives up after ready_timeout, and every owner is cleaned up."""
+    before = shm_objects()
+    t0 = time.monotonic()
+    with pytest.raises(shmbuf.SlotTimeout, match="did not start within ready_timeout=3"):
+        collector(ready_timeout=3, create_env_kwargs={"slow_start": 60.0})
+    assert time.monotonic() - t0 < 3 + 15
+    # The owners were killed (after their stop timed out): their janitors remove what they had made.
+    wait_until(lambda: not [e for e in shm_objects() - before if _owner_is_dead_or_ours(e)], 20,
+               "the owners' shared memory to be removed")
+
+
+def _owner_is_dead_or_ours(entry: str) -> bool:
+    """An object of ours: its owner is dead (a killed node owner's), or it is gone already."""
+    from shmbuf import _admin
+
+    return any(f.removable and (entry == f.name[1:] or entry in f.semaphores) for f in _admin.scan())

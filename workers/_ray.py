@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -117,19 +118,26 @@ class NodeOwner:
     its own), so that they reach the owner while it waits for a batch.
     """
 
-    def __init__(self, node: int, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    def __init__(self, node: int, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float):
         self.node = node
+        self.token = secrets.token_hex(8)  # this owner process: a restarted owner has another
+        # First, so that nothing this owner creates can outlive it: Ray SIGKILLs an owner whose learner
+        # died, or that ray.kill hits (at any point, this constructor included).
+        self.janitor_pid = _start_janitor()
+        if ray.get_runtime_context().was_current_actor_reconstructed and kwargs.get("seed") is not None:
+            kwargs = dict(kwargs, seed=kwargs["seed"] + secrets.randbelow(2**20) * 10**9)  # no replayed episodes
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # set_weights (control group) against shutdown (default group)
         self.collector = Collector(*args, **kwargs)
-        self.schema: shmbuf.Schema = self.collector.reader.schema
         try:
             c = self.collector
+            self.schema: shmbuf.Schema = c.reader.schema
             self.names = [c.reader.name] + ([c.publisher.name] if c.publisher is not None else [])
-            self.janitor_pid = _start_janitor(self.names)
+            c.pool.wait_ready(ready_timeout)  # the constructor returns once the actor processes are up
         except BaseException:
             self.collector.shutdown()
             raise
         self._iter: Iterator[CollectedBatch] | None = None
-        self._stop = threading.Event()
 
     def describe(self) -> bytes:
         """Who and where this owner is, and the rollout layout: msgpack."""
@@ -139,8 +147,10 @@ class NodeOwner:
             "magic": WIRE_MAGIC, "version": WIRE_VERSION, "node_id": ctx.get_node_id(),
             "host": ray.util.get_node_ip_address(), "pid": os.getpid(), "schema": self.schema.to_msgpack(),
             "batch_mode": c.batch_mode, "num_actors": c.num_actors, "num_envs": c.num_envs,
-            "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.reader.slots, "broadcast": c.publisher is not None,
+            "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.reader.slots,
+            "broadcast": c.publisher is not None,
             "actor_pids": list(c.pool.pids), "janitor_pid": self.janitor_pid, "names": self.names,
+            "token": self.token, "weights_version": c.policy_version,
         }, use_bin_type=True)
 
     def next_batch(self) -> tuple[bytes, list[np.ndarray]] | None:
@@ -171,8 +181,15 @@ class NodeOwner:
         return header, arrays
 
     def set_weights(self, weights: Any, version: int) -> int:
-        """Republish ``weights`` (fetched once to this node by Ray) in the node's shared-memory broadcast."""
-        return self.collector.update_policy_weights(weights, version=version)
+        """Republish ``weights`` (fetched once to this node by Ray) in the node's shared-memory broadcast.
+
+        Idempotent: a version this node already has (sent again after a restart the learner had not
+        yet seen) is not published twice. A stopped owner takes nothing. Returns the node's version.
+        """
+        with self._lock:
+            if self._stop.is_set() or version <= self.collector.policy_version:
+                return self.collector.policy_version
+            return self.collector.update_policy_weights(weights, version=version)
 
     def stop(self) -> None:
         """(control group) Make ``next_batch`` return None within OWNER_SLICE, and every later one at once."""
@@ -181,26 +198,31 @@ class NodeOwner:
     def shutdown(self, timeout: float) -> list[str]:
         """(default group, so after every next_batch's output is stored) Stop the actors, remove the shared memory."""
         self._stop.set()
-        self.collector.shutdown(timeout)
+        with self._lock:
+            self.collector.shutdown(timeout)
         return [str(f) for f in self.collector.failures]
 
 
 # Started through a short-lived middle process, so that the janitor is not the owner's child: Ray kills a
 # worker's children with it (kill_child_processes_on_worker_exit), and the janitor must outlive the owner.
+# The janitor writes its errors where the owner does (Ray's log of that worker).
 _DETACH = ("import subprocess, sys; "
            "p = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, "
-           "stderr=subprocess.DEVNULL, start_new_session=True); print(p.pid)")
+           "start_new_session=True); print(p.pid)")
 
 
-def _start_janitor(names: list[str]) -> int:
-    """Start ``shmbuf clean --after <this pid> <names>``, detached; return its pid.
+def _start_janitor() -> int:
+    """Start ``shmbuf clean --after <this pid>``, detached; return its pid.
 
-    Ray SIGKILLs an owner whose learner died, or that ``ray.kill`` hits: then the janitor removes
-    the node's shared memory (``clean`` removes only objects whose owner is dead). After a clean
-    shutdown it finds nothing to remove, and it exits with the owner either way.
+    Once this process has exited, the janitor removes every shmbuf object it created (their headers
+    name it, by pid and start time), and nothing else. After a clean shutdown it finds nothing.
+    shmbuf's own directory goes on its path, for a shmbuf shipped with ``runtime_env`` rather than installed.
     """
-    cmd = [sys.executable, "-c", _DETACH, sys.executable, "-m", "shmbuf", "clean", "--after", str(os.getpid()), *names]
-    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(shmbuf.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-c", _DETACH, sys.executable, "-m", "shmbuf", "clean", "--after", str(os.getpid())]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=60, check=True,
+                         env=env)
     return int(out.stdout)
 
 
@@ -213,7 +235,8 @@ class _Node:
     host: str = ""
     info: dict[str, Any] | None = None
     describe_ref: Any = None
-    incarnation: int = -1  # one more each time the owner describes itself: 0 once it has started
+    incarnation: int = -1  # one more each time a new owner process describes itself: 0 once it has started
+    back_by: float = 0.0  # a restarting owner not back by then is out
     batches: int = 0
     frames: int = 0
     lost: int = 0
@@ -260,6 +283,11 @@ class RayCollector:
             if name in collector_kwargs:
                 raise shmbuf.UsageError(f"RayCollector({name}=...): not passed to the nodes; "
                                         + ("use actors_per_node" if name == "num_actors" else "the learner does this"))
+        fixed = sorted(set(owner_options or {}) & {"max_restarts", "max_task_retries", "max_concurrency",
+                                                   "concurrency_groups", "scheduling_strategy", "name", "lifetime"})
+        if fixed:
+            raise shmbuf.UsageError(f"owner_options: {fixed} are RayCollector's to set (exactly-once delivery, the "
+                                    "owners' concurrency groups, one owner pinned per node; use restart=/max_restarts=)")
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise shmbuf.UsageError(f"max_in_flight: expected an int >= 1, got {max_in_flight!r}")
         if (policy is None) == (policy_factory is None):
@@ -300,7 +328,7 @@ class RayCollector:
         self.schema: shmbuf.Schema | None = None
         self._policy = policy
         self._weights_ref: Any = None  # the latest version's object, sent again to an owner that restarts
-        self._weight_acks: list[Any] = []
+        self._weight_acks: list[tuple[Any, _Node, int, int]] = []  # (ref, node, its incarnation, version)
         self._stopping: list[Any] = []  # shutdown calls to owners whose collector raised
         self._pending: dict[Any, _Node] = {}
         self._lags: deque[int] = deque(maxlen=10_000)
@@ -322,7 +350,7 @@ class RayCollector:
                 n.owner = owner_cls.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
                     name=None, **options,
-                ).remote(n.index, (env_fns,), kw)
+                ).remote(n.index, (env_fns,), kw, ready_timeout)
                 n.describe_ref = n.owner.describe.remote()
             self._await_owners()
             if progress:
@@ -361,8 +389,9 @@ class RayCollector:
             raise shmbuf.UsageError(f"node {n.index} ({n.node_id[:12]}) lays rollouts out differently from node "
                                     f"{self.nodes[0].index}: {self.schema.first_difference(schema)}; every node must "
                                     "build the same envs and policy")
+        if n.info is None or n.info.get("token") != info.get("token"):
+            n.incarnation += 1  # a new owner process, with a new pipeline (not one that was only unreachable)
         n.info, n.host, n.state, n.describe_ref = info, info["host"], "running", None
-        n.incarnation += 1
 
     # -- weights ------------------------------------------------------------
 
@@ -386,24 +415,31 @@ class RayCollector:
         self.policy_version = new
         for n in self.nodes:
             if n.state == "running":
-                self._weight_acks.append(n.owner.set_weights.options(concurrency_group="control").remote(
-                    self._weights_ref, new))
+                self._send_weights(n)
         return new
+
+    def _send_weights(self, n: _Node) -> None:
+        ref = n.owner.set_weights.options(concurrency_group="control").remote(self._weights_ref, self.policy_version)
+        self._weight_acks.append((ref, n, n.incarnation, self.policy_version))
 
     def _check_acks(self) -> None:
         """Raise here what an owner's ``set_weights`` raised (weights that do not fit its broadcast, say).
 
-        An owner that died meanwhile is not an error of the weights: its next_batch reports it.
+        An owner that died, failed or restarted meanwhile is not an error of the weights: its
+        next_batch reports it, and a restarted one is sent the latest version again.
         """
-        done = [a for a in self._weight_acks if _done(a)]
-        self._weight_acks = [a for a in self._weight_acks if a not in done]
-        for a in done:
+        done: list[tuple[Any, _Node, int, int]] = []
+        keep: list[tuple[Any, _Node, int, int]] = []
+        for a in self._weight_acks:
+            (done if _done(a[0]) else keep).append(a)
+        self._weight_acks = keep
+        for ref, n, incarnation, version in done:
             try:
-                ray.get(a)
-            except ray.exceptions.RayActorError:
-                pass
-            except Exception as exc:
-                raise RuntimeError(f"a node could not take weights version {self.policy_version}: {exc}") from exc
+                ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - sorted below
+                if n.state != "running" or n.incarnation != incarnation or isinstance(exc, ray.exceptions.RayActorError):
+                    continue
+                raise RuntimeError(f"node {n.index} could not take weights version {version}: {exc}") from exc
 
     # -- iteration ----------------------------------------------------------
 
@@ -461,31 +497,41 @@ class RayCollector:
                 continue
             if got is None:  # the owner was stopped
                 continue
+            try:
+                batch = self._unpack(n, got)
+            except shmbuf.SchemaError as exc:  # what this node sent cannot be a batch: it is out
+                self._failed(n, exc)
+                continue
             self._fill(n)
-            batch = self._unpack(n, *got)
             now = time.monotonic()
             n.first = n.first if n.first is not None else now
             n.last, n.batches, n.frames = now, n.batches + 1, n.frames + batch.frames
             return batch
 
     def _failed(self, n: _Node, exc: BaseException) -> None:
-        lost = 1 + sum(1 for m in self._pending.values() if m is n)
+        """A call of node ``n`` failed: count its lost calls, report it, and follow it as restarting or stop it."""
+        lost = (0 if isinstance(exc, shmbuf.SchemaError) else 1) + sum(1 for m in self._pending.values() if m is n)
         self._pending = {r: m for r, m in self._pending.items() if m is not n}
         n.lost += lost
+        # Ray restarts an owner that died (ActorDiedError), and one that is restarting answers calls with
+        # ActorUnavailableError meanwhile (both are RayActorErrors): ask it to describe itself until it is back.
         restarting = self.restart and isinstance(exc, ray.exceptions.RayActorError)
-        if not isinstance(exc, ray.exceptions.RayActorError):
-            # The owner lives but its collector raised (an actor process failed without restart, say): stop it,
-            # so that its actors exit and its shared memory goes. Ray restarts only an owner that died.
-            self._stopping.append(self._stop_owner(n, self.stop_timeout))
         failure = NodeFailure(n.index, n.node_id, exc, lost, restarting)
         self.failures.append(failure)
         logger.warning("shmbuf RayCollector: %s", failure)
         if restarting:
             n.state, n.describe_ref = "restarting", n.owner.describe.remote()
+            n.back_by = time.monotonic() + self.ready_timeout
         else:
-            n.state = "dead"
+            self._out(n)
         if self.raise_on_node_failure:
             raise RuntimeError(f"a node failed: {failure}") from exc
+
+    def _out(self, n: _Node) -> None:
+        """Take node ``n`` out of the collection. Its owner may live (its collector raised, it sent garbage, it
+        was only unreachable): stop it, so that its actors exit and its shared memory goes."""
+        n.state, n.describe_ref = "dead", None
+        self._stopping.append(self._stop_owner(n, self.stop_timeout))
 
     def _look_at_restarting(self) -> None:
         for n in self.nodes:
@@ -493,32 +539,72 @@ class RayCollector:
                 continue
             try:
                 self._took_description(n, ray.get(n.describe_ref))
-            except Exception as exc:  # noqa: BLE001 - out of restarts, or its new collector failed to start
-                n.state, n.describe_ref = "dead", None  # out of restarts
-                self.failures.append(NodeFailure(n.index, n.node_id, exc, 0, False))
-                logger.warning("shmbuf RayCollector: %s", self.failures[-1])
+            except ray.exceptions.ActorUnavailableError as exc:  # still restarting: ask again, up to ready_timeout
+                if time.monotonic() < n.back_by:
+                    n.describe_ref = n.owner.describe.remote()
+                    continue
+                self._gone(n, exc)
                 continue
-            if self._weights_ref is not None:
-                self._weight_acks.append(n.owner.set_weights.options(concurrency_group="control").remote(
-                    self._weights_ref, self.policy_version))
+            except Exception as exc:  # noqa: BLE001 - out of restarts, or its new collector failed to start
+                self._gone(n, exc)
+                continue
+            if self._weights_ref is not None and n.info["weights_version"] < self.policy_version:  # type: ignore[index]
+                self._send_weights(n)
             self._fill(n)
 
-    def _unpack(self, n: _Node, raw: bytes, arrays: list[np.ndarray]) -> RayBatch:
-        """Check a batch against the schema (it came over the network) and rebuild the CollectedBatch."""
-        head = _unpack_header(raw, f"a batch from node {n.index}")
+    def _gone(self, n: _Node, exc: BaseException) -> None:
+        """A restarting owner that did not come back: report it, and make sure Ray does not bring it back later."""
+        self.failures.append(NodeFailure(n.index, n.node_id, exc, 0, False))
+        logger.warning("shmbuf RayCollector: %s", self.failures[-1])
+        n.state, n.describe_ref = "dead", None
+        ray.kill(n.owner, no_restart=True)  # its janitor removes what it had made
+
+    def _unpack(self, n: _Node, got: Any) -> RayBatch:
+        """Check a batch against the schema and the wire format (it came over the network) and rebuild it.
+
+        Raises:
+            shmbuf.SchemaError: naming the node and what is wrong (the node is then taken out).
+        """
+        what = f"a batch from node {n.index}"
+        if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[1], list)):
+            raise shmbuf.SchemaError(f"{what}: expected (header, list of arrays), got {type(got).__name__}")
+        raw, arrays = got
+        head = _unpack_header(raw, what)
+        frames, has_fill = head.get("frames"), head.get("fill")
+        if type(frames) is not int or frames < 0 or type(has_fill) is not bool:
+            raise shmbuf.SchemaError(f"{what}: header field frames (an int >= 0) or fill (a bool) missing or wrong: "
+                                     f"{frames!r}, {has_fill!r}")
         schema = self.schema
         assert schema is not None
-        leaves = [lf for ts in schema.timescales for lf in ts.leaves]
-        want = len(leaves) + (len(schema.timescales) if head["fill"] else 0) + len(META) + len(EPISODES)
-        if len(arrays) != want:
-            raise shmbuf.SchemaError(f"a batch from node {n.index}: expected {want} arrays, got {len(arrays)}")
         complete = self.batch_mode == "complete_episodes"
+        if has_fill == complete:
+            raise shmbuf.SchemaError(f"{what}: fill={has_fill} in {self.batch_mode} mode")
+        leaves = [lf for ts in schema.timescales for lf in ts.leaves]
+        want = len(leaves) + (len(schema.timescales) if has_fill else 0) + len(META) + len(EPISODES)
+        if len(arrays) != want:
+            raise shmbuf.SchemaError(f"{what}: expected {want} arrays, got {len(arrays)}")
+        if not all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in arrays):
+            bad = next(a for a in arrays if not (isinstance(a, np.ndarray) and a.ndim >= 1))
+            raise shmbuf.SchemaError(f"{what}: expected arrays of at least one dimension, got {type(bad).__name__} "
+                                     f"{getattr(bad, 'shape', '')}")
+        lead: dict[bool, int] = {}  # step leaves in complete-episodes mode (frames) vs the rest (rollouts)
         for lf, a in zip(leaves, arrays):
-            tail = lf.item_shape if complete and lf.path[0] == "step" else lf.shape
-            if not isinstance(a, np.ndarray) or a.dtype != lf.dtype or a.shape[1:] != tuple(tail):
-                got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-                raise shmbuf.SchemaError(f"a batch from node {n.index}, leaf {lf.name}: expected {lf.dtype} "
-                                         f"(N, {', '.join(map(str, tail))}), got {got}")
+            per_step = complete and lf.path[0] == "step"
+            tail = lf.item_shape if per_step else lf.shape
+            n_rows = lead.setdefault(per_step, a.shape[0])
+            if a.dtype != lf.dtype or a.shape != (n_rows, *tail):
+                raise shmbuf.SchemaError(f"{what}, leaf {lf.name}: expected {lf.dtype} "
+                                         f"{(n_rows, *tail)}, got {a.dtype} {a.shape}")
+        rollouts = lead[False]
+        rest = arrays[len(leaves):]
+        for k, a in zip([*(f"fill/{ts.name}" for ts in schema.timescales if has_fill), *META], rest):
+            if a.shape != (rollouts,) or a.dtype.kind not in "iu":
+                raise shmbuf.SchemaError(f"{what}, {k}: expected integers of shape ({rollouts},), got {a.dtype} {a.shape}")
+        returns, lengths = rest[-2:]
+        if (returns.ndim != 1 or returns.dtype.kind not in "fiu" or lengths.shape != returns.shape
+                or lengths.dtype.kind not in "iu"):
+            raise shmbuf.SchemaError(f"{what}: episode returns and lengths: expected two numeric 1-d arrays of one "
+                                     f"length, got {returns.dtype} {returns.shape} and {lengths.dtype} {lengths.shape}")
         if self.copy:
             arrays = [np.array(a) for a in arrays]
         it = iter(arrays)
@@ -527,7 +613,7 @@ class RayCollector:
         meta = {k: next(it) for k in META + EPISODES}
         version = meta["policy_version"]
         return RayBatch(data=data, fill=fill, policy_version=version, policy_lag=self.policy_version - version,
-                        lane=meta["lane"], seq=meta["seq"], frames=int(head["frames"]),
+                        lane=meta["lane"], seq=meta["seq"], frames=frames,
                         episode_returns=meta["episode_returns"], episode_lengths=meta["episode_lengths"],
                         lengths=meta["lengths"], batch_mode=self.batch_mode, node=n.index, node_id=n.node_id,
                         incarnation=n.incarnation)
