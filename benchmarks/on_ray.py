@@ -480,6 +480,21 @@ def estimate_s(a: argparse.Namespace, phases: list[tuple[int, list[dict[str, Any
     return sum(CLUSTER_S.get(n, 0.0) + sum(per + START_S[r["system"]] for r in runs) for n, runs in phases)
 
 
+def code_digest() -> str:
+    """A digest of the code every process of a run imports (shmbuf/, workers/, benchmarks/): Ray's workers, the node
+    owners and the actors import it from disk when they start, so a checkout edited during the run mixes versions."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for pkg in ("shmbuf", "workers", "benchmarks"):
+        for dirpath, dirnames, files in sorted(os.walk(os.path.join(_ROOT, pkg))):
+            dirnames.sort()
+            for name in sorted(f for f in files if f.endswith(".py")):
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()[:16]
+
+
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -508,6 +523,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     m = machine.info()
     m["ray"] = _versions()["ray"]
+    m["code_digest_start"] = code_digest()
     cores = m["cores_usable"]
     phases = plan(a)
     n_runs = sum(len(r) for _, r in phases)
@@ -551,6 +567,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     m["loadavg_end"] = list(os.getloadavg())
+    m["code_digest_end"] = code_digest()
     date = datetime.date.today().isoformat()
     result = {
         "date": date, "machine": m, "machine_line": machine.line(m), "versions": _versions(),

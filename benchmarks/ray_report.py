@@ -199,6 +199,9 @@ def markdown(result: dict[str, Any]) -> str:
           f"{cfg['windows']} windows of {cfg['window_s']} s after a {cfg['warmup_s']} s warm-up; medians over every window. "
           f"Run took {result['wall_s'] / 60:.1f} min (estimate {result['estimate_s'] / 60:.1f}). Load average at start "
           f"{result['machine']['loadavg_start'][0]:.2f}, at end {result['machine']['loadavg_end'][0]:.2f}."), "",
+         *([("**The code changed during the run** (shmbuf/, workers/ or benchmarks/ was edited): Ray's workers, "
+             "the owners and the actors import it from disk when they start, so runs may mix versions; run again."), ""]
+           if result["machine"].get("code_digest_end") != result["machine"].get("code_digest_start") else []),
          "## Rollouts/s", "",
          ("| workload | (c) shmbuf | (a) shmbuf_ray | (b) ray_actors' best | (a)/(b) | (a)/(c) | shmbuf_ray, 2 nodes "
           "| ray_actors, 2 nodes | (a)/(b), 2 nodes |"),
