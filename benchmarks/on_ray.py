@@ -7,7 +7,10 @@ synthetic envs, and CartPole-v1), with ``ACTORS`` actor processes in all and ``B
 batch, it measures rollouts/s, frames/s and CPU per rollout of:
 
 - ``shmbuf``: ``workers.Collector`` alone, no Ray running (the issue's (c));
-- ``shmbuf_ray``: ``workers.RayCollector`` on a local one-node Ray cluster (the issue's (a));
+- ``shmbuf_ray``: ``workers.RayCollector`` on a local one-node Ray cluster (the issue's (a)), in its default
+  configuration: the learner's own node collected in the learner's process (``local_node=True``);
+- ``shmbuf_ray_hop``: the same with ``local_node=False``: the node behind a node owner actor, each batch one
+  Ray object through the object store, as every node other than the learner's is;
 - ``ray_actors``: what a Ray user writes today (the issue's (b)): ``ACTORS`` plain Ray actors
   (``ray_envs.RolloutActor``) returning rollouts, a dict of numpy arrays, from a remote method; the
   learner keeps calls in flight on each, takes them as they finish (``ray.wait`` + ``ray.get``) and
@@ -57,7 +60,7 @@ STALL_S = 30.0
 IDLE_S = 1.0  # after a cluster starts: how much CPU its processes take doing nothing
 # Wall time for the estimate: a run's start-up, first batch and shutdown, and a cluster's start and stop (quick runs on
 # the busy 2-core machine, 2026-11-21, rounded up).
-START_S = {"shmbuf": 1.5, "shmbuf_ray": 2.0, "ray_actors": 1.2, "shmbuf_ray_2node": 2.7, "ray_actors_2node": 1.6}
+START_S = {"shmbuf": 1.5, "shmbuf_ray": 2.0, "shmbuf_ray_hop": 2.0, "ray_actors": 1.2, "shmbuf_ray_2node": 2.7, "ray_actors_2node": 1.6}
 CLUSTER_S = {1: 8.0, 2: 7.0}
 STEP_KEYS = ("obs", "action", "reward", "terminated", "truncated", "bootstrap_obs", "episode_returns")
 
@@ -144,11 +147,11 @@ class ShmbufSource:
 class ShmbufRaySource:
     """(a) ``workers.RayCollector``: on each node an owner actor with a Collector of ``actors_per_node`` processes."""
 
-    def __init__(self, w: Any, actors_per_node: int, nodes: list[str], batch: int, stall_s: float):
+    def __init__(self, w: Any, actors_per_node: int, nodes: list[str], batch: int, stall_s: float, local_node: bool):
         from workers import RayCollector
 
         self.c = RayCollector(w.make_env, w.make_policy(), nodes=nodes, actors_per_node=actors_per_node, timeout=stall_s,
-                              **w.collector_kwargs(batch))
+                              local_node=local_node, **w.collector_kwargs(batch))
         self.it = iter(self.c)
 
     def next_batch(self) -> tuple[int, int]:
@@ -161,7 +164,7 @@ class ShmbufRaySource:
         for n in self.c.nodes:
             info = n.info or {}
             out += [info.get("pid"), info.get("janitor_pid"), *info.get("actor_pids", [])]
-        return [p for p in out if p]
+        return [p for p in out if p and p != os.getpid()]  # the learner's own node: its owner is this process
 
     def close(self) -> None:
         self.c.shutdown()
@@ -386,7 +389,7 @@ def run_one(system: str, workload: str, *, nodes: list[str] | None, per_call: in
             src = ShmbufSource(w, ACTORS, BATCH, stall_s)
         elif system.startswith("shmbuf_ray"):
             assert nodes
-            src = ShmbufRaySource(w, ACTORS // len(nodes), nodes, BATCH, stall_s)
+            src = ShmbufRaySource(w, ACTORS // len(nodes), nodes, BATCH, stall_s, local_node=system != "shmbuf_ray_hop")
         else:
             assert nodes and per_call and in_flight
             src = RayActorsSource(w, ACTORS, nodes, BATCH, stall_s, per_call, in_flight)
@@ -460,7 +463,7 @@ def plan(a: argparse.Namespace) -> list[tuple[int, list[dict[str, Any]]]]:
     peers = [{"per_call": k, "in_flight": f} for k in a.per_call for f in a.in_flight]
     phases: list[tuple[int, list[dict[str, Any]]]] = []
     for rep in range(a.repeats):
-        for nodes, systems in ((0, ("shmbuf",)), (1, ("shmbuf_ray", "ray_actors")), (2, ("shmbuf_ray_2node", "ray_actors_2node"))):
+        for nodes, systems in ((0, ("shmbuf",)), (1, ("shmbuf_ray", "shmbuf_ray_hop", "ray_actors")), (2, ("shmbuf_ray_2node", "ray_actors_2node"))):
             runs = []
             for wl in a.workloads:
                 for s in systems:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-SYSTEMS = ("shmbuf", "shmbuf_ray", "ray_actors", "shmbuf_ray_2node", "ray_actors_2node")
+SYSTEMS = ("shmbuf", "shmbuf_ray", "shmbuf_ray_hop", "ray_actors", "shmbuf_ray_2node", "ray_actors_2node")
 LETTER = {"shmbuf_ray": "(a)", "ray_actors": "(b)", "shmbuf": "(c)"}
 AIM_VS_RAY = 2.0  # issue 13: (a) / (b) at least
 AIM_VS_SHMBUF = 0.7  # issue 13: (a) / (c) at least, one node: within 30 %
@@ -106,7 +106,9 @@ def ratios(rows: list[dict[str, Any]], workloads: list[str]) -> dict[str, dict[s
         b_row, b2_row = best_peer(rows, wl), best_peer(rows, wl, "ray_actors_2node")
         b, b2 = _med(b_row), _med(b2_row)
         a2 = _med(row_of(rows, "shmbuf_ray_2node", wl))
+        hop = _med(row_of(rows, "shmbuf_ray_hop", wl))
         out[wl] = {
+            "hop_over_b": hop / b if hop and b else None, "hop_over_c": hop / c if hop and c else None,
             "a_over_b": a / b if a and b else None, "b_best": b_row["label"] if b_row else None,
             "a_over_c": a / c if a and c else None,
             "a2_over_b2": a2 / b2 if a2 and b2 else None, "b2": b2_row["label"] if b2_row else None,
@@ -123,6 +125,11 @@ def aims(rat: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                     "met": None if r["a_over_b"] is None else r["a_over_b"] >= AIM_VS_RAY})
         out.append({"aim": f"{wl}: shmbuf_ray / shmbuf >= {AIM_VS_SHMBUF:g} (within 30 %)", "value": r["a_over_c"],
                     "met": None if r["a_over_c"] is None else r["a_over_c"] >= AIM_VS_SHMBUF})
+        if r.get("hop_over_c") is not None:  # the same with the learner's node behind an owner, as a remote one is
+            out.append({"aim": f"{wl}: through Ray's object store (local_node=False): / ray_actors' best >= "
+                               f"{AIM_VS_RAY:g}", "value": r["hop_over_b"], "met": r["hop_over_b"] >= AIM_VS_RAY})
+            out.append({"aim": f"{wl}: through Ray's object store (local_node=False): / shmbuf >= {AIM_VS_SHMBUF:g}",
+                        "value": r["hop_over_c"], "met": r["hop_over_c"] >= AIM_VS_SHMBUF})
     return out
 
 
@@ -203,15 +210,21 @@ def markdown(result: dict[str, Any]) -> str:
              "the owners and the actors import it from disk when they start, so runs may mix versions; run again."), ""]
            if result["machine"].get("code_digest_end") != result["machine"].get("code_digest_start") else []),
          "## Rollouts/s", "",
-         ("| workload | (c) shmbuf | (a) shmbuf_ray | (b) ray_actors' best | (a)/(b) | (a)/(c) | shmbuf_ray, 2 nodes "
-          "| ray_actors, 2 nodes | (a)/(b), 2 nodes |"),
-         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+         ("(a) collects on the learner's own node in its process (`RayCollector`'s default, `local_node=True`); "
+          "the hop column is the same with that node behind a node owner, each batch through Ray's object store, "
+          "as every other node is (`local_node=False`). With 2 nodes, the learner's node is read in its process and "
+          "the other through the hop."), "",
+         ("| workload | (c) shmbuf | (a) shmbuf_ray | (a), hop | (b) ray_actors' best | (a)/(b) | (a)/(c) | hop/(b) "
+          "| hop/(c) | shmbuf_ray, 2 nodes | ray_actors, 2 nodes | (a)/(b), 2 nodes |"),
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for wl in wls:
         b = best_peer(rows, wl)
         b2 = best_peer(rows, wl, "ray_actors_2node")
         conf = (lambda r: "" if r is None else f" ({r['per_call']}/call, {r['in_flight']} in flight)")
         L.append(f"| {wl} | {_fmt(_med(row_of(rows, 'shmbuf', wl)))} | {_fmt(_med(row_of(rows, 'shmbuf_ray', wl)))} "
+                 f"| {_fmt(_med(row_of(rows, 'shmbuf_ray_hop', wl)))} "
                  f"| {_fmt(_med(b))}{conf(b)} | {_x(rat[wl]['a_over_b'])} | {_x(rat[wl]['a_over_c'])} "
+                 f"| {_x(rat[wl].get('hop_over_b'))} | {_x(rat[wl].get('hop_over_c'))} "
                  f"| {_fmt(_med(row_of(rows, 'shmbuf_ray_2node', wl)))} | {_fmt(_med(b2))}{conf(b2)} "
                  f"| {_x(rat[wl]['a2_over_b2'])} |")
     L += ["", "## Aims (issue 13)", "", "| aim | measured | met |", "|---|---:|---|"]
@@ -275,7 +288,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(L)
 
 
-COLORS = {"shmbuf": "C0", "shmbuf_ray": "C2", "ray_actors": "C3", "shmbuf_ray_2node": "C8", "ray_actors_2node": "C1"}
+COLORS = {"shmbuf": "C0", "shmbuf_ray": "C2", "shmbuf_ray_hop": "C4", "ray_actors": "C3", "shmbuf_ray_2node": "C8", "ray_actors_2node": "C1"}
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -295,7 +308,8 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.bar(i, v["median"], 0.7, color=COLORS[s], yerr=[[v["median"] - v["min"]], [v["max"] - v["median"]]],
                    capsize=3, error_kw={"lw": 0.8})
         ax.set_xticks(range(len(bars)))
-        names = {"shmbuf": "(c) shmbuf", "shmbuf_ray": "(a) shmbuf\non Ray", "ray_actors": "(b) Ray\nactors",
+        names = {"shmbuf": "(c) shmbuf", "shmbuf_ray": "(a) shmbuf\non Ray", "shmbuf_ray_hop": "(a) through\nobject store",
+                 "ray_actors": "(b) Ray\nactors",
                  "shmbuf_ray_2node": "shmbuf on\nRay, 2 nodes", "ray_actors_2node": "Ray actors,\n2 nodes"}
         ax.set_xticklabels([names[s] + (f"\n{r['per_call']}/call, {r['in_flight']} in flight" if r["per_call"] else "")
                             for s, r in bars], fontsize=7)

@@ -31,7 +31,7 @@ ray = pytest.importorskip("ray", reason="the `ray` extra (make test installs it)
 
 import shmbuf  # noqa: E402
 from tests.conftest import child_pids, shm_objects, wait_until  # noqa: E402
-from workers import CollectedBatch, RayCollector  # noqa: E402
+from workers import ActorError, CollectedBatch, RayCollector  # noqa: E402
 from workers import _ray  # noqa: E402
 
 T, E = 8, 2
@@ -132,7 +132,13 @@ def described(rc: RayCollector) -> list[dict[str, Any]]:
 
 
 def pids_of(info: list[dict[str, Any]]) -> list[int]:
-    return [p for i in info for p in (i["pid"], i["janitor_pid"], *i["actor_pids"])]
+    """A node's processes: its owner (not the learner, which is the owner of its own node), janitor and actors."""
+    return [p for i in info for p in (i["pid"], i["janitor_pid"], *i["actor_pids"]) if p != os.getpid()]
+
+
+def remote(rc: RayCollector) -> int:
+    """The index of a node with an owner actor (not the learner's own node)."""
+    return next(n.index for n in rc.nodes if n.local is None)
 
 
 def gone(pid: int) -> bool:
@@ -151,7 +157,8 @@ def on_shm(info: dict[str, Any]) -> bool:
 class Ledger:
     """Every delivered rollout, checked as it comes: each (node, lane, seq) and each env step at most once."""
 
-    def __init__(self) -> None:
+    def __init__(self, rc: RayCollector) -> None:
+        self.local = {n.index for n in rc.nodes if n.local is not None}  # read in this process: Collector's views
         self.seqs: dict[tuple[int, int, int], list[int]] = defaultdict(list)
         self.steps: dict[float, list[np.ndarray]] = defaultdict(list)
         self.versions: dict[int, set[int]] = defaultdict(set)
@@ -161,7 +168,9 @@ class Ledger:
         assert isinstance(b, CollectedBatch) and isinstance(b, _ray.RayBatch)
         self.batches.append(b.node)
         obs, act = b.data["step"]["obs"], b.data["step"]["action"]
-        assert obs.shape == (len(b.lane), T, E, 3) and not obs.flags.writeable  # views of the Ray object
+        assert obs.shape == (len(b.lane), T, E, 3)
+        # the learner's node: views of its shared memory, as Collector's; another: read-only views of a Ray object
+        assert obs.flags.writeable == (b.node in self.local)
         for i, (lane, seq, v) in enumerate(zip(b.lane.tolist(), b.seq.tolist(), b.policy_version.tolist())):
             self.seqs[(b.node, b.incarnation, lane)].append(seq)
             self.versions[b.node].add(v)
@@ -183,10 +192,14 @@ class Ledger:
             assert sorted(seqs) == list(range(min(seqs), min(seqs) + len(seqs))), f"{key}: a rollout missing"
 
 
-def test_every_rollout_once_from_both_nodes_weights_reach_both_and_shutdown_leaves_nothing(cluster: Any) -> None:
-    """The fast check (make test): two nodes deliver, nothing twice, nothing missing; version 1 reaches both; clean exit."""
-    ledger = Ledger()
-    with collector() as rc:
+@pytest.mark.parametrize("local_node", [True, False], ids=["learners-node-in-process", "every-node-through-ray"])
+def test_every_rollout_once_from_both_nodes_weights_reach_both_and_shutdown_leaves_nothing(cluster: Any,
+                                                                                           local_node: bool) -> None:
+    """Two nodes deliver, nothing twice, nothing missing; version 1 reaches both; clean exit. With the learner's
+    node read in this process (the default) and with both nodes behind an owner and Ray objects."""
+    with collector(local_node=local_node) as rc:
+        ledger = Ledger(rc)
+        assert sum(n.local is not None for n in rc.nodes) == int(local_node)
         info = described(rc)
         assert len({i["node_id"] for i in info}) == 2 and all(i["actor_pids"] for i in info)
         assert all(on_shm(i) for i in info), "the owners' pipelines are not in this machine's /dev/shm"
@@ -274,53 +287,55 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
 
 
 def test_killing_one_owner_leaves_the_other_delivering(cluster: Any) -> None:
-    ledger = Ledger()
     with collector() as rc:
+        ledger = Ledger(rc)
+        r = remote(rc)
         info = described(rc)
         it = iter(rc)
         for _ in range(6):
             ledger.take(next(it))
-        ray.kill(rc.nodes[1].owner, no_restart=True)
+        ray.kill(rc.nodes[r].owner, no_restart=True)
         deadline = time.monotonic() + 60
         while not rc.failures:
             ledger.take(next(it))
             assert time.monotonic() < deadline, "the dead owner was never reported"
         failure = rc.failures[0]
-        assert failure.node == 1 and isinstance(failure.error, ray.exceptions.RayActorError) and not failure.restarting
-        assert rc.nodes[1].state == "dead"
+        assert failure.node == r and isinstance(failure.error, ray.exceptions.RayActorError) and not failure.restarting
+        assert rc.nodes[r].state == "dead"
         after = len(ledger.batches)
         for _ in range(8):
             ledger.take(next(it))
-        assert ledger.batches[after:] == [0] * 8, "batches after the failure must come from the living node"
+        assert ledger.batches[after:] == [1 - r] * 8, "batches after the failure must come from the living node"
         stats = rc.stats()
-        assert stats["nodes"][1]["state"] == "dead" and stats["nodes"][1]["lost_batches"] == failure.lost_batches >= 1
+        assert stats["nodes"][r]["state"] == "dead" and stats["nodes"][r]["lost_batches"] == failure.lost_batches >= 1
         assert "ActorDiedError" in stats["failures"][0] or "RayActorError" in stats["failures"][0]
         # The dead owner's actors and janitor exit; the janitor removes its node's shared memory.
-        wait_until(lambda: all(gone(p) for p in pids_of(info[1:])), 20, "node 1's processes to exit")
-        wait_until(lambda: not on_shm(info[1]), 10, "node 1's shared memory to be removed")
-        assert on_shm(info[0]), "the living node's shared memory went too"
+        wait_until(lambda: all(gone(p) for p in pids_of([info[r]])), 20, "the dead node's processes to exit")
+        wait_until(lambda: not on_shm(info[r]), 10, "the dead node's shared memory to be removed")
+        assert on_shm(info[1 - r]), "the living node's shared memory went too"
     ledger.check_once()
     wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "every owner's processes to exit")
 
 
 def test_restart_brings_a_killed_owner_back_with_the_latest_weights(cluster: Any) -> None:
-    ledger = Ledger()
     with collector(restart=True, max_restarts=1) as rc:
-        before = described(rc)[1]
+        ledger = Ledger(rc)
+        r = remote(rc)
+        before = described(rc)[r]
         it = iter(rc)
         for _ in range(4):
             ledger.take(next(it))
         rc.update_policy_weights(weights(1))
         rc.update_policy_weights(weights(2))
-        ray.kill(rc.nodes[1].owner, no_restart=False)
+        ray.kill(rc.nodes[r].owner, no_restart=False)
         deadline = time.monotonic() + 90
-        while not (rc.failures and rc.nodes[1].state == "running" and 2 in ledger.versions[1]
-                   and ledger.batches[-1] == 1):
+        while not (rc.failures and rc.nodes[r].state == "running" and 2 in ledger.versions[r]
+                   and ledger.batches[-1] == r):
             ledger.take(next(it))
-            assert time.monotonic() < deadline, f"node 1 did not come back with version 2: {rc.stats()}"
-        assert rc.failures[0].restarting and rc.failures[0].node == 1
-        assert rc.nodes[1].info["pid"] != before["pid"], "Ray did not restart the owner in a new process"
-        assert rc.nodes[1].incarnation == 1 and rc.stats()["nodes"][1]["restarts"] == 1
+            assert time.monotonic() < deadline, f"node {r} did not come back with version 2: {rc.stats()}"
+        assert rc.failures[0].restarting and rc.failures[0].node == r
+        assert rc.nodes[r].info["pid"] != before["pid"], "Ray did not restart the owner in a new process"
+        assert rc.nodes[r].incarnation == 1 and rc.stats()["nodes"][r]["restarts"] == 1
         info = described(rc)
     ledger.check_once()
     wait_until(lambda: all(gone(p) for p in pids_of(info) + pids_of([before])), 20, "every owner's processes to exit")
@@ -338,7 +353,9 @@ def test_a_collector_error_on_every_node_is_raised_with_both_failures(cluster: A
                 next(it)
         assert "CountEnv: the fail flag is set" in str(raised.value)
         assert {f.node for f in rc.failures} == {0, 1}
-        assert all(isinstance(f.error, ray.exceptions.RayTaskError) for f in rc.failures)
+        for f in rc.failures:  # through Ray from a node owner; straight from the collector on the learner's node
+            want = ActorError if rc.nodes[f.node].local is not None else ray.exceptions.RayTaskError
+            assert isinstance(f.error, want), f"node {f.node}: {type(f.error)}"
     wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "every owner's processes to exit")
     assert not any(on_shm(i) for i in info), f"left in /dev/shm: {sorted(shm_objects())}"
 
@@ -408,7 +425,11 @@ def test_weights_that_do_not_fit_a_node_are_raised_in_the_learner(cluster: Any) 
     with collector(weights=None) as rc:
         with pytest.raises(RuntimeError, match="has no weight broadcast: pass weights="):
             rc.update_policy_weights(weights(1))
-    with collector() as rc:
+    with collector() as rc:  # the learner's own node publishes at once: refused at once, and no version is spent
+        with pytest.raises(shmbuf.SchemaError, match=r"leaf w: expected shape \(1,\), got \(3,\)"):
+            rc.update_policy_weights({"w": np.zeros(3)})
+        assert rc.policy_version == 0 and rc.update_policy_weights(weights(1)) == 1
+    with collector(local_node=False) as rc:  # through Ray: the owners' refusal comes back later
         it = iter(rc)
         next(it)
         rc.update_policy_weights({"w": np.zeros(3)})  # the broadcast holds w as float64 (1,)
@@ -423,18 +444,19 @@ def test_weights_that_do_not_fit_a_node_are_raised_in_the_learner(cluster: Any) 
 
 def test_a_restart_while_the_learner_publishes_every_batch(cluster: Any) -> None:
     """Weights sent while the owner is down or restarting: it comes back (not declared dead) and takes the latest."""
-    ledger = Ledger()
     with collector(restart=True, max_restarts=2) as rc:
+        ledger = Ledger(rc)
+        r = remote(rc)
         it = iter(rc)
         ledger.take(next(it))
-        ray.kill(rc.nodes[1].owner, no_restart=False)
+        ray.kill(rc.nodes[r].owner, no_restart=False)
         deadline = time.monotonic() + 90
-        while not (rc.failures and rc.nodes[1].state == "running" and ledger.batches[-1] == 1
-                   and max(ledger.versions[1]) >= 2):
+        while not (rc.failures and rc.nodes[r].state == "running" and ledger.batches[-1] == r
+                   and max(ledger.versions[r]) >= 2):
             ledger.take(next(it))
             rc.update_policy_weights(weights(rc.policy_version + 1))
-            assert time.monotonic() < deadline, f"node 1 did not come back: {rc.stats()}"
-        assert rc.nodes[1].incarnation == 1 and all(f.node == 1 and f.restarting for f in rc.failures)
+            assert time.monotonic() < deadline, f"node {r} did not come back: {rc.stats()}"
+        assert rc.nodes[r].incarnation == 1 and all(f.node == r and f.restarting for f in rc.failures)
         info = described(rc)
     ledger.check_once()
     wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "every owner's processes to exit")

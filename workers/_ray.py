@@ -36,7 +36,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import queue
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -63,6 +65,8 @@ WIRE_VERSION = 1
 WAIT_SLICE = 0.1
 # How long a node owner's next_batch waits for its Collector before looking at its stop flag again.
 OWNER_SLICE = 0.25
+# How long the learner waits on its own node's batches before it looks at the other nodes' again.
+LOCAL_SLICE = 0.002
 # Per rollout, in this order, after the data leaves and (truncate-episodes) one fill column per timescale.
 META = ("policy_version", "lane", "seq", "lengths")
 EPISODES = ("episode_returns", "episode_lengths")
@@ -141,17 +145,7 @@ class NodeOwner:
 
     def describe(self) -> bytes:
         """Who and where this owner is, and the rollout layout: msgpack."""
-        c = self.collector
-        ctx = ray.get_runtime_context()
-        return msgpack.packb({
-            "magic": WIRE_MAGIC, "version": WIRE_VERSION, "node_id": ctx.get_node_id(),
-            "host": ray.util.get_node_ip_address(), "pid": os.getpid(), "schema": self.schema.to_msgpack(),
-            "batch_mode": c.batch_mode, "num_actors": c.num_actors, "num_envs": c.num_envs,
-            "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.reader.slots,
-            "broadcast": c.publisher is not None,
-            "actor_pids": list(c.pool.pids), "janitor_pid": self.janitor_pid, "names": self.names,
-            "token": self.token, "weights_version": c.policy_version,
-        }, use_bin_type=True)
+        return _description(self.collector, self.names, self.janitor_pid, self.token)
 
     def next_batch(self) -> tuple[bytes, list[np.ndarray]] | None:
         """The next batch from this node's pipeline: (msgpack header, arrays), or None once stopped.
@@ -203,6 +197,112 @@ class NodeOwner:
         return [str(f) for f in self.collector.failures]
 
 
+def _description(c: Collector, names: list[str], janitor_pid: int, token: str) -> bytes:
+    """A node's collector described for the learner (msgpack): where it runs, its layout, its processes."""
+    return msgpack.packb({
+        "magic": WIRE_MAGIC, "version": WIRE_VERSION, "node_id": ray.get_runtime_context().get_node_id(),
+        "host": ray.util.get_node_ip_address(), "pid": os.getpid(), "schema": c.reader.schema.to_msgpack(),
+        "batch_mode": c.batch_mode, "num_actors": c.num_actors, "num_envs": c.num_envs,
+        "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.reader.slots,
+        "broadcast": c.publisher is not None, "actor_pids": list(c.pool.pids), "janitor_pid": janitor_pid,
+        "names": names, "token": token, "weights_version": c.policy_version,
+    }, use_bin_type=True)
+
+
+class LocalNode:
+    """The learner's own node, read in the learner's process: no node owner and no Ray object in between.
+
+    Its :class:`workers.Collector` lives here; a thread takes its batches one at a time and hands
+    each to the learner, which gives it back by asking for its next batch (from any node). So a
+    batch from this node is what a ``Collector`` batch is: views of the node's shared memory (with
+    ``copy=False``), valid until the learner's next batch, never copied on the way.
+    """
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float):
+        self.token = secrets.token_hex(8)
+        self.janitor_pid = _start_janitor()  # the learner killed: its node's shared memory goes too
+        self._stop = threading.Event()
+        self._ready: queue.Queue[Any] = queue.Queue()
+        self._given_back = threading.Semaphore(0)
+        self.held = False
+        try:
+            self.collector = Collector(*args, **kwargs)
+        except BaseException:
+            _end_janitor(self.janitor_pid)
+            raise
+        try:
+            c = self.collector
+            self.names = [c.reader.name] + ([c.publisher.name] if c.publisher is not None else [])
+            try:
+                c.pool.wait_ready(ready_timeout)
+            except TimeoutError as exc:
+                raise shmbuf.SlotTimeout(f"the learner's node: its actor processes did not start within "
+                                         f"ready_timeout={ready_timeout} s ({exc})") from None
+        except BaseException:
+            self.collector.shutdown()
+            _end_janitor(self.janitor_pid)
+            raise
+        self._thread = threading.Thread(target=self._run, name="shmbuf-ray-local-node", daemon=True)
+        self._thread.start()
+
+    def describe(self) -> bytes:
+        return _description(self.collector, self.names, self.janitor_pid, self.token)
+
+    def _run(self) -> None:
+        it: Iterator[CollectedBatch] | None = None
+        try:
+            while not self._stop.is_set():
+                if it is None:
+                    it = self.collector.iterator()
+                try:
+                    b = next(it)
+                except shmbuf.SlotTimeout:  # nothing within OWNER_SLICE: look at the stop flag, then wait again
+                    it = None
+                    continue
+                self._ready.put(b)
+                while not self._given_back.acquire(timeout=OWNER_SLICE):  # the learner still uses it
+                    if self._stop.is_set():
+                        return
+        except BaseException as exc:  # the learner reports it as this node's failure
+            self._ready.put(exc)
+
+    def take(self, timeout: float) -> CollectedBatch | None:
+        """This node's next batch, waiting up to ``timeout``; None if none came. Raises what the collector raised."""
+        try:
+            got = self._ready.get(timeout=timeout) if timeout > 0 else self._ready.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(got, BaseException):
+            raise got
+        self.held = True
+        return got
+
+    def give_back(self) -> None:
+        """The learner is done with the batch it took: the thread may take the next (which releases it)."""
+        if self.held:
+            self.held = False
+            self._given_back.release()
+
+    def set_weights(self, weights: Any, version: int) -> int:
+        return self.collector.update_policy_weights(weights, version=version)
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop the thread, then the actors; remove the node's shared memory; end the janitor."""
+        self._stop.set()
+        self._given_back.release()
+        self._thread.join(OWNER_SLICE + 5.0)
+        self.collector.shutdown(timeout)
+        _end_janitor(self.janitor_pid)
+
+
+def _end_janitor(pid: int) -> None:
+    """A clean end: the janitor of a process that lives on (the learner) has nothing to wait for."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
 # Started through a short-lived middle process, so that the janitor is not the owner's child: Ray kills a
 # worker's children with it (kill_child_processes_on_worker_exit), and the janitor must outlive the owner.
 # The janitor writes its errors where the owner does (Ray's log of that worker).
@@ -237,6 +337,7 @@ class _Node:
     describe_ref: Any = None
     incarnation: int = -1  # one more each time a new owner process describes itself: 0 once it has started
     back_by: float = 0.0  # a restarting owner not back by then is out
+    local: LocalNode | None = None  # the learner's own node, read in its process (no owner)
     batches: int = 0
     frames: int = 0
     lost: int = 0
@@ -264,6 +365,9 @@ class RayCollector:
             ``runtime_env``...). Owners ask for no CPU by default: their actor processes run outside
             Ray's accounting, so give the nodes to this collector, or say so in ``resources``.
         raise_on_node_failure: raise the first node failure here instead of going on without it.
+        local_node: collect on the learner's own node (when it is one of ``nodes``) in this process,
+            as ``Collector`` does: its batches are views of shared memory, with no Ray object and no
+            copy in between. False: through a node owner and a Ray object, like every other node.
 
     Each batch comes from one node (``batch.node``); ``frames_per_batch`` is per batch, as in
     ``Collector``. Seeds: node ``k`` uses ``seed + 10**7 * k`` (then ``Collector``'s per-actor rule).
@@ -276,6 +380,7 @@ class RayCollector:
                  ready_timeout: float = 300.0, copy: bool = False, weights: Any = None, seed: int | None = 0,
                  start_method: str | None = None, stop_timeout: float = 5.0, progress: bool = False,
                  owner_options: dict[str, Any] | None = None, raise_on_node_failure: bool = False,
+                 local_node: bool = True,
                  create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None, **collector_kwargs: Any):
         if not ray.is_initialized():
             raise shmbuf.UsageError("RayCollector needs a Ray cluster: call ray.init() (or ray.init(address=...)) first")
@@ -337,6 +442,7 @@ class RayCollector:
         self._closed = False
         self._bar = None
         self.nodes = [_Node(k, i) for k, i in enumerate(ids)]
+        here = ray.get_runtime_context().get_node_id() if local_node else None
         owner_cls = ray.remote(concurrency_groups={"control": 1})(NodeOwner)  # one: publishes never overlap
         options = {"num_cpus": 0, "max_restarts": max_restarts if restart else 0, "max_task_retries": 0,
                    **(owner_options or {})}
@@ -345,13 +451,20 @@ class RayCollector:
                     max_restarts=max_restarts, timeout=OWNER_SLICE, stop_timeout=stop_timeout, copy=False,
                     **collector_kwargs)
         try:
-            for n in self.nodes:
+            for n in self.nodes:  # the owners start on their nodes while this one starts the learner's node
+                if n.node_id == here:
+                    continue
                 kw = dict(base, seed=None if seed is None else seed + 10**7 * n.index)
                 n.owner = owner_cls.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
                     name=None, **options,
                 ).remote(n.index, (env_fns,), kw, ready_timeout)
                 n.describe_ref = n.owner.describe.remote()
+            for n in self.nodes:
+                if n.node_id == here:
+                    kw = dict(base, seed=None if seed is None else seed + 10**7 * n.index, copy=copy)
+                    n.local = LocalNode((env_fns,), kw, ready_timeout)
+                    self._took_description(n, n.local.describe())
             self._await_owners()
             if progress:
                 from tqdm.auto import tqdm
@@ -365,7 +478,7 @@ class RayCollector:
     # -- start --------------------------------------------------------------
 
     def _await_owners(self) -> None:
-        refs = {n.describe_ref: n for n in self.nodes}
+        refs = {n.describe_ref: n for n in self.nodes if n.local is None}
         deadline = time.monotonic() + self.ready_timeout
         while refs:
             ready, _ = ray.wait(list(refs), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -411,11 +524,15 @@ class RayCollector:
         new = self.policy_version + 1 if version is None else int(version)
         if new <= self.policy_version:
             raise ValueError(f"version: expected more than the current {self.policy_version}, got {new}")
-        self._weights_ref = ray.put(params)
+        local = [n for n in self.nodes if n.local is not None and n.state == "running"]
+        for n in local:  # here: published now, and what it raises is raised now
+            n.local.set_weights(params, new)  # type: ignore[union-attr]
         self.policy_version = new
-        for n in self.nodes:
-            if n.state == "running":
-                self._send_weights(n)
+        if len(local) < len(self.nodes):
+            self._weights_ref = ray.put(params)
+            for n in self.nodes:
+                if n.state == "running" and n.local is None:
+                    self._send_weights(n)
         return new
 
     def _send_weights(self, n: _Node) -> None:
@@ -466,7 +583,7 @@ class RayCollector:
 
     def _fill(self, n: _Node) -> None:
         """Keep ``max_in_flight`` next_batch calls outstanding on a running node."""
-        if n.state != "running":
+        if n.state != "running" or n.local is not None:
             return
         have = sum(1 for m in self._pending.values() if m is n)
         for _ in range(self.max_in_flight - have):
@@ -474,43 +591,73 @@ class RayCollector:
 
     def _next(self) -> RayBatch:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        local = next((n for n in self.nodes if n.local is not None and n.state == "running"), None)
+        if local is not None:
+            local.local.give_back()  # type: ignore[union-attr]  # the learner asks for more: its last batch is done
         while True:
             self._look_at_restarting()
             self._check_acks()
-            if not self._pending and not any(n.state in ("running", "restarting") for n in self.nodes):
+            if local is not None and local.state != "running":
+                local = None
+            if not self._pending and local is None and not any(n.state == "restarting" for n in self.nodes):
                 raise RuntimeError("every node has failed; no more batches will come: "
                                    + "; ".join(str(f) for f in self.failures))
-            ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=WAIT_SLICE) if self._pending else ([], [])
-            if not ready:
-                if not self._pending:
-                    time.sleep(WAIT_SLICE)
-                if deadline is not None and time.monotonic() > deadline:
-                    raise shmbuf.SlotTimeout(f"no batch from any node within timeout={self.timeout} s "
-                                             f"(RayCollector(timeout=...)): {self._states()}")
-                continue
-            ref = ready[0]
-            n = self._pending.pop(ref)
-            try:
-                got = ray.get(ref)
-            except Exception as exc:  # noqa: BLE001 - whatever the call raised is that node's failure, not ours
-                self._failed(n, exc)  # (RayActorError: the owner died; RayTaskError: its collector raised; ...)
-                continue
-            if got is None:  # the owner was stopped
-                continue
-            try:
-                batch = self._unpack(n, got)
-            except shmbuf.SchemaError as exc:  # what this node sent cannot be a batch: it is out
-                self._failed(n, exc)
-                continue
-            self._fill(n)
-            now = time.monotonic()
-            n.first = n.first if n.first is not None else now
-            n.last, n.batches, n.frames = now, n.batches + 1, n.frames + batch.frames
-            return batch
+            if self._pending:  # a remote node's batch first, if one is there; else wait on both in turn
+                ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=0 if local is not None else WAIT_SLICE)
+                if ready:
+                    batch = self._remote(ready[0])
+                    if batch is not None:
+                        return batch
+                    continue
+            if local is not None:
+                try:
+                    got = local.local.take(LOCAL_SLICE if self._pending else WAIT_SLICE)  # type: ignore[union-attr]
+                except Exception as exc:  # noqa: BLE001 - what its collector raised is that node's failure
+                    self._failed(local, exc)
+                    continue
+                if got is not None:
+                    return self._counted(local, self._from_local(local, got))
+            elif not self._pending:
+                time.sleep(WAIT_SLICE)
+            if deadline is not None and time.monotonic() > deadline:
+                raise shmbuf.SlotTimeout(f"no batch from any node within timeout={self.timeout} s "
+                                         f"(RayCollector(timeout=...)): {self._states()}")
+
+    def _remote(self, ref: Any) -> RayBatch | None:
+        """The batch behind a finished next_batch call, or None (its node failed, or was stopped)."""
+        n = self._pending.pop(ref)
+        try:
+            got = ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - whatever the call raised is that node's failure, not ours
+            self._failed(n, exc)  # (RayActorError: the owner died; RayTaskError: its collector raised; ...)
+            return None
+        if got is None:  # the owner was stopped
+            return None
+        try:
+            batch = self._unpack(n, got)
+        except shmbuf.SchemaError as exc:  # what this node sent cannot be a batch: it is out
+            self._failed(n, exc)
+            return None
+        self._fill(n)
+        return self._counted(n, batch)
+
+    @staticmethod
+    def _counted(n: _Node, batch: RayBatch) -> RayBatch:
+        now = time.monotonic()
+        n.first = n.first if n.first is not None else now
+        n.last, n.batches, n.frames = now, n.batches + 1, n.frames + batch.frames
+        return batch
+
+    def _from_local(self, n: _Node, b: CollectedBatch) -> RayBatch:
+        return RayBatch(data=b.data, fill=b.fill, policy_version=b.policy_version,
+                        policy_lag=self.policy_version - b.policy_version, lane=b.lane, seq=b.seq, frames=b.frames,
+                        episode_returns=b.episode_returns, episode_lengths=b.episode_lengths, lengths=b.lengths,
+                        batch_mode=b.batch_mode, node=n.index, node_id=n.node_id, incarnation=n.incarnation)
 
     def _failed(self, n: _Node, exc: BaseException) -> None:
         """A call of node ``n`` failed: count its lost calls, report it, and follow it as restarting or stop it."""
-        lost = (0 if isinstance(exc, shmbuf.SchemaError) else 1) + sum(1 for m in self._pending.values() if m is n)
+        failed_call = not isinstance(exc, shmbuf.SchemaError) and n.local is None  # a local failure loses no batch
+        lost = int(failed_call) + sum(1 for m in self._pending.values() if m is n)
         self._pending = {r: m for r, m in self._pending.items() if m is not n}
         n.lost += lost
         # Ray restarts an owner that died (ActorDiedError), and one that is restarting answers calls with
@@ -531,7 +678,10 @@ class RayCollector:
         """Take node ``n`` out of the collection. Its owner may live (its collector raised, it sent garbage, it
         was only unreachable): stop it, so that its actors exit and its shared memory goes."""
         n.state, n.describe_ref = "dead", None
-        self._stopping.append(self._stop_owner(n, self.stop_timeout))
+        if n.local is not None:
+            n.local.shutdown(self.stop_timeout)
+        else:
+            self._stopping.append(self._stop_owner(n, self.stop_timeout))
 
     def _look_at_restarting(self) -> None:
         for n in self.nodes:
@@ -640,7 +790,8 @@ class RayCollector:
             "policy_lag_max": int(lags.max()),
             "return_mean_100": float(np.mean(self._returns)) if self._returns else math.nan,
             "nodes": [{"node": n.index, "node_id": n.node_id, "host": n.host, "state": n.state, "batches": n.batches,
-                       "frames": n.frames, "frames_per_s": _rate(n), "lost_batches": n.lost, "restarts": max(0, n.incarnation)}
+                       "frames": n.frames, "frames_per_s": _rate(n), "lost_batches": n.lost, "restarts": max(0, n.incarnation),
+                       "local": n.local is not None}
                       for n in self.nodes],
             "failures": [str(f) for f in self.failures],
         }
@@ -657,6 +808,9 @@ class RayCollector:
         for n in self.nodes:
             if n.owner is not None and n.state in ("starting", "running", "restarting"):
                 stops[self._stop_owner(n, timeout)] = n
+        for n in self.nodes:  # meanwhile, the learner's own node
+            if n.local is not None and n.state != "dead":
+                n.local.shutdown(timeout)
         if stops:
             done, _ = ray.wait(list(stops), num_returns=len(stops), timeout=timeout + OWNER_SLICE + 5.0)
             for ref in done:
