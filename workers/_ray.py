@@ -9,12 +9,14 @@
             train(batch.data)
             collector.update_policy_weights(model)
 
-On each node a *node owner* (a Ray actor pinned there with
-``NodeAffinitySchedulingStrategy``) runs a :class:`workers.Collector`: its
-actor processes write rollouts straight into that node's shared memory, as
-they do on one machine. The owner takes whole batches out of it and returns
-each as one Ray object; the learner keeps ``max_in_flight`` ``next_batch``
-calls outstanding per node and takes whichever comes first (``ray.wait``).
+On each node a :class:`workers.Collector` runs: its actor processes write
+rollouts straight into that node's shared memory, as they do on one machine.
+On the learner's own node it runs in the learner's process (:class:`LocalNode`:
+its batches are views of shared memory, no Ray object in between). On every
+other node a *node owner* (a Ray actor pinned there with
+``NodeAffinitySchedulingStrategy``) holds it, takes whole batches out of it and
+returns each as one Ray object; the learner keeps ``max_in_flight``
+``next_batch`` calls outstanding per such node and takes whichever comes first.
 
 What crosses between nodes, per batch: one Ray object, a msgpack header and
 the batch's arrays, which Ray's serialiser carries as out-of-band buffers
@@ -33,6 +35,7 @@ away takes its actor processes (they watch the owner, see workers._pool).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -318,7 +321,8 @@ def _start_janitor() -> int:
     name it, by pid and start time), and nothing else. After a clean shutdown it finds nothing.
     shmbuf's own directory goes on its path, for a shmbuf shipped with ``runtime_env`` rather than installed.
     """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(shmbuf.__file__)))
+    spec = importlib.util.find_spec("shmbuf")  # where this process found it (a module attribute is not shmbuf's API)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin))) if spec and spec.origin else ""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, "-c", _DETACH, sys.executable, "-m", "shmbuf", "clean", "--after", str(os.getpid())]
     out = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=60, check=True,
