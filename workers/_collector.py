@@ -83,6 +83,59 @@ def _no_episodes() -> dict[str, Any]:
     return {"got": [], "versions": [], "lanes": [], "seqs": [], "lengths": [], "frames": 0}
 
 
+def checked_sources(create_env_fn: Any, create_env_kwargs: Any, policy: Any, policy_factory: Any, start_method: str, *,
+                    policy_travels: bool = True) -> tuple[Callable[[], Any], ...]:
+    """The env factories (with ``create_env_kwargs`` bound), once the policy and they are checked.
+
+    Exactly one of ``policy`` and ``policy_factory``; callables; picklable where ``start_method``
+    pickles them (the policy only if it ``policy_travels`` to the actors).
+    """
+    if (policy is None) == (policy_factory is None):
+        raise ValueError("give exactly one of policy and policy_factory")
+    env_fns = tuple(create_env_fn) if isinstance(create_env_fn, Sequence) else (create_env_fn,)
+    if not env_fns or not all(callable(f) for f in env_fns):
+        raise TypeError("create_env_fn: expected a callable returning an env, or a list of them")
+    env_fns = with_kwargs(env_fns, create_env_kwargs)
+    if not policy_travels:
+        pass
+    elif policy is not None:
+        check_picklable("policy", policy, start_method, "Give a picklable policy (a module-level function, or an instance "
+                        "of a module-level class), or pass policy_factory=<a module-level function that builds "
+                        "it in each actor>")
+    else:
+        check_picklable("policy_factory", policy_factory, start_method, "Give a module-level function (or a "
+                        "functools.partial of one)")
+    for f in env_fns:
+        check_picklable("create_env_fn", f, start_method, "Give a module-level function (or a functools.partial of one)")
+    return env_fns
+
+
+def weights_of(policy_or_weights: Any, held: Any) -> Any:
+    """What ``update_policy_weights`` publishes: a torch module's ``state_dict`` as numpy, a pytree as it is,
+    or for None the policy the collector holds (``held``), re-read."""
+    src = policy_or_weights if policy_or_weights is not None else held
+    if src is None:
+        raise ValueError("update_policy_weights(): no weights given and the collector holds no policy to read them from")
+    return _numpy_state(src) if hasattr(src, "state_dict") else src
+
+
+def progress(frames: int, batches: int, t0: float | None, policy_version: int, lags: deque[int],
+             returns: deque[float]) -> dict[str, Any]:
+    """A collector's figures: frames, batches and frames/s since its first batch was asked for, lag, recent returns."""
+    elapsed = time.monotonic() - t0 if t0 is not None else 0.0
+    lag = np.asarray(lags) if lags else np.zeros(1)
+    return {
+        "frames": frames,
+        "batches": batches,
+        "seconds": elapsed,
+        "frames_per_s": frames / elapsed if elapsed > 0 else math.nan,
+        "policy_version": policy_version,
+        "policy_lag_mean": float(lag.mean()),
+        "policy_lag_max": int(lag.max()),
+        "return_mean_100": float(np.mean(returns)) if returns else math.nan,
+    }
+
+
 class CollectedBatch:
     """One batch from a :class:`Collector`.
 
@@ -180,29 +233,14 @@ class Collector:
         check_horizon(batch_mode, horizon, soft_horizon, no_done_at_end)
         if view_requirements is not None:
             check_view_requirements(view_requirements)
-        if (policy is None) == (policy_factory is None):
-            raise ValueError("give exactly one of policy and policy_factory")
-        env_fns = tuple(create_env_fn) if isinstance(create_env_fn, Sequence) else (create_env_fn,)
-        if not env_fns or not all(callable(f) for f in env_fns):
-            raise TypeError("create_env_fn: expected a callable returning an env, or a list of them")
-        env_fns = with_kwargs(env_fns, create_env_kwargs)
         if reset_at_each_iter and batch_mode != "truncate_episodes":
             raise shmbuf.UsageError("reset_at_each_iter=True: complete-episodes batches start every episode from a reset "
                                     "already; use it with batch_mode='truncate_episodes'")
         if postproc is not None and not callable(postproc):
             raise shmbuf.UsageError(f"postproc: expected a callable taking and returning a batch, got {postproc!r:.80}")
         method = start_method or default_start_method()
-        if self._remote:
-            pass  # the policy never leaves this process
-        elif policy is not None:
-            check_picklable("policy", policy, method, "Give a picklable policy (a module-level function, or an instance "
-                            "of a module-level class), or pass policy_factory=<a module-level function that builds "
-                            "it in each actor>")
-        else:
-            check_picklable("policy_factory", policy_factory, method, "Give a module-level function (or a "
-                            "functools.partial of one)")
-        for f in env_fns:
-            check_picklable("create_env_fn", f, method, "Give a module-level function (or a functools.partial of one)")
+        env_fns = checked_sources(create_env_fn, create_env_kwargs, policy, policy_factory, method,
+                                  policy_travels=not self._remote)  # the inference server's policy stays here
         if num_actors is None:
             num_actors = len(env_fns) if len(env_fns) > 1 else 2
         if not isinstance(frames_per_batch, int) or frames_per_batch < 1:
@@ -329,10 +367,7 @@ class Collector:
         """
         if self.publisher is None:
             raise RuntimeError("this Collector has no weight broadcast: pass weights=... (or a torch policy) at construction")
-        src = policy_or_weights if policy_or_weights is not None else self._policy
-        if src is None:
-            raise ValueError("update_policy_weights(): no weights given and the collector holds no policy to read them from")
-        params = _numpy_state(src) if hasattr(src, "state_dict") else src
+        params = weights_of(policy_or_weights, self._policy)
         self.policy_version = self.publisher.publish(params, version)
         return self.policy_version
 
@@ -435,17 +470,8 @@ class Collector:
 
     def stats(self) -> dict[str, Any]:
         """Frames, env steps/s since the first batch was asked for, policy lag, recent returns, shmbuf counters."""
-        elapsed = time.monotonic() - self._t0 if self._t0 is not None else 0.0
-        lags = np.asarray(self._lags) if self._lags else np.zeros(1)
         return {
-            "frames": self.frames,
-            "batches": self.batches,
-            "seconds": elapsed,
-            "frames_per_s": self.frames / elapsed if elapsed > 0 else math.nan,
-            "policy_version": self.policy_version,
-            "policy_lag_mean": float(lags.mean()),
-            "policy_lag_max": int(lags.max()),
-            "return_mean_100": float(np.mean(self._returns)) if self._returns else math.nan,
+            **progress(self.frames, self.batches, self._t0, self.policy_version, self._lags, self._returns),
             "actor_restarts": self.pool.restarts if self.pool is not None else 0,
             "shmbuf": self.reader.stats() if self._t0 is not None and not self.reader.closed else {},
         }

@@ -58,7 +58,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import shmbuf
-from workers._collector import CollectedBatch, Collector, _numpy_state, check_picklable, with_kwargs
+from workers._collector import CollectedBatch, Collector, checked_sources, progress, weights_of
 from workers._pool import default_start_method
 
 logger = logging.getLogger(__name__)
@@ -399,20 +399,9 @@ class RayCollector:
                                     "owners' concurrency groups, one owner pinned per node; use restart=/max_restarts=)")
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise shmbuf.UsageError(f"max_in_flight: expected an int >= 1, got {max_in_flight!r}")
-        if (policy is None) == (policy_factory is None):
-            raise ValueError("give exactly one of policy and policy_factory")
-        env_fns = tuple(create_env_fn) if isinstance(create_env_fn, Sequence) else (create_env_fn,)
-        if not env_fns or not all(callable(f) for f in env_fns):
-            raise TypeError("create_env_fn: expected a callable returning an env, or a list of them")
-        env_fns = with_kwargs(env_fns, create_env_kwargs)
         # The owners hand these on to actor processes the way Collector does: check here, not on each node.
-        method = start_method or default_start_method()
-        if policy is not None:
-            check_picklable("policy", policy, method, "Give a picklable policy, or pass policy_factory=")
-        else:
-            check_picklable("policy_factory", policy_factory, method, "Give a module-level function")
-        for f in env_fns:
-            check_picklable("create_env_fn", f, method, "Give a module-level function (or a functools.partial of one)")
+        env_fns = checked_sources(create_env_fn, create_env_kwargs, policy, policy_factory,
+                                  start_method or default_start_method())
         alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
         ids = list(alive) if nodes is None else list(nodes)
         if not ids:
@@ -521,10 +510,7 @@ class RayCollector:
         if not self._broadcast:
             raise RuntimeError("this RayCollector has no weight broadcast: pass weights=... (or a torch policy) at construction")
         self._check_acks()
-        src = policy_or_weights if policy_or_weights is not None else self._policy
-        if src is None:
-            raise ValueError("update_policy_weights(): no weights given and the collector holds no policy to read them from")
-        params = _numpy_state(src) if hasattr(src, "state_dict") else src
+        params = weights_of(policy_or_weights, self._policy)
         new = self.policy_version + 1 if version is None else int(version)
         if new <= self.policy_version:
             raise ValueError(f"version: expected more than the current {self.policy_version}, got {new}")
@@ -782,17 +768,8 @@ class RayCollector:
 
     def stats(self) -> dict[str, Any]:
         """Frames and rates, overall and per node (frames/s from a node's first batch to its last), lag, failures."""
-        elapsed = time.monotonic() - self._t0 if self._t0 is not None else 0.0
-        lags = np.asarray(self._lags) if self._lags else np.zeros(1)
         return {
-            "frames": self.frames,
-            "batches": self.batches,
-            "seconds": elapsed,
-            "frames_per_s": self.frames / elapsed if elapsed > 0 else math.nan,
-            "policy_version": self.policy_version,
-            "policy_lag_mean": float(lags.mean()),
-            "policy_lag_max": int(lags.max()),
-            "return_mean_100": float(np.mean(self._returns)) if self._returns else math.nan,
+            **progress(self.frames, self.batches, self._t0, self.policy_version, self._lags, self._returns),
             "nodes": [{"node": n.index, "node_id": n.node_id, "host": n.host, "state": n.state, "batches": n.batches,
                        "frames": n.frames, "frames_per_s": _rate(n), "lost_batches": n.lost, "restarts": max(0, n.incarnation),
                        "local": n.local is not None}
