@@ -46,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -131,7 +132,10 @@ class NodeOwner:
         # First, so that nothing this owner creates can outlive it: Ray SIGKILLs an owner whose learner
         # died, or that ray.kill hits (at any point, this constructor included).
         self.janitor_pid = _start_janitor()
-        if ray.get_runtime_context().was_current_actor_reconstructed and kwargs.get("seed") is not None:
+        with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id (Ray 2.60)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
+        if reconstructed and kwargs.get("seed") is not None:
             kwargs = dict(kwargs, seed=kwargs["seed"] + secrets.randbelow(2**20) * 10**9)  # no replayed episodes
         self._stop = threading.Event()
         self._lock = threading.Lock()  # set_weights (control group) against shutdown (default group)
