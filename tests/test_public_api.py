@@ -50,3 +50,15 @@ def test_storage_imports_neither_workers_nor_torch() -> None:
     code = "import sys, shmbuf.storage; print(sorted(m for m in ('torch', 'workers', 'gymnasium', 'ray') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_workers_imports_ray_only_when_asked() -> None:
+    """Ray is an optional extra: `import workers` never imports it; `workers.RayCollector` does (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, workers; before = 'ray' in sys.modules; workers.RayCollector; "
+            "print(before, 'ray' in sys.modules, sorted(set(workers._RAY_NAMES) - set(workers.__all__)) == "
+            "sorted(workers._RAY_NAMES))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["False", "True", "True"], out.stderr
