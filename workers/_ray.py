@@ -117,7 +117,58 @@ class NodeFailure:
         return f"node {self.node} ({self.node_id[:12]}): {type(self.error).__name__}: {self.error}; {then}"
 
 
-class NodeOwner:
+class _NodeCollector:
+    """What every node's collecting side does, in a node owner or in the learner: a janitor first, the
+    ``Collector``, its actors up within ``ready_timeout``, and its batches one at a time until stopped."""
+
+    lives_on = False  # the process outlives its node (the learner's): its janitor is ended with the node
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float, where: str):
+        self.token = secrets.token_hex(8)  # this process: a restarted owner has another
+        # First, so that nothing this process creates can outlive it: Ray SIGKILLs an owner whose learner
+        # died, or that ray.kill hits (at any point, this constructor included).
+        self.janitor_pid = _start_janitor()
+        self._stop = threading.Event()
+        self._iter: Iterator[CollectedBatch] | None = None
+        try:
+            self.collector = Collector(*args, **kwargs)
+        except BaseException:
+            self._janitor_done()
+            raise
+        try:
+            c = self.collector
+            self.names = [c.reader.name] + ([c.publisher.name] if c.publisher is not None else [])
+            try:
+                c.pool.wait_ready(ready_timeout)  # the constructor returns once the actor processes are up
+            except TimeoutError as exc:
+                raise shmbuf.SlotTimeout(f"{where}: its actor processes did not start within "
+                                         f"ready_timeout={ready_timeout} s ({exc})") from None
+        except BaseException:
+            self.collector.shutdown()
+            self._janitor_done()
+            raise
+
+    def _janitor_done(self) -> None:
+        if self.lives_on:
+            _end_janitor(self.janitor_pid)
+
+    def describe(self) -> bytes:
+        """Who and where this node's collector is, and the rollout layout: msgpack."""
+        return _description(self.collector, self.names, self.janitor_pid, self.token)
+
+    def _next(self) -> CollectedBatch | None:
+        """The collector's next batch (it releases the one before), or None once stopped."""
+        while not self._stop.is_set():
+            if self._iter is None:
+                self._iter = self.collector.iterator()
+            try:
+                return next(self._iter)
+            except shmbuf.SlotTimeout:  # nothing within OWNER_SLICE: look at the stop flag, then wait again
+                self._iter = None
+        return None
+
+
+class NodeOwner(_NodeCollector):
     """One node's pipeline: a :class:`workers.Collector` in a Ray actor pinned to that node.
 
     Made by :class:`RayCollector` through ``ray.remote``; its methods are called through Ray.
@@ -128,31 +179,14 @@ class NodeOwner:
 
     def __init__(self, node: int, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float):
         self.node = node
-        self.token = secrets.token_hex(8)  # this owner process: a restarted owner has another
-        # First, so that nothing this owner creates can outlive it: Ray SIGKILLs an owner whose learner
-        # died, or that ray.kill hits (at any point, this constructor included).
-        self.janitor_pid = _start_janitor()
         with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id (Ray 2.60)
             warnings.simplefilter("ignore", DeprecationWarning)
             reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
         if reconstructed and kwargs.get("seed") is not None:
             kwargs = dict(kwargs, seed=kwargs["seed"] + secrets.randbelow(2**20) * 10**9)  # no replayed episodes
-        self._stop = threading.Event()
         self._lock = threading.Lock()  # set_weights (control group) against shutdown (default group)
-        self.collector = Collector(*args, **kwargs)
-        try:
-            c = self.collector
-            self.schema: shmbuf.Schema = c.reader.schema
-            self.names = [c.reader.name] + ([c.publisher.name] if c.publisher is not None else [])
-            c.pool.wait_ready(ready_timeout)  # the constructor returns once the actor processes are up
-        except BaseException:
-            self.collector.shutdown()
-            raise
-        self._iter: Iterator[CollectedBatch] | None = None
-
-    def describe(self) -> bytes:
-        """Who and where this owner is, and the rollout layout: msgpack."""
-        return _description(self.collector, self.names, self.janitor_pid, self.token)
+        super().__init__(args, kwargs, ready_timeout, f"node {node}")
+        self.schema: shmbuf.Schema = self.collector.reader.schema
 
     def next_batch(self) -> tuple[bytes, list[np.ndarray]] | None:
         """The next batch from this node's pipeline: (msgpack header, arrays), or None once stopped.
@@ -161,16 +195,8 @@ class NodeOwner:
         after this method returns and before it runs the next call of the default group (this
         owner's next ``next_batch``, which releases them, or ``shutdown``, which unmaps them).
         """
-        while not self._stop.is_set():
-            if self._iter is None:
-                self._iter = self.collector.iterator()
-            try:
-                b = next(self._iter)
-            except shmbuf.SlotTimeout:  # nothing within OWNER_SLICE: look at the stop flag, then wait again
-                self._iter = None
-                continue
-            return self._pack(b)
-        return None
+        b = self._next()
+        return None if b is None else self._pack(b)
 
     def _pack(self, b: CollectedBatch) -> tuple[bytes, list[np.ndarray]]:
         arrays = [leaf for ts in self.schema.timescales for leaf in ts.treespec.flatten_up_to(b.data[ts.name])]
@@ -216,7 +242,7 @@ def _description(c: Collector, names: list[str], janitor_pid: int, token: str) -
     }, use_bin_type=True)
 
 
-class LocalNode:
+class LocalNode(_NodeCollector):
     """The learner's own node, read in the learner's process: no node owner and no Ray object in between.
 
     Its :class:`workers.Collector` lives here; a thread takes its batches one at a time and hands
@@ -225,47 +251,19 @@ class LocalNode:
     ``copy=False``), valid until the learner's next batch, never copied on the way.
     """
 
+    lives_on = True
+
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float):
-        self.token = secrets.token_hex(8)
-        self.janitor_pid = _start_janitor()  # the learner killed: its node's shared memory goes too
-        self._stop = threading.Event()
         self._ready: queue.Queue[Any] = queue.Queue()
         self._given_back = threading.Semaphore(0)
         self.held = False
-        try:
-            self.collector = Collector(*args, **kwargs)
-        except BaseException:
-            _end_janitor(self.janitor_pid)
-            raise
-        try:
-            c = self.collector
-            self.names = [c.reader.name] + ([c.publisher.name] if c.publisher is not None else [])
-            try:
-                c.pool.wait_ready(ready_timeout)
-            except TimeoutError as exc:
-                raise shmbuf.SlotTimeout(f"the learner's node: its actor processes did not start within "
-                                         f"ready_timeout={ready_timeout} s ({exc})") from None
-        except BaseException:
-            self.collector.shutdown()
-            _end_janitor(self.janitor_pid)
-            raise
+        super().__init__(args, kwargs, ready_timeout, "the learner's node")
         self._thread = threading.Thread(target=self._run, name="shmbuf-ray-local-node", daemon=True)
         self._thread.start()
 
-    def describe(self) -> bytes:
-        return _description(self.collector, self.names, self.janitor_pid, self.token)
-
     def _run(self) -> None:
-        it: Iterator[CollectedBatch] | None = None
         try:
-            while not self._stop.is_set():
-                if it is None:
-                    it = self.collector.iterator()
-                try:
-                    b = next(it)
-                except shmbuf.SlotTimeout:  # nothing within OWNER_SLICE: look at the stop flag, then wait again
-                    it = None
-                    continue
+            while (b := self._next()) is not None:
                 self._ready.put(b)
                 while not self._given_back.acquire(timeout=OWNER_SLICE):  # the learner still uses it
                     if self._stop.is_set():
