@@ -16,7 +16,7 @@ import pytest
 import shmbuf
 from shmbuf import _admin
 from tests.conftest import shm_objects, wait_until
-from tests.helpers import fault_example, loop_writer, verify
+from tests.helpers import FT, checksum, fault_example, fill_step, loop_writer, verify
 
 CTX = mp.get_context("fork")  # fast to start; spawn is covered by test_transfer
 pytestmark = pytest.mark.timeout(120)
@@ -145,6 +145,72 @@ def test_a_lane_freed_by_a_death_is_taken_by_a_new_writer(make_reader: Any, star
     q.join(5)
     assert q.exitcode == 0
     assert ledger.seqs[2] == list(range(50))
+
+
+def _commit_then_stop(name: str, tag: int, k: int, go: Any, state: Any, end: str) -> None:
+    """Wait for ``go``, commit ``k`` rollouts (fault-test layout) and start one more; then hang, or close."""
+    step = {key: np.zeros(v.shape[1:], v.dtype) for key, v in fault_example()["step"].items()}
+    buf = {key: np.zeros((FT, *v.shape), v.dtype) for key, v in step.items()}
+    with shmbuf.Writer(name, timeout=10, label=f"tag{tag}") as w:
+        state.value = 1  # attached
+        if not go.wait(30):
+            os._exit(4)
+        for seq in range(k):
+            length = 1 + seq % FT
+            for i in range(length):
+                fill_step(step, tag, seq, i)
+                w.add("step", step)
+                for key in buf:
+                    buf[key][i] = step[key]
+            w.add("episode", {"return": np.array([seq], np.float32), "length": np.array([length], np.int32)})
+            w.add("check", {"tag": tag, "crc": checksum({"step": buf}, length), "seq": seq})
+            w.commit()
+        fill_step(step, tag, k, 0)
+        w.add("step", step)  # a partial rollout: the slot in the writer's hands
+        state.value = 2  # k committed, one partial in hand
+        if end == "killed":
+            time.sleep(60)  # killed long before
+    os._exit(0)  # "closed": the with block retired the lane, the partial rollout dropped with it
+
+
+@pytest.mark.parametrize("end", ["killed", "closed"])
+def test_rollouts_committed_before_the_writer_went_are_delivered_at_reclaim(make_reader: Any, started: list,
+                                                                            end: str) -> None:
+    """The reader has taken in none of a writer's commits when the writer dies (or leaves): the reclaim delivers
+    every one of them, intact and in order, and drops only the rollout the writer had in hand.
+
+    The reader calls nothing (no get, poll or stats) between lending the slots and the writer's end, so
+    every commit is still in the lane's ready ring when the reclaim finds the lane dead or retired.
+    """
+    k = 3
+    reader = make_reader(fault_example(), slots=8, max_writers=2)
+    go, state = CTX.Event(), CTX.RawValue("q", 0)
+    p = CTX.Process(target=_commit_then_stop, args=(reader.name, 7, k, go, state, end), daemon=True)
+    p.start()
+    started.append(p)
+    wait_until(lambda: state.value == 1, 20, "the writer to attach")
+    # Lend the writer its slots: enough for k rollouts and the partial one, without the reader's help.
+    wait_until(lambda: reader.poll() == 0 and reader.stats()["slots"]["lent"] >= k + 1, 10, "the slots to be lent")
+    go.set()
+    wait_until(lambda: state.value == 2 or not p.is_alive(), 20, "the writer's commits")  # no reader call meanwhile
+    assert state.value == 2, f"the writer exited with {p.exitcode} before committing"
+    if end == "killed":
+        os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    assert p.exitcode == (-signal.SIGKILL if end == "killed" else 0)
+    # poll() looks at the lane table before it takes in any commit: it finds the lane gone and reclaims it,
+    # so what is ready now came through the reclaim, not through a live lane's ring.
+    assert reader.poll() == k, "the reclaim did not deliver the rollouts the writer had committed"
+    assert reader.stats()["writers"] == 0
+    ledger = Ledger(reader)
+    ledger.take(k, timeout=5)
+    assert ledger.seqs == {7: list(range(k))}
+    s = reader.stats()
+    assert s["writers"] == 0 and s["slots"] == {"pool": reader.slots, "lent": 0, "ready": 0, "held": 0}, s
+    assert s["lanes_reclaimed"] == (1 if end == "killed" else 0), s
+    assert s["partial_dropped"] == (1 if end == "killed" else 0), s  # the partial rollout, counted once
+    with pytest.raises(shmbuf.SlotTimeout):
+        reader.get(timeout=0.2)  # nothing else: no rollout twice
 
 
 def test_a_stopped_writer_blocks_no_one(make_reader: Any, started: list) -> None:
