@@ -27,6 +27,18 @@ The record's words, and who stores each (the other side only loads it)::
 Mailbox: POST and LEN and MAGIC (writer), ACK (reader, own cache line), and
 the msgpack payload from byte 128.
 
+Keys
+----
+EPOCH is never reset: :meth:`ReaderLane.free_lane` zeroes every other word of
+the record and leaves it, and only goes up (a claim bumps it under the lane's
+lock, after it saw STATE == FREE; the reader bumps it only before it stores
+FREE). So two claims of one lane never hold the same EPOCH in one segment's
+life. The writer keeps the EPOCH of its claim and stores it in the slot record
+of every rollout it commits (``S_EPOCH``, next to ``S_SEQ``, before the ring's
+fence that publishes the slot), and counts ``seq`` from 0 per claim: so
+``(lane, epoch, seq)`` names one rollout for the segment's whole life, though a
+writer that replaces a dead one on its lane counts ``seq`` from 0 again.
+
 Ordering (each arrow is "visible before"; see docs/design/rings.md)
 -------------------------------------------------------------------
 Every word is one aligned 8-byte load or store done by one C call, so none is

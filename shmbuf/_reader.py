@@ -30,7 +30,7 @@ from shmbuf._proc import alive
 from shmbuf._ring import store_load_fence
 from shmbuf._schema import Schema
 from shmbuf._segment import (
-    S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, W_BAD_MESSAGES, W_CLOSED, W_DELIVERED, W_LANES_RECLAIMED, W_NEWCOMER,
+    S_COMMIT_NS, S_EPOCH, S_FILL, S_POLICY, S_SEQ, W_BAD_MESSAGES, W_CLOSED, W_DELIVERED, W_LANES_RECLAIMED, W_NEWCOMER,
     W_PARTIAL_DROPPED, W_POOL, W_READY_DEPTH, Segment, sem_name, unlink_all,
 )
 
@@ -89,21 +89,25 @@ class Rollout:
     (the arrays in them are the slot's views), so what you put into them is
     yours and never seen by the next rollout.
 
-    Metadata: ``lane``, ``pid`` (the writer's), ``seq`` (per lane, from 0),
-    ``commit_ns`` (``time.monotonic_ns()`` at commit), ``policy_version``,
+    Metadata: ``lane``, ``pid`` (the writer's), ``epoch`` (which claim of the lane
+    its writer held: a writer that replaces another on a lane gets a new one),
+    ``seq`` (per writer, from 0), so ``(lane, epoch, seq)`` names this rollout
+    alone for the pipeline's whole life; ``commit_ns`` (``time.monotonic_ns()`` at commit), ``policy_version``,
     ``fill`` (timescale to how many ``add`` calls it got: a rollout cut
     short shows it here).
     """
 
-    __slots__ = ("_reader", "slot", "generation", "lane", "pid", "seq", "commit_ns", "policy_version", "fill", "__weakref__")
+    __slots__ = ("_reader", "slot", "generation", "lane", "pid", "epoch", "seq", "commit_ns", "policy_version", "fill",
+                 "__weakref__")
 
-    def __init__(self, reader: Reader, slot: int, generation: int, lane: int, pid: int, seq: int, commit_ns: int,
-                 policy_version: int, fill: dict[str, int]):
+    def __init__(self, reader: Reader, slot: int, generation: int, lane: int, pid: int, epoch: int, seq: int,
+                 commit_ns: int, policy_version: int, fill: dict[str, int]):
         self._reader = reader
         self.slot = slot
         self.generation = generation
         self.lane = lane
         self.pid = pid
+        self.epoch = epoch
         self.seq = seq
         self.commit_ns = commit_ns
         self.policy_version = policy_version
@@ -155,7 +159,8 @@ class Rollout:
             pass
 
     def __repr__(self) -> str:
-        return f"Rollout(lane={self.lane}, seq={self.seq}, pid={self.pid}, fill={self.fill}, slot={self.slot})"
+        return (f"Rollout(lane={self.lane}, epoch={self.epoch}, seq={self.seq}, pid={self.pid}, fill={self.fill}, "
+                f"slot={self.slot})")
 
 
 class Batch:
@@ -172,7 +177,8 @@ class Batch:
     raises :class:`StaleRollout`; arrays taken out earlier cannot know, so copy what must live
     longer (``copy=True`` gives a batch whose arrays are yours, never stale). The dicts in ``data``
     are this batch's own. Metadata arrays, shape (size,), are copies and stay valid: ``lane``,
-    ``pid``, ``seq``, ``commit_ns``, ``policy_version``; ``fill`` maps timescale to counts.
+    ``pid``, ``epoch``, ``seq``, ``commit_ns``, ``policy_version``; ``fill`` maps timescale to
+    counts. Row ``i``'s ``(lane[i], epoch[i], seq[i])`` names its rollout alone (see :class:`Rollout`).
     """
 
     __slots__ = ("_data", "_reader", "_token", "_meta", "_schema", "zero_copy", "lane", "pid", "size")
@@ -188,6 +194,10 @@ class Batch:
         self.size = len(meta)
         self.lane = lane
         self.pid = pid
+
+    @property
+    def epoch(self) -> np.ndarray:
+        return self._meta[:, S_EPOCH]
 
     @property
     def seq(self) -> np.ndarray:
@@ -764,7 +774,7 @@ class Reader:
         self._delivered += 1
         w[W_DELIVERED] = self._delivered
         return Rollout(self, slot, int(self._gen[slot]), int(self._lane_of[slot]), int(self._pid_of[slot]),
-                       int(row[S_SEQ]), commit_ns, policy, fill)
+                       int(row[S_EPOCH]), int(row[S_SEQ]), commit_ns, policy, fill)
 
     # -- slots going back ---------------------------------------------------
 

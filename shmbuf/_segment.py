@@ -43,7 +43,8 @@ from shmbuf._schema import ALIGN, Schema, _align
 
 PREFIX = "/shmbuf-"
 MAGIC = b"\x89SHMBUF\n"
-LAYOUT_VERSION = 2  # 2: the creator's pid namespace in the header's last word; the lane record's SEEN word
+LAYOUT_VERSION = 3  # 2: the creator's pid namespace in the header's last word; the lane record's SEEN word;
+# 3: the slot record's EPOCH word (a writer of version 2 would leave it stale, so rollout keys could repeat)
 # <magic, version, header bytes, total, owner pid, owner start, created ns,
 #  n_slots, n_lanes, schema off, schema len, token, schema fingerprint>
 _HEADER = struct.Struct("<8sIIQQQQIIQQ16s16s")
@@ -73,7 +74,9 @@ W_POOL = LIVE_OFF // 8 + 13
 # Slot record words (relative to the slot's first word), written by the committing writer. It
 # stores only what the reader cannot know: the lane and pid follow from the ring the slot
 # arrives on, and the slot's generation lives in the reader's own table (word 0 is reserved).
-S_SEQ, S_COMMIT_NS, S_POLICY = 1, 2, 3
+# EPOCH is the writer's claim of its lane (the lane record's EPOCH when it claimed it), so that
+# (lane, epoch, seq) names one rollout for the segment's whole life, across writers that come and go.
+S_SEQ, S_COMMIT_NS, S_POLICY, S_EPOCH = 1, 2, 3, 4
 S_FILL = SLOT_META_WORDS  # one word per timescale
 
 

@@ -29,7 +29,7 @@ from shmbuf._handle import Handle, name_of
 from shmbuf._lane import WriterLane, check_timeout
 from shmbuf._proc import Owner
 from shmbuf._schema import Leaf, Schema, Timescale, flatten_like
-from shmbuf._segment import S_COMMIT_NS, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment, sem_name
+from shmbuf._segment import S_COMMIT_NS, S_EPOCH, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment, sem_name
 
 # How often a writer that is not waiting looks whether the reader still lives: every call looks at
 # the closed flag (one load), and at most this often at the reader's process (a few microseconds).
@@ -208,6 +208,12 @@ class Writer:
             noticing a closed pipeline or a dead reader within 0.1 s).
         label: a short text shown by ``shmbuf ls`` and in the reader's stats.
 
+    ``lane`` and ``epoch`` say which lane this Writer claimed and which claim of it this is
+    (the lane's claims so far, never reused in the pipeline's life); :meth:`commit` returns
+    ``seq``, counted from 0 per Writer. The reader gives each rollout all three: ``(lane, epoch,
+    seq)`` names one rollout for the pipeline's whole life, across writers that replace
+    others on a lane.
+
     Rules: echo's ``TrajectoryAccumulator``'s. ``add(ts, tree)`` writes one
     item into the next index of a buffered timescale; a single-item
     timescale holds one item, so its one ``add`` writes the whole leaf and a
@@ -244,6 +250,7 @@ class Writer:
         self._sems: list[posix_ipc.Semaphore] = []
         self._slot = -1
         self.lane = -1
+        self.epoch = 0
         seg = self._seg = Segment.attach(self.name)
         try:
             self._setup(seg, example, label)
@@ -278,6 +285,7 @@ class Writer:
         self._lane = WriterLane.claim(self.name, p, self._w, seg.mm, self._lock_fd, doorbell,
                                       lambda i: self._open_sem(f"f{i}"), label, self.timeout, self._check_reader)
         self.lane = self._lane.rec.index
+        self.epoch = self._lane.epoch
         self._leaf_all = [seg.leaf_view(i) for i in range(len(schema.leaves))]
         first = 0
         self._leaf_base: dict[str, int] = {}
@@ -455,7 +463,7 @@ class Writer:
         self._fill[ts.index] = i + 1
 
     def commit(self, policy_version: int | None = None, *, fill: dict[str, int] | None = None) -> int:
-        """Publish the current slot to the reader; return the rollout's sequence number on this lane.
+        """Publish the current slot to the reader; return the rollout's sequence number (from 0 per Writer).
 
         Records how far each timescale was filled, so a rollout cut short is
         delivered with its real length. The next ``add`` claims a new slot.
@@ -480,6 +488,7 @@ class Writer:
         sw = self._plan.slot_word(slot)
         seq = self._seq
         w[sw + S_SEQ] = seq
+        w[sw + S_EPOCH] = self.epoch
         w[sw + S_POLICY] = self.policy_version if policy_version is None else policy_version
         for t, n in enumerate(self._fill):
             w[sw + S_FILL + t] = n
