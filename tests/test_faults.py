@@ -311,8 +311,12 @@ def _rss_kib(pid: int) -> int:
 
 
 def test_another_user_cannot_attach(make_reader: Any) -> None:
+    """A process of another uid (nobody) is refused, by the kernel (0600) and by name. A second uid takes root, so
+    without root this one skips; test_hostile.py's user-namespace and why_untrusted tests hold the refusal for any
+    user, and CI runs as root."""
     if os.geteuid() != 0:
-        pytest.skip("dropping to another uid needs root; the 0600 modes are checked in test_segment")
+        pytest.skip("dropping to another uid needs root; without root, test_hostile.py::"
+                    "test_a_file_of_another_uid_is_refused_seen_from_a_user_namespace and the 0600 modes in test_segment hold it")
     reader = make_reader(fault_example(), slots=1)
     rx, tx = CTX.Pipe(duplex=False)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import mmap
 import os
 import random
@@ -37,10 +38,11 @@ from shmbuf import _admin, _proc
 from shmbuf._handle import Handle, name_of
 from shmbuf._segment import (
     HEADER_BYTES, LIVE_BYTES, MAX_LANES, MAX_SLOTS, PIDNS_OFF, SHM_DIR, WEIGHTS_PREFIX, Segment, check_name,
-    check_semaphore, new_name, open_object, plan,
+    check_semaphore, new_name, open_object, plan, why_untrusted,
 )
 from shmbuf._weights import WeightPublisher, WeightsHandle, WeightSubscriber
 from tests.conftest import small_example
+from tests.helpers import ROOT
 
 NOBODY = 65534
 OFF_PID, OFF_START = 24, 32  # in the head every shmbuf header starts with
@@ -52,7 +54,8 @@ WHY = {
     "other_uid": f"owned by uid {NOBODY}",
     "open_mode": "mode 0644",
 }
-as_root = pytest.mark.skipif(os.geteuid() != 0, reason="planting another uid's file takes root (os.chown)")
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="planting another uid's file takes root (os.chown); without root, "
+                             "test_a_file_of_another_uid_is_refused_seen_from_a_user_namespace holds the same refusal")
 
 
 def _kind_params() -> list[Any]:
@@ -383,6 +386,119 @@ def test_hostile_semaphore_file_is_refused_and_kept(kind: str, fresh: Callable[.
     assert [(e, w) for e, w in f.kept if WHY[kind] in w] == [(f"sem.{name[1:]}-f0", f.kept[0][1])]
     assert _admin.remove(f) == [f"sem.{name[1:]}-r"]
     assert not os.path.exists(real_path) and os.path.lexists(hostile) and os.path.exists(other_path)
+
+
+def _stat(mode: int, uid: int) -> os.stat_result:
+    """An ``os.stat_result`` of the given mode and owner (the rest zero): what fstat would say of such a file."""
+    return os.stat_result((mode, 0, 0, 1, uid, 0, 4096, 0, 0, 0))
+
+
+def test_why_untrusted_refuses_every_kind_and_every_other_uid() -> None:
+    """The check behind every open: a regular 0600 file of this euid passes; another uid (whatever its mode),
+    group or other bits, links, directories, FIFOs and devices are named. Runs as any user: the stat is made here."""
+    me = os.geteuid()
+    assert why_untrusted(_stat(stat.S_IFREG | 0o600, me)) == ""
+    assert why_untrusted(_stat(stat.S_IFREG | 0o400, me)) == ""
+    for other in {0, 1, NOBODY, me + 1, 2**32 - 2} - {me}:
+        for mode in (0o600, 0o644, 0o000):
+            assert why_untrusted(_stat(stat.S_IFREG | mode, other)) == f"owned by uid {other}, not by this user (uid {me})"
+    for bits in (0o640, 0o604, 0o660, 0o601, 0o610, 0o777):
+        assert why_untrusted(_stat(stat.S_IFREG | bits, me)) == f"mode {bits:04o}, open to other users (shmbuf makes its objects 0600)"
+    for kind, why in ((stat.S_IFLNK, WHY["symlink"]), (stat.S_IFDIR, WHY["directory"]), (stat.S_IFIFO, WHY["fifo"])):
+        for uid in (me, me + 1):
+            assert why_untrusted(_stat(kind | 0o600, uid)) == why
+    for kind in (stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK):
+        assert why_untrusted(_stat(kind | 0o600, me)).startswith("not a regular file (")
+
+
+# Run in a child: become an ordinary user if root (the interpreter and every module are loaded first, so that a
+# home directory closed to that user does not matter), enter a new user and mount namespace in which this user is
+# uid 0, and bind a file of another uid (root's, unmapped in there, so it reads as the overflow uid 65534) over a
+# segment name and a semaphore name of ours. The kernel then reports, from the descriptor shmbuf opens, a file
+# that is not this user's: no chown, no root. Exit 77: no user namespace on this machine.
+_USERNS_CHILD = r"""
+import ctypes, json, os, sys
+import shmbuf
+from shmbuf import _admin
+from shmbuf._segment import Segment, check_semaphore, open_object
+import shmbuf.storage  # what _admin imports when it scans, loaded while the interpreter's files are readable
+
+name, foreign = sys.argv[1], sys.argv[2]
+seg_path, sem_path = "/dev/shm/" + name[1:], "/dev/shm/sem." + name[1:] + "-r"
+libc = ctypes.CDLL(None, use_errno=True)
+if os.geteuid() == 0:
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: a uid change made /proc/self root's, and its maps ours to write
+uid, gid = os.geteuid(), os.getegid()
+CLONE_NEWUSER, CLONE_NEWNS, MS_BIND = 0x10000000, 0x00020000, 4096
+if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
+    print("unshare:", os.strerror(ctypes.get_errno()))
+    sys.exit(77)
+for f, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+    with open("/proc/self/" + f, "w") as fh:
+        fh.write(text)
+for path in (seg_path, sem_path):
+    if libc.mount(foreign.encode(), path.encode(), None, MS_BIND, None) != 0:
+        print("mount:", os.strerror(ctypes.get_errno()))
+        sys.exit(77)
+out = {"euid": os.geteuid(), "st_uid": os.stat(seg_path).st_uid, "refused": []}
+for what, call in (("attach", lambda: Segment.attach(name)), ("attach readonly", lambda: Segment.attach(name, readonly=True)),
+                   ("Writer", lambda: shmbuf.Writer(name, timeout=1)), ("open_object", lambda: open_object(name, readonly=True)),
+                   ("check_semaphore", lambda: check_semaphore(name + "-r"))):
+    try:
+        call()
+        out["refused"].append([what, None])
+    except shmbuf.SegmentError as exc:
+        out["refused"].append([what, str(exc)])
+found = [f for f in _admin.scan(name=name) if f.name == name]
+out["scan"] = [[f.error, f.removable, f.kept] for f in found]
+out["removed"] = [_admin.remove(f) for f in found]
+print(json.dumps(out))
+"""
+
+
+def _foreign_file() -> str:
+    """A regular file of another uid that any user can reach: root's own, or (when we are root) NOBODY's view of it."""
+    for path in ("/bin/sh", "/usr/bin/env", sys.executable, "/etc/passwd"):
+        real = os.path.realpath(path)
+        st = os.stat(real)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == 0 and st.st_mode & 0o004:
+            return real
+    raise AssertionError("no world-readable regular file of root's found to stand for another user's file")
+
+
+@pytest.mark.timeout(60)
+def test_a_file_of_another_uid_is_refused_seen_from_a_user_namespace(fresh: Callable[..., str]) -> None:
+    """Another uid's file under a shmbuf name, for any user: the same refusals as the root-only ``other_uid`` cases.
+
+    As root (CI), the child drops to nobody first, so this is the path an unprivileged user runs; no user
+    namespace there is a failure as root, a skip otherwise (the ``other_uid`` cases then hold it, as root).
+    """
+    name = fresh()
+    plant(_path(name), b"\0" * 4096)
+    plant(f"{SHM_DIR}/sem.{name[1:]}-r", b"\0" * 32)
+    foreign = _foreign_file()
+    out = subprocess.run([sys.executable, "-W", "error", "-c", _USERNS_CHILD, name, foreign], capture_output=True,
+                         text=True, timeout=50, cwd=ROOT,
+                         # unshare(CLONE_NEWUSER) refuses a process with threads: no BLAS thread pool
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+                                  MKL_NUM_THREADS="1"))
+    if out.returncode == 77 and os.geteuid() != 0:
+        pytest.skip(f"no unprivileged user namespace here ({out.stdout.strip()}); as root the other_uid cases run")
+    assert out.returncode == 0, f"child failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["euid"] == 0 and got["st_uid"] == NOBODY, got  # the kernel's view: this user is 0, the file another's
+    want = f"is owned by uid {NOBODY}, not by this user (uid 0)"
+    for what, message in got["refused"]:
+        assert message is not None and want in message, f"{what}: {message}"
+    assert [w for w, _ in got["refused"]] == ["attach", "attach readonly", "Writer", "open_object", "check_semaphore"]
+    [(error, removable, kept)] = got["scan"]
+    assert want[3:] in error and not removable, got["scan"]
+    assert any(entry == f"sem.{name[1:]}-r" and want[3:] in why for entry, why in kept), kept
+    assert got["removed"] == [[]]  # clean removes nothing
+    assert os.path.exists(_path(name)) and os.path.exists(f"{SHM_DIR}/sem.{name[1:]}-r")  # ours, untouched out here
 
 
 def test_check_semaphore_refuses_malformed_names() -> None:
