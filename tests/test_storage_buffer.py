@@ -238,6 +238,40 @@ def test_get_on_an_empty_buffer_raises_slot_timeout(make_buffer: Callable[..., R
         buf.get()
 
 
+def test_get_on_an_empty_buffer_raises_at_once_unless_asked_to_wait(make_buffer: Callable[..., RolloutBuffer]) -> None:
+    """004's get() on an empty buffer raises; shmbuf's used to wait its default 30 s first, then raise."""
+    buf = make_buffer(2, 3, 3, 2)  # every default
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            buf.get()
+        except BaseException as exc:  # noqa: BLE001  # reported to the test's thread
+            outcome.append(exc)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(10)  # a liveness deadline: "at once" is far below it
+    finished = not t.is_alive()
+    t.join(60)  # a regression waits out its timeout: let it end before the fixture closes the buffer
+    assert finished, "get() on an empty buffer was still waiting after 10 s"
+    assert len(outcome) == 1 and isinstance(outcome[0], shmbuf.SlotTimeout), outcome
+    assert "the buffer is empty" in str(outcome[0]) and "get(timeout=seconds)" in str(outcome[0])
+    # Once something is stored, the default get() returns it.
+    slot = buf.start_rollout()
+    slot["reward"] = np.full((2, 3), 2.0, np.float32)
+    buf.add()
+    assert (buf.get()["reward"] == 2.0).all()
+    with pytest.raises(shmbuf.SlotTimeout, match="empty"):
+        buf.get(flatten=False)
+
+
+@pytest.mark.parametrize("timeout", [-1, "30", True, float("nan")])
+def test_a_bad_buffer_timeout_is_named(make_buffer: Callable[..., RolloutBuffer], timeout: Any) -> None:
+    with pytest.raises(shmbuf.UsageError, match=r"RolloutBuffer\(timeout=...\).*got"):
+        make_buffer(2, 3, 3, 2, timeout=timeout)
+
+
 # -------------------------------------------------------------- validation
 
 

@@ -410,7 +410,9 @@ class RolloutBuffer:
         slots: rollouts in flight (being written, waiting, or held by the learner).
         dtype: of the float fields (obs, action, sample_log_prob, value, reward).
         max_writers: writer processes (lanes) that may attach at once, this process's own included.
-        timeout: the default wait of :meth:`get` for a rollout.
+        timeout: how long :meth:`get` waits for a rollout unless it is given its own ``timeout``. 0
+            (the default): a :meth:`get` with nothing stored raises at once, as embodichain's does.
+            Seconds, or None (for ever), to wait for actors in other processes.
 
     In one process it is both sides: ``start_rollout()``, write, ``add()``, then ``get()``. Actors
     in other processes use ``RolloutBuffer.writer(buffer.handle)``. Pickling the buffer (e.g. as a
@@ -420,7 +422,11 @@ class RolloutBuffer:
 
     def __init__(self, num_envs: int, rollout_len: int, obs_dim: Any, action_dim: Any, *,
                  fields: Mapping[str, Any] | None = None, slots: int = 2, dtype: Any = np.float32,
-                 max_writers: int = 16, timeout: float | None = 30.0):
+                 max_writers: int = 16, timeout: float | None = 0.0):
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating))
+                                    or not timeout >= 0):
+            raise UsageError(f"RolloutBuffer(timeout=...): expected seconds >= 0 (0: get() never waits) or None (for ever), "
+                             f"got {timeout!r}")
         self.layout = Layout(num_envs, rollout_len, _merge_fields(default_fields(obs_dim, action_dim, dtype), fields))
         self.num_envs, self.rollout_len = self.layout.num_envs, self.layout.rollout_len
         self.obs_dim, self.action_dim = obs_dim, action_dim
@@ -505,12 +511,20 @@ class RolloutBuffer:
           :meth:`release` or :meth:`close`, which release the slot; do not keep them past that (the
           slot is rewritten), copy what must outlive it. Pass them to :meth:`transition_view`.
 
-        The previous ``get(flatten=False)`` rollout is released first. Raises :class:`SlotTimeout`
-        (a TimeoutError) when nothing arrives in time: ``timeout=0`` raises at once, as embodichain's
-        empty buffer does; None waits for ever.
+        The previous ``get(flatten=False)`` rollout is released first. With nothing stored it raises
+        :class:`SlotTimeout` (a TimeoutError) at once, as embodichain's empty buffer raises, unless a
+        wait is asked for: ``timeout`` seconds (or the buffer's ``timeout``), None for ever.
         """
         self.release()
-        r = self._reader.get(self.timeout if timeout is _DEFAULT else timeout)
+        wait = self.timeout if timeout is _DEFAULT else timeout
+        try:
+            r = self._reader.get(wait)
+        except SlotTimeout as exc:
+            if wait != 0:
+                raise
+            raise SlotTimeout(f"RolloutBuffer.get(): the buffer is empty (no rollout was added that get() has not taken; "
+                              f"pipeline {self._reader.name}). get() does not wait unless asked: pass get(timeout=seconds) "
+                              "or RolloutBuffer(..., timeout=seconds) to wait for an actor in another process") from exc
         data = {name: arr for ts in r.data.values() for name, arr in ts.items()}
         if not flatten:
             self._held = r
