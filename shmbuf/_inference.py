@@ -75,7 +75,7 @@ from shmbuf._ring import fence, store_load_fence
 from shmbuf._schema import Schema, _align, format_path
 from shmbuf._segment import (
     HEAD, HEADER_BYTES, INFERENCE_PREFIX, _fmt_bytes, check_head, check_name, check_semaphore, create_object,
-    map_object, stamp_pidns,
+    map_object, pinned, stamp_pidns,
 )
 from shmbuf._writer import _ReaderWatch
 
@@ -115,15 +115,16 @@ class _Layout:
         self.total = max(off, self.data_off + 64)
 
     def words(self, mm: Any, off: int) -> np.ndarray:
-        return np.ndarray((self.clients,), np.int64, buffer=mm, offset=off)
+        return np.ndarray((self.clients,), np.int64, buffer=pinned(mm), offset=off)
 
     def views(self, mm: Any) -> dict[str, list[np.ndarray]]:
         """Per timescale, its leaves as ``(clients, *leaf.shape)`` arrays, in schema order."""
         out: dict[str, list[np.ndarray]] = {ts.name: [] for ts in self.schema.timescales}
+        pin = pinned(mm)
         for ts in self.schema.timescales:
             for lf in ts.leaves:
                 i = self.schema.leaves.index(lf)
-                out[ts.name].append(np.ndarray((self.clients, *lf.shape), lf.dtype, buffer=mm, offset=self.leaf_offs[i]))
+                out[ts.name].append(np.ndarray((self.clients, *lf.shape), lf.dtype, buffer=pin, offset=self.leaf_offs[i]))
         return out
 
 

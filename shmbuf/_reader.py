@@ -85,7 +85,9 @@ class Rollout:
     handed to a writer and overwritten; ``data`` then raises
     :class:`StaleRollout`, but arrays you took out earlier cannot know, so
     do not keep them: use :meth:`copy` (or ``np.array(leaf)``) for anything
-    that must outlive the rollout. Each access to ``data`` builds new dicts
+    that must outlive the rollout. Reading a kept array is never a crash:
+    it keeps the shared memory mapped while it lives, even past the reader's
+    ``close()``, and shows whatever the slot holds by then. Each access to ``data`` builds new dicts
     (the arrays in them are the slot's views), so what you put into them is
     yours and never seen by the next rollout.
 
@@ -175,7 +177,8 @@ class Batch:
     or the reader's next ``get_batch`` (or ``batches`` step), which releases it. A zero-copy batch
     holds its slots until then, and no writer writes a slot a batch holds. After that ``data``
     raises :class:`StaleRollout`; arrays taken out earlier cannot know, so copy what must live
-    longer (``copy=True`` gives a batch whose arrays are yours, never stale). The dicts in ``data``
+    longer (``copy=True`` gives a batch whose arrays are yours, never stale). A kept array stays
+    readable, never a crash: it keeps the memory mapped while it lives, past the reader's close. The dicts in ``data``
     are this batch's own. Metadata arrays, shape (size,), are copies and stay valid: ``lane``,
     ``pid``, ``epoch``, ``seq``, ``commit_ns``, ``policy_version``; ``fill`` maps timescale to
     counts. Row ``i``'s ``(lane[i], epoch[i], seq[i])`` names its rollout alone (see :class:`Rollout`).
@@ -328,9 +331,9 @@ class Reader:
         self._partial_dropped = 0
         self._bad_messages = 0
         self._lanes_reclaimed = 0
-        self._wn = np.ndarray((self._plan.total // 8,), np.int64, buffer=seg.mm)  # the words, for bulk ring work
+        self._wn = np.ndarray((self._plan.total // 8,), np.int64, buffer=seg.base)  # the words, for bulk ring work
         self._leaf_all = [seg.leaf_view(i) for i in range(len(self.schema.leaves))]
-        self._slot_table = np.ndarray((n, self._plan.slot_bytes // 8), np.int64, buffer=seg.mm, offset=self._plan.slots_off)
+        self._slot_table = np.ndarray((n, self._plan.slot_bytes // 8), np.int64, buffer=seg.base, offset=self._plan.slots_off)
         self._slot_leaves: dict[int, list[np.ndarray]] = {}  # views of one slot's leaves; never the containers
         self._batch_bufs: dict[int, list[np.ndarray]] = {}
         # The newest LATENCY_WINDOW rollouts delivered: commit time, time delivered, policy version they were

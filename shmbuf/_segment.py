@@ -369,6 +369,19 @@ def check_head(mm: mmap.mmap, name: str, *, magic: bytes, version: int, what: st
     return Owner(pid, start, pidns)
 
 
+def pinned(mm: mmap.mmap) -> np.ndarray:
+    """The whole mapping as one uint8 array that keeps ``mm`` mapped while it, or any array built on it, lives.
+
+    Build every array on a mapping from this (``np.ndarray(shape, dtype, buffer=pinned(mm), ...)``),
+    never from ``mm`` itself: numpy 2 takes no buffer export for ``np.ndarray(buffer=mm)``, so
+    ``mm.close()`` succeeds under such arrays and reading one later is a segfault. ``np.frombuffer``
+    holds an export, and every view built on this array (a slice, a reshape, ``torch.from_numpy``)
+    keeps it as its base, so ``mm.close()`` raises BufferError while any of them lives: the memory
+    is unmapped with the last array, and a late read reads the last data, never unmapped memory.
+    """
+    return np.frombuffer(mm, np.uint8)
+
+
 def stamp_pidns(mm: mmap.mmap) -> None:
     """Write this process's pid namespace into the header's last word (0 where /proc cannot tell)."""
     _PIDNS.pack_into(mm, PIDNS_OFF, pid_namespace())
@@ -433,6 +446,8 @@ class Segment:
         self.fd = fd
         self.creator = creator or Owner(os.getpid(), start_time(os.getpid()), pid_namespace())
         self.words = memoryview(mm).cast("q")  # read-only when the mapping is
+        # Every array on the slots is built on this: it keeps the mapping alive while any of them lives.
+        self.base = pinned(mm)
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------
@@ -475,15 +490,16 @@ class Segment:
         return cls(name, mm, schema, p, owner=False, fd=fd, creator=creator)
 
     def close(self) -> None:
-        """Unmap this process's view and close the file (detach). Views still held elsewhere keep the mapping alive."""
+        """Close the file and unmap this process's view (detach); arrays still held keep the mapping until they go."""
         if self._closed:
             return
         self._closed = True
         self.words.release()
+        del self.base
         try:
             self.mm.close()
         except BufferError:
-            pass  # numpy views of the slots still exist; the mapping goes when they do
+            pass  # arrays on the slots still exist (see pinned): the mapping goes with the last of them
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -498,7 +514,7 @@ class Segment:
         """The leaf of every slot: shape (n_slots, *leaf.shape), slot stride leaf.stride."""
         leaf = self.schema.leaves[leaf_index]
         strides = (leaf.stride, *np.empty(leaf.shape, leaf.dtype).strides) if leaf.shape else (leaf.stride,)
-        return np.ndarray((self.plan.n_slots, *leaf.shape), leaf.dtype, buffer=self.mm,
+        return np.ndarray((self.plan.n_slots, *leaf.shape), leaf.dtype, buffer=self.base,
                           offset=self.plan.leaf_offs[leaf_index], strides=strides)
 
     def bytes_at(self, off: int, n: int) -> bytes:

@@ -90,7 +90,8 @@ from shmbuf._proc import Owner, start_time
 from shmbuf._ring import Fence
 from shmbuf._schema import Schema, _align
 from shmbuf._segment import (
-    HEAD, HEADER_BYTES, WEIGHTS_PREFIX, _fmt_bytes, check_head, check_name, create_object, map_object, stamp_pidns,
+    HEAD, HEADER_BYTES, WEIGHTS_PREFIX, _fmt_bytes, check_head, check_name, create_object, map_object, pinned,
+    stamp_pidns,
 )
 
 W_PREFIX = WEIGHTS_PREFIX
@@ -141,8 +142,9 @@ class _Layout:
 
     def views(self, mm: mmap.mmap, b: int) -> list[np.ndarray]:
         base = self.data_off + b * self.buffer_bytes
+        pin = pinned(mm)
         return [
-            np.ndarray(lf.shape, lf.dtype, buffer=mm, offset=base + o)
+            np.ndarray(lf.shape, lf.dtype, buffer=pin, offset=base + o)
             for lf, o in zip(self.schema.leaves, self.leaf_offs, strict=True)
         ]
 

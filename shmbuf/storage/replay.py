@@ -147,6 +147,7 @@ from shmbuf._segment import (
     map_object,
     new_name,
     open_object,
+    pinned,
     stamp_pidns,
 )
 from shmbuf.storage._torch import to_torch
@@ -343,7 +344,8 @@ class ReplayBuffer:
         self._seed = seed
         self._rng = np.random.default_rng(seed)
         self._w = memoryview(mm).cast("q")
-        self._seq = np.ndarray((lay.buffer_size,), np.int64, buffer=mm, offset=lay.seq_off)
+        pin = pinned(mm)  # every array below keeps the mapping alive while it lives
+        self._seq = np.ndarray((lay.buffer_size,), np.int64, buffer=pin, offset=lay.seq_off)
         ts = schema.by_name[_TS]
         self._treespec = ts.treespec
         self._structure = ts.structure
@@ -352,11 +354,11 @@ class ReplayBuffer:
         self._names = tuple(format_path(lf.path[1:]) for lf in ts.leaves)
         self._out_specs = tuple((lf.dtype, lf.shape[1:]) for lf in ts.leaves)
         self._checks = tuple((lf.dtype, lf.shape[1:], 1 + len(lf.shape[1:])) for lf in ts.leaves)
-        self._rows = [np.ndarray((lay.buffer_size, *lf.shape[1:]), lf.dtype, buffer=mm, offset=off)
+        self._rows = [np.ndarray((lay.buffer_size, *lf.shape[1:]), lf.dtype, buffer=pin, offset=off)
                       for lf, off in zip(ts.leaves, lay.leaf_offs)]
         self._slot: int | None = None  # our writer slot, claimed at the first insert
         self._rec = -1  # its record's first word
-        self._recs = np.ndarray((lay.max_writers, RECORD_BYTES // 8), np.int64, buffer=mm, offset=WRITERS_OFF)
+        self._recs = np.ndarray((lay.max_writers, RECORD_BYTES // 8), np.int64, buffer=pin, offset=WRITERS_OFF)
         self._firsts, self._ends = self._recs[:, F_FIRST], self._recs[:, F_END]  # views: every writer's record
         self._stamps = np.zeros(0, np.int64)  # 2 * arange(m), grown to the largest batch: stamps are this + 2*first + 1
         self._insert_lock = threading.Lock()
@@ -474,7 +476,7 @@ class ReplayBuffer:
             self._w.release()
             try:
                 self._mm.close()
-            except BufferError:  # pragma: no cover - we hand out no views; a caller's own np.frombuffer would do it
+            except BufferError:  # pragma: no cover - we hand out no views; the mapping would go with the last one (pinned)
                 pass
             self._finalizer()  # closes the file (dropping our writer slot's lock); the creator's process unlinks
         finally:
