@@ -24,14 +24,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from workers import Collector  # noqa: E402
 
 
+def actor_seed(seed: int, first_obs: np.ndarray) -> list[int]:
+    """The seed of one actor's action sampling: the base seed and the actor's first observation.
+
+    The Collector resets actor i's env with ``seed + 10000 i`` (a restarted one's with more), so that
+    observation tells the actors apart and is the same in every run: the runs are reproducible and
+    each actor samples its own stream (a pid would give neither).
+    """
+    return [seed, *np.frombuffer(np.ascontiguousarray(first_obs, np.float32).tobytes(), np.uint32).tolist()]
+
+
 class LinearPolicy:
     """Softmax over a linear function of the observation; weights come from the learner."""
 
     def __init__(self, seed: int = 0):
         self.w = np.zeros((4, 2), np.float32)
-        self.rng = np.random.default_rng([seed, os.getpid()])
+        self.seed = seed
+        self.rng: np.random.Generator | None = None  # seeded in the actor, at its first observation
 
     def __call__(self, obs: np.ndarray) -> np.ndarray:
+        if self.rng is None:
+            self.rng = np.random.default_rng(actor_seed(self.seed, obs))
         logits = obs @ self.w
         return np.argmax(logits + self.rng.gumbel(size=logits.shape), axis=1)
 
@@ -52,14 +65,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--frames", type=int, default=200_000)
     ap.add_argument("--frames-per-batch", type=int, default=4096)
     ap.add_argument("--rollout-len", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0, help="env resets, the actors' action sampling, the weight noise")
     ap.add_argument("--start-method", default=None)
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.seed)
     w = np.zeros((4, 2), np.float32)
-    with Collector([partial(make_env, args.envs_per_actor)] * args.actors, LinearPolicy(),
+    with Collector([partial(make_env, args.envs_per_actor)] * args.actors, LinearPolicy(args.seed), seed=args.seed,
                    frames_per_batch=args.frames_per_batch, total_frames=args.frames, rollout_len=args.rollout_len,
                    weights={"w": w}, start_method=args.start_method, progress=not args.no_progress) as collector:
         for batch in collector:

@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     server_policy = copy.deepcopy(model)  # the only copy that acts; the env workers hold none
     opt = torch.optim.Adam(model.parameters(), lr=args.lr, eps=1e-5)
     frames_per_batch = args.envs * args.steps
+    shuffle = np.random.default_rng(args.seed)  # the minibatches' order
     curve, recent, reached, first_batch_s = [], [], None, None
     step_lags = np.zeros(1, np.int64)  # env steps by lag: the learner's version when handed out - the acting version
     t0 = time.monotonic()
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
             counts = np.bincount(lag.ravel())
             step_lags = np.pad(step_lags, (0, max(0, len(counts) - len(step_lags))))
             step_lags[: len(counts)] += counts
-            storage = RolloutStorage.from_rollout(batch)  # [T, B]: a transposed view of the batch
+            storage = RolloutStorage.from_rollout(batch, seed=shuffle)  # [T, B]: a transposed view of the batch
             compute_gae(model, storage, args.gamma, args.lam)
             v_loss = ppo_update(model, opt, storage, minibatches=args.minibatches, epochs=args.epochs, clip=args.clip,
                                 ent=args.ent)

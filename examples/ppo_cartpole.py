@@ -53,6 +53,16 @@ class ActorCritic(nn.Module):
         return action, {"value": self.value(obs), "log_prob": dist.log_prob(action)}
 
 
+def actor_seed(seed: int, first_obs: np.ndarray) -> list[int]:
+    """The seed of one actor's action sampling: the base seed and the actor's first observation.
+
+    The Collector resets actor i's env with ``seed + 10000 i`` (a restarted one's with more), so that
+    observation tells the actors apart and is the same in every run: the runs are reproducible and
+    each actor samples its own stream (a pid would give neither).
+    """
+    return [seed, *np.frombuffer(np.ascontiguousarray(first_obs, np.float32).tobytes(), np.uint32).tolist()]
+
+
 def numpy_state(model: nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
@@ -61,13 +71,19 @@ class Policy:
     """The actors' side: sample an action, and keep the value and log-probability the learner needs."""
 
     def __init__(self, hidden: int, seed: int):
-        torch.manual_seed(seed + os.getpid())
-        self.net = ActorCritic(hidden)
+        self.net = ActorCritic(hidden)  # its weights come from the learner before the first step
+        self.seed = seed
+        self.gen: torch.Generator | None = None  # seeded in the actor, at its first observation
 
     def __call__(self, obs: np.ndarray):
+        if self.gen is None:  # its own generator: the process's global one stays as it was
+            seed = np.random.SeedSequence(actor_seed(self.seed, obs)).generate_state(1)[0]
+            self.gen = torch.Generator().manual_seed(int(seed))
         with torch.no_grad():
-            action, extras = self.net(torch.from_numpy(obs).float())
-        return action.numpy(), {k: v.numpy() for k, v in extras.items()}
+            x = torch.from_numpy(obs).float()
+            dist = torch.distributions.Categorical(logits=self.net.pi(x))
+            action = torch.multinomial(dist.probs, 1, generator=self.gen).squeeze(-1)  # as dist.sample(), seeded
+            return action.numpy(), {"value": self.net.value(x).numpy(), "log_prob": dist.log_prob(action).numpy()}
 
     def load_weights(self, params: dict[str, np.ndarray]) -> None:
         self.net.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
@@ -140,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = ActorCritic(args.hidden)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr, eps=1e-5)
     frames_per_batch = args.actors * args.envs * args.steps
+    shuffle = np.random.default_rng(args.seed)  # the minibatches' order
     curve, recent, reached = [], [], None
     t0 = time.monotonic()
     with Collector([functools.partial(make_envs, args.envs)] * args.actors,
@@ -148,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
                    rollout_len=args.steps, weights=numpy_state(model), start_method=args.start_method,
                    seed=args.seed) as collector:
         for update, batch in enumerate(collector, 1):
-            storage = RolloutStorage.from_rollout(batch)  # [T, B*E] over the batch (views where the layout allows)
+            storage = RolloutStorage.from_rollout(batch, seed=shuffle)  # [T, B*E] over the batch (views where the layout allows)
             compute_gae(model, storage, args.gamma, args.lam)
             v_loss = ppo_update(model, opt, storage, minibatches=args.minibatches, epochs=args.epochs, clip=args.clip,
                                 ent=args.ent)

@@ -34,6 +34,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from workers import Collector  # noqa: E402
 
 
+def actor_seed(seed: int, first_obs: np.ndarray) -> list[int]:
+    """The seed of one actor's action sampling: the base seed and the actor's first observation.
+
+    The Collector resets actor i's env with ``seed + 10000 i`` (a restarted one's with more), so that
+    observation tells the actors apart and is the same in every run: the runs are reproducible and
+    each actor samples its own stream (a pid would give neither).
+    """
+    return [seed, *np.frombuffer(np.ascontiguousarray(first_obs, np.float32).tobytes(), np.uint32).tolist()]
+
+
 def make_net(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2))
 
@@ -47,9 +57,12 @@ class TorchPolicy:
 
     def __init__(self, hidden: int, seed: int):
         self.net = make_net(hidden)
-        self.rng = np.random.default_rng([seed, os.getpid()])
+        self.seed = seed
+        self.rng: np.random.Generator | None = None  # seeded in the actor, at its first observation
 
     def __call__(self, obs: np.ndarray):
+        if self.rng is None:
+            self.rng = np.random.default_rng(actor_seed(self.seed, obs))
         with torch.no_grad():
             logits = self.net(torch.from_numpy(obs).float()).numpy()
         logp_all = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
