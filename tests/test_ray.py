@@ -155,11 +155,12 @@ def on_shm(info: dict[str, Any]) -> bool:
 
 
 class Ledger:
-    """Every delivered rollout, checked as it comes: each (node, lane, seq) and each env step at most once."""
+    """Every delivered rollout, checked as it comes: each (node, incarnation, lane, epoch, seq) and each env step at most
+    once."""
 
     def __init__(self, rc: RayCollector) -> None:
         self.local = {n.index for n in rc.nodes if n.local is not None}  # read in this process: Collector's views
-        self.seqs: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+        self.seqs: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)  # (node, incarnation, lane, epoch)
         self.steps: dict[float, list[np.ndarray]] = defaultdict(list)
         self.versions: dict[int, set[int]] = defaultdict(set)
         self.batches: list[int] = []
@@ -171,8 +172,9 @@ class Ledger:
         assert obs.shape == (len(b.lane), T, E, 3)
         # the learner's node: views of its shared memory, as Collector's; another: read-only views of a Ray object
         assert obs.flags.writeable == (b.node in self.local)
-        for i, (lane, seq, v) in enumerate(zip(b.lane.tolist(), b.seq.tolist(), b.policy_version.tolist())):
-            self.seqs[(b.node, b.incarnation, lane)].append(seq)
+        for i, (lane, epoch, seq, v) in enumerate(zip(b.lane.tolist(), b.epoch.tolist(), b.seq.tolist(),
+                                                      b.policy_version.tolist())):
+            self.seqs[(b.node, b.incarnation, lane, epoch)].append(seq)
             self.versions[b.node].add(v)
             n = int(b.fill["step"][i])
             assert np.all(act[i, :n] == W(v)), f"a rollout of version {v} took actions {np.unique(act[i, :n])}"
@@ -182,7 +184,7 @@ class Ledger:
 
     def check_once(self) -> None:
         for key, seqs in self.seqs.items():
-            assert len(seqs) == len(set(seqs)), f"node/incarnation/lane {key}: a rollout delivered twice"
+            assert len(seqs) == len(set(seqs)), f"node/incarnation/lane/epoch {key}: a rollout delivered twice"
         for uid, parts in self.steps.items():
             g = np.concatenate(parts)
             assert len(g) == len(np.unique(g)), f"env {uid}: a step delivered twice"
@@ -240,7 +242,7 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
         _ray._unpack_header(["not", "bytes"], "a batch from node 0")
     with pytest.raises(shmbuf.SchemaError, match="not valid msgpack"):
         _ray._unpack_header(b"\xc1", "a batch from node 0")
-    with pytest.raises(shmbuf.SchemaError, match="wire version 99, expected 1"):
+    with pytest.raises(shmbuf.SchemaError, match=f"wire version 99, expected {_ray.WIRE_VERSION}"):
         _ray._unpack_header(msgpack.packb({"magic": _ray.WIRE_MAGIC, "version": 99}), "a batch from node 0")
     # _unpack against a real schema, without a cluster: a collector shell with the schema of CountEnv's rollouts
     from workers import probe, rollout_example
@@ -259,7 +261,7 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
     good = [np.zeros((2, *lf.shape), lf.dtype) for lf in leaves]
     good += [np.zeros(2, np.int64) for _ in rc.schema.timescales]
     good += [np.zeros(2, np.int64) for _ in _ray.META] + [np.zeros(0), np.zeros(0, np.int64)]
-    head = msgpack.packb({"magic": _ray.WIRE_MAGIC, "version": 1, "frames": 2 * T * E, "fill": True})
+    head = msgpack.packb({"magic": _ray.WIRE_MAGIC, "version": _ray.WIRE_VERSION, "frames": 2 * T * E, "fill": True})
     assert rc._unpack(node, (head, good)).data["step"]["obs"].shape == (2, T, E, 3)
     bad = list(good)
     i = next(k for k, lf in enumerate(leaves) if lf.name == "step/obs")
@@ -281,7 +283,7 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
     with pytest.raises(shmbuf.SchemaError, match=r"expected integers of shape \(2,\), got <U1 \(2,\)"):
         rc._unpack(node, (head, text_meta))
     for bad_head in ({"frames": "many", "fill": True}, {"fill": True}, {"frames": -1, "fill": True}, {"frames": 1}):
-        h = msgpack.packb({"magic": _ray.WIRE_MAGIC, "version": 1, **bad_head})
+        h = msgpack.packb({"magic": _ray.WIRE_MAGIC, "version": _ray.WIRE_VERSION, **bad_head})
         with pytest.raises(shmbuf.SchemaError, match=r"header field frames .* or fill .* missing or wrong"):
             rc._unpack(node, (h, good))
 
@@ -339,6 +341,43 @@ def test_restart_brings_a_killed_owner_back_with_the_latest_weights(cluster: Any
         info = described(rc)
     ledger.check_once()
     wait_until(lambda: all(gone(p) for p in pids_of(info) + pids_of([before])), 20, "every owner's processes to exit")
+
+
+def test_rollout_keys_stay_unique_when_each_node_restarts_a_killed_actor(cluster: Any) -> None:
+    """Issue 18 item 3: each node's actor process, SIGKILLed, is restarted by its node's pool on its lane and counts
+    seq from 0 again, so (node, incarnation, lane, seq) repeats; (node, incarnation, lane, epoch, seq) must not, on the
+    learner's own node (Collector's batches) and on the other (through Ray)."""
+    with collector(restart=True, max_restarts=2) as rc:
+        ledger = Ledger(rc)
+        info = described(rc)
+        it = iter(rc)
+        for _ in range(4):
+            ledger.take(next(it))
+        for i in info:
+            os.kill(i["actor_pids"][0], signal.SIGKILL)
+
+        def pairs() -> list[tuple[int, int, int, int]]:
+            return [(node, inc, lane, s) for (node, inc, lane, _), seqs in ledger.seqs.items() for s in seqs]
+
+        def repeated_on(node: int) -> bool:
+            p = [k for k in pairs() if k[0] == node]
+            return len(set(p)) < len(p)
+
+        deadline = time.monotonic() + 90
+        while not (repeated_on(0) and repeated_on(1)):
+            assert time.monotonic() < deadline, f"a killed actor's replacement delivered nothing: {rc.stats()}"
+            ledger.take(next(it))
+        for _ in range(4):
+            ledger.take(next(it))
+        assert rc.failures == [] and all(n.incarnation == 0 for n in rc.nodes)  # the owners lived; the actors died
+    ledger.check_once()  # keyed by (node, incarnation, lane, epoch): no seq twice under one key
+    keys = [k + (s,) for k, seqs in ledger.seqs.items() for s in seqs]
+    assert len(set(keys)) == len(keys)
+    claims: dict[tuple[int, int, int], set[int]] = defaultdict(set)
+    for node, inc, lane, epoch in ledger.seqs:
+        claims[(node, inc, lane)].add(epoch)
+    assert all(any(len(e) > 1 for k, e in claims.items() if k[0] == node) for node in (0, 1)), dict(claims)
+    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "every owner's processes to exit")
 
 
 def test_a_collector_error_on_every_node_is_raised_with_both_failures(cluster: Any, tmp_path: Any) -> None:

@@ -200,3 +200,51 @@ def test_complete_episodes_with_vector_envs_shares_slots_among_sub_env_lanes():
         assert c.stats()["shmbuf"]["writers"] == 3
     envs = np.concatenate([b.data["episode"]["env"] for b in batches])
     assert set(envs.tolist()) == {0, 1, 2}
+
+
+def _kill_actor_and_collect(c, how_many_after: int = 3):
+    """Batches until actor 0, SIGKILLed after two batches, has a restarted process whose rollouts arrived; then a few
+    more. Returns every rollout's (lane, epoch, seq), in delivery order."""
+    import os
+    import signal
+
+    keys: list[tuple[int, int, int]] = []
+    it = iter(c)
+    for _ in range(2):
+        b = next(it)
+        keys += zip(b.lane.tolist(), b.epoch.tolist(), b.seq.tolist())
+    victim = c.pool.pids[0]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    after = None
+    while after is None or len(keys) < after:
+        assert time.monotonic() < deadline, f"no rollout from actor 0's replacement within 60 s: {c.stats()}"
+        b = next(it)
+        keys += zip(b.lane.tolist(), b.epoch.tolist(), b.seq.tolist())
+        if after is None and c.pool.pids[0] not in (None, victim) and len({(ln, s) for ln, _, s in keys}) < len(keys):
+            after = len(keys) + how_many_after  # the replacement delivered its seq 0 on a lane seen before
+    return keys
+
+
+@pytest.mark.parametrize("mode", ["truncate_episodes", "complete_episodes", "async_batched"])
+def test_rollout_keys_name_one_rollout_across_an_actor_kill_and_restart(mode):
+    """Issue 18 item 3: actor 0 SIGKILLed, restarted on its lane, counts seq from 0 again. (lane, seq) then repeats;
+    (lane, epoch, seq) must not, in Collector's truncate- and complete-episodes batches and AsyncBatchedCollector's."""
+    from workers import AsyncBatchedCollector
+
+    kw = dict(frames_per_batch=8, rollout_len=4, total_frames=-1, restart=True, max_restarts=3, start_method="fork",
+              timeout=30, copy=True)
+    if mode == "async_batched":
+        c = AsyncBatchedCollector([make_counting] * 2, policy=EchoPolicy(), **kw)
+    elif mode == "complete_episodes":
+        c = Collector([make_counting] * 2, EchoPolicy(), **dict(kw, rollout_len=8, batch_mode="complete_episodes"))
+    else:
+        c = Collector([make_counting] * 2, EchoPolicy(), **kw)
+    with c:
+        keys = _kill_actor_and_collect(c)
+        assert c.stats()["actor_restarts"] == 1
+    pairs = [(lane, seq) for lane, _, seq in keys]
+    assert len(set(pairs)) < len(pairs), "(lane, seq) never repeated: the kill tested nothing"
+    dup = [k for k in set(keys) if keys.count(k) > 1]
+    assert not dup, f"(lane, epoch, seq) named two rollouts: {dup[:5]}"
+    assert all(e >= 1 for _, e, _ in keys)

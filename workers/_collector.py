@@ -80,7 +80,7 @@ def check_picklable(what: str, obj: Any, start_method: str, fix: str) -> None:
 
 def _no_episodes() -> dict[str, Any]:
     """A complete-episodes batch being gathered: the episodes' copies, their metadata, their frames."""
-    return {"got": [], "versions": [], "lanes": [], "seqs": [], "lengths": [], "frames": 0}
+    return {"got": [], "versions": [], "lanes": [], "epochs": [], "seqs": [], "lengths": [], "frames": 0}
 
 
 def checked_sources(create_env_fn: Any, create_env_kwargs: Any, policy: Any, policy_factory: Any, start_method: str, *,
@@ -149,12 +149,15 @@ class CollectedBatch:
 
     ``policy_version`` (B,): the weights version each rollout was collected
     with; ``policy_lag`` (B,): the learner's version when the batch was
-    handed out minus that. ``lane``/``seq`` (B,): which writer lane made each
-    rollout, and its sequence number there. ``episode_returns``/``episode_lengths``: of the
-    episodes that ended inside this batch. ``frames``: env steps in it.
+    handed out minus that. ``lane``/``epoch``/``seq`` (B,): which writer lane made each
+    rollout, which claim of that lane its writer held (an actor restarted with
+    ``restart=True`` takes a new one) and the rollout's number in that claim, from 0: the
+    key ``(lane, epoch, seq)`` names one rollout for the collector's whole life, actor
+    restarts included (``(lane, seq)`` alone repeats after one). ``episode_returns``/
+    ``episode_lengths``: of the episodes that ended inside this batch. ``frames``: env steps in it.
     """
 
-    __slots__ = ("data", "fill", "policy_version", "policy_lag", "lane", "seq", "frames", "episode_returns",
+    __slots__ = ("data", "fill", "policy_version", "policy_lag", "lane", "epoch", "seq", "frames", "episode_returns",
                  "episode_lengths", "lengths", "batch_mode")
 
     def __init__(self, **kw: Any):
@@ -430,7 +433,8 @@ class Collector:
         lens = [b.data["episode"]["length"][i, : ep_n[i]] for i in range(B)]
         return CollectedBatch(
             data=b.data, fill=fill, policy_version=b.policy_version, policy_lag=self.policy_version - b.policy_version,
-            lane=b.lane, seq=b.seq, frames=int(fill["step"].sum()) * self.num_envs, episode_returns=np.concatenate(rets),
+            lane=b.lane, epoch=b.epoch, seq=b.seq, frames=int(fill["step"].sum()) * self.num_envs,
+            episode_returns=np.concatenate(rets),
             episode_lengths=np.concatenate(lens), lengths=fill["step"], batch_mode=self.batch_mode,
         )
 
@@ -444,6 +448,7 @@ class Collector:
                 part["got"].append(r.copy())
                 part["versions"].append(r.policy_version)
                 part["lanes"].append(r.lane)
+                part["epochs"].append(r.epoch)
                 part["seqs"].append(r.seq)
                 part["lengths"].append(r.fill["step"])
                 part["frames"] += r.fill["step"]
@@ -451,8 +456,8 @@ class Collector:
                 r.release()
         self._check_actors()
         self._partial = _no_episodes()
-        got, versions, lanes, seqs, lengths, frames = (part[k] for k in ("got", "versions", "lanes", "seqs", "lengths",
-                                                                         "frames"))
+        got, versions, lanes, epochs, seqs, lengths, frames = (part[k] for k in ("got", "versions", "lanes", "epochs",
+                                                                                 "seqs", "lengths", "frames"))
         data = {
             "step": optree.tree_map(lambda *xs: np.concatenate(xs), *[g["step"] for g in got]),
             "episode": optree.tree_map(lambda *xs: np.stack(xs), *[g["episode"] for g in got]),
@@ -460,8 +465,8 @@ class Collector:
         }
         v = np.asarray(versions, np.int64)
         return CollectedBatch(
-            data=data, fill=None, policy_version=v, policy_lag=self.policy_version - v, lane=np.asarray(lanes),
-            seq=np.asarray(seqs),
+            data=data, fill=None, policy_version=v, policy_lag=self.policy_version - v, lane=np.asarray(lanes, np.int64),
+            epoch=np.asarray(epochs, np.int64), seq=np.asarray(seqs, np.int64),
             frames=frames, episode_returns=data["episode"]["return"], episode_lengths=data["episode"]["length"],
             lengths=np.asarray(lengths, np.int64), batch_mode=self.batch_mode,
         )

@@ -65,14 +65,14 @@ from workers._pool import default_start_method
 logger = logging.getLogger(__name__)
 
 WIRE_MAGIC = "shmbuf-ray-batch"
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: each rollout's epoch (its writer's claim of the lane) in META
 WAIT_SLICE = 0.1
 # How long a node owner's next_batch waits for its Collector before looking at its stop flag again.
 OWNER_SLICE = 0.25
 # How long the learner waits on its own node's batches before it looks at the other nodes' again.
 LOCAL_SLICE = 0.002
 # Per rollout, in this order, after the data leaves and (truncate-episodes) one fill column per timescale.
-META = ("policy_version", "lane", "seq", "lengths")
+META = ("policy_version", "lane", "epoch", "seq", "lengths")
 EPISODES = ("episode_returns", "episode_lengths")
 
 
@@ -81,8 +81,9 @@ class RayBatch(CollectedBatch):
 
     ``node``: the index of the node in ``RayCollector.nodes``; ``node_id``: Ray's node id (hex);
     ``incarnation``: 0 for the node's first owner, one more each time Ray restarts it (a new
-    pipeline, whose lanes count from 0 again). ``lane``/``seq`` are per pipeline:
-    ``(node, incarnation, lane, seq)`` names one rollout.
+    pipeline, whose lanes count from 0 again). ``lane``/``epoch``/``seq`` are per pipeline, as in
+    :class:`workers.CollectedBatch` (an actor process restarted on a node takes its lane with a new
+    ``epoch``): ``(node, incarnation, lane, epoch, seq)`` names one rollout for the collector's life.
 
     Lifetime: ``data``'s arrays are read-only views of the batch's Ray object: in the object
     store's shared memory of the learner's node from about 100 KiB up, in the learner's heap
@@ -642,7 +643,8 @@ class RayCollector:
 
     def _from_local(self, n: _Node, b: CollectedBatch) -> RayBatch:
         return RayBatch(data=b.data, fill=b.fill, policy_version=b.policy_version,
-                        policy_lag=self.policy_version - b.policy_version, lane=b.lane, seq=b.seq, frames=b.frames,
+                        policy_lag=self.policy_version - b.policy_version, lane=b.lane, epoch=b.epoch, seq=b.seq,
+                        frames=b.frames,
                         episode_returns=b.episode_returns, episode_lengths=b.episode_lengths, lengths=b.lengths,
                         batch_mode=b.batch_mode, node=n.index, node_id=n.node_id, incarnation=n.incarnation)
 
@@ -755,7 +757,7 @@ class RayCollector:
         meta = {k: next(it) for k in META + EPISODES}
         version = meta["policy_version"]
         return RayBatch(data=data, fill=fill, policy_version=version, policy_lag=self.policy_version - version,
-                        lane=meta["lane"], seq=meta["seq"], frames=frames,
+                        lane=meta["lane"], epoch=meta["epoch"], seq=meta["seq"], frames=frames,
                         episode_returns=meta["episode_returns"], episode_lengths=meta["episode_lengths"],
                         lengths=meta["lengths"], batch_mode=self.batch_mode, node=n.index, node_id=n.node_id,
                         incarnation=n.incarnation)
