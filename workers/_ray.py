@@ -71,6 +71,8 @@ WAIT_SLICE = 0.1
 OWNER_SLICE = 0.25
 # How long the learner waits on its own node's batches before it looks at the other nodes' again.
 LOCAL_SLICE = 0.002
+# How long a refused weights version waits for the other nodes' answers to it, to raise them as one error.
+ACK_WAIT = 5.0
 # Per rollout, in this order, after the data leaves and (truncate-episodes) one fill column per timescale.
 META = ("policy_version", "lane", "epoch", "seq", "lengths")
 EPISODES = ("episode_returns", "episode_lengths")
@@ -533,23 +535,37 @@ class RayCollector:
         self._weight_acks.append((ref, n, n.incarnation, self.policy_version))
 
     def _check_acks(self) -> None:
-        """Raise here what an owner's ``set_weights`` raised (weights that do not fit its broadcast, say).
+        """Raise here what the owners' ``set_weights`` raised (weights that do not fit their broadcast, say).
 
+        One error per refused version, naming every node that refused it: the other nodes'
+        answers to that version are awaited (up to ACK_WAIT) and then dropped, answered or not,
+        so that no later call raises the same refusal again. (Every node refuses weights that do
+        not fit, each at its own moment: the first answer used to be raised and a later one raised
+        again at the learner's next call.) A refusal of a later version waits for the next call.
         An owner that died, failed or restarted meanwhile is not an error of the weights: its
         next_batch reports it, and a restarted one is sent the latest version again.
         """
-        done: list[tuple[Any, _Node, int, int]] = []
-        keep: list[tuple[Any, _Node, int, int]] = []
+        pending: list[tuple[Any, _Node, int, int]] = []
+        refused: list[tuple[tuple[Any, _Node, int, int], BaseException]] = []
         for a in self._weight_acks:
-            (done if _done(a[0]) else keep).append(a)
-        self._weight_acks = keep
-        for ref, n, incarnation, version in done:
-            try:
-                ray.get(ref)
-            except Exception as exc:  # noqa: BLE001 - sorted below
-                if n.state != "running" or n.incarnation != incarnation or isinstance(exc, ray.exceptions.RayActorError):
-                    continue
-                raise RuntimeError(f"node {n.index} could not take weights version {version}: {exc}") from exc
+            if not _done(a[0]):
+                pending.append(a)
+            elif (exc := _refusal(a)) is not None:
+                refused.append((a, exc))
+        if not refused:
+            self._weight_acks = pending
+            return
+        version = min(a[3] for a, _ in refused)
+        same = [a for a in pending if a[3] == version]
+        if same:
+            ray.wait([a[0] for a in same], num_returns=len(same), timeout=ACK_WAIT)
+            refused += [(a, exc) for a in same if _done(a[0]) and (exc := _refusal(a)) is not None]
+        self._weight_acks = [a for a in pending if a[3] != version] + [a for a, _ in refused if a[3] != version]
+        mine = sorted(((a[1].index, exc) for a, exc in refused if a[3] == version), key=lambda x: x[0])
+        if len(mine) == 1:
+            raise RuntimeError(f"node {mine[0][0]} could not take weights version {version}: {mine[0][1]}") from mine[0][1]
+        raise RuntimeError(f"nodes {', '.join(str(i) for i, _ in mine)} could not take weights version {version}: "
+                           + "; ".join(f"node {i}: {exc}" for i, exc in mine)) from mine[0][1]
 
     # -- iteration ----------------------------------------------------------
 
@@ -833,6 +849,19 @@ class RayCollector:
 def _done(ref: Any) -> bool:
     ready, _ = ray.wait([ref], timeout=0)
     return bool(ready)
+
+
+def _refusal(ack: tuple[Any, _Node, int, int]) -> BaseException | None:
+    """What a finished ``set_weights`` call raised, if it is the weights' fault: None when it succeeded, or when
+    its owner died, failed or restarted since (not an error of the weights; see ``_check_acks``)."""
+    ref, n, incarnation, _version = ack
+    try:
+        ray.get(ref)
+    except Exception as exc:  # noqa: BLE001 - sorted here
+        if n.state != "running" or n.incarnation != incarnation or isinstance(exc, ray.exceptions.RayActorError):
+            return None
+        return exc
+    return None
 
 
 def _rate(n: _Node) -> float:
