@@ -331,6 +331,7 @@ class Reader:
         self._partial_dropped = 0
         self._bad_messages = 0
         self._lanes_reclaimed = 0
+        self._writers_seen = 0  # lanes taken since creation: a timeout with none says no writer ever came
         self._wn = np.ndarray((self._plan.total // 8,), np.int64, buffer=seg.base)  # the words, for bulk ring work
         self._leaf_all = [seg.leaf_view(i) for i in range(len(self.schema.leaves))]
         self._slot_table = np.ndarray((n, self._plan.slot_bytes // 8), np.int64, buffer=seg.base, offset=self._plan.slots_off)
@@ -385,7 +386,10 @@ class Reader:
         """The next committed rollout (the oldest ready), waiting up to ``timeout`` seconds (None: for ever).
 
         Raises:
-            SlotTimeout: nothing arrived in time (a TimeoutError).
+            SlotTimeout: nothing arrived in time (a TimeoutError); the message says what this reader
+                holds and whether any writer ever attached.
+            UsageError: at once, when this reader itself holds every slot (a kept batch, rollouts
+                not released), so no writer could ever fill one: ``get()`` does not end a batch.
             WriterError: a writer reported an exception (``raise_writer_errors``).
             PipelineClosed: this reader was closed.
         """
@@ -416,7 +420,8 @@ class Reader:
                 byte (``batch.zero_copy`` says which). False: always gathered.
 
         The batch this reader handed out before is released first (see :class:`Batch` for the
-        lifetime). Nothing is lost to an exception: until the batch is built, its rollouts stay
+        lifetime). Rollouts from :meth:`get` that are not released still hold their slots: if they
+        leave the writers fewer than ``batch_size``, this raises UsageError at once. Nothing is lost to an exception: until the batch is built, its rollouts stay
         ready for the next call.
         """
         self._guard()
@@ -609,6 +614,11 @@ class Reader:
         """
         t_call = time.monotonic()
         patience_end = None
+        if self.slots - self._held < size:
+            raise UsageError(f"pipeline {self.name}: {self._asked(size)} can never be served: this reader itself "
+                             f"{self._holding()}, so the writers can fill at most {self.slots - self._held} of its "
+                             f"{self.slots} slots. Release what you hold first (batch.release(), rollout.release(), "
+                             "or a with block), or copy what must outlive it (rollout.copy(), get_batch(copy=True))")
         while True:
             self._poll()
             if self.errors and self.raise_writer_errors:
@@ -637,8 +647,8 @@ class Reader:
             if wait <= 0:
                 if want <= 0 or patience_end is not None:
                     return -1  # enough are ready: the deadline decides for a gather, not a timeout
-                raise SlotTimeout(f"pipeline {self.name}: no {'rollout' if size == 1 else f'batch of {size}'} within "
-                                  f"timeout={timeout} s")
+                raise SlotTimeout(f"pipeline {self.name}: {self._asked(size)} got nothing within timeout={timeout} s; "
+                                  f"{self._why_nothing()}")
             if patience_end is not None:
                 wait = max(0.0, min(wait, patience_end - now))
             self._feed(need=want)  # about to wait: make sure the writers hold enough slots to send it
@@ -652,6 +662,33 @@ class Reader:
                     self._next_scan = 0.0  # quiet for a while: look for dead writers now
             finally:
                 self._disarm()
+
+    @staticmethod
+    def _asked(size: int) -> str:
+        return "get()" if size == 1 else f"get_batch({size})"
+
+    def _holding(self) -> str:
+        """What this reader holds, in words: the batch not released, and rollouts from get() not released."""
+        in_batch = self._held_run[1] if self._held_run is not None else 0
+        parts = []
+        if in_batch:
+            parts.append(f"a batch of {in_batch} (until batch.release(), its with block, or the next get_batch)")
+        if self._held - in_batch:
+            parts.append(f"{self._held - in_batch} rollout{'s' if self._held - in_batch != 1 else ''} from get() "
+                         "not released")
+        return f"holds {self._held} of its {self.slots} slots: " + " and ".join(parts) if parts else "holds no slot"
+
+    def _why_nothing(self) -> str:
+        """The end of a SlotTimeout's message: what the reader holds, and whether any writer ever came."""
+        if not self._writers_seen:
+            writers = ("no writer has attached yet (did the actor processes start? with spawn or forkserver, "
+                       "the code that starts them must sit under `if __name__ == \"__main__\":`)")
+        elif not self._lanes:
+            died = f", {self._lanes_reclaimed} of them died" if self._lanes_reclaimed else ""
+            writers = f"no writer is attached now ({self._writers_seen} came and left{died})"
+        else:
+            writers = f"{len(self._lanes)} writer{'s are' if len(self._lanes) != 1 else ' is'} attached"
+        return f"this reader {self._holding()}; {writers}"
 
     def _arm(self, want: int) -> bool:
         """Ask the writers to ring once ``want`` more rollouts are in; True if some are already published.
@@ -965,12 +1002,14 @@ class Reader:
             if st == LANE_ACTIVE:
                 if lane is None:
                     self._lanes[rec.index] = ReaderLane(rec, w, self._wn, self._seg.mm, self._lane_sems[rec.index])
+                    self._writers_seen += 1
                     changed = True
                 elif not self._writer_alive(lane):
                     self._reclaim(lane, died=True)
             elif st == LANE_RETIRED:
                 if lane is None:  # retired before we ever saw it: give it a view, then take it back
                     lane = self._lanes[rec.index] = ReaderLane(rec, w, self._wn, self._seg.mm, self._lane_sems[rec.index])
+                    self._writers_seen += 1
                 self._reclaim(lane, died=False)
         if changed:
             self._feed()

@@ -32,7 +32,7 @@ def test_rollout_leaves_are_views_of_the_slot_not_copies(pair: Any) -> None:
     base = obs
     while isinstance(base, np.ndarray) and base.base is not None:
         base = base.base
-    assert type(base).__name__ == "mmap"  # the segment's own mapping
+    assert type(base) is memoryview and type(base.obj).__name__ == "mmap"  # an export of the segment's own mapping
     assert obs.ctypes.data % 64 == 0  # every leaf of a slot starts on a cache line
     r.release()
 
@@ -129,9 +129,131 @@ def test_batch_timeout_loses_nothing(pair: Any) -> None:
 def test_get_timeout_is_a_timeout_error(pair: Any) -> None:
     reader, _ = pair
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match="no rollout within timeout=0.2 s"):
+    with pytest.raises(TimeoutError, match=r"get\(\) got nothing within timeout=0.2 s; this reader holds no slot; "
+                                           "1 writer is attached"):
         reader.get(timeout=0.2)
     assert time.monotonic() - t0 < 2.0
+
+
+def test_a_timeout_with_no_writer_ever_attached_says_so(make_reader: Any) -> None:
+    reader = make_reader(small_example(), slots=4, max_writers=1)
+    with pytest.raises(shmbuf.SlotTimeout, match="no writer has attached yet .*__main__"):
+        reader.get(timeout=0.1)
+    with shmbuf.Writer(reader.handle, timeout=2.0):
+        reader.poll()
+    with pytest.raises(shmbuf.SlotTimeout, match=r"no writer is attached now \(1 came and left\)"):
+        reader.get_batch(2, timeout=0.1)
+
+
+def test_a_get_the_readers_own_batch_starves_raises_at_once(pair: Any) -> None:
+    """A kept batch of every slot, then get(): the writers can never fill a slot, so it says so at once."""
+    reader, writer = pair
+    for k in range(8):
+        write(writer, float(k))
+        reader.poll()  # one writer may queue only half the slots before the reader lends again
+    batch = reader.get_batch(8, timeout=5)
+    assert batch.zero_copy
+    for timeout in (5.0, None):  # None too: it used to wait for ever
+        t0 = time.monotonic()
+        with pytest.raises(shmbuf.UsageError, match=r"get\(\) can never be served: this reader itself holds 8 of its "
+                                                    r"8 slots: a batch of 8 .*fill at most 0 of its 8 slots"):
+            reader.get(timeout=timeout)
+        assert time.monotonic() - t0 < 4.0  # at once, not after the 5 s timeout (a generous bound: CI is loaded)
+    batch.release()
+    write(writer, 9.0)
+    with reader.get(timeout=5) as r:  # released: served again
+        assert float(r.data["step"]["reward"][0]) == 9.0
+
+
+def test_unreleased_rollouts_that_leave_too_few_slots_for_a_batch_raise_at_once(pair: Any) -> None:
+    reader, writer = pair
+    for k in range(6):
+        write(writer, float(k))
+        reader.poll()
+    kept = [reader.get(timeout=5) for _ in range(6)]
+    with pytest.raises(shmbuf.UsageError, match=r"get_batch\(4\) can never be served: this reader itself holds 6 of its "
+                                                r"8 slots: 6 rollouts from get\(\) not released"):
+        reader.get_batch(4, timeout=5)
+    kept.pop().release()
+    kept.pop().release()
+    for k in range(4):
+        write(writer, float(10 + k))
+        reader.poll()
+    batch = reader.get_batch(4, timeout=5)  # 2 released: 4 slots for the writers, enough
+    assert batch.data["step"]["reward"][:, 0].tolist() == [10.0, 11.0, 12.0, 13.0]
+    for r in kept:
+        r.release()
+
+
+def test_a_slot_timeout_names_what_the_reader_holds(pair: Any) -> None:
+    reader, writer = pair
+    write(writer, 1.0)
+    kept = reader.get(timeout=5)
+    with pytest.raises(shmbuf.SlotTimeout, match=r"this reader holds 1 of its 8 slots: 1 rollout from get\(\) not released"):
+        reader.get(timeout=0.1)
+    kept.release()
+
+
+def test_mixed_gets_and_batches_with_held_rollouts_never_starve_in_silence(make_reader: Any) -> None:
+    """Random get()/get_batch() with rollouts kept for a while: each call is served, or refused at once, never timed out.
+
+    A writer thread commits for ever; the reader keeps some rollouts from get() unreleased and some
+    batches alive across get() calls. Whenever the slots it holds leave writers too few for the
+    call, the call must raise UsageError at once; otherwise it must be served within its timeout.
+    """
+    rng = np.random.default_rng(18)
+    reader = make_reader(small_example(), slots=8, max_writers=1)
+    stop = threading.Event()
+    writer = shmbuf.Writer(reader.handle, timeout=5.0)
+
+    def produce() -> None:
+        try:
+            while not stop.is_set():
+                try:
+                    write(writer, 1.0)
+                except shmbuf.SlotTimeout:
+                    continue  # the reader holds every slot for now
+        except shmbuf.PipelineClosed:
+            pass
+
+    t = threading.Thread(target=produce, daemon=True)
+    reader.poll()
+    t.start()
+    try:
+        kept: list[shmbuf.Rollout] = []
+        batch = None
+        refused = served = 0
+        for _ in range(300):
+            held = len(kept) + (batch.size if batch is not None and batch.zero_copy and not batch.released else 0)
+            if rng.random() < 0.5:
+                size = 1
+                call = lambda: reader.get(timeout=5)  # noqa: E731
+            else:
+                size = int(rng.integers(1, 9))
+                held -= batch.size if batch is not None and batch.zero_copy and not batch.released else 0  # released first
+                call = lambda: reader.get_batch(size, timeout=5)  # noqa: E731 - size is bound at call time below
+            if 8 - held < size:
+                with pytest.raises(shmbuf.UsageError, match="can never be served"):
+                    call()
+                refused += 1
+            else:
+                got = call()
+                served += 1
+                if isinstance(got, shmbuf.Rollout):
+                    kept.append(got)
+                else:
+                    batch = got
+            while kept and rng.random() < 0.4:
+                kept.pop(int(rng.integers(len(kept)))).release()
+            if batch is not None and not batch.released and rng.random() < 0.2:
+                batch.release()
+        assert refused > 10 and served > 100, (refused, served)  # both sides of the rule were exercised
+    finally:
+        stop.set()
+        reader.close()
+        t.join(10)
+        assert not t.is_alive()
+        writer.close()
 
 
 def test_writer_error_is_raised_in_the_reader_with_its_traceback(pair: Any) -> None:
