@@ -21,6 +21,7 @@ from shmbuf.storage.rollout import (
     split_and_pad_trajectories,
     unpad_trajectories,
 )
+from tests import _rsl_rl
 from workers import rollout_example
 
 OBS, ACT = (3,), (2,)
@@ -89,6 +90,78 @@ def test_compute_returns_is_compute_gae_into_the_storages_own_arrays_and_normali
     want_a, want_r = compute_gae(s.rewards, s.values, d, lv[:, 0], 0.99, 0.95, time_outs=to, time_out_values=tov)
     np.testing.assert_allclose(s.returns, want_r, atol=1e-5)  # returns from the raw advantages
     np.testing.assert_allclose(s.advantages, (want_a - want_a.mean()) / (want_a.std(ddof=1) + 1e-8), atol=1e-5)
+
+
+# -- the flags' two conventions (issue 18, item 6) -------------------------------------------------------
+
+def one_step(cls: Any, dones: bool, time_outs: bool) -> RolloutStorage:
+    """The issue's case through add_transitions: one env, one step, r=0, V=1."""
+    s = cls(1, 1, OBS, None, ACT)
+    s.add_transitions((SarsaTransition if cls is SarsaRolloutStorage else Transition)(
+        observations=np.zeros((1, 3)), actions=np.zeros((1, 2)), rewards=np.zeros(1), dones=np.array([dones]),
+        time_outs=np.array([time_outs]), values=np.ones((1, 1)), actions_log_prob=np.zeros(1)))
+    return s
+
+
+@pytest.mark.parametrize("cls", [RolloutStorage, QueueRolloutStorage, SarsaRolloutStorage])
+def test_add_transitions_bootstraps_a_time_out_whatever_dones_says_as_rsl_rl(cls: Any) -> None:
+    """002 / rsl_rl mark a time-out dones=True and time_outs=True and bootstrap it: A = (0 + 0.99 * 1) - 1 = -0.01
+    (last V = 5 is not read: the episode ended). shmbuf counted the step as terminated: A = -1."""
+    for dones in (True, False):
+        s = one_step(cls, dones=dones, time_outs=True)
+        s.compute_returns(np.array([5.0]), 0.99, 0.95)
+        np.testing.assert_allclose(s.advantages, [[-0.01]], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(s.returns, [[0.99]], rtol=0, atol=1e-6)
+        assert s.flag_convention == "rsl_rl"
+    s = one_step(cls, dones=True, time_outs=False)  # terminated: no bootstrap
+    s.compute_returns(np.array([5.0]), 0.99, 0.95)
+    np.testing.assert_array_equal(s.advantages, [[-1.0]])
+
+
+def test_from_rollout_keeps_gymnasiums_rule_terminated_and_truncated_is_terminated() -> None:
+    """shmbuf's own actors record gymnasium's terminated and truncated: a step flagged both is terminated."""
+    step = {"obs": np.zeros((1, 1, 1, 3), np.float32), "action": np.zeros((1, 1, 1, 2), np.float32),
+            "reward": np.zeros((1, 1, 1), np.float32), "terminated": np.ones((1, 1, 1), bool),
+            "truncated": np.ones((1, 1, 1), bool), "value": np.ones((1, 1, 1), np.float32),
+            "log_prob": np.zeros((1, 1, 1), np.float32)}
+    cb = SimpleNamespace(data={"step": step}, fill={"step": np.ones(1, int)})
+    s = RolloutStorage.from_rollout(cb)
+    s.compute_returns(np.array([5.0]), 0.99, 0.95)
+    np.testing.assert_array_equal(s.advantages, [[-1.0]])
+    assert s.flag_convention == "gymnasium"
+    step["terminated"][...] = False  # truncated only: bootstrapped
+    s.compute_returns(np.array([5.0]), 0.99, 0.95)
+    np.testing.assert_allclose(s.advantages, [[-0.01]], rtol=0, atol=1e-6)
+
+
+def test_flag_convention_can_be_set_and_a_bad_one_is_refused() -> None:
+    s = one_step(RolloutStorage, dones=True, time_outs=True)
+    s.flag_convention = "gymnasium"  # filled with gymnasium's terminated / truncated as they are
+    s.compute_returns(np.array([5.0]), 0.99, 0.95)
+    np.testing.assert_array_equal(s.advantages, [[-1.0]])
+    s.flag_convention = "gym"
+    with pytest.raises(shmbuf.UsageError, match=r"flag_convention is 'gym'; expected 'rsl_rl'.*or 'gymnasium'"):
+        s.compute_returns(np.array([5.0]), 0.99, 0.95)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_add_transitions_then_compute_returns_is_rsl_rl_bit_for_bit(seed: int) -> None:
+    """Filled step by step as rsl_rl's PPO fills its storage ([N, 1] values; time-outs are a subset of dones), the
+    returns equal rsl_rl 5.5.1's (tests/_rsl_rl.py), bit for bit."""
+    rng = np.random.default_rng(seed)
+    T, N = 16, 6
+    r, v = (rng.normal(size=(T, N)).astype(np.float32) for _ in range(2))
+    lv = rng.normal(size=N).astype(np.float32)
+    d = rng.random((T, N)) < 0.3
+    to = d & (rng.random((T, N)) < 0.5)
+    s = RolloutStorage(N, T, OBS, None, ACT)
+    for t in range(T):
+        s.add_transitions(Transition(observations=np.zeros((N, 3)), actions=np.zeros((N, 2)), rewards=r[t], dones=d[t],
+                                     time_outs=to[t], values=v[t][:, None], actions_log_prob=np.zeros(N)))
+    s.compute_returns(lv[:, None], 0.99, 0.95)
+    want_adv, want_ret = _rsl_rl.transcribed(r, v, d, to, lv, 0.99, 0.95)
+    np.testing.assert_array_equal(s.returns, want_ret)
+    np.testing.assert_array_equal(s.returns - s.values, want_adv)
 
 
 # -- minibatches ---------------------------------------------------------------------------------------

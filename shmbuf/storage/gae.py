@@ -1,23 +1,33 @@
 """Generalised advantage estimation (GAE), vectorised over envs: one Python step per time step, none per env.
 
 All arrays are time-major: ``rewards``, ``values`` ``[T, N, *rest]`` (``rest`` is usually empty; rsl_rl's
-``[T, N, 1]`` works too), ``dones`` and ``time_outs`` ``[T, N]`` (or ``values``' shape), ``last_values``
-``[N, *rest]``. An episode end at step ``t`` (``dones[t]`` or ``time_outs[t]``) stops both the next value and
-the advantage of step ``t + 1`` from flowing back into step ``t``. What differs is the bootstrap:
+``[T, N, 1]`` works too), the flags ``[T, N]`` (or ``values``' shape), ``last_values`` ``[N, *rest]``.
+An episode end at step ``t`` (``dones[t]``, or a time-out) stops both the next value and the advantage of
+step ``t + 1`` from flowing back into step ``t``. What differs is the bootstrap, and two conventions name
+the flags differently, so there are two keywords; pass one of them (or neither):
 
-- ``dones`` (gymnasium's *terminated*): the MDP ended, the value after it is 0.
-- ``time_outs`` (*truncated*): the episode was cut by a time limit, so step ``t`` bootstraps from
-  ``time_out_values[t]`` (the critic's value of the final observation) where given, else from ``values[t]``,
-  which is what 002 / rsl_rl do (``rewards += gamma * values * time_outs``; it is exact only when the
-  final observation's value equals the current one's). A step both terminated and truncated counts as terminated.
+- ``time_outs=`` (002 / rsl_rl): ``dones`` marks every episode end, time-outs included (rsl_rl's envs set
+  ``dones`` *and* ``time_outs`` at a time limit), and a time-out bootstraps **whatever** ``dones`` **says**:
+  ``boot = time_outs``. A time-out not flagged done (rsl_rl's envs never send one) also ends the episode.
+- ``truncated=`` (gymnasium): ``dones`` is *terminated* (the MDP ended, the value after it is 0) and
+  ``truncated`` a time limit; a step both terminated and truncated counts as terminated:
+  ``boot = truncated & ~dones``. This is how shmbuf reads its own actors' ``terminated``/``truncated``
+  (``RolloutStorage.from_rollout``).
 
-Per step::
+A bootstrapped step adds ``gamma * tv[t]``, the critic's value of the episode's final observation:
+``time_out_values[t]`` where given, else ``values[t]``, which is what 002 / rsl_rl do (``rewards += gamma *
+values * time_outs``; it is exact only when the final observation's value equals the current one's).
 
-    delta[t] = r[t] + gamma * boot[t] * tv[t] + gamma * (1 - end[t]) * V[t + 1] - V[t]     (V[T] = last_values)
+Per step, ``end = dones | time-out flag``, ``boot`` as above::
+
+    delta[t] = (r[t] + gamma * boot[t] * tv[t]) + gamma * (1 - end[t]) * V[t + 1] - V[t]     (V[T] = last_values)
     A[t]     = delta[t] + gamma * lam * (1 - end[t]) * A[t + 1]
     returns  = A + V
 
-rsl_rl adds the time-out bootstrap into the stored rewards; here rewards are never modified.
+in that order of float operations, which is rsl_rl's (its PPO folds ``gamma * V * time_outs`` into the
+stored rewards, then runs the same recursion over ``dones``): on float32 data in rsl_rl's convention the
+returns are rsl_rl's bit for bit (its advantages are ``returns - values``; these are ``A`` itself). Here
+rewards are never modified.
 """
 
 from __future__ import annotations
@@ -70,25 +80,33 @@ def _outputs(out: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], 
 
 
 def compute_gae(rewards: Any, values: Any, dones: Any, last_values: Any, gamma: float, lam: float, *,
-                time_outs: Any = None, time_out_values: Any = None,
+                time_outs: Any = None, truncated: Any = None, time_out_values: Any = None,
                 out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """GAE advantages and returns (see the module doc for the formula); returns ``(advantages, returns)``.
 
     Args:
         rewards, values: ``[T, N, *rest]``, float32 or float64 (the result has their common float type).
-        dones: ``[T, N]`` (or ``values``' shape): terminated; bool, or numbers where nonzero means true.
+        dones: ``[T, N]`` (or ``values``' shape): bool, or numbers where nonzero means true. With
+            ``time_outs`` (002 / rsl_rl) every episode end; with ``truncated`` (gymnasium) terminated only.
         last_values: ``[N, *rest]``: the critic's value of the observation after the last step.
         gamma, lam: discount and GAE lambda: real numbers from 0 to 1 (else UsageError naming the setting).
-        time_outs: like ``dones``: truncated by a time limit (None: never).
-        time_out_values: like ``values``: at each time-out step, the value of the episode's final
-            observation (read only where ``time_outs`` and not ``dones``; None: use ``values``).
+        time_outs: like ``dones``, 002 / rsl_rl's flag: the episode hit its time limit; such a step
+            bootstraps **whatever** ``dones`` **says** (rsl_rl sets both at a time-out).
+        truncated: like ``dones``, gymnasium's flag: the episode was cut by a time limit; such a step
+            bootstraps unless ``dones`` (terminated) is also set. Give ``time_outs`` or ``truncated``, not both
+            (UsageError); neither: no time-outs.
+        time_out_values: like ``values``: at each bootstrapped step, the value of the episode's final
+            observation (read only there; None: use ``values``).
         out: ``(advantages, returns)`` arrays to write into (e.g. a storage's own), instead of new ones.
 
     Allocates one ``[T, N]`` scratch array (the per-step factors) besides the outputs, and index arrays for
-    the time-out steps; the loop over T writes in place. Inputs are never modified.
+    the bootstrapped steps; the loop over T writes in place. Inputs are never modified.
     """
     gamma = check_discount("compute_gae", "gamma", gamma)
     lam = check_discount("compute_gae", "lam", lam)
+    if time_outs is not None and truncated is not None:
+        raise UsageError("compute_gae: got both time_outs= (002 / rsl_rl: a time-out bootstraps whatever dones says) "
+                         "and truncated= (gymnasium: terminated wins); pass the one whose convention your flags follow")
     rewards = np.asarray(rewards)
     values = np.asarray(values)
     if values.ndim < 2:
@@ -104,30 +122,39 @@ def compute_gae(rewards: Any, values: Any, dones: Any, last_values: Any, gamma: 
     done = _mask("dones", dones, shape)
     inputs = (rewards, values, last_values)
     end = done
+    boot = None
     if time_outs is not None:
-        to = _mask("time_outs", time_outs, shape)
+        boot = _mask("time_outs", time_outs, shape)  # 002 / rsl_rl: whatever dones says
+        end = done | boot
+    elif truncated is not None:
+        to = _mask("truncated", truncated, shape)
         end = done | to
+        boot = to & ~done  # gymnasium: a step both terminated and truncated is terminated
     tv = values if time_out_values is None else np.asarray(time_out_values)
     _check_shape("time_out_values", tv, shape)
     adv, ret = _outputs(out, shape, dtype, inputs)
     if T == 0:
         return adv, ret
 
+    g = np.asarray(gamma, dtype)
     # cont[t] = gamma * (1 - end[t]): what carries V[t+1] and A[t+1] back into step t
-    cont = np.multiply(~end, np.asarray(gamma, dtype), dtype=dtype)
-    # delta, written into adv: r + cont * V_next - V (+ the time-out bootstrap)
+    cont = np.multiply(~end, g, dtype=dtype)
+    # delta, written into adv: (r + cont * V_next) - V; rsl_rl's order of operations, so float32 results match it
     np.multiply(cont[:-1], values[1:], out=adv[:-1])
     np.multiply(cont[-1], last_values, out=adv[-1])
-    adv += rewards
-    adv -= values
-    if time_outs is not None:
+    at = None
+    if boot is not None:
         # time-outs are few: index them rather than pass over every step (and never read tv elsewhere)
-        boot = to & ~done  # [T, N, 1, ...] when both masks are [T, N]; else values' full shape
         if boot.shape == shape:  # a mask per element (e.g. per critic head): index every axis
             at = np.unravel_index(np.flatnonzero(boot), shape)
-        else:  # one flag per step and env: index [t, n] and take the trailing axes whole
+        else:  # one flag per step and env ([T, N, 1, ...]): index [t, n] and take the trailing axes whole
             at = np.unravel_index(np.flatnonzero(boot), shape[:2])  # 2-d np.nonzero is ten times slower
-        adv[at] += np.asarray(gamma, dtype) * tv[at]
+        next_part = adv[at]  # cont * V_next at the bootstrapped steps (a copy)
+    adv += rewards
+    adv -= values
+    if at is not None:
+        # rsl_rl folds gamma * V into the reward first: ((r + gamma * tv) + cont * V_next) - V
+        adv[at] = ((rewards[at] + g * tv[at]) + next_part) - values[at]
     cont *= lam
     tmp = ret[0]  # one row of scratch for the recursion
     for t in range(T - 2, -1, -1):

@@ -5,6 +5,13 @@ Layout: every per-step array is time-major ``[T, N, ...]`` (T = ``num_transition
 Scalars per step (rewards, dones, time_outs, values, actions_log_prob, returns, advantages) are ``[T, N]``,
 not rsl_rl's ``[T, N, 1]`` (a ``[N, 1]`` input is accepted and read as ``[N]``); dones and time_outs are bool.
 
+The flags mean what the way in says (``flag_convention``; see :mod:`shmbuf.storage.gae` for the formulas):
+
+- ``add_transitions`` (``"rsl_rl"``): 002 / rsl_rl's ``dones`` (every episode end) and ``time_outs`` (hit the
+  time limit); a time-out bootstraps whatever ``dones`` says, as rsl_rl's PPO does;
+- ``from_rollout`` (``"gymnasium"``): ``dones`` is gymnasium's ``terminated``, ``time_outs`` its
+  ``truncated``; a step both terminated and truncated counts as terminated (no bootstrap).
+
 Two ways in:
 
 - step by step: :meth:`RolloutStorage.add_transitions` copies one :class:`Transition` into row ``step``;
@@ -63,7 +70,11 @@ REQUIRED = ("observations", "actions", "rewards", "dones", "values", "actions_lo
 class Transition:
     """One step of every env, as 002's ``RolloutStorage.Transition`` (plus ``time_outs``): arrays with a
     leading ``N``. ``critic_observations``, ``time_outs`` (False), ``action_mean``/``action_sigma`` and
-    ``hidden_states`` (``(actor, critic)``, each ``[N, *rnn_hidden_shape]``) may stay None."""
+    ``hidden_states`` (``(actor, critic)``, each ``[N, *rnn_hidden_shape]``) may stay None.
+
+    Flags as 002 / rsl_rl: ``dones`` ends the episode, ``time_outs`` says it hit its time limit and is
+    bootstrapped whatever ``dones`` says (rsl_rl's envs set both). From gymnasium's ``terminated`` and
+    ``truncated``: ``dones=terminated | truncated``, ``time_outs=truncated & ~terminated``."""
 
     observations: Any = None
     critic_observations: Any = None
@@ -388,7 +399,7 @@ class RolloutStorage:
     """PPO rollout storage: time-major ``[T, N, ...]`` numpy arrays (002 / rsl_rl's ``RolloutStorage``).
 
     Arrays: ``observations``, ``privileged_observations`` (critic observations; None when not used),
-    ``actions``, ``rewards``, ``dones`` (terminated), ``time_outs`` (truncated), ``values``,
+    ``actions``, ``rewards``, ``dones``, ``time_outs`` (read as ``flag_convention`` says), ``values``,
     ``actions_log_prob``, ``mu``, ``sigma``, ``returns``, ``advantages``, and with ``rnn_hidden_shape``
     ``hidden_states_actor``/``hidden_states_critic`` ``[T, N, *rnn_hidden_shape]`` (the state each step's
     network call started from; with torch's ``(num_layers, N, H)`` store ``h.transpose(0, 1)``; an LSTM's
@@ -396,6 +407,12 @@ class RolloutStorage:
 
     ``step`` counts the rows filled; :meth:`compute_returns`, the generators and :meth:`get_statistics`
     work on rows ``[0, step)``. Shuffling draws from ``rng`` (``np.random.default_rng(seed)``).
+
+    ``flag_convention`` says how :meth:`compute_returns` reads the flags: ``"rsl_rl"`` for a storage made
+    here and filled by :meth:`add_transitions` (002 / rsl_rl: ``dones`` every episode end, and a
+    ``time_outs`` step bootstraps whatever ``dones`` says), ``"gymnasium"`` for one made by
+    :meth:`from_rollout` (``dones`` = terminated, ``time_outs`` = truncated; terminated wins). Set it to
+    ``"gymnasium"`` to fill with gymnasium's ``terminated``/``truncated`` as they are.
     """
 
     Transition = Transition
@@ -447,6 +464,7 @@ class RolloutStorage:
         self.time_out_observations: TimeOutObservations | None = None
         self.copied: tuple[str, ...] = ()
         self._borrowed: str | None = None
+        self.flag_convention = "rsl_rl"  # add_transitions: 002 / rsl_rl's dones and time_outs
 
     # -- filling --------------------------------------------------------------------------------------
 
@@ -464,8 +482,11 @@ class RolloutStorage:
         policy must return ``(action, {"value": ..., "log_prob": ...})``. ``obs_key``, ``action_key``,
         ``reward_key``, ``terminated_key``, ``value_key`` and ``log_prob_key`` are required (a str; None is a
         UsageError); ``truncated_key=None`` means no episode is ever truncated (``time_outs`` all False, the
-        storage's own array); a key with no leaf is a SchemaError naming it. Every rollout must be full
-        (``fill["step"] == T``); a short one is refused with a UsageError naming it and its fill.
+        storage's own array); a key with no leaf is a SchemaError naming it. ``dones`` is the terminated leaf
+        and ``time_outs`` the truncated one, read as gymnasium means them (``flag_convention =
+        "gymnasium"``): a step both terminated and truncated is terminated and not bootstrapped. Every
+        rollout must be full (``fill["step"] == T``); a short one is refused with a UsageError naming it
+        and its fill.
 
         Views and copies: ``N = B * E`` (E = 1 without an env dim). Each per-step array is a view of the
         source's leaf, except for a batch whose leaves have an env dim with B > 1, E > 1 and T > 1: merging
@@ -527,6 +548,7 @@ class RolloutStorage:
         self.time_out_observations = None if truncated_key is None else src.time_outs(obs_key)
         self._adopt(arrays, src)
         self.copied = tuple(src.copied)
+        self.flag_convention = "gymnasium"  # the actors' own terminated / truncated
         return self
 
     def _adopt(self, arrays: dict[str, np.ndarray | None], src: _Source) -> None:
@@ -626,11 +648,19 @@ class RolloutStorage:
         ``last_values`` ``[N]`` (or ``[N, 1]``): the critic's value of the observation after the last row.
         Time-outs bootstrap from ``time_out_values`` ``[T, N]`` (the final observations' values, read only at
         time-out steps; :meth:`time_out_values_from` builds it) or else from ``values`` (002's approximation);
-        terminations do not bootstrap. ``normalize_advantages``: then ``(A - mean) / (std + 1e-8)`` over all
-        rows, as rsl_rl does on every call (off by default: returns are computed before normalising either way).
+        terminations do not bootstrap. Which steps are time-outs follows ``flag_convention``: ``"rsl_rl"``
+        (filled by :meth:`add_transitions`): every ``time_outs`` step, whatever ``dones`` says, as rsl_rl's
+        PPO (``compute_gae(..., time_outs=)``); ``"gymnasium"`` (made by :meth:`from_rollout`): ``time_outs
+        & ~dones`` (``compute_gae(..., truncated=)``). ``normalize_advantages``: then ``(A - mean) / (std +
+        1e-8)`` over all rows, as rsl_rl does on every call (off by default: returns are computed before
+        normalising either way).
         ``gamma`` and ``lam``: real numbers from 0 to 1 (else UsageError naming the setting).
         """
         self._check_discounts(gamma, lam)
+        rule = self.flag_convention
+        if rule not in ("rsl_rl", "gymnasium"):
+            raise UsageError(f"{type(self).__name__}.compute_returns: flag_convention is {rule!r:.80}; expected "
+                             "'rsl_rl' (dones and time_outs as 002 / rsl_rl) or 'gymnasium' (terminated and truncated)")
         n = self._filled()
         lv = np.asarray(last_values)
         if lv.shape == (self.num_envs, 1):
@@ -641,7 +671,8 @@ class RolloutStorage:
             if tov.shape[2:] == (1,):
                 tov = tov[..., 0]
             tov = tov[:n]
-        compute_gae(self.rewards[:n], self.values[:n], self.dones[:n], lv, gamma, lam, time_outs=self.time_outs[:n],
+        flags = {"time_outs" if rule == "rsl_rl" else "truncated": self.time_outs[:n]}
+        compute_gae(self.rewards[:n], self.values[:n], self.dones[:n], lv, gamma, lam, **flags,
                     time_out_values=tov, out=(self.advantages[:n], self.returns[:n]))
         if normalize_advantages:
             _normalize(self.advantages[:n])
