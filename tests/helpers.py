@@ -26,14 +26,16 @@ def doc_blocks(page: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
 
 
-def run_doc_block(page: str, k: int, tmp_path: pathlib.Path, timeout: float = 180) -> None:
-    """Run block ``k`` of a docs page as written, as a script in a fresh interpreter (warnings are errors)."""
+def run_doc_block(page: str, k: int, tmp_path: pathlib.Path, timeout: float = 180) -> str:
+    """Run block ``k`` of a docs page as written, as a script in a fresh interpreter (warnings are errors);
+    return what it printed, for the test to check against what the page says it prints."""
     script = tmp_path / f"doc_block_{k}.py"
     script.write_text(doc_blocks(page)[k])
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True, text=True, timeout=timeout,
                          env=env, cwd=tmp_path)
     assert out.returncode == 0, f"block {k} of {page} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
 
 
 def fill_step(step: dict[str, np.ndarray], lane_tag: int, seq: int, t: int) -> None:
