@@ -15,6 +15,7 @@ import pytest
 
 import shmbuf
 from shmbuf import _admin
+from shmbuf._lane import Record
 from tests.conftest import shm_objects, wait_until
 from tests.helpers import FT, checksum, fault_example, fill_step, loop_writer, verify
 
@@ -262,6 +263,56 @@ def test_a_killed_reader_fails_writers_within_2s_and_clean_removes_its_leftovers
             rp.kill()
         rp.join(5)
         shmbuf._segment.unlink_all(name, 2) if "name" in locals() else None
+
+
+def _writer_asleep_for_a_slot(name: str, state: Any) -> None:
+    """Attach with timeout=None and add: no slot is ever lent, so only the reader's death can end the wait."""
+    step = {"obs": np.zeros(4, np.float32), "action": np.int64(0), "reward": np.float32(0), "done": False}
+    try:
+        w = shmbuf.Writer(name, timeout=None)
+        state.value = 1
+        w.add("step", step)
+    except shmbuf.BrokenPipeline as exc:
+        os._exit(5 if "the reader's process" in str(exc) and "died" in str(exc) else 6)
+    except BaseException:
+        os._exit(7)
+    os._exit(8)
+
+
+def test_a_writer_already_asleep_for_a_slot_when_the_reader_dies_raises_broken_pipeline() -> None:
+    """The other half of the row above: there the reader is dead before the writer's call, so the call's first
+    look raises; here the writer is asleep in the semaphore wait when the reader is killed, and only the look
+    between two wait slices can wake it."""
+    rx, tx = CTX.Pipe(duplex=False)
+    rp = CTX.Process(target=_reader_process, args=(tx,), daemon=True)
+    rp.start()
+    wp = None
+    seg = None
+    name = None
+    try:
+        assert rx.poll(20)
+        name = msgpack.unpackb(rx.recv_bytes())
+        state = CTX.RawValue("q", 0)
+        wp = CTX.Process(target=_writer_asleep_for_a_slot, args=(name, state), daemon=True)
+        wp.start()
+        seg = shmbuf._segment.Segment.attach(name, readonly=True)
+        records = [Record(seg.plan, i) for i in range(seg.plan.n_lanes)]
+        # the writer's FREE_WAIT word: set while it sleeps for want of a slot
+        wait_until(lambda: state.value == 1 and any(seg.words[r.free_wait] for r in records), 20, "the writer to sleep")
+        os.kill(rp.pid, signal.SIGKILL)
+        rp.join(5)
+        wp.join(10)  # a liveness deadline: the writer looks every 0.25 s
+        assert wp.exitcode == 5, f"the waiting writer did not raise BrokenPipeline naming the dead reader: exit {wp.exitcode}"
+    finally:
+        for p in (rp, wp):
+            if p is not None and p.is_alive():
+                p.kill()
+            if p is not None:
+                p.join(5)
+        if seg is not None:
+            seg.close()
+        if name is not None:
+            shmbuf._segment.unlink_all(name, 2)
 
 
 def test_closing_the_reader_mid_rollout_stops_every_writer(make_reader: Any, started: list) -> None:

@@ -1,0 +1,56 @@
+"""Lifecycle guarantees of docs/reliability.md that the tests cited there did not hold: each test here fails on
+the bug named in its docstring (planted in a copy of the repo to check)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+
+import shmbuf
+from tests.conftest import small_example
+
+
+def _step(tag: float, t: int = 0) -> dict[str, Any]:
+    return {"obs": np.full(4, tag, np.float32), "action": np.int64(t), "reward": np.float32(tag), "done": False}
+
+
+def _write(w: shmbuf.Writer, tag: float, length: int = 2) -> None:
+    for t in range(length):
+        w.add("step", _step(tag, t))
+    w.commit()
+
+
+def _reaped_pid() -> int:
+    """The pid of a process that has exited and been reaped: what a pid from another namespace looks like here."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(30)
+    return p.pid
+
+
+def test_a_writer_whose_pid_means_nothing_here_from_the_start_keeps_its_lane(make_reader: Any) -> None:
+    """A writer in another pid namespace records, when it claims its lane, a pid that means nothing (or someone
+    else) in the reader's: the reader must judge it by its lane lock from its first sight of the lane.
+
+    test_hardening's test of this overwrites the pid after the reader adopted the lane, and the reader reads the
+    pid only at adoption: a reader that judged writers by pid passed it. Here the pid is wrong before adoption.
+    """
+    reader = make_reader(small_example(), slots=8, max_writers=2)
+    writer = shmbuf.Writer(reader.handle, timeout=2.0)
+    try:
+        bogus = _reaped_pid()
+        writer._w[writer._lane.rec.pid] = bogus  # before the reader has seen the lane
+        for _ in range(3):
+            reader._next_scan = 0.0  # a scan of the lane table at every poll
+            reader.poll()
+        s = reader.stats()
+        assert s["writers"] == 1 and s["lanes_reclaimed"] == 0, f"the live writer's lane was taken back: {s}"
+        assert s["writer_stats"][writer.lane]["pid"] == bogus  # the reader took the lane in with that pid
+        _write(writer, 1.0)
+        _write(writer, 2.0)
+        assert [float(reader.get(timeout=5).data["step"]["obs"][0, 0]) for _ in range(2)] == [1.0, 2.0]
+        assert reader.stats()["partial_dropped"] == 0
+    finally:
+        writer.close()
