@@ -54,3 +54,31 @@ def test_a_writer_whose_pid_means_nothing_here_from_the_start_keeps_its_lane(mak
         assert reader.stats()["partial_dropped"] == 0
     finally:
         writer.close()
+
+
+class _Unprintable(Exception):
+    """An exception whose message cannot be made: reporting it to the reader fails inside report_error."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("this exception has no message")
+
+
+def test_a_failure_to_report_the_users_exception_never_replaces_it(make_reader: Any) -> None:
+    """Leaving a ``with Writer`` block by an exception reports it to the reader; when the report itself fails
+    (here str(exc) raises), the user's exception still propagates and the Writer is closed.
+
+    test_hardening's test of this sends only messages that report_error can encode, so an ``__exit__`` that let a
+    failed report propagate passed it.
+    """
+    reader = make_reader(small_example(), slots=4, max_writers=1)
+    w = shmbuf.Writer(reader.handle, timeout=2.0)
+    reader.poll()
+    try:
+        with w:
+            w.add("step", _step(1.0))
+            raise _Unprintable()
+    except _Unprintable:
+        pass  # the user's own exception, not the RuntimeError from reporting it
+    assert w._closed
+    reader.poll()  # takes the retired lane back
+    shmbuf.Writer(reader.handle, timeout=2.0).close()  # the only lane came back: the block closed the Writer
