@@ -3,6 +3,7 @@ the bug named in its docstring (planted in a copy of the repo to check)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from typing import Any
@@ -82,3 +83,34 @@ def test_a_failure_to_report_the_users_exception_never_replaces_it(make_reader: 
     assert w._closed
     reader.poll()  # takes the retired lane back
     shmbuf.Writer(reader.handle, timeout=2.0).close()  # the only lane came back: the block closed the Writer
+
+
+def _names_of(pipeline: str) -> set[str]:
+    tail = pipeline[1:]
+    return {e for e in os.listdir("/dev/shm") if e == tail or e.startswith(f"sem.{tail}-")}
+
+
+def test_only_the_owner_unlinks_a_writers_close_leaves_the_pipeline_to_the_next(make_reader: Any) -> None:
+    """"Detach" and "destroy" are different verbs: a Writer's close() releases its mapping and lane; the segment
+    and its semaphores stay until the reader closes, and then all go.
+
+    The cited test closes the reader with writers attached and checks only that the names are gone at the end, so a
+    Writer.close() that unlinked the pipeline too passed it.
+    """
+    reader = make_reader(small_example(), slots=4, max_writers=2)
+    names = _names_of(reader.name)
+    assert reader.name[1:] in names and f"sem.{reader.name[1:]}-r" in names and len(names) == 1 + 1 + 2
+    with shmbuf.Writer(reader.handle, timeout=2.0) as w:
+        reader.poll()
+        _write(w, 1.0)
+    assert _names_of(reader.name) == names  # a writer's close unlinks nothing
+    with reader.get(timeout=5) as r:
+        assert float(r.data["step"]["obs"][0, 0]) == 1.0
+    with shmbuf.Writer(reader.handle, timeout=2.0) as w2:  # the next writer attaches by name
+        reader.poll()
+        _write(w2, 2.0)
+    with reader.get(timeout=5) as r:
+        assert float(r.data["step"]["obs"][0, 0]) == 2.0
+    assert _names_of(reader.name) == names
+    reader.close()
+    assert _names_of(reader.name) == set()  # the owner's close removes every name
