@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 from typing import Any
 
@@ -141,21 +142,36 @@ def test_every_rollout_is_delivered_exactly_once_and_intact(make_reader: Any, pr
     assert s["pool"] + s["lent"] + s["ready"] + s["held"] == 32
 
 
-def _flood(name: str, writer: int, seconds: float) -> None:
-    """Send as fast as slots come, for ``seconds``."""
-    end = time.monotonic() + seconds
+SPAWN = mp.get_context("spawn")
+
+
+def _flood(name: str, writer: int, stop: Any) -> None:
+    """Send as fast as slots come until ``stop`` is set (or 120 s have passed: a test that died meanwhile)."""
+    end = time.monotonic() + 120
     k = 0
     with shmbuf.Writer(name, timeout=20.0) as w:
-        while time.monotonic() < end:
+        while not stop.is_set() and time.monotonic() < end:
             send(w, writer, k)
             k += 1
+
+
+def drain_until_writers_leave(reader: shmbuf.Reader, timeout: float = 60) -> None:
+    """Take and release rollouts until every writer has left (so that they exit cleanly); fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while reader.stats()["writers"]:
+        assert time.monotonic() < deadline, f"the writers were still attached {timeout} s after they were stopped"
+        try:
+            reader.get(timeout=0.2).release()
+        except shmbuf.SlotTimeout:
+            pass
 
 
 def test_no_writer_writes_a_slot_a_held_batch_covers(make_reader: Any, procs: Any) -> None:
     """Two writers keep committing while the learner holds a zero-copy batch and takes rollouts one by one."""
     reader = make_reader(EX, slots=16, max_writers=2)
+    stop = SPAWN.Event()
     for i in range(2):
-        procs(_flood, reader.name, i, 4.0)
+        procs(_flood, reader.name, i, stop)
     for _ in range(100):  # the first batches may be gathered while the writers start
         b = reader.get_batch(4, timeout=10)
         if b.zero_copy:
@@ -164,22 +180,19 @@ def test_no_writer_writes_a_slot_a_held_batch_covers(make_reader: Any, procs: An
     before = {k: np.array(v) for k, v in b.data["step"].items()}
     tags = check_rows(b)
     turned = 0
-    deadline = time.monotonic() + 1.5
-    while time.monotonic() < deadline:  # every other slot is written and read again, many times
+    deadline = time.monotonic() + 60  # a hang's deadline: 200 rollouts take well under a second here
+    while turned < 200:  # every other slot (12 of them) is written and read again, many times
+        assert time.monotonic() < deadline, f"the writers committed only {turned} rollouts beside the held batch in 60 s"
         with reader.get(timeout=10) as r:
             assert (r.data["step"]["x"] == 1000 * int(r.data["tag"]["writer"]) + int(r.data["tag"]["k"])).all()
             turned += 1
         assert reader.stats()["slots"]["held"] == 4
-    assert turned > 50, f"the writers committed only {turned} rollouts beside the held batch"
+    stop.set()
     for k, v in b.data["step"].items():
         assert (v == before[k]).all(), "a writer wrote into a slot the held batch covers"
     assert check_rows(b) == tags
     b.release()
-    while reader.stats()["writers"]:  # drain until the writers finish, so that they exit cleanly
-        try:
-            reader.get(timeout=0.2).release()
-        except shmbuf.SlotTimeout:
-            pass
+    drain_until_writers_leave(reader)
 
 
 def test_a_hung_writer_delays_a_default_batch_only_briefly(make_reader: Any) -> None:
@@ -197,8 +210,10 @@ def test_a_hung_writer_delays_a_default_batch_only_briefly(make_reader: Any) -> 
             send(busy, 1, k)
         # 4 ready, but each run of 4 slots has one the hung writer holds or may write
         t0 = time.monotonic()
-        b = reader.get_batch(4, timeout=5)
-        assert time.monotonic() - t0 < 2.0  # bounded by the patience rule, far below the timeout
+        b = reader.get_batch(4, timeout=60)
+        # The patience rule ends this wait in about RUN_PATIENCE (0.02 s); without it, the wait would last the whole
+        # timeout and then gather. Half the timeout tells the two apart on any machine.
+        assert time.monotonic() - t0 < 30, "get_batch waited out its timeout: the patience rule did not end the wait"
         assert check_rows(b) == [(1, 0), (1, 1), (1, 2), (1, 3)]
     finally:
         hung.close()
@@ -232,8 +247,9 @@ def test_an_idle_writer_does_not_stall_the_others(make_reader: Any, procs: Any) 
     batches (before: it held a stretch of every run, and after the first gather every get_batch timed out)."""
     reader = make_reader(EX, slots=48, max_writers=2)
     idle = shmbuf.Writer(reader, timeout=20.0)
+    stop = SPAWN.Event()
     try:
-        procs(_flood, reader.name, 1, 6.0)
+        procs(_flood, reader.name, 1, stop)
         views = 0
         for _ in range(40):
             b = reader.get_batch(16, timeout=5)
@@ -242,12 +258,9 @@ def test_an_idle_writer_does_not_stall_the_others(make_reader: Any, procs: Any) 
         assert views >= 30, f"only {views} of 40 batches were zero-copy beside an idle writer"
         b.release()
     finally:
+        stop.set()
         idle.close()
-    while reader.stats()["writers"]:  # drain until the flooding writer finishes
-        try:
-            reader.get(timeout=0.2).release()
-        except shmbuf.SlotTimeout:
-            pass
+    drain_until_writers_leave(reader)
 
 
 def test_more_writers_than_the_batch_size_still_get_zero_copy_batches(make_reader: Any, procs: Any) -> None:
@@ -256,7 +269,9 @@ def test_more_writers_than_the_batch_size_still_get_zero_copy_batches(make_reade
     for i in range(3):
         procs(_writer_proc, reader.name, i, 300)
     seen: list[tuple[int, int]] = []
+    deadline = time.monotonic() + 60
     while len(seen) < 900:
+        assert time.monotonic() < deadline, f"only {len(seen)} of 900 rollouts in 60 s"
         seen += check_rows(reader.get_batch(2, timeout=10))
     assert sorted(seen) == [(i, k) for i in range(3) for k in range(300)]
     st = reader.stats()["batches"]
