@@ -148,10 +148,60 @@ def _encode(node: Any, path: Path, out: list[tuple[Path, Any]]) -> Any:
     if isinstance(node, (list, tuple)):
         children = [_encode(v, (*path, i), out) for i, v in enumerate(node)]
         return ["list" if isinstance(node, list) else "tuple", children]
+    kind = type(node)
+    if kind.__module__.split(".")[0] == "torch" and hasattr(node, "numpy"):
+        fix = "pass tensor.detach().cpu().numpy() (or np.zeros(shape, dtype)): the example's leaves are numpy arrays"
+    else:
+        fix = "wrap Python numbers in np.asarray(...) with the dtype you want"
+    if len(path) > 1 and isinstance(path[-1], int):  # the parent is a list or tuple
+        fix += (f"; a list or tuple is a container of leaves here, not an array: for one leaf, "
+                f"pass np.asarray(...) of the whole {format_path(path[:-1])}")
     raise SchemaError(
         f"at {format_path(path)}: expected a numpy array (or a dict, list, tuple, namedtuple of them), "
-        f"got {type(node).__name__}; wrap Python numbers in np.asarray(...) with the dtype you want"
+        f"got {kind.__module__ + '.' if kind.__module__ not in ('builtins', '__main__') else ''}{kind.__name__}; {fix}"
     )
+
+
+def _describe_node(node: Any) -> str:
+    """An encoded node in words, for an error message: its kind and what tells it apart."""
+    tag = node[0]
+    if tag == "leaf":
+        return "an array"
+    if tag == "none":
+        return "None"
+    if tag in ("dict", "odict"):
+        return f"{'an OrderedDict' if tag == 'odict' else 'a dict'} with keys {node[1]!r:.200}"
+    if tag == "namedtuple":
+        return f"a namedtuple {node[1]}({', '.join(node[2])})"
+    items = [_describe_node(c).split(" ")[-1] if c[0] in ("leaf", "none") else c[0] for c in node[1][:8]]
+    more = ", ..." if len(node[1]) > 8 else ""
+    return f"a {tag} of {len(node[1])} ({', '.join(items)}{more})"
+
+
+def _node_difference(a: Any, b: Any, path: Path) -> str | None:
+    """``at <path>: expected <node>, got <node>`` for the first node where two encoded structures differ, or None."""
+    same = a[0] == b[0]
+    if same and a[0] in ("dict", "odict"):
+        same = a[1] == b[1]
+    elif same and a[0] in ("list", "tuple"):
+        same = len(a[1]) == len(b[1]) and [c[0] for c in a[1]] == [c[0] for c in b[1]]
+    elif same and a[0] == "namedtuple":
+        same = a[1:3] == b[1:3]
+    if not same:
+        return f"at {format_path(path)}: expected {_describe_node(a)}, got {_describe_node(b)}"
+    if a[0] in ("dict", "odict"):
+        pairs = [((*path, k), ca, cb) for k, ca, cb in zip(a[1], a[2], b[2])]
+    elif a[0] in ("list", "tuple"):
+        pairs = [((*path, i), ca, cb) for i, (ca, cb) in enumerate(zip(a[1], b[1]))]
+    elif a[0] == "namedtuple":
+        pairs = [((*path, f), ca, cb) for f, ca, cb in zip(a[2], a[3], b[3])]
+    else:
+        return None
+    for where, ca, cb in pairs:
+        found = _node_difference(ca, cb, where)
+        if found:
+            return found
+    return None
 
 
 def _decode(node: Any, leaves: list[Any], where: str, depth: int = 1) -> Any:
@@ -407,6 +457,10 @@ class Schema:
             ot = theirs[name]
             for a, b in zip(ts.leaves, ot.leaves):
                 if a.path != b.path:
+                    if a.name == b.name:  # a dict keyed '0' where the pipeline has a list: the containers say it
+                        return _node_difference(ts.structure, ot.structure, (name,)) or (
+                            f"timescale '{name}': expected leaf {a.name} under a {type(a.path[-2]).__name__} key, "
+                            f"got it under a {type(b.path[-2]).__name__} key")
                     return f"timescale '{name}': expected leaf {a.name}, got leaf {b.name}"
                 if a.dtype != b.dtype or a.shape != b.shape:
                     return f"leaf {a.name}: expected {a.dtype} {a.shape}, got {b.dtype} {b.shape}"
@@ -416,7 +470,8 @@ class Schema:
                 side = "missing" if longer is ts.leaves else "extra"
                 return f"timescale '{name}': {side} leaf {extra.name}"
             if ts.structure != ot.structure:
-                return f"timescale '{name}': same leaves, different container types ({ts.structure!r:.120} vs {ot.structure!r:.120})"
+                return _node_difference(ts.structure, ot.structure, (name,)) or (
+                    f"timescale '{name}': same leaves, different container types")
         return None
 
     def summary(self) -> str:

@@ -58,11 +58,40 @@ def test_leading_dim_mismatch_is_refused_naming_each_leaf() -> None:
         ({"step": {"x": np.zeros(3, object)}}, r"leaf step/x: expected a bool, integer, float or complex dtype, got object"),
         ({"step": {1: np.zeros(3)}}, "dict keys must be str"),
         ({"step": {"x": {1, 2}}}, r"at step/x: expected a numpy array"),
+        # A list is a container of leaves: a list of numbers is named as such, with the whole-leaf fix.
+        ({"step": {"reward": [0.0] * 4}}, r"at step/reward/0: .*got float; wrap Python numbers in np.asarray.*a list or "
+                                          r"tuple is a container of leaves here.*np.asarray\(\.\.\.\) of the whole step/reward"),
     ],
 )
 def test_bad_examples_get_clear_errors(example: object, pattern: str) -> None:
     with pytest.raises(SchemaError, match=pattern):
         Schema.from_example(example)
+
+
+def test_a_torch_tensor_leaf_is_told_to_become_numpy() -> None:
+    torch = pytest.importorskip("torch")  # the test extra installs it; the core's own tests may run without
+    with pytest.raises(SchemaError, match=r"at step/obs: .*got torch.Tensor; pass tensor.detach\(\).cpu\(\).numpy\(\)") as err:
+        Schema.from_example({"step": {"obs": torch.zeros(4, 3)}})
+    assert "wrap Python numbers" not in str(err.value)  # the hint it used to get, wrong for a tensor
+
+
+def test_first_difference_names_the_node_where_only_containers_differ() -> None:
+    def example(pair: object, info: object) -> dict:
+        return {"step": {"obs": np.zeros((4, 3), np.float32), "pair": pair, "info": info}}
+
+    arr = [np.zeros(4, np.int64), np.zeros(4, np.int64)]
+    info = {"a": np.zeros(4), "b": np.zeros(4)}
+    a = Schema.from_example(example(list(arr), dict(info)))
+    cases = [
+        (example(tuple(arr), info), "at step/pair: expected a list of 2 (array, array), got a tuple of 2 (array, array)"),
+        (example({"0": arr[0], "1": arr[1]}, info),
+         "at step/pair: expected a list of 2 (array, array), got a dict with keys ['0', '1']"),
+        (example([*arr, None], info), "at step/pair: expected a list of 2 (array, array), got a list of 3 (array, array, None)"),
+        (example(arr, collections.OrderedDict(sorted(info.items()))),
+         "at step/info: expected a dict with keys ['a', 'b'], got an OrderedDict with keys ['a', 'b']"),
+    ]
+    for other, message in cases:
+        assert a.first_difference(Schema.from_example(other)) == message
 
 
 def test_first_difference_names_the_leaf() -> None:

@@ -349,10 +349,7 @@ def test_the_refusal_names_the_leaf_path_expected_and_got(make_reader: Any, exam
         shmbuf.Writer(reader.handle, example)
 
 
-# Where only the containers differ and every leaf path is the same, the message today is "same leaves, different
-# container types (<both structures as msgpack lists, cut at 120 characters>)": no path, and in a larger example
-# the cut can fall before the difference; a dict keyed '0', '1' against a list reads "expected leaf step/pair/0,
-# got leaf step/pair/0". Strict xfail: when Schema.first_difference names the node, these pass and the mark must go.
+# Where only the containers differ and every leaf path is the same, the message names the node where they part.
 CONTAINER_MESSAGES = [
     ("a tuple where the pipeline has a list", _differs(lambda s: s.update(pair=tuple(s["pair"]))),
      r"step/pair\b.*expected (a )?list\b.*got (a )?tuple\b"),
@@ -367,8 +364,6 @@ CONTAINER_MESSAGES = [
 ]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,  # the message does not match: refused all the same
-                   reason="Schema.first_difference does not name the node where only containers differ")
 @pytest.mark.parametrize("example, message", [pytest.param(ex, msg, id=why) for why, ex, msg in CONTAINER_MESSAGES])
 def test_a_container_only_refusal_names_the_node_expected_and_got(make_reader: Any, example: Any, message: str) -> None:
     reader = make_reader(_pipeline_example(), slots=2, max_writers=1)
