@@ -380,6 +380,38 @@ def test_rollout_keys_stay_unique_when_each_node_restarts_a_killed_actor(cluster
     wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "every owner's processes to exit")
 
 
+@pytest.mark.parametrize("published", [True, False], ids=["after-updates", "never-updated"])
+def test_a_restarted_owner_collects_with_the_current_weights_from_its_first_rollout(cluster: Any,
+                                                                                   published: bool) -> None:
+    """Issue 18 item 4: Ray restarts an owner with its first arguments, so its actors started at the first weights
+    (version 0) and the node delivered rollouts of version 0 before the republished version arrived. Now its actors
+    collect nothing until it has the learner's current weights (never updated: the ones it started from)."""
+    with collector(restart=True, max_restarts=1) as rc:
+        ledger = Ledger(rc)
+        r = remote(rc)
+        it = iter(rc)
+        want = 3 if published else 0
+        for v in range(1, want + 1):
+            rc.update_policy_weights(weights(v))
+        deadline = time.monotonic() + 60
+        while want not in ledger.versions[r]:  # the owner has the current weights before it is killed
+            assert time.monotonic() < deadline, f"node {r} never delivered version {want}: {dict(ledger.versions)}"
+            ledger.take(next(it))
+        ray.kill(rc.nodes[r].owner, no_restart=False)
+        reborn: list[int] = []
+        while len(reborn) < 3 * 4:  # three batches of the restarted owner's rollouts
+            assert time.monotonic() < deadline + 60, f"node {r} did not come back: {rc.stats()}"
+            b = next(it)
+            ledger.take(b)
+            if b.node == r and b.incarnation == 1:
+                reborn += b.policy_version.tolist()
+        assert rc.policy_version == want and rc.failures and rc.failures[0].restarting
+        assert set(reborn) == {want}, f"the restarted owner delivered versions {sorted(set(reborn))}, not only {want}"
+        info = described(rc)
+    ledger.check_once()
+    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "every owner's processes to exit")
+
+
 def test_a_collector_error_on_every_node_is_raised_with_both_failures(cluster: Any, tmp_path: Any) -> None:
     flag = str(tmp_path / "fail")
     with collector(create_env_kwargs={"fail_flag": flag}) as rc:

@@ -248,3 +248,21 @@ def test_rollout_keys_name_one_rollout_across_an_actor_kill_and_restart(mode):
     dup = [k for k in set(keys) if keys.count(k) > 1]
     assert not dup, f"(lane, epoch, seq) named two rollouts: {dup[:5]}"
     assert all(e >= 1 for _, e, _ in keys)
+
+
+def test_await_weights_collects_nothing_before_the_first_update():
+    """Collector(await_weights=True): version 0 is not published; the actors wait, so even the first rollouts are
+    collected with the weights of the first update (RayCollector's restarted owners rely on it, issue 18 item 4)."""
+    w0 = {"w": np.zeros(1)}
+    with Collector([make_counting] * 2, EchoPolicy(), frames_per_batch=8, rollout_len=4, weights=w0, start_method="fork",
+                   timeout=30, await_weights=True, copy=True) as c:
+        assert c.awaited_weights is w0 and c.publisher.version is None
+        c.pool.wait_ready(30)
+        assert c.update_policy_weights({"w": np.ones(1)}, version=5) == 5
+        assert c.awaited_weights is None
+        it = iter(c)
+        versions = np.concatenate([next(it).policy_version for _ in range(3)]).tolist()
+    assert versions == [5] * 6, versions
+    with Collector([make_counting], EchoPolicy(), num_actors=1, frames_per_batch=4, rollout_len=4, start_method="fork",
+                   timeout=30, await_weights=True) as c:  # no broadcast: nothing to await, it collects as ever
+        assert c.publisher is None and next(iter(c)).policy_version.tolist() == [0]

@@ -72,6 +72,7 @@ neither flag set); ``no_done_at_end`` records every episode end as
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -560,6 +561,8 @@ class ActorSpec:
     ``view_requirements``, ``horizon``, ``soft_horizon``, ``no_done_at_end``, ``reset_each_rollout``: as
     :class:`ActorLoop`. ``inference``: an inference table's name: the policy is then a
     :class:`workers.RemotePolicy` on client slot ``ctx.index`` (give neither policy nor factory).
+    ``await_weights``: with ``weights``, collect nothing until the broadcast holds a version (see
+    ``Collector(await_weights=True)``).
     """
 
     pipeline: str
@@ -580,6 +583,11 @@ class ActorSpec:
     no_done_at_end: bool = False
     reset_each_rollout: bool = False
     inference: str | None = None
+    await_weights: bool = False
+
+
+# How often an actor that awaits its first weights looks at the broadcast and at its stop flag.
+AWAIT_SLICE = 0.02
 
 
 def run_actor(ctx: Any, spec: ActorSpec) -> None:
@@ -613,6 +621,11 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         ready = getattr(ctx, "ready", None)
         if ready is not None:
             ready()  # every lane is registered: the learner may start reading
+        if sub is not None and spec.await_weights:
+            while sub.newest() == 0:  # nothing published yet: the loop below takes the first version at its start
+                if ctx.stop_requested:
+                    return
+                time.sleep(AWAIT_SLICE)
         seed = None if spec.seed is None else spec.seed + 10_000 * ctx.index + 1_000_000 * ctx.incarnation
         loop = ActorLoop(env, policy, writers, rollout_len=spec.rollout_len, batch_mode=spec.batch_mode,
                          max_episodes=spec.max_episodes, weights=sub, seed=seed,

@@ -216,6 +216,12 @@ class Collector:
             an episode still running at a rollout's end is cut there, recorded ``truncated``.
         postproc: applied to every batch before it is yielded (``batch = postproc(batch)``).
         create_env_kwargs: keyword arguments for the env factories: a dict for all, or one per factory.
+        await_weights: with a weight broadcast, publish nothing at start: the actors start (and
+            ``ready_timeout`` covers that) but collect nothing until the first
+            :meth:`update_policy_weights`, so that every rollout is collected with weights the
+            learner gave (RayCollector restarts its node owners so). The weights the collector
+            would have published as version 0 are kept in ``awaited_weights``. Without a broadcast
+            it changes nothing.
     """
 
     _remote = False  # AsyncBatchedCollector: the policy stays in this process, behind an inference server
@@ -230,7 +236,8 @@ class Collector:
                  timeout: float | None = None, view_requirements: dict[str, Any] | None = None,
                  horizon: int | None = None, soft_horizon: bool = False, no_done_at_end: bool = False,
                  reset_at_each_iter: bool = False, postproc: Callable[[CollectedBatch], Any] | None = None,
-                 create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None):
+                 create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+                 await_weights: bool = False):
         if batch_mode not in MODES:
             raise ValueError(f"batch_mode: expected one of {MODES}, got {batch_mode!r}")
         check_horizon(batch_mode, horizon, soft_horizon, no_done_at_end)
@@ -268,6 +275,7 @@ class Collector:
         self._t0: float | None = None
         self._closed = False
         self.reader = self.pool = self.publisher = self._bar = None  # type: ignore[assignment]
+        self.awaited_weights: Any = None
         self.start_method = method
 
         # Probe one env and the policy here, to lay the rollout out.
@@ -313,7 +321,10 @@ class Collector:
             self.reader = shmbuf.create(example, slots, max_writers=n_writers, raise_writer_errors=False)
             if weights is not None:
                 self.publisher = shmbuf.WeightPublisher(weights)
-                self.publisher.publish(weights, version=0)
+                if await_weights:
+                    self.awaited_weights = weights
+                else:
+                    self.publisher.publish(weights, version=0)
             inference = self._start_inference(p)
             spec = ActorSpec(
                 pipeline=self.reader.name, env_fns=env_fns, rollout_len=T,
@@ -322,7 +333,7 @@ class Collector:
                 weights=self.publisher.name if self.publisher is not None else None, seed=seed,
                 torch_threads=torch_threads, view_requirements=view_requirements, horizon=horizon,
                 soft_horizon=soft_horizon, no_done_at_end=no_done_at_end, reset_each_rollout=reset_at_each_iter,
-                inference=inference,
+                inference=inference, await_weights=await_weights and self.publisher is not None,
             )
             self.pool = self._make_pool(spec, num_actors, restart, max_restarts)
             self.pool.start()
@@ -372,6 +383,7 @@ class Collector:
             raise RuntimeError("this Collector has no weight broadcast: pass weights=... (or a torch policy) at construction")
         params = weights_of(policy_or_weights, self._policy)
         self.policy_version = self.publisher.publish(params, version)
+        self.awaited_weights = None  # the actors have weights to start from now
         return self.policy_version
 
     # -- iteration ----------------------------------------------------------

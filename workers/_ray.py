@@ -187,6 +187,8 @@ class NodeOwner(_NodeCollector):
             reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
         if reconstructed and kwargs.get("seed") is not None:
             kwargs = dict(kwargs, seed=kwargs["seed"] + secrets.randbelow(2**20) * 10**9)  # no replayed episodes
+        if reconstructed:  # Ray gave us the first owner's arguments: collect nothing before the learner's current weights
+            kwargs = dict(kwargs, await_weights=True)
         self._lock = threading.Lock()  # set_weights (control group) against shutdown (default group)
         super().__init__(args, kwargs, ready_timeout, f"node {node}")
         self.schema: shmbuf.Schema = self.collector.reader.schema
@@ -215,11 +217,15 @@ class NodeOwner(_NodeCollector):
 
         Idempotent: a version this node already has (sent again after a restart the learner had not
         yet seen) is not published twice. A stopped owner takes nothing. Returns the node's version.
+        ``weights=None`` (the learner never published, and this restarted owner awaits weights):
+        the weights the collector started from, as ``version``.
         """
         with self._lock:
-            if self._stop.is_set() or version <= self.collector.policy_version:
-                return self.collector.policy_version
-            return self.collector.update_policy_weights(weights, version=version)
+            c = self.collector
+            awaiting = c.publisher is not None and c.publisher.version is None
+            if self._stop.is_set() or (not awaiting and version <= c.policy_version):
+                return c.policy_version
+            return c.update_policy_weights(c.awaited_weights if weights is None else weights, version=version)
 
     def stop(self) -> None:
         """(control group) Make ``next_batch`` return None within OWNER_SLICE, and every later one at once."""
@@ -242,6 +248,7 @@ def _description(c: Collector, names: list[str], janitor_pid: int, token: str) -
         "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.reader.slots,
         "broadcast": c.publisher is not None, "actor_pids": list(c.pool.pids), "janitor_pid": janitor_pid,
         "names": names, "token": token, "weights_version": c.policy_version,
+        "awaiting_weights": c.publisher is not None and c.publisher.version is None,
     }, use_bin_type=True)
 
 
@@ -708,7 +715,12 @@ class RayCollector:
             except Exception as exc:  # noqa: BLE001 - out of restarts, or its new collector failed to start
                 self._gone(n, exc)
                 continue
-            if self._weights_ref is not None and n.info["weights_version"] < self.policy_version:  # type: ignore[index]
+            info = n.info
+            assert info is not None
+            # A restarted owner's actors collect nothing until it has weights from here: the latest version,
+            # or (never published) the ones it started from. One that has them already is not sent them again.
+            if info.get("awaiting_weights") or (self._weights_ref is not None
+                                                and info["weights_version"] < self.policy_version):
                 self._send_weights(n)
             self._fill(n)
 
