@@ -25,7 +25,6 @@ import multiprocessing as mp
 import os
 import secrets
 import signal
-import statistics
 import threading
 import time
 from collections import defaultdict
@@ -365,60 +364,39 @@ def test_a_forward_pass_below_min_batch_size_is_one_that_lingered_out() -> None:
     assert [len(w) for w in policy.calls[1:]] == [n for n, _ in recent]
 
 
-# -- 3. a slow env does not slow the others --------------------------------------------------------------
+# -- 3. a hung env does not hold up the others -------------------------------------------------------------
 
 
-def test_a_slow_env_does_not_slow_the_others(tmp_path: Any) -> None:
-    """Worker 3 turns slow (80 ms a step) in alternate phases; the other three's step rate stays within 20 %.
+def test_a_hung_env_does_not_hold_up_the_others(tmp_path: Any) -> None:
+    """Worker 3's env hangs in ``step`` for good; the other three keep stepping, each well past where it was.
 
-    Steps cost 8 ms (a sleep: no CPU), far above the request path's cost. The rate is read from the
-    stored observations' time stamps: the three workers' steps per second in each 0.6 s phase (less its
-    first 0.15 s, while worker 3 finishes the step it was in). Thirteen phases alternate, without and
-    with the slow worker; each slow phase is compared with the mean of the two phases around it, and the
-    median of those six ratios must be within 20 % of 1. Short alternating phases cancel the machine's
-    drifting load, and the median keeps one stall of the machine (every worker stops at once) from
-    deciding the result.
+    The server answers whoever has asked and never waits for a worker that does not ask. This used to be a
+    rate test (the three's steps per second within 20 % with worker 3 slow and without): a speed claim that a
+    shared machine's load decides. What it guarded is checked here without a clock: if the server waited for
+    worker 3 (lockstep, or a forward pass of every worker), the three would stop with it and never reach
+    their 40 more steps (deadline 60 s).
     """
-    flag = str(tmp_path / "slow")
-    kwargs = workers(3, step_sleep=0.008) + [{"worker": 3, "step_sleep": 0.008, "slow_flag": flag, "slow_sleep": 0.08}]
-    phase_s, skip_s, n_phases = 0.6, 0.15, 13
-    starts: list[float] = []
+    flag = str(tmp_path / "hang")
+    kwargs = workers(3, max_sleep=0.002) + [{"worker": 3, "max_sleep": 0.002, "hang_flag": flag}]
     batches: list[Any] = []
     with AsyncBatchedCollector(make_tag_env, policy=TagPolicy(), create_env_kwargs=kwargs, frames_per_batch=16,
                                rollout_len=8, copy=True, timeout=30, start_method="fork") as c:
         it = iter(c)
         batches.append(next(it))  # every worker is up
-        t_start = time.monotonic()
-        for k in range(n_phases):
-            if k % 2:
-                open(flag, "w").close()
-            elif os.path.exists(flag):
-                os.unlink(flag)
-            starts.append(time.monotonic())
-            while time.monotonic() < t_start + (k + 1) * phase_s:
-                batches.append(next(it))
-        starts.append(time.monotonic())
-        while time.monotonic() < starts[-1] + 0.5:  # rollouts of the last phase still on their way
-            batches.append(next(it))
-    rollouts = rollouts_of(batches)
-    for r in rollouts:
+        open(flag, "w").close()
+        collect_until(it, batches, lambda: os.path.exists(f"{flag}.3"), 60, "worker 3 to hang")
+        hung_at = time.monotonic()  # worker 3 entered its endless step before this (one clock for all processes)
+
+        def after(worker: int) -> int:
+            """Steps of ``worker`` delivered so far that it took after worker 3 hung."""
+            obs = [r["step"]["obs"] for r in rollouts_of(batches) if int(r["step"]["obs"][0, WORKER]) == worker]
+            return int(sum((o[:, STAMP] > hung_at).sum() for o in obs))
+
+        collect_until(it, batches, lambda: min(after(w) for w in range(3)) >= 40, 60,
+                      "workers 0-2 to take 40 steps each beside the hung worker 3")
+    for r in rollouts_of(batches):
         check_rollout(r["step"])
-    obs = np.concatenate([r["step"]["obs"] for r in rollouts])
-
-    def rate(k: int, workers: list[int]) -> float:
-        a, b = starts[k] + skip_s, starts[k + 1]
-        inside = obs[(obs[:, STAMP] >= a) & (obs[:, STAMP] < b)]
-        return float(np.isin(inside[:, WORKER], workers).sum()) / len(workers) / (b - a)
-
-    fast = [rate(k, [0, 1, 2]) for k in range(n_phases)]
-    slow = [rate(k, [3]) for k in range(n_phases)]
-    ratios = [fast[k] / ((fast[k - 1] + fast[k + 1]) / 2) for k in range(1, n_phases, 2)]
-    detail = (f"steps/s of workers 0-2 per phase (odd phases beside the slow worker): {[round(x) for x in fast]}; "
-              f"ratios {[round(x, 2) for x in ratios]}")
-    assert statistics.median(slow[1::2]) < 0.25 * statistics.median(slow[0::2]), \
-        f"worker 3 never slowed down, so nothing was tested: its steps/s per phase {[round(x) for x in slow]}"
-    assert statistics.median(fast) > 30, f"the workers barely ran: {detail}"
-    assert abs(statistics.median(ratios) - 1) <= 0.2, detail
+    assert after(3) == 0, "worker 3 kept stepping: it never hung, and nothing was tested"
 
 
 # -- 4. faults ---------------------------------------------------------------------------------------------
@@ -603,7 +581,9 @@ def drop_what_is_ready(c: AsyncBatchedCollector) -> bool:
 
 
 def test_shutdown_returns_within_its_deadline_with_a_hung_env(tmp_path: Any) -> None:
-    """Every env hangs in step (one of them ignoring SIGTERM too); shutdown(timeout=1.5) still cleans everything."""
+    """Every env hangs in step (one of them ignoring SIGTERM too); shutdown(timeout=3) still cleans everything,
+    within its deadline and a margin for a loaded machine: a wait for the hung envs (for ever) or a second full
+    wait (6 s) misses it."""
     flag = str(tmp_path / "hang")
     kwargs = workers(3, max_sleep=0.001, hang_flag=flag)
     kwargs[0]["ignore_term"] = True
@@ -617,9 +597,9 @@ def test_shutdown_returns_within_its_deadline_with_a_hung_env(tmp_path: Any) -> 
         wait_until(lambda: drop_what_is_ready(c) and all(os.path.exists(f"{flag}.{w}") for w in range(3)), 20,
                    "every env to hang")
         t0 = time.monotonic()
-        c.shutdown(timeout=1.5)
+        c.shutdown(timeout=3.0)
         took = time.monotonic() - t0
-    assert took < 1.5 + 1.0, f"shutdown(timeout=1.5) took {took:.2f} s"
+    assert took < 3.0 + 2.0, f"shutdown(timeout=3) took {took:.2f} s"
     assert all(gone(p) for p in pids), "a hung env worker survived shutdown"
     assert no_objects_named(names), "shutdown left the table or the pipeline in /dev/shm"
     assert c.failures == [] or all(f.kind != "AssertionError" for f in c.failures)
@@ -627,7 +607,8 @@ def test_shutdown_returns_within_its_deadline_with_a_hung_env(tmp_path: Any) -> 
 
 def test_shutdown_keeps_its_deadline_while_the_server_lingers_for_a_hung_worker(tmp_path: Any) -> None:
     """min_batch_size=3 of three workers, one hung in its env: the server lingers (server_timeout=10 s) over the other
-    two's requests. shutdown(timeout=1.5) must still return within its deadline and leave nothing behind."""
+    two's requests. shutdown(timeout=1.5) must still return within its deadline (and a margin for a loaded
+    machine, far below the 10 s linger) and leave nothing behind."""
     flag = str(tmp_path / "hang")
     kwargs = workers(3, max_sleep=0.001)
     kwargs[0]["hang_flag"] = flag
@@ -649,7 +630,7 @@ def test_shutdown_keeps_its_deadline_while_the_server_lingers_for_a_hung_worker(
         c.shutdown(timeout=1.5)
         took = time.monotonic() - t0
         server_alive = c.server.is_alive()  # type: ignore[union-attr]
-    assert took < 1.5 + 1.0, f"shutdown(timeout=1.5) took {took:.2f} s"
+    assert took < 1.5 + 3.5, f"shutdown(timeout=1.5) took {took:.2f} s"
     assert not server_alive, "shutdown returned with the server thread still running"
     assert all(gone(p) for p in pids)
     assert no_objects_named(names)
@@ -681,9 +662,10 @@ class SlowOnce:
 
 
 def test_shutdown_wakes_waiting_workers_even_while_a_forward_pass_runs_long() -> None:
-    """The server is inside a 3 s forward pass when shutdown(timeout=2) comes: workers waiting for an answer
-    are woken at once (they exit 0, not by SIGTERM), and shutdown keeps its deadline."""
-    policy = SlowOnce(3.0)
+    """The server is inside a 6 s forward pass when shutdown(timeout=2) comes: workers waiting for an answer
+    are woken at once (they exit 0, not by SIGTERM), and shutdown keeps its deadline (with a margin for a
+    loaded machine; waiting for the forward pass to end would take 6 s)."""
+    policy = SlowOnce(6.0)
     c = AsyncBatchedCollector([make_tag_env] * 2, policy=policy, create_env_kwargs=workers(2, max_sleep=0.001),
                               frames_per_batch=16, rollout_len=8, max_batch_size=1, timeout=30, start_method="fork")
     try:
@@ -697,7 +679,7 @@ def test_shutdown_wakes_waiting_workers_even_while_a_forward_pass_runs_long() ->
     finally:
         c.shutdown()
     assert codes == [0, 0], f"workers did not leave on their own: exit codes {codes}"
-    assert took < 3.0, f"shutdown took {took:.2f} s for a 2 s deadline"
+    assert took < 2.0 + 2.5, f"shutdown took {took:.2f} s for a 2 s deadline"
 
 
 @pytest.mark.parametrize("backend", ["multiprocessing", "threading"])

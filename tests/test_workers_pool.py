@@ -105,9 +105,11 @@ def test_stop_meets_its_deadline_with_a_hung_actor(pools, ignore_term):
     pool = pools(target_hang, 2, kwargs={"ignore_term": ignore_term}, start_method="fork").start()
     pool.wait_ready(20)  # each actor has set up its SIGTERM handling
     t0 = time.monotonic()
-    codes = pool.stop(timeout=2.0)
+    codes = pool.stop(timeout=3.0)
     took = time.monotonic() - t0
-    assert took < 2.3, f"stop took {took:.2f} s for a 2 s deadline"
+    # the deadline and a margin for a loaded machine: a wait for the hung actors (for ever) or a second full wait
+    # (SIGTERM's 3 s, then as long again after SIGKILL: 6 s) misses it
+    assert took < 3.0 + 2.0, f"stop took {took:.2f} s for a 3 s deadline"
     want = -signal.SIGKILL if ignore_term else -signal.SIGTERM
     assert codes == {0: want, 1: want}
     assert pool.alive() == 0
@@ -117,8 +119,8 @@ def test_stop_is_quick_when_actors_listen(pools):
     pool = pools(target_ok, 3, start_method="fork").start()
     wait_until(lambda: pool.alive() == 3, 10, "actors up")
     t0 = time.monotonic()
-    assert pool.stop(timeout=5) == {0: 0, 1: 0, 2: 0}
-    assert time.monotonic() - t0 < 1.0
+    assert pool.stop(timeout=30) == {0: 0, 1: 0, 2: 0}  # each left on its own: no SIGTERM, no SIGKILL
+    assert time.monotonic() - t0 < 15, "stop waited out its deadline for actors that had left"
 
 
 # -- the learner dies: its actors must not outlive it ------------------------
