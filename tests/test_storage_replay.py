@@ -210,13 +210,17 @@ def test_four_inserters_while_the_learner_samples(make_rb: Callable[..., ReplayB
     procs = [kids(_inserter, rb, tag, stop, tag, str(tmp_path / f"log{tag}.npy"), 2 * n) for tag in range(4)]
     wait_until(lambda: rb.num_samples == n, 20, "the first ring of inserts")
     seen: set[int] = set()
-    deadline = time.monotonic() + 3.0
-    samples = 0
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    laps = 0
+    # Sample while the inserters lap the ring, until each one's rows have been sampled and they have lapped it
+    # 20 times since (not for a fixed 3 s, which a loaded machine could spend before an inserter had run).
+    while len(seen) < 4 or rb.inserted < laps:
+        assert time.monotonic() < deadline, f"in 60 s: rows of inserters {sorted(seen)} sampled, {rb.inserted} inserted"
         codes, ok = decode(rb.sample(64))
         assert ok.all(), f"a torn or mixed row was sampled: {codes[~ok]}"
         seen.update((codes - 1) >> 22)
-        samples += 64
+        if len(seen) == 4 and not laps:
+            laps = rb.inserted + 20 * n
     stop.set()
     for p in procs:
         p.join(20)
@@ -240,7 +244,7 @@ def test_four_inserters_while_the_learner_samples(make_rb: Callable[..., ReplayB
         mine = (oldest_first[(oldest_first - 1) >> 22 == tag] - 1) & ((1 << 22) - 1)
         count = int(log[:, 1].sum())
         np.testing.assert_array_equal(mine, np.arange(count - len(mine), count))
-    assert seen == {0, 1, 2, 3} and samples > 0
+    assert seen == {0, 1, 2, 3}
 
 
 class Paused(ReplayBuffer):
