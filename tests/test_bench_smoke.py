@@ -1,8 +1,9 @@
 """The benchmark harness end to end at its smallest: shmbuf and mp.Queue, small payload, 1 actor, short windows.
 
-No timing assertions: only that a run produces a result with the expected fields and
-sane positive numbers, and that every process and /dev/shm object is gone afterwards
-(the suite-wide leak check in conftest also watches this).
+No timing assertions: only that a run produces a result with the expected fields, that its
+figures are what its raw record (the learner's window cuts and latency windows) gives, and
+that every process and /dev/shm object is gone afterwards (the suite-wide leak check in
+conftest also watches this).
 """
 
 from __future__ import annotations
@@ -55,10 +56,23 @@ def test_sweep_writes_json_table_plot(tmp_path: os.PathLike[str]) -> None:
     assert saved["copy_bandwidth"]["rollout"] > 0 and saved["copy_bandwidth"]["dram"] > 0
     assert [(s["system"], s["status"]) for s in saved["summaries"]] == [("shmbuf", "ok"), ("mp_queue", "ok")]
     for s in saved["summaries"]:
-        assert s["rollouts_per_s"]["median"] > 0 and s["rollouts_per_s"]["min"] <= s["rollouts_per_s"]["max"]
-        assert s["mb_per_s"]["median"] > 0
-        assert s["latency_us"]["p50"]["median"] > 0 and s["latency_us"]["p99"]["median"] >= s["latency_us"]["p50"]["min"]
-        assert s["cpu_us_per_rollout"]["learner"] > 0 and s["cpu_us_per_rollout"]["actors"] > 0
+        # Each figure is checked against the raw record it comes from, not only for being positive.
+        (r,) = [r for r in saved["runs"] if r["system"] == s["system"]]
+        cuts = r["learner"]["cuts"]
+        delivered = [(b["batches"] - a["batches"]) * r["batch"] for a, b in zip(cuts, cuts[1:])]
+        assert len(delivered) == 2 and all(n > 0 for n in delivered), cuts  # --windows 2, each with rollouts in it
+        rates = [n / (b["t"] - a["t"]) for n, a, b in zip(delivered, cuts, cuts[1:])]
+        assert s["rollouts_per_s"]["windows"] == pytest.approx(rates)
+        assert s["rollouts_per_s"]["median"] == pytest.approx(sum(rates) / 2)
+        assert s["mb_per_s"]["windows"] == pytest.approx([x * r["rollout_bytes"] / 1e6 for x in rates])
+        lat = r["learner"]["latency_us"]
+        assert [w["n"] for w in lat] == delivered  # every rollout of a window timed once
+        assert all(0 < w["p50"] <= w["p99"] for w in lat), lat
+        assert s["latency_us"]["p50"]["windows"] == [w["p50"] for w in lat]
+        assert s["latency_us"]["p99"]["windows"] == [w["p99"] for w in lat]
+        cpu = [(b["cpu_ns"] - a["cpu_ns"]) / 1e3 / n for n, a, b in zip(delivered, cuts, cuts[1:])]
+        assert s["cpu_us_per_rollout"]["learner"] == pytest.approx(sum(cpu) / 2) and all(x > 0 for x in cpu)
+        assert s["cpu_us_per_rollout"]["actors"] > 0
     assert any(t["target"].startswith("transport small, 2 actors") for t in saved["targets"])
     assert os.path.getsize(result["paths"]["md"]) > 0
     if plot:
