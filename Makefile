@@ -6,11 +6,13 @@ PIP := $(PY) -m pip
 
 .PHONY: demo demo-ray test test-slow bench bench-quick bench-storage bench-inference bench-ray clean-shm clean
 
-# One stamp per set of extras, refreshed when pyproject.toml changes.
+# One stamp per set of extras, refreshed when pyproject.toml changes. The tests also get rsl_rl's own code, the
+# reference for 002's GAE (tests/_rsl_rl.py), with --no-deps: its torch pin would pull a CUDA build of GBs.
 $(VENV)/.stamp-%: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e ".[$*]"
+	$(if $(filter test,$*),$(PIP) install --quiet --no-deps rsl-rl-lib==5.5.1)
 	@touch $@
 
 demo: $(VENV)/.stamp-demo
