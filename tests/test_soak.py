@@ -53,9 +53,9 @@ def soak(make_reader: Any, cycles: int, seed: int = 0) -> dict[str, Any]:
             os.kill(p.pid, signal.SIGKILL)
             p.join(5)
             dead[tag] = committed
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # a hang's deadline (a reclaim takes well under 1 s: test_faults times it)
         while reader.stats()["writers"]:
-            assert time.monotonic() < deadline, "dead writers' lanes not reclaimed"
+            assert time.monotonic() < deadline, "dead writers' lanes not reclaimed within 30 s"
             try:
                 ledger.take(1, timeout=0.05)
             except shmbuf.SlotTimeout:

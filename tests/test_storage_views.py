@@ -8,6 +8,7 @@ Every observation encodes (env, episode, step): a value from another episode in 
 from __future__ import annotations
 
 import pathlib
+import time
 from functools import partial
 
 import gymnasium as gym
@@ -514,7 +515,9 @@ def actor_rollouts(make_env, *, T, n_rollouts, batch_mode):
         writers = [shmbuf.Writer(reader.handle, timeout=10) for _ in range(n_writers)]
         reader.poll()
         loop = ActorLoop(env, policy, writers, rollout_len=T, batch_mode=batch_mode)
+        deadline = time.monotonic() + 60
         while len(out) < n_rollouts:
+            assert time.monotonic() < deadline, f"{len(out)} of {n_rollouts} rollouts in 60 s"
             loop.run(1)
             while True:
                 try:

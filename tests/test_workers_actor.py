@@ -8,6 +8,7 @@ known; rollouts are checked against the ground truth in commit order.
 from __future__ import annotations
 
 import threading
+import time
 from functools import partial
 
 import gymnasium as gym
@@ -77,9 +78,11 @@ def collect(make_env, *, T, n_rollouts, batch_mode="truncate_episodes", max_epis
     try:
         # The reader's first scan must meet every lane: it lends all its free slots to the lanes it knows.
         assert registered.wait(20) or errors, "the actor's writers did not attach"
+        deadline = time.monotonic() + 60
         while len(out) < n_rollouts:
             if errors:
                 raise errors[0]
+            assert time.monotonic() < deadline, f"{len(out)} of {n_rollouts} rollouts in 60 s"
             try:
                 r = reader.get(timeout=0.5)
             except shmbuf.SlotTimeout:
