@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import pickle
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,16 +34,19 @@ def _torn(version: int, tree: dict) -> bool:
     )
 
 
-def _reader_proc(name: str, last: int, conn) -> None:
-    """Read as fast as possible until the last version is seen; report counts as JSON bytes."""
+def _reader_proc(name: str, last: Any, counts: Any, conn) -> None:
+    """Read as fast as possible until the version in ``last`` (set at the end) is seen; keep ``counts`` (reads,
+    distinct versions, retries) current for the publisher; report the totals as JSON bytes."""
     sub = WeightSubscriber(WeightsHandle(name))
     conn.send_bytes(b"ready")
     reads = torn = went_back = 0
     prev = -1
     seen = set()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:
+            if 0 <= last.value == prev:
+                break
             got = sub.read(timeout=10)
             if got is None:
                 continue
@@ -52,8 +56,7 @@ def _reader_proc(name: str, last: int, conn) -> None:
             went_back += v < prev
             prev = v
             seen.add(v)
-            if v == last:
-                break
+            counts[:] = [reads, len(seen), sub.retries]
         conn.send_bytes(json.dumps({"reads": reads, "torn": torn, "back": went_back, "distinct": len(seen),
                                     "retries": sub.retries, "last": prev}).encode())
     finally:
@@ -144,15 +147,27 @@ def test_subscriber_outlives_publisher_close(publisher):
 def test_no_torn_reads_under_a_publisher_going_flat_out(publisher, buffers):
     """Several reader processes check every element of every version they read while the learner publishes
     as fast as it can: zero torn reads over many thousand versions. buffers=1 is a bare seqlock (many
-    retries); buffers=3 is the default."""
+    retries); buffers=3 is the default.
+
+    The publisher goes on past its 6000 versions until the readers have raced it enough for the checks below
+    to mean something (300 reads, 20 distinct versions, and with one buffer a retry), however the machine
+    schedules them (deadline 60 s): a count, not a hope that 6000 versions take long enough.
+    """
     pub = publisher(_params(0), buffers=buffers)
     versions = 6000
     ctx = mp.get_context("spawn")
+    last = ctx.Value("q", -1, lock=False)
+    counts = [ctx.Array("q", 3, lock=False) for _ in range(3)]
     procs, conns = [], []
+
+    def raced() -> bool:
+        reads, distinct, retries = (sum(c[k] for c in counts) for k in range(3))
+        return reads >= 300 and distinct >= 20 and (buffers > 1 or retries > 0)
+
     try:
-        for _ in range(3):
+        for i in range(3):
             here, there = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_reader_proc, args=(pub.name, versions - 1, there), daemon=True)
+            p = ctx.Process(target=_reader_proc, args=(pub.name, last, counts[i], there), daemon=True)
             p.start()
             there.close()
             procs.append(p)
@@ -161,8 +176,15 @@ def test_no_torn_reads_under_a_publisher_going_flat_out(publisher, buffers):
             assert c.poll(60), "a reader did not start within 60 s"
             assert c.recv_bytes() == b"ready"
         t0 = time.perf_counter()
-        for v in range(versions):
+        deadline = time.monotonic() + 60
+        v = 0
+        while v < versions or not raced():
+            assert time.monotonic() < deadline, f"the readers barely raced {v} versions in 60 s: {[c[:] for c in counts]}"
             pub.publish(_params(v))
+            v += 1
+        versions = v + 1
+        last.value = v  # the readers stop when they have read it
+        pub.publish(_params(v))
         publish_s = time.perf_counter() - t0
         results = []
         for c in conns:
