@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import shmbuf
+from tests.conftest import small_example
 
 ROOT = pathlib.Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
@@ -285,16 +286,26 @@ def _cli_lines() -> list[str]:
     return out
 
 
+# What ls and clean --dry-run must say of a pipeline this test holds open (other runs' objects may be listed too).
+CLI_SAYS_OF_OURS = {
+    "ls": "{name}  open, owner pid {pid} alive",
+    "clean --dry-run": "kept {name}: owner pid {pid} is alive",
+}
+
+
 @pytest.mark.parametrize("args", sorted(CLI_RUN))
-def test_readme_command_line_runs(args: str) -> None:
+def test_readme_command_line_runs(args: str, make_reader: Any) -> None:
     assert args in _cli_lines(), f"the README no longer shows `shmbuf {args}`"
+    ours = None if args.endswith("--help") else make_reader(small_example(), slots=3)
     exe = pathlib.Path(sys.prefix) / "bin" / "shmbuf"
     out = subprocess.run([str(exe), *args.split()], capture_output=True, text=True, timeout=DEADLINE)
     assert out.returncode == 0, out.stderr
-    if args.endswith("--help"):
+    if ours is None:
         assert out.stdout.startswith(f"usage: shmbuf {args.split()[0]} ")
-    else:
-        assert out.stdout.strip() and not out.stderr
+    else:  # it finds the live pipeline, and says it is alive (so clean keeps it)
+        assert CLI_SAYS_OF_OURS[args].format(name=ours.name, pid=os.getpid()) in out.stdout, out.stdout
+        assert not out.stderr
+    assert set(CLI_SAYS_OF_OURS) | {a for a in CLI_RUN if a.endswith("--help")} == CLI_RUN
 
 
 def test_readme_shows_no_command_line_that_no_test_runs() -> None:
