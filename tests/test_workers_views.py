@@ -487,11 +487,47 @@ def test_workers_md_python_blocks_are_the_ones_run_here():
     assert "view_requirements=views" in DOC_BLOCKS[0] and "horizon=" in DOC_BLOCKS[1]
 
 
-@pytest.mark.parametrize("i", range(len(DOC_BLOCKS)))
-def test_workers_md_python_block_runs(i, capsys):
+def _cartpole_episodes(policy: Any, steps: int, horizon: int | None = None) -> tuple[list[int], int]:
+    """A plain gymnasium loop (reset with seed 0, then unseeded resets, as ActorLoop does): the lengths of the
+    episodes that end within ``steps`` steps, in order, and how many of them ``horizon`` cut."""
+    env = gym.make("CartPole-v1")
+    obs, _ = env.reset(seed=0)
+    prev = np.zeros(4)  # the view's fill before an episode's first step
+    lengths, cut, t = [], 0, 0
+    for _ in range(steps):
+        a = policy(obs, prev)
+        prev = obs
+        obs, _, term, trunc, _ = env.step(int(a))
+        t += 1
+        if horizon is not None and t == horizon and not (term or trunc):
+            cut += 1
+            trunc = True
+        if term or trunc:
+            lengths.append(t)
+            obs, _ = env.reset()
+            prev, t = np.zeros(4), 0
+    env.close()
+    return lengths, cut
+
+
+def test_workers_md_python_block_0_prints_the_episodes_a_plain_loop_gives(capsys):
+    """The view block's policy looks one frame back through the stack view: the same policy written against a plain
+    gymnasium loop must end the same episodes in each of the two 64-step rollouts."""
     exec(compile(  # noqa: S102 -- the page's own code, run as written
-        DOC_BLOCKS[i], f"docs/workers.md block {i}", "exec"), {"__name__": "__doc_block__"})
-    assert capsys.readouterr().out.strip()  # each block prints what it shows
+        DOC_BLOCKS[0], "docs/workers.md block 0", "exec"), {"__name__": "__doc_block__"})
+    lines = capsys.readouterr().out.strip().splitlines()
+    lengths, _ = _cartpole_episodes(lambda obs, prev: obs[2] + (obs[3] - prev[3]) > 0, 128)
+    ends = np.cumsum(lengths)
+    want = [f"(64, 4) episode lengths {np.array([n for n, e in zip(lengths, ends) if lo < e <= lo + 64])}"
+            for lo in (0, 64)]
+    assert lines == want
+
+
+def test_workers_md_python_block_1_prints_the_horizons_cuts(capsys):
+    exec(compile(  # noqa: S102 -- the page's own code, run as written
+        DOC_BLOCKS[1], "docs/workers.md block 1", "exec"), {"__name__": "__doc_block__"})
+    lengths, cut = _cartpole_episodes(lambda obs, prev: obs[2] > 0, 200, horizon=25)
+    assert capsys.readouterr().out.strip() == f"lengths {np.array(lengths)} cut by the horizon: {cut}"
 
 
 def test_a_learner_side_path_into_the_observation_is_refused_on_the_actor_side_with_what_to_ask_instead():
