@@ -96,10 +96,17 @@ def test_torch_zero_copy_block_runs():
     torch = pytest.importorskip("torch", reason="the block is about torch (pip install torch==2.13.0)")
     reader, writer = _one_rollout({"step": {"obs": np.zeros((4, 4, 3), np.float32)}})
     model = torch.nn.Linear(3, 1)
+    ref = torch.nn.Linear(3, 1)
+    ref.load_state_dict(model.state_dict())
     ns = {"reader": reader, "torch": torch, "model": model, "compute_loss": lambda m, x: m(x).pow(2).mean()}
     try:
         exec(block("torch.from_numpy"), ns)
     finally:
         writer.close()
         reader.close()
-    assert model.weight.grad is not None
+    # the gradient of the loss over what is in the slot (step 0 of 4 written, ones), not merely some gradient
+    x = torch.zeros((4, 4, 3))
+    x[0] = 1.0
+    ref(x).pow(2).mean().backward()
+    assert model.weight.grad is not None and torch.allclose(model.weight.grad, ref.weight.grad)
+    assert torch.allclose(model.bias.grad, ref.bias.grad)
