@@ -372,3 +372,14 @@ def test_read_metadata_is_the_same_checked_file(tmp_path: pathlib.Path) -> None:
     d = record(tmp_path / "rec")
     meta = read_metadata(d)
     assert meta["format"] == "shmbuf-rollouts" and {lf["file"] for lf in meta["leaves"]} >= {"obs", "reward"}
+
+
+def test_a_leaf_whose_dtype_metadata_json_cannot_name_is_refused_when_written(tmp_path: pathlib.Path) -> None:
+    """A structured leaf used to be recorded as '|V8' in metadata.json, so its recording could never be read back."""
+    rollouts, _ = synth(1, 10, 1, [[4]], single=True)
+    step = rollouts[0].data["step"]
+    step["pair"] = np.zeros(step["reward"].shape, [("a", "<f4"), ("b", "<i4")])
+    with Recorder(tmp_path / "rec", fsync=False) as rec:
+        with pytest.raises(shmbuf.SchemaError, match="Recorder.write: leaf pair has dtype .*expected a plain dtype"):
+            rec.write(rollouts[0])
+    assert not list((tmp_path / "rec").glob("trajectory_*"))

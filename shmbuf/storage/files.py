@@ -79,6 +79,10 @@ def _describe(tree: Any, path: tuple[Any, ...], leaves: list[dict[str, Any]], wh
     if a.dtype.hasobject:
         raise SchemaError(f"{where}: leaf {'/'.join(map(str, path))} has dtype object; only plain numeric arrays are "
                           "written (no pickle)")
+    if _leaf_dtype(a.dtype.str) != a.dtype:
+        raise SchemaError(f"{where}: leaf {'/'.join(map(str, path))} has dtype {a.dtype!r}; expected a plain dtype "
+                          "(bool, number, bytes, str, datetime) that metadata.json can name: record each field of a "
+                          "structured array as its own leaf")
     name = ".".join(_SAFE.sub("_", str(p)) for p in path)
     if any(lf["file"] == name for lf in leaves):
         raise UsageError(f"{where}: two leaves map to the file name {name!r}; rename one of {path}")
