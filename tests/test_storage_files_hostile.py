@@ -24,7 +24,7 @@ import pytest
 
 import shmbuf
 from shmbuf.storage.files import Recorder, RolloutDataset, playback_example, read_metadata
-from tests.test_storage_files import synth
+from tests.test_storage_files import Fake, synth
 
 
 def record(d: pathlib.Path, dict_obs: bool = False) -> pathlib.Path:
@@ -383,3 +383,41 @@ def test_a_leaf_whose_dtype_metadata_json_cannot_name_is_refused_when_written(tm
         with pytest.raises(shmbuf.SchemaError, match="Recorder.write: leaf pair has dtype .*expected a plain dtype"):
             rec.write(rollouts[0])
     assert not list((tmp_path / "rec").glob("trajectory_*"))
+
+
+# -- Recorder.write: what it is handed is parsed too ------------------------------------------------------------
+
+BAD_LEAVES = [None, "x", -1, 1.5, [], {}, True, np.zeros((0,)), np.zeros((2, 2, 2, 2)), np.array(["a"]), 10**30,
+              np.float64("nan")]
+
+
+def dict_paths(o: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    if path:
+        yield path
+    if isinstance(o, dict):
+        for k, v in o.items():
+            yield from dict_paths(v, path + (k,))
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_every_part_of_a_rollout_of_the_wrong_type_or_shape_is_a_schema_error(tmp_path: pathlib.Path,
+                                                                              second: bool) -> None:
+    """Recorder.write used to raise IndexError, TypeError, KeyError or ValueError from numpy for many of these."""
+    rollouts, _ = synth(2, 6, 2, [[3], [4]])
+    good = rollouts[1 if second else 0]
+    tree = {"data": good.data, "fill": good.fill}
+    variants = [(replaced(tree, p, v), good.lane, good.seq) for p in dict_paths(tree) for v in BAD_LEAVES]
+    variants += [(tree, "x", good.seq), (tree, good.lane, [1]), (tree, None, 1.5)]
+    failures = []
+    for k, (t, lane, seq) in enumerate(variants):
+        d = tmp_path / f"r{k}"
+        try:
+            with Recorder(d, fsync=False) as rec:
+                if second:  # a lane that has a trajectory open
+                    rec.write(rollouts[0])
+                rec.write(Fake(t["data"], t["fill"], lane, seq))
+        except shmbuf.ShmbufError:
+            pass
+        except Exception as e:  # noqa: BLE001  # what this test is for: any other error is a failure
+            failures.append((k, f"{type(e).__name__}: {e}"))
+    assert not failures, f"{len(failures)} of {len(variants)}: {failures[:3]}"

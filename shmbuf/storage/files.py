@@ -389,6 +389,9 @@ def _index(tree: Any, i: Any) -> Any:
 
 
 def _get(tree: Mapping[str, Any], key: str, where: str) -> Any:
+    if not isinstance(tree, Mapping):
+        raise SchemaError(f"{where}: expected a dict holding {key!r} (the workers rollout layout), got "
+                          f"{type(tree).__name__}")
     if key not in tree:
         raise SchemaError(f"{where}: the rollout has no {key!r}; expected the workers rollout layout (step leaves "
                           f"obs, action, reward, terminated[, truncated]; an episode table; bootstrap obs), got "
@@ -411,10 +414,15 @@ def _units(src: Any) -> list[_Unit]:
     for k in ("obs", "action", "reward", "terminated"):
         _get(step, k, where)
     bobs = _get(boot, "obs", where)
+    _get(ep, "terminated", where)
+    _arrays(data, where)
     lanes, seqs = getattr(src, "lane", None), getattr(src, "seq", None)
     truncate = "end" in ep
     if fill is None:  # a complete-episodes CollectedBatch: episodes concatenated, split by lengths
         lengths = _lengths(src, step, where)
+        _lead_dims(step, (len(np.asarray(step["reward"])),), "step", where)
+        _lead_dims({"episode": ep, "bootstrap": boot}, (len(lengths),), "", f"{where} (one per episode)")
+        _same_obs(step["obs"], 1, bobs, 1, "bootstrap obs", where)
         out, o = [], 0
         for b, n in enumerate(lengths.tolist()):
             sl = slice(o, o + n)
@@ -430,6 +438,8 @@ def _units(src: Any) -> list[_Unit]:
         if np.shape(v) != ((B,) if batched else ()):
             raise SchemaError(f"{where}: fill[{k!r}] has shape {np.shape(v)}, fill['step'] {np.shape(fill['step'])}; "
                               "a rollout's counts are scalars, a batch's one per rollout")
+    if batched:
+        _lead_dims(data, (B,), "", f"{where} (a batch of {B})")
     subs = []
     for b in range(B):
         lane, seq = (_pick(lanes, b, b), _pick(seqs, b, None)) if batched else (_pick(lanes, None, 0), _pick(seqs, None, None))
@@ -440,10 +450,17 @@ def _units(src: Any) -> list[_Unit]:
     for d, f, lane, seq, name in subs:
         n = f["step"]
         st = d["step"]
-        cap = len(np.asarray(st["reward"]))
+        lead = np.shape(st["reward"])
+        if len(lead) not in (1, 2) or (not truncate and len(lead) != 1):
+            raise SchemaError(f"{where}: {name}: step leaf 'reward' has shape {lead}; expected (steps,) or, in "
+                              "truncate-episodes mode, (steps, envs)")
+        _lead_dims(st, lead, "step", f"{where}: {name}")
+        cap = lead[0]
         if not 0 <= n <= cap:
             raise SchemaError(f"{where}: {name}: fill['step']={n} is outside the step leaves' capacity 0..{cap}")
         if not truncate:
+            _lead_dims(d["episode"], (), "episode", f"{where}: {name}", exact=True)
+            _same_obs(st["obs"], 1, d["bootstrap"]["obs"], 0, "bootstrap obs", f"{where}: {name}")
             out.append(_complete_unit(_map(st, lambda a, n=n: np.asarray(a)[:n][:, None]), n, d["episode"],
                                       d["bootstrap"]["obs"], lane, seq))
             continue
@@ -453,6 +470,10 @@ def _units(src: Any) -> list[_Unit]:
         e_tab = d["episode"]
         k = f.get("episode", 0)
         _check_episodes(e_tab, k, n, E, f"{where}: {name}")
+        _same_obs(st["obs"], len(lead), e_tab["final_obs"], 1, "episode final_obs", f"{where}: {name}")
+        _same_obs(st["obs"], len(lead), d["bootstrap"]["obs"], len(lead) - 1, "bootstrap obs", f"{where}: {name}")
+        if vector:
+            _lead_dims(d["bootstrap"]["obs"], (E,), "bootstrap obs", f"{where}: {name}")
         eps = [(int(e_tab["env"][i]), int(e_tab["end"][i]), bool(e_tab["terminated"][i]), bool(e_tab["truncated"][i]),
                 float(e_tab["return"][i]), int(e_tab["length"][i]), _index(e_tab["final_obs"], i)) for i in range(k)]
         bo = d["bootstrap"]["obs"]
@@ -461,6 +482,35 @@ def _units(src: Any) -> list[_Unit]:
 
 
 EPISODE_FIELDS = ("return", "length", "terminated", "truncated", "env", "end", "final_obs")
+
+
+def _arrays(tree: Any, where: str) -> None:
+    """Every leaf of ``tree`` is (or reads as) a numpy array of a plain dtype; SchemaError naming the first that is not."""
+    for name, leaf in _flat(tree):
+        try:
+            a = np.asarray(leaf)
+        except Exception as e:  # noqa: BLE001  # whatever __array__ raises (a torch tensor needing grad, ...)
+            raise SchemaError(f"{where}: leaf {name!r} cannot be read as a numpy array ({type(e).__name__}: {e})") from None
+        if a.dtype.hasobject:
+            raise SchemaError(f"{where}: leaf {name!r} is {type(leaf).__name__} of dtype {a.dtype}; expected an array of "
+                              "numbers or bools (no objects: nothing is pickled)")
+
+
+def _lead_dims(tree: Any, lead: tuple[int, ...], prefix: str, where: str, exact: bool = False) -> None:
+    """Every leaf's shape starts with ``lead`` (is exactly ``lead`` with ``exact``); SchemaError naming the first that does not."""
+    for name, leaf in _flat(tree):
+        shape = np.shape(leaf)
+        if (shape != lead) if exact else (shape[:len(lead)] != lead):
+            path = ".".join(p for p in (prefix, name) if p)
+            raise SchemaError(f"{where}: leaf {path!r} has shape {shape}; expected {'' if exact else 'a leading '}{lead}")
+
+
+def _same_obs(obs: Any, obs_lead: int, other: Any, other_lead: int, what: str, where: str) -> None:
+    """``other`` (final or bootstrap observations) has the step obs tree's leaves, with the same item shapes."""
+    a = {k: np.shape(v)[obs_lead:] for k, v in _flat(obs)}
+    b = {k: np.shape(v)[other_lead:] for k, v in _flat(other)}
+    if a != b:
+        raise SchemaError(f"{where}: {what} has leaves {b}; expected the step obs tree's {a} (item shapes)")
 
 
 def _count(v: Any, what: str) -> int:
@@ -496,6 +546,13 @@ def _check_episodes(e_tab: Any, k: int, n: int, E: int, where: str) -> None:
         if key not in e_tab:
             raise SchemaError(f"{where}: the episode table has no {key!r}; the workers truncate-episodes layout has "
                               f"{list(EPISODE_FIELDS)}, got {sorted(e_tab)}")
+        if key != "final_obs" and np.ndim(e_tab[key]) != 1:
+            raise SchemaError(f"{where}: episode table field {key!r} has shape {np.shape(e_tab[key])}; expected one "
+                              "value per row (rows,)")
+    for name, leaf in _flat(e_tab["final_obs"]):
+        if np.ndim(leaf) < 1:
+            raise SchemaError(f"{where}: episode table field 'final_obs' leaf {name!r} has shape {np.shape(leaf)}; "
+                              "expected (rows, ...)")
     rows = min(len(np.asarray(x)) if np.ndim(x) else 0 for x in [e_tab[f] for f in EPISODE_FIELDS[:-1]]
                + [leaf for _, leaf in _flat(e_tab["final_obs"])])
     if not 0 <= k <= rows:
@@ -516,7 +573,15 @@ def _pick(arr: Any, b: int | None, default: Any) -> Any:
     """Rollout metadata (lane, seq) of batch position ``b`` (None: a single rollout), or ``default`` without it."""
     if arr is None:
         return default
-    return int(arr if b is None else arr[b])
+    try:
+        v = np.asarray(arr if b is None else np.asarray(arr)[b])
+        if v.ndim == 0 and v.dtype.kind in "iu":
+            return int(v)
+    except (IndexError, TypeError, ValueError):
+        pass
+    where = "" if b is None else f"[{b}]"
+    raise SchemaError(f"Recorder.write: the rollout's lane/seq{where} is {arr!r}; expected an int (one per rollout of "
+                      "a batch), as a shmbuf Rollout, Batch or CollectedBatch gives")
 
 
 def _complete_unit(step: Any, n: int, ep: Any, bobs: Any, lane: int, seq: int | None) -> _Unit:
