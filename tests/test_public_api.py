@@ -30,7 +30,7 @@ def test_storage_public_names_are_pinned() -> None:
     import shmbuf.storage
 
     assert sorted(shmbuf.storage.__all__) == sorted([
-        "BufferFull", "Field", "FileTransition", "MaskedView", "MiniBatch", "Recorder", "RolloutDataset", "QueueRolloutStorage", "ReplayBuffer", "ReplayHandle", "ReplayInfo",
+        "BufferEmpty", "BufferFull", "Field", "FileTransition", "MaskedView", "MiniBatch", "Recorder", "RolloutDataset", "QueueRolloutStorage", "ReplayBuffer", "ReplayHandle", "ReplayInfo",
         "RolloutBuffer", "RolloutBufferWriter", "RolloutSlot", "RolloutStorage", "SarsaMiniBatch", "SarsaRolloutStorage",
         "SarsaTransition", "TimeOutObservations", "Transition", "ViewRequirement", "build_views", "compute_gae",
         "get_frame_range", "iterate_minibatches", "normalize_advantages", "parse_shift", "play", "playback_example",

@@ -8,7 +8,7 @@ See docs/storage.md for how each class maps to the systems it learns from.
 
 from shmbuf.storage._torch import to_torch
 from shmbuf.storage.buffer import (
-    BufferFull, Field, RolloutBuffer, RolloutBufferWriter, RolloutSlot, iterate_minibatches, transition_view,
+    BufferEmpty, BufferFull, Field, RolloutBuffer, RolloutBufferWriter, RolloutSlot, iterate_minibatches, transition_view,
 )
 from shmbuf.storage.files import FileTransition, Recorder, RolloutDataset, get_frame_range, play, playback_example, read_metadata
 from shmbuf.storage.gae import compute_gae, normalize_advantages
@@ -20,6 +20,7 @@ from shmbuf.storage.rollout import (
 from shmbuf.storage.views import MaskedView, ViewRequirement, build_views, parse_shift
 
 __all__ = [
+    "BufferEmpty",
     "BufferFull",
     "Field",
     "FileTransition",

@@ -45,6 +45,11 @@ class BufferFull(ShmbufError, RuntimeError):
     would never end. A RuntimeError, as embodichain's "RolloutBuffer already contains a rollout"."""
 
 
+class BufferEmpty(SlotTimeout, RuntimeError):
+    """``get()`` with nothing stored and no wait asked for. A :class:`SlotTimeout` (so a TimeoutError) and a
+    RuntimeError, as embodichain's ``RuntimeError("RolloutBuffer is empty.")``: ported ``except`` clauses hold."""
+
+
 @dataclass(frozen=True)
 class Field:
     """One field of the rollout: its trailing ``shape`` (after ``[num_envs, T+1]``), dtype and kind."""
@@ -512,7 +517,8 @@ class RolloutBuffer:
           slot is rewritten), copy what must outlive it. Pass them to :meth:`transition_view`.
 
         The previous ``get(flatten=False)`` rollout is released first. With nothing stored it raises
-        :class:`SlotTimeout` (a TimeoutError) at once, as embodichain's empty buffer raises, unless a
+        :class:`BufferEmpty` (a SlotTimeout and a RuntimeError) at once, as embodichain's empty buffer
+        raises RuntimeError, unless a
         wait is asked for: ``timeout`` seconds (or the buffer's ``timeout``), None for ever.
         """
         self.release()
@@ -522,7 +528,7 @@ class RolloutBuffer:
         except SlotTimeout as exc:
             if wait != 0:
                 raise
-            raise SlotTimeout(f"RolloutBuffer.get(): the buffer is empty (no rollout was added that get() has not taken; "
+            raise BufferEmpty(f"RolloutBuffer.get(): the buffer is empty (no rollout was added that get() has not taken; "
                               f"pipeline {self._reader.name}). get() does not wait unless asked: pass get(timeout=seconds) "
                               "or RolloutBuffer(..., timeout=seconds) to wait for an actor in another process") from exc
         data = {name: arr for ts in r.data.values() for name, arr in ts.items()}
