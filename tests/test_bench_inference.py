@@ -94,14 +94,27 @@ def test_quick_sweep_writes_every_figure_and_leaves_nothing(tmp_path: pathlib.Pa
         assert r["n"] == 4 and r["policy"] == "mlp64" and r["envs_logged"] == 4, what
         fps = r["frames_per_s"]
         assert all(_finite_positive(x) for x in fps["windows"]) and fps["min"] <= fps["median"] <= fps["max"], what
-        assert r["batches"] > 0 and r["frames_delivered"] > 0 and min(r["delivered_per_s"]) >= 0, what
+        # The figures against what they are made of: each window's rate times its length is a whole number of
+        # frames (of batches, for what the learner received), and what was delivered is whole batches.
+        window_s = [(b - a) / 1e9 for a, b in zip(r["edges_ns"], r["edges_ns"][1:])]
+        assert len(window_s) == 2 and all(w > 0 for w in window_s), (what, r["edges_ns"])
+        fpb = saved["config"]["frames_per_batch"]
+        for rate, w in zip(fps["windows"], window_s):
+            assert rate * w == pytest.approx(round(rate * w)), (what, fps, window_s)
+        for rate, w in zip(r["delivered_per_s"], window_s):
+            assert rate * w == pytest.approx(fpb * round(rate * w / fpb)), (what, r["delivered_per_s"], window_s)
+        assert r["batches"] > 0 and r["frames_delivered"] == r["batches"] * fpb, what
         rt = r["round_trip_us"]
         assert _finite_positive(rt["p50"]) and rt["p99"] >= rt["p50"] and rt["n"] > 0, what
         assert _finite_positive(r["env_step_us"]["p50"]) and _finite_positive(r["wait_us"]["p50"]), what
         fwd = r["forward"]
         assert fwd["count"] > 0 and sum(fwd["hist"].values()) == fwd["count"], what
         assert all(1 <= int(k) <= 4 for k in fwd["hist"]), (what, fwd["hist"])
-        assert _finite_positive(fwd["mean"]) and _finite_positive(fwd["duration_us_p50"]), what
+        rows = sum(int(k) * v for k, v in fwd["hist"].items())
+        assert fwd["mean"] == pytest.approx(rows / fwd["count"]), (what, fwd)
+        assert fwd["frame_weighted_mean"] == pytest.approx(sum(int(k) ** 2 * v for k, v in fwd["hist"].items()) / rows), what
+        assert fwd["per_s"] == pytest.approx(fwd["count"] / sum(window_s)), (what, fwd)
+        assert _finite_positive(fwd["duration_us_p50"]), what
         cpu = r["cpu_cores"]
         assert all(math.isfinite(cpu[k]) and cpu[k] >= 0 for k in ("learner", "children", "machine", "outside", "learner_kernel",
                                                                    "children_kernel", "children_switches_per_s")), what
