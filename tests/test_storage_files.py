@@ -37,8 +37,9 @@ def obs_of(e: int, k: int, ep: int, t: int, dict_obs: bool) -> Any:
 
 
 def synth(E: int, T: int, R: int, lens: list[list[int]], *, dict_obs: bool = False, single: bool = False,
-          truncated_field: bool = True, lane: int = 0) -> tuple[list[Fake], dict[int, list[dict]]]:
-    """R rollouts of E envs x T steps; env e's episode lengths cycle through lens[e]; even episodes terminate, odd truncate.
+          truncated_field: bool = True, lane: int = 0, both: bool = False) -> tuple[list[Fake], dict[int, list[dict]]]:
+    """R rollouts of E envs x T steps; env e's episode lengths cycle through lens[e]; even episodes terminate, odd truncate
+    (``both``: every third episode ends terminated and truncated at once, as a gymnasium env may report).
 
     Returns the rollouts and, per env, the trajectories a Recorder must publish (the last ones cut, with the
     bootstrap observation as successor).
@@ -59,6 +60,8 @@ def synth(E: int, T: int, R: int, lens: list[list[int]], *, dict_obs: bool = Fal
                 L = lens[e][ep[e] % len(lens[e])]
                 end = t_in[e] == L - 1
                 term, trunc = bool(end and ep[e] % 2 == 0), bool(end and ep[e] % 2 == 1)
+                if both and end and ep[e] % 3 == 2:
+                    term = trunc = True
                 frame = {"obs": o, "action": np.int64(k[e] * 10 + e), "reward": np.float32(k[e] % 7 + 0.25 * e),
                          "terminated": term, "truncated": trunc, "value": np.float32(-k[e])}
                 row.append(frame)
@@ -175,11 +178,33 @@ def check_exact_list(got: list[dict], expected: dict[int, list[dict]], dict_obs:
         done = cat(bs, lambda b: b.done)
         timeout = cat(bs, lambda b: b.timeout)
         assert done[0] and done[-1] and not done[1:-1].any()
-        assert timeout[-1] == (w["truncated"] or not w["ends"]) and not timeout[:-1].any()
+        # a time-out is an end to bootstrap: truncated or cut, never terminated (gymnasium: terminated wins)
+        assert timeout[-1] == ((w["truncated"] or not w["ends"]) and not w["terminated"]) and not timeout[:-1].any()
     assert not want
 
 
 # -- record, read back ---------------------------------------------------------------------------
+
+def test_a_step_both_terminated_and_truncated_is_no_time_out(tmp_path):
+    """002's time_outs are bootstrapped whatever dones says (rsl_rl's rule), so a step the recording marks terminated
+    and truncated (gymnasium: terminated) must not come out as a time-out, or a ported PPO would bootstrap it."""
+    rollouts, expected = synth(2, 8, 6, [[3, 4, 5], [2, 6]], both=True)
+    assert any(t["terminated"] and t["truncated"] for e in expected for t in expected[e])  # the case is there
+    with Recorder(tmp_path) as rec:
+        for r in rollouts:
+            rec.write(r)
+    check_exact(tmp_path, expected)
+    ds = RolloutDataset(tmp_path, 1, wait_timeout=0)  # one pass (dataset_loops=1): StopIteration at its end
+    terminated = 0
+    while True:
+        try:
+            _, _, _, done, info = ds.get_transition_batch()
+        except StopIteration:
+            break
+        assert not (info["time_outs"] & info["terminated"]).any()
+        terminated += int((info["terminated"] & done).sum())
+    assert terminated == sum(t["terminated"] for e in expected for t in expected[e])  # every end was served
+
 
 @pytest.mark.parametrize("single", [False, True])
 def test_record_and_read_back_bit_exact(tmp_path, single):

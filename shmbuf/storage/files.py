@@ -1354,7 +1354,9 @@ class RolloutDataset:
         term = out[self._term_key] != 0
         timeout = None
         if self._timeout_key is not None:
-            timeout = (out[self._timeout_key] != 0) | out["cut"]
+            # 002's time_outs: ends to bootstrap. rsl_rl's rule bootstraps a time-out whatever dones says, so a step the
+            # recording marks both terminated and truncated (gymnasium: terminated wins) is no time-out here.
+            timeout = ((out[self._timeout_key] != 0) | out["cut"]) & ~term
         done = out["first"] | term | out["cut"] | (timeout if timeout is not None else False)
         return term, done, timeout
 
