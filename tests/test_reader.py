@@ -132,7 +132,7 @@ def test_get_timeout_is_a_timeout_error(pair: Any) -> None:
     with pytest.raises(TimeoutError, match=r"get\(\) got nothing within timeout=0.2 s; this reader holds no slot; "
                                            "1 writer is attached"):
         reader.get(timeout=0.2)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10.0  # a liveness bound: the timeout ended the wait
 
 
 def test_a_timeout_with_no_writer_ever_attached_says_so(make_reader: Any) -> None:
@@ -285,13 +285,16 @@ def test_reader_pickles_to_its_handle_and_a_name_is_enough(pair: Any) -> None:
 
 def test_stats(pair: Any) -> None:
     reader, writer = pair
+    t0 = time.monotonic_ns()
     for _ in range(3):
         write(writer, 1.0)
     reader.get(timeout=5).release()
+    span_us = (time.monotonic_ns() - t0) / 1000
     s = reader.stats()
     assert s["rollouts"] == 1 and s["ready_depth"] == 2 and s["writers"] == 1
     assert s["bytes"] == sum(lf.nbytes for lf in reader.schema.leaves)
-    assert s["latency_us_p50"] is not None and s["latency_us_p50"] > 0
+    # commit to delivery lies inside the span measured around the writes and the get (µs, not ns or s)
+    assert 0 < s["latency_us_p50"] <= s["latency_us_p99"] <= span_us
     assert s["slots"]["pool"] + s["slots"]["lent"] + s["slots"]["ready"] + s["slots"]["held"] == reader.slots
 
 

@@ -779,9 +779,19 @@ def test_the_page_has_examples():
     assert len(BLOCKS) >= 3
 
 
+# What each block prints, as the page says (block 2 prints nothing: its asserts are its check).
+BLOCK_OUTPUT = {
+    0: r"Recorder\('[^']+', frames=4096, trajectories=\d+\) \{'file': 'action', 'path': \['action'\], 'dtype': '<i8', "
+       r"'shape': \[\]\}\n",
+    1: r"\['joints', 'camera'\]\n",
+    2: r"",
+}
+
+
 @pytest.mark.parametrize("k", range(len(BLOCKS)))
 def test_docs_block_runs(k: int, tmp_path: pathlib.Path) -> None:
-    run_doc_block("files.md", k, tmp_path, timeout=120)
+    out = run_doc_block("files.md", k, tmp_path, timeout=120)
+    assert re.fullmatch(BLOCK_OUTPUT[k], out), out
 
 
 # -- review 2: lanes reused, soft horizons, obs_key, inconsistent rollouts, leftovers, bad input -----------------

@@ -88,15 +88,15 @@ def test_weights_reach_the_actors_and_lag_is_reported():
         assert c.update_policy_weights({"w": np.ones(1)}) == 1
         assert first.policy_lag.tolist() == [0, 0]  # computed when handed out
         deadline = time.monotonic() + 20
-        lags = []
         while time.monotonic() < deadline:
             b = next(it)
-            lags += b.policy_lag.tolist()
+            # the lag is the learner's version when the batch is handed out (1) minus the version each rollout carries
+            assert set(b.policy_version.tolist()) <= {0, 1}
+            assert (b.policy_lag == 1 - b.policy_version).all(), (b.policy_lag, b.policy_version)
             if (b.policy_version == 1).all():
                 break
         else:
             raise AssertionError("the new weights never showed up in rollouts")
-        assert 1 in lags or 0 in lags
         assert c.stats()["policy_version"] == 1
         with pytest.raises(ValueError, match="larger than the last"):
             c.update_policy_weights({"w": np.ones(1)}, version=1)
@@ -165,7 +165,7 @@ def test_timeout_when_actors_are_alive_but_too_slow():
         t0 = time.monotonic()
         with pytest.raises(shmbuf.SlotTimeout, match="no batch within timeout=0.5"):
             next(iter(c))
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 15  # a liveness bound: the 0.5 s timeout held, not waited for ever
 
 
 def test_complete_episodes_lose_nothing_to_a_timeout_between_episodes():
