@@ -17,6 +17,7 @@ the transport; the benchmarks compare transports on payloads where it matters.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -52,6 +53,24 @@ def _steps(env: gym.Env, obs: np.ndarray, rng: np.random.Generator, add) -> np.n
                      "truncated": np.bool_(trunc)})
         obs = env.reset()[0] if term or trunc else nobs
     return obs
+
+
+def _rollout_digests(tree: dict, n: int) -> list[bytes]:
+    """Each of a batch's ``n`` rollouts as the SHA-256 of all its leaves' bytes: observations, actions, rewards,
+    flags, bootstrap. (CartPole pays 1.0 a step, so reward sums alone would agree whatever arrived.)"""
+    out = []
+    for b in range(n):
+        h = hashlib.sha256()
+        for ts in sorted(tree):
+            for k in sorted(tree[ts]):
+                h.update(np.ascontiguousarray(tree[ts][k][b]).tobytes())
+        out.append(h.digest())
+    return out
+
+
+def _digest(rollouts: list[bytes]) -> str:
+    """One digest of every rollout received, whatever order the actors' rollouts interleaved in."""
+    return hashlib.sha256(b"".join(sorted(rollouts))).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- before: echo
@@ -92,7 +111,7 @@ def _join_or_kill(procs: list) -> None:
             p.join()
 
 
-def run_echo(n_actors: int, n_rollouts: int, batch: int) -> tuple[float, float]:
+def run_echo(n_actors: int, n_rollouts: int, batch: int) -> tuple[float, float, str]:
     from echo import Server, TcpTransport
 
     server = Server(EXAMPLE, batch_size=batch, transport=TcpTransport(port=0))
@@ -103,17 +122,18 @@ def run_echo(n_actors: int, n_rollouts: int, batch: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         for p in procs:
             p.start()
-        total = 0.0
+        total, rollouts = 0.0, []
         for _ in range(n_actors * n_rollouts // batch):
             sample = server.sample()  # (batch, T, ...) views into echo's ring
             total += float(sample.batch["step"]["reward"].sum())
-        return time.perf_counter() - t0, total
+            rollouts += _rollout_digests(sample.batch, batch)
+        return time.perf_counter() - t0, total, _digest(rollouts)
     finally:
         _join_or_kill(procs)
         server.close()
 
 
-def run_shmbuf(n_actors: int, n_rollouts: int, batch: int) -> tuple[float, float]:
+def run_shmbuf(n_actors: int, n_rollouts: int, batch: int) -> tuple[float, float, str]:
     reader = shmbuf.create(EXAMPLE, slots=2 * batch + 2 * n_actors, max_writers=n_actors)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=shmbuf_actor, args=(reader.handle, n_rollouts, i)) for i in range(n_actors)]
@@ -121,11 +141,12 @@ def run_shmbuf(n_actors: int, n_rollouts: int, batch: int) -> tuple[float, float
         t0 = time.perf_counter()
         for p in procs:
             p.start()
-        total = 0.0
+        total, rollouts = 0.0, []
         for _ in range(n_actors * n_rollouts // batch):
             b = reader.get_batch(batch, timeout=60)  # (batch, T, ...): views of a run of slots, or gathered
             total += float(b.data["step"]["reward"].sum())
-        return time.perf_counter() - t0, total
+            rollouts += _rollout_digests(b.data, batch)
+        return time.perf_counter() - t0, total, _digest(rollouts)
     finally:
         _join_or_kill(procs)
         reader.close()
@@ -142,11 +163,12 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--actors * --rollouts must be a multiple of --batch")
     out = {}
     for name, run in (("echo", run_echo), ("shmbuf", run_shmbuf)):
-        seconds, total = run(args.actors, args.rollouts, args.batch)
-        out[name] = {"seconds": round(seconds, 3), "reward_sum": total,
+        seconds, total, digest = run(args.actors, args.rollouts, args.batch)
+        out[name] = {"seconds": round(seconds, 3), "reward_sum": total, "digest": digest,
                      "steps_per_s": args.actors * args.rollouts * T / seconds}
-    # Same seeds, same policy, same env: both learners received exactly the same rewards.
-    out["same_data"] = out["echo"]["reward_sum"] == out["shmbuf"]["reward_sum"]
+    # Same seeds, same policy, same env: both learners received the same rollouts, byte for byte (observations,
+    # actions, rewards, flags, bootstrap; in whatever order they came).
+    out["same_data"] = out["echo"]["digest"] == out["shmbuf"]["digest"]
     if args.json:
         print(json.dumps(out))
     else:
