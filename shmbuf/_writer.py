@@ -397,7 +397,11 @@ class Writer:
         try:
             if exc is not None and not isinstance(exc, (PipelineClosed, BrokenPipeline, WrongProcess, KeyboardInterrupt)):
                 try:
-                    self.report_error(exc)
+                    if self.report_error(exc) and hasattr(exc, "add_note"):
+                        # It goes on up, and the process that dies of it prints it too (multiprocessing does): say
+                        # where else it went, so that two tracebacks do not read as two failures.
+                        exc.add_note(f"(shmbuf: also sent to the learner, which raises it as WriterError from "
+                                     f"pipeline {self.name}, lane {self.lane})")
                 except Exception:
                     pass  # the user's exception is the one that matters
         finally:
@@ -647,8 +651,8 @@ class Writer:
         Waits up to ``timeout`` seconds for the reader to take a message still in the mailbox (it
         does at its next get, get_batch or poll). False if it did not, closed the pipeline, or died.
         """
-        if self._closed or self._foreign or self._lane is None:
-            return False
+        if self._closed or self._foreign or self._lane is None or self._reader_gone():
+            return False  # (a closed pipeline's mailbox would take the message, and nobody would read it)
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         msg = _control.encode("error", exc_type=type(exc).__name__, message=str(exc), traceback=tb)
         return self._lane.post(msg, timeout, self._reader_gone)

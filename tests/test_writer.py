@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import gc
 import pickle
+import threading
+import time
 import tracemalloc
 from typing import Any
 
@@ -494,3 +496,42 @@ def test_slot_views_are_written_in_place_and_commit_publishes_them_full(make_rea
     writer.commit(fill={"step": 64})  # the failed commit published nothing and kept the slot
     assert reader.get(timeout=5).fill["step"] == 64
     writer.close()
+
+
+def test_an_exception_sent_to_the_learner_says_so_where_it_is_printed_too(make_reader: Any) -> None:
+    """The actor's own process prints an exception that ends it; a note says the learner got it too (not two failures)."""
+    reader = make_reader(guide_example(), slots=4, max_writers=2)
+    done = threading.Event()
+    caught: list[BaseException] = []
+
+    def actor() -> None:
+        try:
+            with shmbuf.Writer(reader.handle, timeout=5.0):
+                raise ValueError("boom")
+        except ValueError as exc:
+            caught.append(exc)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=actor, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    with pytest.raises(shmbuf.WriterError, match="boom"):  # the reader takes the mailbox in while it waits
+        while not done.is_set():
+            assert time.monotonic() < deadline, "the actor never finished reporting"
+            reader.get(timeout=0.5)
+    t.join(10)
+    notes = getattr(caught[0], "__notes__", [])
+    assert len(notes) == 1 and f"sent to the learner, which raises it as WriterError from pipeline {reader.name}" in notes[0]
+    assert reader.errors == []  # raised once, not kept for later
+
+
+def test_an_exception_not_delivered_gets_no_note(make_reader: Any) -> None:
+    reader = make_reader(guide_example(), slots=4, max_writers=2)
+    writer = shmbuf.Writer(reader.handle, timeout=0.5)
+    reader.poll()
+    reader.close()  # nobody to tell: report_error says so
+    assert writer.report_error(ValueError("unread")) is False
+    with pytest.raises(ValueError) as err, writer:
+        raise ValueError("boom")
+    assert not getattr(err.value, "__notes__", [])
