@@ -8,10 +8,13 @@ PIP := $(PY) -m pip
 
 # One stamp per set of extras, refreshed when pyproject.toml changes. The tests also get rsl_rl's own code, the
 # reference for 002's GAE (tests/_rsl_rl.py), with --no-deps: its torch pin would pull a CUDA build of GBs.
+# PYTHONWARNINGS drops only setuptools' "Editable installation ... folders with the same name as your package" notice,
+# which is informational (this checkout is meant to be what `import shmbuf` finds); other warnings and errors still
+# print, and a failed install still fails the make.
 $(VENV)/.stamp-%: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e ".[$*]"
+	PYTHONWARNINGS="ignore:Editable installation" $(PIP) install --quiet -e ".[$*]"
 	$(if $(filter test,$*),$(PIP) install --quiet --no-deps rsl-rl-lib==5.5.1)
 	@touch $@
 
