@@ -6,12 +6,12 @@ this one elsewhere), or ``make bench-ray``. In one run, on this machine, for eac
 synthetic envs, and CartPole-v1), with ``ACTORS`` actor processes in all and ``BATCH`` rollouts per
 batch, it measures rollouts/s, frames/s and CPU per rollout of:
 
-- ``shmbuf``: ``workers.Collector`` alone, no Ray running (the issue's (c));
-- ``shmbuf_ray``: ``workers.RayCollector`` on a local one-node Ray cluster (the issue's (a)), in its default
+- ``shmbuf``: ``workers.Collector`` alone, no Ray running ((c) in the tables);
+- ``shmbuf_ray``: ``workers.RayCollector`` on a local one-node Ray cluster ((a) in the tables), in its default
   configuration: the learner's own node collected in the learner's process (``local_node=True``);
 - ``shmbuf_ray_hop``: the same with ``local_node=False``: the node behind a node owner actor, each batch one
   Ray object through the object store, as every node other than the learner's is;
-- ``ray_actors``: what a Ray user writes today (the issue's (b)): ``ACTORS`` plain Ray actors
+- ``ray_actors``: what a Ray user writes today ((b) in the tables): ``ACTORS`` plain Ray actors
   (``ray_envs.RolloutActor``) returning rollouts, a dict of numpy arrays, from a remote method; the
   learner keeps calls in flight on each, takes them as they finish (``ray.wait`` + ``ray.get``) and
   concatenates ``BATCH`` rollouts into a batch. Measured at 1 and ``BATCH / ACTORS`` rollouts per
@@ -50,7 +50,7 @@ if _ROOT not in sys.path:  # run as a script: make `benchmarks`, `shmbuf` and `w
 
 from benchmarks.ray_report import SYSTEMS, best_peer, build, summarize, write
 
-ACTORS = 2  # actor processes in all (the machine the issue names has 2 cores)
+ACTORS = 2  # actor processes in all (the machine measured has 2 cores)
 BATCH = 16  # rollouts per batch
 FULL = {"workloads": ("small", "atari", "cartpole"), "repeats": 3, "windows": 3, "window_s": 2.0, "warmup_s": 1.5,
         "per_call": (1, BATCH // ACTORS), "in_flight": (2, 4), "loop_rollouts": 40}

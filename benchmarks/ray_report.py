@@ -1,4 +1,4 @@
-"""The Ray benchmark's numbers from its raw runs: rows, the ratios, the issue's aims, the table page and the plot.
+"""The Ray benchmark's numbers from its raw runs: rows, the ratios, the aims, the table page and the plot.
 
 ``benchmarks/on_ray.py`` measures and calls :func:`build` and :func:`write`; ``--render`` redoes them from a
 results file alone. Every ratio's denominator among the plain Ray actors is their best configuration in
@@ -16,8 +16,8 @@ import numpy as np
 
 SYSTEMS = ("shmbuf", "shmbuf_ray", "shmbuf_ray_hop", "ray_actors", "shmbuf_ray_2node", "ray_actors_2node")
 LETTER = {"shmbuf_ray": "(a)", "ray_actors": "(b)", "shmbuf": "(c)"}
-AIM_VS_RAY = 2.0  # issue 13: (a) / (b) at least
-AIM_VS_SHMBUF = 0.7  # issue 13: (a) / (c) at least, one node: within 30 %
+AIM_VS_RAY = 2.0  # (a) / (b) at least: shmbuf on Ray against plain Ray actors
+AIM_VS_SHMBUF = 0.7  # (a) / (c) at least, one node: within 30 % of shmbuf alone
 
 def label(rec: dict[str, Any]) -> str:
     """The row a record belongs to: the system, and the peer's configuration."""
@@ -118,7 +118,7 @@ def ratios(rows: list[dict[str, Any]], workloads: list[str]) -> dict[str, dict[s
 
 
 def aims(rat: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's aims, per workload: (a) >= 2x (b); (a) within 30 % of (c) on one node."""
+    """The aims, per workload: (a) >= 2x (b); (a) within 30 % of (c) on one node."""
     out = []
     for wl, r in rat.items():
         out.append({"aim": f"{wl}: shmbuf_ray / ray_actors' best >= {AIM_VS_RAY:g}", "value": r["a_over_b"],
@@ -227,7 +227,7 @@ def markdown(result: dict[str, Any]) -> str:
                  f"| {_x(rat[wl].get('hop_over_b'))} | {_x(rat[wl].get('hop_over_c'))} "
                  f"| {_fmt(_med(row_of(rows, 'shmbuf_ray_2node', wl)))} | {_fmt(_med(b2))}{conf(b2)} "
                  f"| {_x(rat[wl]['a2_over_b2'])} |")
-    L += ["", "## Aims (issue 13)", "", "| aim | measured | met |", "|---|---:|---|"]
+    L += ["", "## Aims", "", "| aim | measured | met |", "|---|---:|---|"]
     for a in result["aims"]:
         L.append(f"| {a['aim']} | {_x(a['value'])} | {'' if a['met'] is None else ('yes' if a['met'] else '**no**')} |")
     costs = result.get("loop_costs") or {}

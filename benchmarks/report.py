@@ -1,4 +1,5 @@
-"""From raw run records to the numbers people read: per-run summaries, the targets of issue 12, a table, a plot.
+"""From raw run records to the numbers people read: per-run summaries, the targets against echo and the queues, a
+table, a plot.
 
 echo runs in two configurations ("echo": its defaults; "echo1": one drainer, one TCP thread). Every ratio
 against echo takes the better of the two in the same row (higher rollouts/s, lower p99) as its denominator,
@@ -21,7 +22,7 @@ LONG = {"shmbuf": "shmbuf, `get_batch(16)` (default view=True: zero-copy views w
         "faster_fifo": "`faster_fifo.Queue`, 16 `get_many`s stacked into a preallocated batch",
         "mp_queue": "`multiprocessing.Queue`, 16 `get`s stacked into a preallocated batch"}
 ECHOS = ("echo", "echo1")
-GOALS = {"small": 3.0, "rl": 8.0, "atari": 12.0}  # issue 12: shmbuf / echo's better, transport, 2 actors, B=16
+GOALS = {"small": 3.0, "rl": 8.0, "atari": 12.0}  # shmbuf / echo's better, transport, 2 actors, B=16
 ADD_GOAL = 0.25
 P99_GOAL = 0.1
 LEARNER_CPU_GOAL = 3.0  # µs per small rollout at B=16
@@ -129,8 +130,8 @@ def _cpu(s: dict[str, Any] | None, side: str) -> float | None:
 
 
 def micro_kinds(micro: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """The microbench's item kinds, by issue 12's names; a results file from before helper W's rewrite has
-    "scalars" (numpy scalars, i.e. "numpy") and "arrays" only."""
+    """The microbench's item kinds ("numpy", "python", "arrays"); an older results file, from before the
+    microbench measured Python items, has "scalars" (numpy scalars, i.e. "numpy") and "arrays" only."""
     if not micro:
         return {}
     kinds = {k: micro[k] for k in ("numpy", "python", "arrays") if isinstance(micro.get(k), dict)}
@@ -174,7 +175,7 @@ def _throughput_bound(summaries: list[dict[str, Any]], payload: str, need: float
 def targets(summaries: list[dict[str, Any]], micro: dict[str, Any] | None, copy_bw: dict[str, Any],
             stalls: list[dict[str, Any]], cores: int = 2, payload_bytes: dict[str, int] | None = None,
             actors: int = 2) -> list[dict[str, Any]]:
-    """Each target of issue 12 (transport mode, ``actors`` actors, B=16, against echo's better configuration):
+    """Each target (transport mode, ``actors`` actors, B=16, against echo's better configuration):
     the figure, the goal, met or not (None when a figure is missing), and for a missed one what bounds it."""
     out: list[dict[str, Any]] = []
 
@@ -436,7 +437,7 @@ def markdown(result: dict[str, Any]) -> str:
                          f"({s.get('detail')})")
     else:
         lines.append("None.")
-    lines += ["", "## Targets (issue 12: transport, 2 actors, B=16, against echo's better configuration)", "",
+    lines += ["", "## Targets (transport, 2 actors, B=16, against echo's better configuration)", "",
               "| target | value | goal | met |", "|---|---:|---|---|"]
     for t in result["targets"]:
         v = t["value"]

@@ -2,7 +2,8 @@
 
 Runs shmbuf (zero-copy and gathered batches), echo's TCP transport (its defaults and one drainer with one
 TCP thread), faster_fifo and multiprocessing.Queue on the same payloads in one run, and writes
-``<out>/<date>-<host>.json`` (every raw figure), ``.md`` (the tables, and issue 12's targets) and ``.png`` (the plot).
+``<out>/<date>-<host>.json`` (every raw figure), ``.md`` (the tables, and the targets: shmbuf against
+echo's better configuration, faster_fifo and multiprocessing.Queue) and ``.png`` (the plot).
 See benchmarks/README.md for what is measured and how.
 """
 

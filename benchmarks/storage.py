@@ -359,7 +359,7 @@ def tables(res: dict[str, Any]) -> str:
         if mine:
             lines.append(f"| {kind} | " + " | ".join(_fmt(mine[p]) for p in procs) + f" | {mine[procs[-1]] / mine[procs[0]]:.2f}x |")
     lines += ["", f"## GAE, {NUM_ENVS} envs, float32 (ms, median)", "",
-              "| T | shmbuf compute_gae (numpy) | per-step torch loop (002) | loop / compute_gae | max abs diff |",
+              "| T | shmbuf compute_gae (numpy) | per-step torch loop (rsl_rl's) | loop / compute_gae | max abs diff |",
               "|---:|---:|---:|---:|---:|"]
     for g in res["gae"]:
         a, b = g["compute_gae_s"]["median"] * 1e3, g["torch_loop_s"]["median"] * 1e3

@@ -3,7 +3,7 @@
 Six systems, four transports: shmbuf twice (``shmbuf``: ``get_batch``'s default, zero-copy views
 when the batch's rollouts sit in consecutive slots; ``shmbuf_gather``: ``get_batch(view=False)``,
 always gathered), echo twice (``echo``: its defaults; ``echo1``: one drainer thread and one TCP
-thread, which beat the defaults on 2 cores in issue 12), faster_fifo and multiprocessing.Queue.
+thread, which beat its defaults on a 2-core machine), faster_fifo and multiprocessing.Queue.
 
 For each system:
 
@@ -52,7 +52,7 @@ def _now() -> np.ndarray:
 
 
 def _has_view_arg(reader: Any) -> bool:
-    """Whether this shmbuf's ``get_batch`` takes ``view=`` (issue 12's zero-copy batches)."""
+    """Whether this shmbuf's ``get_batch`` takes ``view=`` (zero-copy batches)."""
     import inspect
 
     return "view" in inspect.signature(reader.get_batch).parameters
@@ -72,7 +72,7 @@ class ShmbufLearner:
         self.reader = shmbuf.create(example, slots=depth, max_writers=max(8, n_actors))
         self.address = self.reader.name
         self.batch = batch
-        # A shmbuf from before issue 12 has no view= and always gathers; extra() then says so.
+        # A shmbuf from before zero-copy batches has no view= and always gathers; extra() then says so.
         self.view_api = _has_view_arg(self.reader)
         self._kw = {"view": self.VIEW} if self.view_api else {}
 
@@ -153,7 +153,7 @@ class EchoLearner:
 
 
 class Echo1Learner(EchoLearner):
-    """echo with one drainer thread and one TCP thread: faster than the defaults on a 2-core machine (issue 12)."""
+    """echo with one drainer thread and one TCP thread: faster than the defaults on a 2-core machine."""
 
     SETTINGS: ClassVar[dict[str, int]] = {"num_drainers": 1, "num_threads": 1}
 
