@@ -488,11 +488,8 @@ def test_the_learner_dying_stops_every_node(cluster: Any) -> None:
         assert all(on_shm(i) for i in info)
         learner.send_signal(signal.SIGKILL)
         learner.wait(10)
-        t0 = time.monotonic()
         wait_until(lambda: all(gone(p) for p in pids_of(info)), 30, "every node's processes to exit after the learner died")
-        took = time.monotonic() - t0
         wait_until(lambda: not any(on_shm(i) for i in info), 10, f"the janitors to remove {[i['names'] for i in info]}")
-        assert took < 30
     finally:
         if learner.poll() is None:
             learner.kill()
