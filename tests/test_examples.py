@@ -67,8 +67,8 @@ def test_echo_port_delivers_the_same_rollouts_both_ways():
 
 def test_echo_port_actors_deliver_identical_rollouts_through_both_transports(monkeypatch):
     """The example's two actors, unchanged, each through its transport: every rollout's bytes (observations,
-    actions, flags, bootstrap) arrive the same both ways. The example itself compares only reward sums, which
-    CartPole (1.0 a step) makes equal whatever arrives."""
+    actions, flags, bootstrap) arrive the same both ways, rollout by rollout, as the test's own check of what the
+    example's digest comparison claims."""
     pytest.importorskip("echo", reason="the echo half needs id-echo (the bench extra)")
     from echo import Server, TcpTransport
 
