@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
 import zlib
 from typing import Any
 
@@ -26,16 +29,157 @@ def doc_blocks(page: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
 
 
-def run_doc_block(page: str, k: int, tmp_path: pathlib.Path, timeout: float = 180) -> str:
-    """Run block ``k`` of a docs page as written, as a script in a fresh interpreter (warnings are errors);
-    return what it printed, for the test to check against what the page says it prints."""
-    script = tmp_path / f"doc_block_{k}.py"
-    script.write_text(doc_blocks(page)[k])
+START_METHODS = ("spawn", "forkserver", "fork")  # forkserver: workers' default, and Python 3.14's on Linux
+
+# The script run in place of a block under a given start method. It makes that method multiprocessing's default and
+# runs the block as __main__: spawn and forkserver children then import the block itself (as __mp_main__), not this
+# wrapper, as they would import a user's script. workers picks forkserver whatever multiprocessing's default is
+# (workers/_pool.py default_start_method), so for a block that imports workers that default is pointed at
+# multiprocessing's here: the block's Collector then starts its actors as with start_method=<method>. Every process
+# the block starts is recorded, for run_script to check that it started some and all of them by <method>.
+START_METHOD_WRAPPER = """\
+import json
+import multiprocessing
+import runpy
+from multiprocessing.process import BaseProcess
+
+multiprocessing.set_start_method({method!r}, force=True)
+if {uses_workers!r}:
+    import workers._collector
+    import workers._pool
+
+    workers._pool.default_start_method = workers._collector.default_start_method = multiprocessing.get_start_method
+started = []
+start = BaseProcess.start
+
+
+def recorded_start(self):
+    started.append(self._start_method or multiprocessing.get_start_method())
+    start(self)
+
+
+BaseProcess.start = recorded_start
+try:
+    runpy.run_path({script!r}, run_name="__main__")
+finally:
+    with open({report!r}, "w") as f:
+        json.dump(started, f)
+"""
+
+
+def session_of(pid: int) -> int | None:
+    """The session id of a live process, or None (gone, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    rest = stat[stat.rfind(b")") + 2 :].split()
+    return None if rest[0] in (b"Z", b"X") else int(rest[3])
+
+
+def in_session(sid: int) -> list[tuple[int, str]]:
+    """``(pid, command line)`` of every live process in session ``sid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and session_of(int(entry)) == sid:
+            try:
+                cmd = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            out.append((int(entry), cmd[:200]))
+    return out
+
+
+def run_script(script: pathlib.Path, tmp_path: pathlib.Path, *, start_method: str | None = None,
+               timeout: float = 180, cleanup: float = 15) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter in a session of its own (warnings are errors, cwd ``tmp_path``) and
+    return what it printed; fail unless it exits 0, printed no traceback (a child process's included), and every
+    process it started is gone within ``cleanup`` s.
+
+    With ``start_method``, the script runs under START_METHOD_WRAPPER: that method is multiprocessing's default
+    (and workers'), and the run fails unless the script started processes, all of them by that method.
+    Whatever of the session outlives a deadline is killed (those processes are this run's) and reported.
+    """
+    args = [str(script)]
+    report = tmp_path / f"{script.stem}.started.json"
+    if start_method is not None:
+        assert start_method in START_METHODS, start_method
+        wrapper = tmp_path / f"{script.stem}.{start_method}.py"
+        uses_workers = bool(re.search(r"^\s*(from|import) workers\b", script.read_text(), re.M))
+        wrapper.write_text(START_METHOD_WRAPPER.format(method=start_method, uses_workers=uses_workers,
+                                                       script=str(script), report=str(report)))
+        args = [str(wrapper)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True, text=True, timeout=timeout,
-                         env=env, cwd=tmp_path)
-    assert out.returncode == 0, f"block {k} of {page} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
-    return out.stdout
+    # Output to files, not pipes: a process left behind holding a pipe would hold the test up until the deadline.
+    out_path, err_path = tmp_path / f"{script.stem}.stdout", tmp_path / f"{script.stem}.stderr"
+    with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
+        proc = subprocess.Popen([sys.executable, "-W", "error", *args], stdout=out_f, stderr=err_f, env=env,
+                                cwd=tmp_path, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script and every process it started: one session
+        proc.wait()
+    deadline = time.monotonic() + cleanup
+    while in_session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = in_session(proc.pid)
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    out, err = out_path.read_text(), err_path.read_text()
+    what = f"{script.name}" + (f" under {start_method}" if start_method else "")
+    assert proc.returncode == 0, f"{what} exited {proc.returncode} (-9: killed after {timeout} s):\n{out[-2000:]}\n{err[-3000:]}"
+    assert "Traceback" not in err, f"{what} exited 0 but printed a traceback:\n{err[-3000:]}"
+    assert not left, f"{what}: {cleanup} s after it exited, processes it started were still there (killed now): {left}"
+    if start_method is not None:
+        started = json.loads(report.read_text())
+        assert started and set(started) == {start_method}, f"{what} started processes by {started}, not all by {start_method}"
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def run_doc_block(page: str, k: int, tmp_path: pathlib.Path, timeout: float = 180, start_method: str | None = None) -> str:
+    """Run block ``k`` of a docs page as written, as a script in a fresh interpreter (warnings are errors), under
+    ``start_method`` if given (see run_script); return what it printed, for the test to check against what the
+    page says it prints."""
+    script = tmp_path / f"{pathlib.Path(page).stem}_block_{k}.py"
+    script.write_text(doc_blocks(page)[k])
+    return run_script(script, tmp_path, start_method=start_method, timeout=timeout).stdout
+
+
+class EpisodicEnv:
+    """The README's ``env`` in tests/test_readme.py (here, for actor processes to import under spawn): episodes of
+    10 (terminated), 30 (truncated) and 100 steps (terminated; longer than T).
+
+    The observation is the step count within the episode. Stepping a finished episode fails:
+    gymnasium warns there, and warnings are errors in this suite.
+    """
+
+    LENGTHS = ((10, "terminated"), (30, "truncated"), (100, "terminated"))
+
+    def __init__(self) -> None:
+        self.t: int | None = None
+        self.episodes = 0
+
+    def reset(self, seed: int | None = None) -> tuple[np.ndarray, dict]:
+        self.t = 0
+        self.length, self.end = self.LENGTHS[self.episodes % len(self.LENGTHS)]
+        self.episodes += 1
+        return np.zeros(4, np.float32), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        if self.t is None:
+            raise AssertionError("step() after the episode ended: reset() first")
+        self.t += 1
+        done = self.t == self.length
+        terminated, truncated = done and self.end == "terminated", done and self.end == "truncated"
+        obs = np.full(4, self.t, np.float32)
+        if done:
+            self.t = None
+        return obs, 1.0, terminated, truncated, {}
 
 
 def fill_step(step: dict[str, np.ndarray], lane_tag: int, seq: int, t: int) -> None:

@@ -9,6 +9,7 @@ blocks run as subprocesses. Every wait has a deadline.
 from __future__ import annotations
 
 import builtins
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -24,6 +25,7 @@ import pytest
 
 import shmbuf
 from tests.conftest import small_example
+from tests.helpers import START_METHODS, EpisodicEnv, run_script
 
 ROOT = pathlib.Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
@@ -31,8 +33,9 @@ DEADLINE = 120.0  # seconds, for any one child process (they take a few: importi
 
 # Which test runs each ```python block: a block is known by a line only it has.
 PYTHON_BLOCKS = {
-    "shmbuf.create(": "test_readme_learner_and_actor_blocks_run",
-    "def actor(handle):": "test_readme_learner_and_actor_blocks_run, test_readme_actors_exit_cleanly_when_the_learner_closes",
+    "shmbuf.create(": "test_readme_learner_and_actor_blocks_run, test_readme_learner_block_runs_with_actor_processes",
+    "def actor(handle):": "test_readme_learner_and_actor_blocks_run, test_readme_learner_block_runs_with_actor_processes, "
+                          "test_readme_actors_exit_cleanly_when_the_learner_closes",
     "from workers import Collector": "test_readme_collector_script_runs",
 }
 # The README's shell lines that run the command line, and why a test may leave one out.
@@ -65,37 +68,6 @@ def test_every_python_block_is_run_by_a_test() -> None:
 # -- the first screen: learner and actor ------------------------------------
 
 
-class EpisodicEnv:
-    """Episodes of 10 (terminated), 30 (truncated) and 100 steps (terminated; longer than T).
-
-    The observation is the step count within the episode. Stepping a finished episode fails:
-    gymnasium warns there, and warnings are errors in this suite.
-    """
-
-    LENGTHS = ((10, "terminated"), (30, "truncated"), (100, "terminated"))
-
-    def __init__(self) -> None:
-        self.t: int | None = None
-        self.episodes = 0
-
-    def reset(self, seed: int | None = None) -> tuple[np.ndarray, dict]:
-        self.t = 0
-        self.length, self.end = self.LENGTHS[self.episodes % len(self.LENGTHS)]
-        self.episodes += 1
-        return np.zeros(4, np.float32), {}
-
-    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
-        if self.t is None:
-            raise AssertionError("step() after the episode ended: reset() first")
-        self.t += 1
-        done = self.t == self.length
-        terminated, truncated = done and self.end == "terminated", done and self.end == "truncated"
-        obs = np.full(4, self.t, np.float32)
-        if done:
-            self.t = None
-        return obs, 1.0, terminated, truncated, {}
-
-
 def test_readme_learner_and_actor_blocks_run() -> None:
     """The learner block with the actor block in a thread, over an env whose episodes end."""
     learner, actor = python_block("shmbuf.create("), python_block("def actor(handle):")
@@ -117,7 +89,7 @@ def test_readme_learner_and_actor_blocks_run() -> None:
         threads.append(t)
 
     ns: dict[str, Any] = {"env": EpisodicEnv(), "policy": lambda obs: 0, "train": lambda obs: trained.append(obs.copy()),
-                          "start_actors": start_actors}
+                          "start_actors": start_actors, "__name__": "__main__"}  # run as the script, past its guard
     exec(actor, ns)  # defines actor(handle)
     exec(learner, ns)  # creates the pipeline, trains on 1000 rollouts, takes a batch, closes
     for t in threads:
@@ -130,6 +102,63 @@ def test_readme_learner_and_actor_blocks_run() -> None:
     for obs in trained:
         assert (obs[:, 0] == np.arange(len(obs))).all()
     assert ns["obs"].shape == (16, 64, 4) and ns["batch"].released  # closing the reader released the batch
+
+
+# The learner and actor blocks as one script, the way the README's user writes them: the names the README leaves to
+# the reader come first, then the actor block and the learner block. start_actors starts processes with
+# multiprocessing's default start method, which run_script sets; under spawn and forkserver each actor process
+# imports this script, so only the learner block's guard keeps it from running the learner again.
+LEARNER_SCRIPT = '''\
+import json
+import multiprocessing as mp
+import time
+
+import numpy as np
+
+from tests.helpers import EpisodicEnv
+
+env, policy = EpisodicEnv(), lambda obs: 0
+actors, lengths, in_order = [], [], []
+
+
+def train(obs):
+    if not lengths:  # let both actors attach before the learner can finish (a late one would find no pipeline)
+        deadline = time.monotonic() + 60
+        while reader.stats()["writers"] < 2:
+            assert time.monotonic() < deadline, "the actor processes did not attach within 60 s"
+            time.sleep(0.01)
+    lengths.append(len(obs))
+    in_order.append(bool((obs[:, 0] == np.arange(len(obs))).all()))
+
+
+def start_actors(handle):
+    for _ in range(2):
+        actors.append(mp.Process(target=actor, args=(handle,)))
+        actors[-1].start()
+
+
+{actor}
+{learner}
+if __name__ == "__main__":
+    for p in actors:
+        p.join(30)
+    print(json.dumps({{"rollouts": len(lengths), "lengths": sorted(set(lengths)), "in_order": all(in_order),
+                      "batch": list(obs.shape), "released": batch.released, "exitcodes": [p.exitcode for p in actors]}}))
+'''
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_readme_learner_block_runs_with_actor_processes(method: str, tmp_path: pathlib.Path) -> None:
+    """The learner block starts two actor processes by each start method; under spawn and forkserver they import
+    the script, and its guard keeps them to the actor. They end with exit code 0 when the learner closes."""
+    script = tmp_path / "learner.py"
+    script.write_text(LEARNER_SCRIPT.format(actor=python_block("def actor(handle):"), learner=python_block("shmbuf.create(")))
+    out = json.loads(run_script(script, tmp_path, start_method=method, timeout=DEADLINE).stdout)
+    # 1000 rollouts of one episode each, cut at T = 64, each stored obs the one its action was taken on; then a
+    # batch of 16, released when the reader closed; and both actors ended quietly (PipelineClosed in their
+    # `with Writer` block) with exit code 0 (run_script checks that no process of the run is left).
+    assert out == {"rollouts": 1000, "lengths": [10, 30, 64], "in_order": True, "batch": [16, 64, 4],
+                   "released": True, "exitcodes": [0, 0]}, out
 
 
 ACTOR_SCRIPT = '''\
@@ -177,7 +206,8 @@ def test_readme_actors_exit_cleanly_when_the_learner_closes(tmp_path: pathlib.Pa
             children.append(subprocess.Popen([sys.executable, "-W", "error", str(script), handle.name],
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
 
-    ns: dict[str, Any] = {"start_actors": start_actors, "train": lambda obs: trained.append(obs.copy())}
+    ns: dict[str, Any] = {"start_actors": start_actors, "train": lambda obs: trained.append(obs.copy()),
+                          "__name__": "__main__"}
     exec(python_block("shmbuf.create("), ns)
     assert len(trained) == 1000
     assert all(1 <= len(obs) <= 64 for obs in trained) and any(len(obs) < 64 for obs in trained)  # episodes ended
@@ -191,7 +221,7 @@ def test_readme_single_item_timescale_rule(make_reader: Any) -> None:
     """What the README says of `episode`: capacity 1, one add writes the whole leaf, a second add
     raises TimescaleFull (an IndexError) until commit() or reset() clears it."""
     ns: dict[str, Any] = {}
-    exec(python_block("shmbuf.create(").split("with shmbuf.create")[0], ns)  # T and the example
+    exec(python_block("shmbuf.create(").split("if __name__")[0], ns)  # T and the example
     assert "one `add` writes the whole leaf" in README and "raises\n`TimescaleFull`" in README
     reader = make_reader(ns["example"], slots=2)
     with shmbuf.Writer(reader.handle, timeout=10) as writer:
@@ -234,17 +264,24 @@ if __name__ == "__main__":
 
 
 def test_readme_collector_script_runs(tmp_path: pathlib.Path) -> None:
-    """The workers block as the whole script it says it is, with a `train` of ours in front."""
+    """The workers block as the whole script it says it is, with a `train` of ours in front, its actors started by
+    each start method. The three runs go at once: each takes tens of seconds on 2 cores, most of it collecting
+    20,000 frames (the block's count, kept as written), and they overlap their waits."""
     pytest.importorskip("gymnasium")
     pytest.importorskip("torch")
-    script = tmp_path / "collect.py"
-    script.write_text(COLLECTOR_PRELUDE + python_block("from workers import Collector") + COLLECTOR_EPILOGUE)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True, text=True, timeout=DEADLINE,
-                         cwd=tmp_path, env=env)
-    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-4000:]
-    frames = json.loads(out.stdout.split("FRAMES", 1)[1])
-    assert set(frames) == {1024} and sum(frames) >= 20_000
+
+    def run(method: str) -> subprocess.CompletedProcess:
+        (tmp_path / method).mkdir()
+        script = tmp_path / method / "collect.py"
+        script.write_text(COLLECTOR_PRELUDE + python_block("from workers import Collector") + COLLECTOR_EPILOGUE)
+        return run_script(script, tmp_path / method, start_method=method, timeout=2 * DEADLINE)
+
+    with concurrent.futures.ThreadPoolExecutor(len(START_METHODS)) as pool:
+        done = dict(zip(START_METHODS, pool.map(run, START_METHODS)))
+    for method, out in done.items():
+        frames = json.loads(out.stdout.split("FRAMES", 1)[1])
+        assert set(frames) == {1024} and sum(frames) >= 20_000, (method, frames)
+        assert "collecting: 100%" in out.stderr, (method, out.stderr[-500:])  # progress=True: the bar, to the end
 
 
 # -- prose --------------------------------------------------------------------
