@@ -11,8 +11,8 @@ value and log-probability, and the weights version that chose each action (the s
 :class:`shmbuf.storage.RolloutStorage`, computes GAE and takes clipped PPO epochs with
 examples/ppo_cartpole.py's own functions, then copies the new weights into the server's copy with
 ``collector.update_policy_weights(model)``. It stops when the mean return of the last 100 episodes
-reaches ``--target`` (195 by default, the return at which CartPole-v0 counts as solved), and reports the policy lag and the server's
-forward-pass batch sizes.
+reaches ``--target`` (195 by default, the return at which CartPole-v0 counts as solved), and reports
+the policy lag and the server's forward-pass batch sizes.
 
     python examples/ppo_async_cartpole.py                        # the full run, with a progress bar
     python examples/ppo_async_cartpole.py --max-updates 3 --json  # a smoke test
