@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -148,6 +150,29 @@ def run_doc_block(page: str, k: int, tmp_path: pathlib.Path, timeout: float = 18
     script = tmp_path / f"{pathlib.Path(page).stem}_block_{k}.py"
     script.write_text(doc_blocks(page)[k])
     return run_script(script, tmp_path, start_method=start_method, timeout=timeout).stdout
+
+
+def under_each_start_method(run: Callable[[str, pathlib.Path], Any], tmp_path: pathlib.Path) -> dict[str, Any]:
+    """``run(method, directory)`` for every method of START_METHODS at once, each in a directory of its own under
+    ``tmp_path``; return ``{method: what run returned}``, or fail with every run's failure once all have ended.
+
+    For scripts that take long: a run is mostly waits (process start-up, actors attaching, a learner waiting for
+    batches), so on 2 cores the three take little longer than one.
+    """
+    with concurrent.futures.ThreadPoolExecutor(len(START_METHODS)) as pool:
+        futures = {}
+        for method in START_METHODS:
+            (tmp_path / method).mkdir()
+            futures[method] = pool.submit(run, method, tmp_path / method)
+    failed = {m: f.exception() for m, f in futures.items() if f.exception() is not None}
+    if failed:
+        raise AssertionError("\n\n".join(f"under {m}: {type(e).__name__}: {e}" for m, e in failed.items()))
+    return {m: f.result() for m, f in futures.items()}
+
+
+def run_doc_block_under_each_start_method(page: str, k: int, tmp_path: pathlib.Path, timeout: float = 240) -> dict[str, str]:
+    """run_doc_block under spawn, forkserver and fork at once (see under_each_start_method): ``{method: printed}``."""
+    return under_each_start_method(lambda m, d: run_doc_block(page, k, d, timeout=timeout, start_method=m), tmp_path)
 
 
 class EpisodicEnv:

@@ -1,4 +1,9 @@
-"""Every python block of docs/inference.md runs as written."""
+"""Every python block of docs/inference.md runs as written, under each start method (both start env workers).
+
+The workers are started by workers' default method, forkserver, whatever multiprocessing's is; run_doc_block's
+start_method points that default at the method under test, as if the block passed start_method=<method>. A block's
+three runs go at once (tests.helpers.under_each_start_method): each is mostly start-up and waits.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import re
 
 import pytest
 
-from tests.helpers import doc_blocks, run_doc_block
+from tests.helpers import doc_blocks, run_doc_block_under_each_start_method
 
 BLOCKS = doc_blocks("inference.md")
 
@@ -21,27 +26,32 @@ def test_the_collector_block_prints_its_batches_and_the_servers_batching(tmp_pat
     """1024 frames in batches of 256 from 4 CartPoles; the policy version an action carries moves on with the
     updates and is never one the learner has not published yet."""
     assert "total_frames=1024" in BLOCKS[0] and "frames_per_batch=256" in BLOCKS[0]
-    lines = run_doc_block("inference.md", 0, tmp_path).splitlines()
-    assert len(lines) == 4 + 1, lines
+    for method, out in run_doc_block_under_each_start_method("inference.md", 0, tmp_path).items():
+        check_collector_block_output(method, out.splitlines())
+
+
+def check_collector_block_output(method: str, lines: list[str]) -> None:
+    assert len(lines) == 4 + 1, (method, lines)
     versions = []
     for line in lines[:4]:
         m = re.fullmatch(r"\((\d+), 64, 4\) \((\d+), 64\) (\d+)", line)
-        assert m and m[1] == m[2] and int(m[1]) * 64 == 256, line  # (B, T, 4) and (B, T): 256 frames a batch
+        assert m and m[1] == m[2] and int(m[1]) * 64 == 256, (method, line)  # (B, T, 4) and (B, T): 256 frames a batch
         versions.append(int(m[3]))
-    assert versions[0] == 0 and all(v <= k for k, v in enumerate(versions)), versions  # version k after k updates
-    assert versions == sorted(versions), versions
+    assert versions[0] == 0 and all(v <= k for k, v in enumerate(versions)), (method, versions)  # k after k updates
+    assert versions == sorted(versions), (method, versions)
     m = re.fullmatch(r"(\d+) forward passes, ([\d.]+) requests each", lines[4])
-    assert m, lines[4]
+    assert m, (method, lines[4])
     forwards, mean_batch = int(m[1]), float(m[2])
-    assert 1.0 <= mean_batch <= 4.0  # 4 envs: at most one request of each in a forward pass
-    assert forwards * (mean_batch + 0.05) >= 1024  # a request for every step delivered (mean_batch is rounded)
+    assert 1.0 <= mean_batch <= 4.0, (method, lines[4])  # 4 envs: at most one request of each in a forward pass
+    assert forwards * (mean_batch + 0.05) >= 1024, (method, lines[4])  # a request for every step (mean_batch is rounded)
 
 
 def test_the_tensordict_block_prints_torchrls_layout(tmp_path: pathlib.Path) -> None:
-    out = run_doc_block("inference.md", 1, tmp_path).strip()
-    size, keys = out.split(" [", 1)
-    keys = "[" + keys
-    assert size == "torch.Size([2, 64])"  # 2 envs x T = 64: the 128 frames asked for
-    assert ast.literal_eval(keys) == [
-        "('collector', 'mask')", "('collector', 'traj_ids')", "('next', 'done')", "('next', 'observation')",
-        "('next', 'reward')", "('next', 'terminated')", "('next', 'truncated')", "action", "observation", "policy_version"]
+    for method, out in run_doc_block_under_each_start_method("inference.md", 1, tmp_path).items():
+        size, keys = out.strip().split(" [", 1)
+        keys = "[" + keys
+        assert size == "torch.Size([2, 64])", method  # 2 envs x T = 64: the 128 frames asked for
+        assert ast.literal_eval(keys) == [
+            "('collector', 'mask')", "('collector', 'traj_ids')", "('next', 'done')", "('next', 'observation')",
+            "('next', 'reward')", "('next', 'terminated')", "('next', 'truncated')", "action", "observation",
+            "policy_version"], method

@@ -9,7 +9,6 @@ blocks run as subprocesses. Every wait has a deadline.
 from __future__ import annotations
 
 import builtins
-import concurrent.futures
 import json
 import os
 import pathlib
@@ -25,7 +24,7 @@ import pytest
 
 import shmbuf
 from tests.conftest import small_example
-from tests.helpers import START_METHODS, EpisodicEnv, run_script
+from tests.helpers import START_METHODS, EpisodicEnv, run_script, under_each_start_method
 
 ROOT = pathlib.Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
@@ -265,20 +264,17 @@ if __name__ == "__main__":
 
 def test_readme_collector_script_runs(tmp_path: pathlib.Path) -> None:
     """The workers block as the whole script it says it is, with a `train` of ours in front, its actors started by
-    each start method. The three runs go at once: each takes tens of seconds on 2 cores, most of it collecting
-    20,000 frames (the block's count, kept as written), and they overlap their waits."""
+    each start method (workers' default pointed at it: see tests/helpers.py). The three runs go at once: each takes
+    tens of seconds on 2 cores, collecting the block's 20,000 frames, mostly waiting."""
     pytest.importorskip("gymnasium")
     pytest.importorskip("torch")
 
-    def run(method: str) -> subprocess.CompletedProcess:
-        (tmp_path / method).mkdir()
-        script = tmp_path / method / "collect.py"
+    def run(method: str, directory: pathlib.Path) -> subprocess.CompletedProcess:
+        script = directory / "collect.py"
         script.write_text(COLLECTOR_PRELUDE + python_block("from workers import Collector") + COLLECTOR_EPILOGUE)
-        return run_script(script, tmp_path / method, start_method=method, timeout=2 * DEADLINE)
+        return run_script(script, directory, start_method=method, timeout=2 * DEADLINE)
 
-    with concurrent.futures.ThreadPoolExecutor(len(START_METHODS)) as pool:
-        done = dict(zip(START_METHODS, pool.map(run, START_METHODS)))
-    for method, out in done.items():
+    for method, out in under_each_start_method(run, tmp_path).items():
         frames = json.loads(out.stdout.split("FRAMES", 1)[1])
         assert set(frames) == {1024} and sum(frames) >= 20_000, (method, frames)
         assert "collecting: 100%" in out.stderr, (method, out.stderr[-500:])  # progress=True: the bar, to the end
