@@ -17,7 +17,7 @@ import pytest
 import shmbuf
 from shmbuf.storage import files
 from shmbuf.storage.files import Recorder, RolloutDataset, play, playback_example, read_metadata
-from tests.helpers import doc_blocks, run_doc_block
+from tests.helpers import doc_blocks, run_doc_block, run_doc_block_under_each_start_method
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -788,10 +788,21 @@ BLOCK_OUTPUT = {
 }
 
 
+COLLECTOR_BLOCKS = {0}  # start actor processes: run under each start method; the others run in one process
+
+
 @pytest.mark.parametrize("k", range(len(BLOCKS)))
 def test_docs_block_runs(k: int, tmp_path: pathlib.Path) -> None:
-    out = run_doc_block("files.md", k, tmp_path, timeout=120)
-    assert re.fullmatch(BLOCK_OUTPUT[k], out), out
+    """Each block prints what the page says; a block that starts actor processes does so under spawn, forkserver and
+    fork (at once: see tests.helpers.under_each_start_method), its guard keeping them out of the learner's part."""
+    assert (k in COLLECTOR_BLOCKS) == ("Collector(" in BLOCKS[k]), k
+    if k in COLLECTOR_BLOCKS:
+        assert 'if __name__ == "__main__":' in BLOCKS[k]
+        for method, out in run_doc_block_under_each_start_method("files.md", k, tmp_path, timeout=120).items():
+            assert re.fullmatch(BLOCK_OUTPUT[k], out), (method, out)
+    else:
+        out = run_doc_block("files.md", k, tmp_path, timeout=120)
+        assert re.fullmatch(BLOCK_OUTPUT[k], out), out
 
 
 # -- review 2: lanes reused, soft horizons, obs_key, inconsistent rollouts, leftovers, bad input -----------------
