@@ -7,6 +7,14 @@ owners' janitors (``shmbuf clean --after PID``) start sessions of their own: non
 owner. Other runs on this machine may hold their own Ray clusters and pipelines at the same time;
 only what these runs made is judged. docs/ray.md's ```text blocks need a real cluster (``ray start``
 on several machines) and are not run; the example's ``--address`` mode is what they describe.
+
+Unlike the other docs blocks that start processes (tests/helpers.py's under_each_start_method), the block runs under
+its default start method only, forkserver, which imports the script again in a new process as spawn does: that run
+is what checks its ``__main__`` guard. fork is no method for it: by the time RayCollector starts the learner node's
+actors, ``ray.init`` has started threads in the learner (gRPC, the core worker), and a child forked from it would
+inherit their locks. spawn would add a third local cluster (~30 s on 2 cores) to check the same re-import. And the
+other nodes' actors are started by owners inside Ray worker processes, where no start method set in the script
+applies (RayCollector(start_method=...) is passed on to them instead).
 """
 
 from __future__ import annotations
