@@ -1,38 +1,29 @@
 """Every python block of docs/embedding.md runs as written, and prints what the page says it prints.
 
-Each block is a script run in a fresh interpreter (warnings are errors). The two
-that start processes (the trainer before and after shmbuf) run under each start
-method: a tiny wrapper sets it with ``multiprocessing.set_start_method(m,
-force=True)`` and runs the block unchanged as ``__main__`` (``runpy.run_path``),
-so a spawned child imports the block as the real main module would be. Each run
-is its own session: on failure or timeout the whole group is killed, and a test
-fails if any process of the group, or any shmbuf object its learner owned,
-outlives the script. This replaces tests/test_workers_docs.py, which ran the
-page's old blocks with stand-ins for names the page left undefined.
+Each block is a script run in a fresh interpreter in a session of its own (warnings are errors;
+tests/helpers.py run_doc_block). The two that start processes (the trainer before and after shmbuf)
+run under spawn, forkserver and fork at once (under_each_start_method): a wrapper makes the method
+multiprocessing's default and runs the block unchanged as ``__main__``, and the run fails unless every
+process the block started was started by that method and is gone after it. A run also fails if it
+left a shmbuf object behind. This replaces tests/test_workers_docs.py, which ran the page's old
+blocks with stand-ins for names the page left undefined.
 """
 
 from __future__ import annotations
 
 import ast
-import os
 import pathlib
 import re
-import signal
-import subprocess
-import sys
-import time
 
 import gymnasium as gym
-import numpy as np
 import pytest
 
-from tests.conftest import live_processes
-from tests.helpers import ROOT, doc_blocks
+from tests.conftest import leaked_since, shm_objects
+from tests.helpers import ROOT, doc_blocks, run_doc_block, under_each_start_method
 
 PAGE = "embedding.md"
 BLOCKS = doc_blocks(PAGE)
 TEXT = (ROOT / "docs" / PAGE).read_text()
-METHODS = ["fork", "spawn", "forkserver"]
 
 # One marker per block: what makes it that block and no other.
 MARKERS = {
@@ -45,12 +36,6 @@ MARKERS = {
     "torch": "torch.from_numpy(r.data",
 }
 STARTS_PROCESSES = ("before", "after")
-
-WRAPPER = """import multiprocessing, runpy, sys
-multiprocessing.set_start_method(sys.argv[1], force=True)
-sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 TRAINER_LINE = re.compile(r"^(\d+) updates; mean return: first 5 (\d+\.\d), last 5 (\d+\.\d)$")
 BATCHES_LINE = re.compile(r"^batches: (\d+) zero-copy, (\d+) gathered$")
@@ -72,44 +57,11 @@ def shown(name: str) -> str:
     return m.group(1)
 
 
-def session(pid: int) -> list[tuple[int, bytes]]:
-    return [(p, cmd) for p, _, pgrp, cmd in live_processes() if pgrp == pid]
-
-
 def run(name: str, tmp_path: pathlib.Path, method: str | None = None, timeout: float = 240) -> str:
-    """Run block ``name`` as written (under ``method`` if given); return its stdout. Fails on a non-zero
-    exit, a traceback on stderr (actors stopped by the learner end quietly), a process of its session
-    left alive, or a shmbuf object its process owned left in /dev/shm."""
-    from shmbuf import _admin
-
-    script = tmp_path / f"embedding_{name}.py"  # never a module's name (torch.py would shadow torch)
-    script.write_text(BLOCKS[index(name)])
-    args = [str(script)]
-    if method is not None:
-        wrapper = tmp_path / "with_start_method.py"
-        wrapper.write_text(WRAPPER)
-        args = [str(wrapper), method, str(script)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-W", "error", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the {name} block did not finish within {timeout} s:\n{out[-2000:]}\n{err[-3000:]}")
-    finally:
-        deadline = time.monotonic() + 15  # actors, forkserver, resource tracker: they go when the learner has gone
-        while (left := session(proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if left:
-            os.killpg(proc.pid, signal.SIGKILL)
-        leaked = [f for f in _admin.scan() if f.owner_pid == proc.pid]
-        for f in leaked:
-            _admin.remove(f)
-    assert proc.returncode == 0, f"the {name} block failed ({method}):\n{out[-2000:]}\n{err[-3000:]}"
-    assert "Traceback" not in err, f"the {name} block ({method}) printed a traceback:\n{err[-3000:]}"
-    assert not left, f"the {name} block ({method}) left processes alive: {left}"
+    """Run block ``name`` as written (under ``method`` if given: see run_script); return what it printed."""
+    before = shm_objects()
+    out = run_doc_block(PAGE, index(name), tmp_path, timeout=timeout, start_method=method)
+    leaked = leaked_since(before)  # the suite's end check removes them
     assert not leaked, f"the {name} block ({method}) left in /dev/shm: {[f.name for f in leaked]}"
     return out
 
@@ -135,21 +87,26 @@ def updates_in(code: str) -> int:
     return int(re.search(r"^T, ACTORS, B, UPDATES = \d+, \d+, \d+, (\d+)\b", code, re.M).group(1))
 
 
-@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("name", STARTS_PROCESSES)
-def test_trainer_runs_and_learns(name, method, tmp_path):
-    lines = run(name, tmp_path, method).splitlines()
+def test_trainer_runs_and_learns_under_each_start_method(name, tmp_path):
+    printed = under_each_start_method(lambda method, d: run(name, d, method), tmp_path)
+    for method, out in printed.items():
+        check_trainer(name, method, out)
+
+
+def check_trainer(name: str, method: str, out: str) -> None:
+    lines = out.splitlines()
     updates = updates_in(BLOCKS[index(name)])
     m = TRAINER_LINE.match(lines[0])
-    assert m, f"the {name} block printed {lines!r}"
+    assert m, f"the {name} block ({method}) printed {lines!r}"
     first, last = float(m.group(2)), float(m.group(3))
     assert int(m.group(1)) == updates
-    # A random policy's CartPole return averages about 22; after 20 REINFORCE updates the runs measured 55-70.
+    # A random policy's CartPole return averages about 22; after 20 REINFORCE updates the runs measured 55-72.
     assert 12 <= first <= 45, f"first 5 updates' mean return {first}: not a policy that has just started"
     assert last >= 1.5 * first, f"{name} ({method}) did not learn: mean return {first} -> {last}"
     if name == "after":
         b = BATCHES_LINE.match(lines[1])
-        assert b and int(b.group(1)) + int(b.group(2)) == updates, lines
+        assert b and int(b.group(1)) + int(b.group(2)) == updates, (method, lines)
         assert len(lines) == 2
     else:
         assert len(lines) == 1
