@@ -354,7 +354,7 @@ class Reader:
             self._shapes.append((ts.name, ts.treespec, first, tuple(template.items()) if plain else None))
             first += n
         self._rollout_bytes = sum(lf.nbytes for lf in self.schema.leaves)
-        self._w[W_POOL] = n
+        self._w[W_POOL] = self.slots  # every slot starts in the pool (`shmbuf ls` reads this)
         _fork.track(self)
 
     def _make_sem(self, role: str) -> posix_ipc.Semaphore:

@@ -331,3 +331,12 @@ def test_a_reader_closed_is_closed(pair: Any) -> None:
     assert reader.closed
     with pytest.raises(shmbuf.PipelineClosed):
         reader.get(timeout=0)
+
+
+def test_shmbuf_ls_counts_every_slot_of_a_new_pipeline_in_the_pool(make_reader: Any) -> None:
+    """It showed the last timescale's leaf count (a loop variable reused) until the reader first lent slots."""
+    from shmbuf import _admin
+
+    reader = make_reader(small_example(), slots=8, max_writers=2)  # 3 timescales; 'final' has 2 leaves
+    found = [f for f in _admin.scan() if f.name == reader.name]
+    assert len(found) == 1 and found[0].pool == 8
