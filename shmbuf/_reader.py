@@ -325,6 +325,8 @@ class Reader:
         self._batch_token = 0
         self._held_run: tuple[int, int] | None = None
         self._batches = {"views": 0, "gathered": 0}
+        self._why = ""  # why _await chose to gather: stats()["gathered_why"] counts each reason
+        self._gathered_why: dict[str, int] = {}
         # The reader's counters, kept here and only stored to shared memory (for `shmbuf ls`): a
         # word another process scribbled over can neither overflow them nor make stats() lie.
         self._delivered = 0
@@ -498,6 +500,7 @@ class Reader:
         self._gen[idx] = self._releases
         self._wv[idx] = SLOT_POOL
         self._batches["gathered"] += 1
+        self._gathered_why[self._why] = self._gathered_why.get(self._why, 0) + 1
         self._delivered_batch(meta)
         self._feed()  # once for the batch: one wake-up per waiting writer, not one per slot
         if copy:
@@ -627,16 +630,22 @@ class Reader:
             now = None
             if want <= 0:
                 if not view:
+                    self._why = "view=False"
                     return -1
                 first = self._full_run(size)
                 if first >= 0:
                     return first
-                if not self._run_possible(size) or SLOT_LENT not in self._where:
-                    return -1  # no run can fill (held rollouts in each), or no commit can arrive: gather now
+                if not self._run_possible(size):
+                    self._why = "every run held a rollout taken with get()"
+                    return -1  # no run can fill: gather now
+                if SLOT_LENT not in self._where:
+                    self._why = "no run was ready in order, and no writer held a slot to complete one"
+                    return -1  # no commit can arrive: gather now
                 now = time.monotonic()
                 if patience_end is None:
                     patience_end = now + max(RUN_PATIENCE, now - t_call)
                 elif now >= patience_end:
+                    self._why = "no run was ready in order within the patience"
                     return -1
                 # A run is filling: the next one in order (after the last handed out) lacks this many.
                 nxt = self._where[self._read_cursor : self._read_cursor + size]
@@ -646,6 +655,7 @@ class Reader:
             wait = WAIT_SLICE if deadline is None else min(WAIT_SLICE, deadline - now)
             if wait <= 0:
                 if want <= 0 or patience_end is not None:
+                    self._why = "the timeout came with enough rollouts ready but no run ready in order"
                     return -1  # enough are ready: the deadline decides for a gather, not a timeout
                 raise SlotTimeout(f"pipeline {self.name}: {self._asked(size)} got nothing within timeout={timeout} s; "
                                   f"{self._why_nothing()}")
@@ -1152,6 +1162,9 @@ class Reader:
             "writers": len(self._lanes),
             # batches handed out as views of consecutive slots, and gathered (see Reader.get_batch)
             "batches": dict(self._batches),
+            # why the gathered ones were gathered, counted: a zero-copy batch needs B ready slots in a run, in each
+            # lane's order (mixing get() and get_batch() scatters the slots among the writers: see docs/design/reader.md)
+            "gathered_why": dict(self._gathered_why),
             # every slot is in exactly one place: the pool, lent to a lane (being written, or
             # committed and not yet taken in), ready here, or held by the user (rollouts and a zero-copy batch)
             "slots": {

@@ -333,3 +333,25 @@ def test_a_batch_copied_into_a_forked_child_refuses_to_be_read_or_released(one_w
             p.join()
     assert not b.released and check_rows(b) == [(0, 0), (0, 1), (0, 2), (0, 3)]  # the parent's batch is untouched
     assert reader.stats()["slots"]["held"] == 4
+
+
+def test_stats_say_why_each_gathered_batch_was_gathered(one_writer: Any) -> None:
+    """A batch that is not zero-copy is counted under its reason; views are not counted there."""
+    reader, w = one_writer
+    fill(reader, w, 0)
+    assert reader.get_batch(4, timeout=5).zero_copy
+    fill(reader, w, 4)
+    assert not reader.get_batch(4, timeout=5, view=False).zero_copy  # asked for
+    fill(reader, w, 8)  # one run
+    kept = [reader.get(timeout=5)]  # rollout 8 held in that run
+    for _ in range(3):
+        reader.get(timeout=5).release()
+    fill(reader, w, 12)  # the other run, whole
+    kept.append(reader.get(timeout=5))  # rollout 12 held in it: now each run holds a rollout taken with get()
+    fill(reader, w, 16, 3)
+    b = reader.get_batch(4, timeout=5)
+    assert not b.zero_copy and [k for _, k in check_rows(b)] == [13, 14, 15, 16]
+    for r in kept:
+        r.release()
+    assert reader.stats()["gathered_why"] == {"view=False": 1, "every run held a rollout taken with get()": 1}
+    assert reader.stats()["batches"] == {"views": 1, "gathered": 2}
