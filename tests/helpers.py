@@ -157,7 +157,7 @@ def under_each_start_method(run: Callable[[str, pathlib.Path], Any], tmp_path: p
     ``tmp_path``; return ``{method: what run returned}``, or fail with every run's failure once all have ended.
 
     For scripts that take long: a run is mostly waits (process start-up, actors attaching, a learner waiting for
-    batches), so on 2 cores the three take little longer than one.
+    batches), so three at once take far less than three in turn (on a busy 2-core machine, about as long as one).
     """
     with concurrent.futures.ThreadPoolExecutor(len(START_METHODS)) as pool:
         futures = {}
