@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import multiprocessing as mp
 import os
 import sys
@@ -154,13 +155,21 @@ def run_shmbuf(n_actors: int, n_rollouts: int, batch: int) -> tuple[float, float
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--actors", type=int, default=2)
-    ap.add_argument("--rollouts", type=int, default=200, help="per actor")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--actors", type=int, default=2, help="actor processes (default 2)")
+    ap.add_argument("--rollouts", type=int, default=200,
+                    help="rollouts per actor (default 200); --actors * --rollouts must be a multiple of --batch, "
+                         "since the learner reads whole batches")
+    ap.add_argument("--batch", type=int, default=16, help="rollouts per learner batch (default 16)")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = ap.parse_args(argv)
+    if min(args.actors, args.rollouts, args.batch) < 1:
+        ap.error("--actors, --rollouts and --batch must be at least 1")
     if (args.actors * args.rollouts) % args.batch:
-        ap.error("--actors * --rollouts must be a multiple of --batch")
+        total = args.actors * args.rollouts
+        step = args.batch // math.gcd(args.actors, args.batch)  # the rollouts per actor that make whole batches
+        ap.error(f"--actors * --rollouts must be a multiple of --batch (the learner reads whole batches): "
+                 f"{args.actors} * {args.rollouts} = {total} is not a multiple of {args.batch}; "
+                 f"for example --rollouts {-(-args.rollouts // step) * step}")
     out = {}
     for name, run in (("echo", run_echo), ("shmbuf", run_shmbuf)):
         seconds, total, digest = run(args.actors, args.rollouts, args.batch)

@@ -65,6 +65,22 @@ def test_echo_port_delivers_the_same_rollouts_both_ways():
     assert out["same_data"] and out["shmbuf"]["reward_sum"] == 2 * 4 * 64
 
 
+@pytest.mark.parametrize("args, suggestion", [(["--rollouts", "50"], "--rollouts 56"),
+                                              (["--actors", "3", "--rollouts", "5", "--batch", "4"], "--rollouts 8")])
+def test_echo_port_says_which_rollout_counts_make_whole_batches(args, suggestion):
+    """--help says the rule, and a count that breaks it is refused before anything starts, with one that works."""
+    helped = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "echo_port.py"), "--help"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "must be a multiple of --batch" in " ".join(helped.stdout.split())
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "echo_port.py"), *args],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and f"for example {suggestion}" in proc.stderr, proc.stderr
+    fixed = [a if a != args[args.index("--rollouts") + 1] else suggestion.split()[1] for a in args]
+    n_actors = int(fixed[fixed.index("--actors") + 1]) if "--actors" in fixed else 2
+    batch = int(fixed[fixed.index("--batch") + 1]) if "--batch" in fixed else 16
+    assert n_actors * int(fixed[fixed.index("--rollouts") + 1]) % batch == 0  # the suggestion makes whole batches
+
+
 def test_echo_port_actors_deliver_identical_rollouts_through_both_transports(monkeypatch):
     """The example's two actors, unchanged, each through its transport: every rollout's bytes (observations,
     actions, flags, bootstrap) arrive the same both ways, rollout by rollout, as the test's own check of what the
