@@ -258,6 +258,20 @@ def fault_example() -> dict[str, Any]:
     return ex
 
 
+def commit_checked(w: shmbuf.Writer, step: dict[str, np.ndarray], buf: dict[str, np.ndarray], tag: int, seq: int,
+                   length: int) -> None:
+    """Commit rollout ``seq`` of writer ``tag``: ``length`` steps (``fill_step``), its episode record and a check
+    record whose CRC covers the steps (``buf`` collects them), as ``verify`` reads them back."""
+    for i in range(length):
+        fill_step(step, tag, seq, i)
+        w.add("step", step)
+        for k in buf:
+            buf[k][i] = step[k]
+    w.add("episode", {"return": np.array([seq], np.float32), "length": np.array([length], np.int32)})
+    w.add("check", {"tag": tag, "crc": checksum({"step": buf}, length), "seq": seq})
+    w.commit()
+
+
 def loop_writer(name: str, tag: int, committed: Any, rollouts: int = -1, timeout: float | None = None) -> None:
     """Commit rollouts until killed (or ``rollouts`` done); publish the last committed seq in ``committed``."""
     step = {k: np.zeros(v.shape[1:], v.dtype) for k, v in small_example(FT)["step"].items()}
@@ -266,15 +280,7 @@ def loop_writer(name: str, tag: int, committed: Any, rollouts: int = -1, timeout
     try:
         with shmbuf.Writer(name, timeout=timeout, label=f"tag{tag}") as w:
             while seq != rollouts:
-                length = 1 + (seq * 5 + tag) % FT
-                for i in range(length):
-                    fill_step(step, tag, seq, i)
-                    w.add("step", step)
-                    for k in buf:
-                        buf[k][i] = step[k]
-                w.add("episode", {"return": np.array([seq], np.float32), "length": np.array([length], np.int32)})
-                w.add("check", {"tag": tag, "crc": checksum({"step": buf}, length), "seq": seq})
-                w.commit()
+                commit_checked(w, step, buf, tag, seq, 1 + (seq * 5 + tag) % FT)
                 committed.value = seq
                 seq += 1
     except (shmbuf.PipelineClosed, shmbuf.BrokenPipeline):

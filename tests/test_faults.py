@@ -17,7 +17,7 @@ import shmbuf
 from shmbuf import _admin
 from shmbuf._lane import Record
 from tests.conftest import shm_objects, wait_until
-from tests.helpers import FT, checksum, fault_example, fill_step, loop_writer, verify
+from tests.helpers import FT, commit_checked, fault_example, fill_step, loop_writer, verify
 
 CTX = mp.get_context("fork")  # fast to start; spawn is covered by test_transfer
 pytestmark = pytest.mark.timeout(120)
@@ -158,15 +158,7 @@ def _commit_then_stop(name: str, tag: int, k: int, go: Any, state: Any, end: str
         if not go.wait(30):
             os._exit(4)
         for seq in range(k):
-            length = 1 + seq % FT
-            for i in range(length):
-                fill_step(step, tag, seq, i)
-                w.add("step", step)
-                for key in buf:
-                    buf[key][i] = step[key]
-            w.add("episode", {"return": np.array([seq], np.float32), "length": np.array([length], np.int32)})
-            w.add("check", {"tag": tag, "crc": checksum({"step": buf}, length), "seq": seq})
-            w.commit()
+            commit_checked(w, step, buf, tag, seq, 1 + seq % FT)
         fill_step(step, tag, k, 0)
         w.add("step", step)  # a partial rollout: the slot in the writer's hands
         state.value = 2  # k committed, one partial in hand

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import leaked_since, shm_objects
-from tests.helpers import doc_blocks
+from tests.helpers import doc_blocks, in_session, session_of
 
 pytest.importorskip("ray", reason="the `ray` extra (make test installs it)")
 pytest.importorskip("gymnasium")
@@ -48,29 +48,6 @@ PYTHON_BLOCKS = {"cluster.add_node(num_cpus=1)": "test_first_run_block_collects_
 def block(marker: str) -> str:
     (found,) = [b for b in doc_blocks("ray.md") if marker in b]
     return found
-
-
-def session_of(pid: int) -> int | None:
-    """The session id of a live process, or None (gone, or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    rest = stat[stat.rfind(b")") + 2 :].split()
-    return None if rest[0] in (b"Z", b"X") else int(rest[3])
-
-
-def in_session(sid: int) -> list[tuple[int, str]]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and session_of(int(entry)) == sid:
-            try:
-                cmd = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            out.append((int(entry), cmd[:200]))
-    return out
 
 
 def orphaned_janitors() -> list[tuple[int, str]]:
