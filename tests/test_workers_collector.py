@@ -210,7 +210,12 @@ def _kill_actor_and_collect(c, how_many_after: int = 3):
 
     keys: list[tuple[int, int, int]] = []
     it = iter(c)
-    for _ in range(2):
+    deadline = time.monotonic() + 60
+    # Both actors' lanes delivered: the victim's has seqs that its replacement (on that lane: there are two) repeats.
+    # Two batches were not enough: on a loaded machine actor 0 could have delivered nothing yet, and then nothing
+    # repeated and the loop below waited out its deadline (a fresh-clone CI run failed so).
+    while len(keys) < 2 or len({ln for ln, _, _ in keys}) < 2:
+        assert time.monotonic() < deadline, f"both actors did not deliver within 60 s: {c.stats()}"
         b = next(it)
         keys += zip(b.lane.tolist(), b.epoch.tolist(), b.seq.tolist())
     victim = c.pool.pids[0]
