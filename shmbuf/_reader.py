@@ -423,7 +423,8 @@ class Reader:
 
         The batch this reader handed out before is released first (see :class:`Batch` for the
         lifetime). Rollouts from :meth:`get` that are not released still hold their slots: if they
-        leave the writers fewer than ``batch_size``, this raises UsageError at once. Nothing is lost to an exception: until the batch is built, its rollouts stay
+        leave the writers fewer than ``batch_size``, this raises UsageError at once. Nothing is lost
+        to an exception: until the batch is built, its rollouts stay
         ready for the next call.
         """
         self._guard()
@@ -680,12 +681,12 @@ class Reader:
     def _holding(self) -> str:
         """What this reader holds, in words: the batch not released, and rollouts from get() not released."""
         in_batch = self._held_run[1] if self._held_run is not None else 0
+        singles = self._held - in_batch
         parts = []
         if in_batch:
             parts.append(f"a batch of {in_batch} (until batch.release(), its with block, or the next get_batch)")
-        if self._held - in_batch:
-            parts.append(f"{self._held - in_batch} rollout{'s' if self._held - in_batch != 1 else ''} from get() "
-                         "not released")
+        if singles:
+            parts.append(f"{singles} rollout{'s' if singles != 1 else ''} from get() not released")
         return f"holds {self._held} of its {self.slots} slots: " + " and ".join(parts) if parts else "holds no slot"
 
     def _why_nothing(self) -> str:
@@ -1011,20 +1012,24 @@ class Reader:
             lane = self._lanes.get(rec.index)
             if st == LANE_ACTIVE:
                 if lane is None:
-                    self._lanes[rec.index] = ReaderLane(rec, w, self._wn, self._seg.mm, self._lane_sems[rec.index])
-                    self._writers_seen += 1
+                    self._adopt(rec)
                     changed = True
                 elif not self._writer_alive(lane):
                     self._reclaim(lane, died=True)
             elif st == LANE_RETIRED:
                 if lane is None:  # retired before we ever saw it: give it a view, then take it back
-                    lane = self._lanes[rec.index] = ReaderLane(rec, w, self._wn, self._seg.mm, self._lane_sems[rec.index])
-                    self._writers_seen += 1
+                    lane = self._adopt(rec)
                 self._reclaim(lane, died=False)
         if changed:
             self._feed()
         w[W_READY_DEPTH] = self._n_ready  # gauges for `shmbuf ls`, refreshed at each scan
         w[W_POOL] = self._where.count(SLOT_POOL)
+
+    def _adopt(self, rec: Record) -> ReaderLane:
+        """A lane a writer took: the reader's view of it, counted (a timeout with none says no writer ever came)."""
+        lane = self._lanes[rec.index] = ReaderLane(rec, self._w, self._wn, self._seg.mm, self._lane_sems[rec.index])
+        self._writers_seen += 1
+        return lane
 
     def _writer_alive(self, lane: ReaderLane) -> bool:
         """The lane's lock says (see ``_lane.lane_held``); pid and start time only where it cannot."""
