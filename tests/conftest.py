@@ -144,6 +144,19 @@ def procs() -> Iterator[Callable[..., Any]]:
         p.join(5)
 
 
+@pytest.fixture
+def started() -> Iterator[list[Any]]:
+    """A list for the test to put the processes it started in: each is continued (a test may have stopped it),
+    killed and joined at teardown, even when the test fails."""
+    started: list[Any] = []
+    yield started
+    for p in started:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+        p.join(5)
+
+
 def small_example(t: int = T) -> dict[str, Any]:
     return {
         "step": {

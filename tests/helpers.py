@@ -80,6 +80,15 @@ def session_of(pid: int) -> int | None:
     return None if rest[0] in (b"Z", b"X") else int(rest[3])
 
 
+def kill_all(procs: list[tuple[int, str]]) -> None:
+    """SIGKILL each ``(pid, command line)`` of ``procs`` (as :func:`in_session` lists them); gone already is fine."""
+    for pid, _ in procs:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def in_session(sid: int) -> list[tuple[int, str]]:
     """``(pid, command line)`` of every live process in session ``sid``."""
     out = []
@@ -127,11 +136,7 @@ def run_script(script: pathlib.Path, tmp_path: pathlib.Path, *, start_method: st
     while in_session(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     left = in_session(proc.pid)
-    for pid, _ in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_all(left)
     out, err = out_path.read_text(), err_path.read_text()
     what = f"{script.name}" + (f" under {start_method}" if start_method else "")
     assert proc.returncode == 0, f"{what} exited {proc.returncode} (-9: killed after {timeout} s):\n{out[-2000:]}\n{err[-3000:]}"

@@ -63,17 +63,6 @@ def start_writer(name: str, tag: int, rollouts: int = -1, timeout: float | None 
     return p, committed
 
 
-@pytest.fixture
-def started() -> Any:
-    procs: list[Any] = []
-    yield procs
-    for p in procs:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-        p.join(5)
-
-
 def slot_accounting(reader: shmbuf.Reader) -> dict[str, int]:
     s = reader.stats()["slots"]
     assert sum(s.values()) == reader.slots, f"slots unaccounted for: {s}"

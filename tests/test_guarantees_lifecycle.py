@@ -8,20 +8,10 @@ import subprocess
 import sys
 from typing import Any
 
-import numpy as np
-
 import shmbuf
 from tests.conftest import small_example
-
-
-def _step(tag: float, t: int = 0) -> dict[str, Any]:
-    return {"obs": np.full(4, tag, np.float32), "action": np.int64(t), "reward": np.float32(tag), "done": False}
-
-
-def _write(w: shmbuf.Writer, tag: float, length: int = 2) -> None:
-    for t in range(length):
-        w.add("step", _step(tag, t))
-    w.commit()
+from tests.test_hardening import step as _step
+from tests.test_hardening import write as _write
 
 
 def _reaped_pid() -> int:

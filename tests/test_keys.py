@@ -21,16 +21,6 @@ CTX = mp.get_context("fork")
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def started() -> Any:
-    procs: list[Any] = []
-    yield procs
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(5)
-
-
 def start_writer(procs: list[Any], name: str, tag: int, rollouts: int = -1) -> Any:
     committed = CTX.RawValue("q", -1)
     p = CTX.Process(target=loop_writer, args=(name, tag, committed, rollouts, 5.0), daemon=True)

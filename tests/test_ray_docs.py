@@ -23,7 +23,6 @@ import json
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import leaked_since, shm_objects
-from tests.helpers import doc_blocks, in_session, session_of
+from tests.helpers import doc_blocks, in_session, kill_all, session_of
 
 pytest.importorskip("ray", reason="the `ray` extra (make test installs it)")
 pytest.importorskip("gymnasium")
@@ -90,11 +89,7 @@ def run(args: list[str], cwd: pathlib.Path, tmp_path: pathlib.Path) -> subproces
         while (in_session(sid) or orphaned_janitors() or leaked_since(before)) and time.monotonic() < deadline:
             time.sleep(0.2)
         left, janitors, leaked = in_session(sid), orphaned_janitors(), leaked_since(before)
-        for pid, _ in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(left)
     out, err = out_path.read_text(), err_path.read_text()
     assert proc.returncode == 0, f"{args} exited {proc.returncode} (-9: killed after {DEADLINE} s):\n{out[-3000:]}\n{err[-5000:]}"
     assert not left, f"{CLEANUP} s after the run, its processes were still there (killed now): {left}"
