@@ -1,38 +1,6 @@
 """The actor loop: step gymnasium envs with a policy and write every transition straight into a shmbuf slot.
 
-Rollout layout (what :func:`rollout_example` builds; ``[E]`` is present for
-vector envs only; ``...`` is the observation's or action's own shape)::
-
-    "step"       buffered, capacity T
-        obs          (T, [E], ...)   the observation the action was taken on
-        action       (T, [E], ...)
-        reward       (T, [E])        float32
-        terminated   (T, [E])        bool: the MDP ended (no bootstrap)
-        truncated    (T, [E])        bool: cut by a time limit (bootstrap from the final obs)
-        <extras>     (T, [E], ...)   whatever else the policy returned (log-probs, values, ...)
-    "episode"    one record per episode that ended inside this rollout
-        return, length               of the whole episode (it may have started in an earlier rollout)
-        terminated, truncated        how it ended
-        env                          which sub-env (0 for a single env)
-        end                          (truncate-episodes) its last step's index in this rollout
-        final_obs                    (truncate-episodes) the episode's final observation
-    "bootstrap"  single-item
-        obs          ([E], ...)      the successor of the last transition: the final observation
-                                     if that transition ended the episode, else the next one
-        env_steps    ()              env steps this actor has taken so far (all sub-envs)
-
-Batch modes (RLlib's names):
-
-- ``truncate_episodes``: every rollout is exactly T steps of every sub-env;
-  it may start and end mid-episode. The episode table is buffered with
-  capacity ``max_episodes`` (default ``T * E``, which can never fill). With a
-  smaller table a rollout is committed short (fill < T) when the next step
-  could overflow it, so nothing is ever dropped.
-- ``complete_episodes``: a rollout is one episode of one sub-env, committed
-  short when the episode ends before T. A vector env gets one Writer (lane)
-  per sub-env. An episode still running after T steps is cut there like a
-  time limit would: recorded ``truncated``, the sub-env reset. Set T to at
-  least the env's own limit (``env.spec.max_episode_steps``) to never see it.
+Rollout layout and batch modes: :mod:`shmbuf.layout`.
 
 No transition is invented: every stored step is a real ``(obs, action,
 reward, successor)``; gymnasium's next-step autoreset is handled by
@@ -82,72 +50,12 @@ import optree
 
 import shmbuf
 from shmbuf import UsageError
+from shmbuf.layout import BATCH_MODES, check_batch_mode, rollout_example
 from workers._envs import EnvDriver, tree_copy, tree_index
 from workers._views import STEP_KEYS, ActorViews, check_view_requirements
 
-MODES = ("truncate_episodes", "complete_episodes")
-
-
-def _check_mode(batch_mode: str) -> None:
-    if batch_mode not in MODES:
-        raise ValueError(f"batch_mode: expected one of {MODES}, got {batch_mode!r}")
-
-
-def _lead(template: Any, *dims: int) -> Any:
-    """Zeros shaped like ``template`` with ``dims`` in front."""
-    return optree.tree_map(lambda a: np.zeros(dims + np.shape(a), np.asarray(a).dtype), template)
-
-
-def rollout_example(obs: Any, action: Any, *, rollout_len: int, num_envs: int | None = None,
-                    extras: dict[str, Any] | None = None, batch_mode: str = "truncate_episodes",
-                    max_episodes: int | None = None) -> dict[str, Any]:
-    """The shmbuf example (schema) of one rollout; see the module doc for the layout.
-
-    Args:
-        obs, action: one observation and one action of a single sub-env (no env dim).
-        rollout_len: T, steps per rollout (at least 2).
-        num_envs: E for a vector env in truncate-episodes mode (adds an env dim);
-            None for a single env, and always None in complete-episodes mode.
-        extras: one item of each extra step leaf the policy returns (no env dim).
-        max_episodes: episode-table capacity in truncate-episodes mode (default T*E).
-    """
-    _check_mode(batch_mode)
-    if not isinstance(rollout_len, int) or rollout_len < 2:
-        raise ValueError(f"rollout_len: expected an int >= 2, got {rollout_len!r}")
-    extras = dict(extras or {})
-    clash = sorted(set(extras) & set(STEP_KEYS))
-    if clash:
-        raise ValueError(f"policy extras {clash} clash with the step leaves {list(STEP_KEYS)}; rename them")
-    T = rollout_len
-    env_dims: tuple[int, ...] = ()
-    if num_envs is not None:
-        if batch_mode == "complete_episodes":
-            raise ValueError("num_envs: complete-episodes rollouts hold one sub-env each; pass num_envs=None")
-        env_dims = (int(num_envs),)
-    E = num_envs or 1
-    step = {
-        "obs": _lead(obs, T, *env_dims),
-        "action": _lead(action, T, *env_dims),
-        "reward": np.zeros((T, *env_dims), np.float32),
-        "terminated": np.zeros((T, *env_dims), bool),
-        "truncated": np.zeros((T, *env_dims), bool),
-    }
-    for k, v in extras.items():
-        step[k] = _lead(v, T, *env_dims)
-    bootstrap = {"obs": _lead(obs, *env_dims), "env_steps": np.zeros((), np.int64)}
-    if batch_mode == "complete_episodes":
-        episode = {"return": np.zeros((), np.float64), "length": np.zeros((), np.int64),
-                   "terminated": np.zeros((), bool), "truncated": np.zeros((), bool), "env": np.zeros((), np.int32)}
-    else:
-        m = T * E if max_episodes is None else int(max_episodes)
-        if m < E:
-            raise ValueError(f"max_episodes: expected at least num_envs={E} (every sub-env may end an episode in one "
-                             f"step), got {m}")
-        m = max(m, 2)  # a capacity of 1 would make the timescale single-item
-        episode = {"return": np.zeros(m, np.float64), "length": np.zeros(m, np.int64), "terminated": np.zeros(m, bool),
-                   "truncated": np.zeros(m, bool), "env": np.zeros(m, np.int32), "end": np.zeros(m, np.int32),
-                   "final_obs": _lead(obs, m)}
-    return {"step": step, "episode": episode, "bootstrap": bootstrap}
+MODES = BATCH_MODES
+_check_mode = check_batch_mode
 
 
 def split_policy_output(out: Any) -> tuple[Any, dict[str, Any]]:

@@ -39,7 +39,8 @@ import numpy as np
 import optree
 
 import shmbuf
-from workers._actor import ActorSpec, _lead, run_actor, split_policy_output
+from shmbuf.layout import zeros_with_lead
+from workers._actor import ActorSpec, run_actor, split_policy_output
 from workers._collector import Collector
 from workers._pool import ActorPool
 from workers._remote import VERSION_KEY
@@ -289,10 +290,10 @@ class AsyncBatchedCollector(Collector):
 
     def _start_inference(self, p: dict[str, Any]) -> str:
         E = p["num_envs"]
-        request = _lead(p["obs"], E)
-        response = {"action": _lead(p["action"], E)}
+        request = zeros_with_lead(p["obs"], E)
+        response = {"action": zeros_with_lead(p["action"], E)}
         if p["extras"]:
-            response["extras"] = {k: _lead(v, E) for k, v in p["extras"].items()}
+            response["extras"] = {k: zeros_with_lead(v, E) for k, v in p["extras"].items()}
         self.table = shmbuf.InferenceTable(request, response, self.num_actors)
         self.server = InferenceServer(self.table, self._policy, num_envs=E, max_batch_size=self.max_batch_size,
                                       min_batch_size=self.min_batch_size, server_timeout=self.server_timeout,

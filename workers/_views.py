@@ -14,11 +14,9 @@ import numpy as np
 import optree
 
 from shmbuf import UsageError
+# The step leaves (the columns a view can read, with policy extras); the flags are per step and never observations.
+from shmbuf.layout import FLAG_KEYS, STEP_KEYS
 
-# The step leaves of the workers rollout layout (workers/_actor.py): the columns a view can read, with
-# policy extras. The flags are per step and never observations.
-STEP_KEYS = ("obs", "action", "reward", "terminated", "truncated")
-FLAG_KEYS = ("terminated", "truncated")
 
 def _item_template(space: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
     """``(shape, dtype)`` of one sub-env's item from a space-like (gymnasium Space, array); UsageError if it has none."""
