@@ -16,7 +16,10 @@ Actor::
 """
 
 from shmbuf._errors import (
+    ActorError,
     BrokenPipeline,
+    BufferEmpty,
+    BufferFull,
     NoSpace,
     PipelineClosed,
     SchemaError,
@@ -40,8 +43,11 @@ from shmbuf._writer import Writer
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActorError",
     "Batch",
     "BrokenPipeline",
+    "BufferEmpty",
+    "BufferFull",
     "Handle",
     "InferenceClient",
     "InferenceTable",

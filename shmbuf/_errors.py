@@ -26,11 +26,20 @@ works for bad input and ``except TimeoutError`` for a wait that ran out.
   a process it was copied into by ``fork``; make a new one there.
 - :class:`UnknownTimescale` (KeyError): ``add`` to a timescale the example
   does not have.
+- :class:`ActorError` (RuntimeError): an actor process of a ``workers``
+  pool or collector raised (its traceback as text) or died.
+- :class:`BufferFull` (RuntimeError) and :class:`BufferEmpty` (SlotTimeout,
+  RuntimeError): ``shmbuf.storage.RolloutBuffer`` has no room, or nothing
+  stored and no wait asked for (embodichain's RuntimeErrors).
+
+Every exception a user can get from shmbuf, ``shmbuf.storage`` or ``workers``
+is defined here.
 """
 
 from __future__ import annotations
 
 import errno
+from typing import Any
 
 
 class ShmbufError(Exception):
@@ -116,3 +125,52 @@ class UnknownTimescale(ShmbufError, KeyError):
 
 class WrongProcess(ShmbufError, RuntimeError):
     """A Writer, Reader or Rollout was used in a process that it was copied into by fork."""
+
+
+def _actor_error(message: str, index: int, pid: int | None, kind: str, exitcode: int | None,
+                 remote_traceback: str) -> ActorError:
+    return ActorError(message, index=index, pid=pid, kind=kind, exitcode=exitcode, remote_traceback=remote_traceback)
+
+
+class ActorError(ShmbufError, RuntimeError):
+    """An actor process failed: it raised (``remote_traceback`` holds its traceback text) or died.
+
+    Attributes:
+        index: the actor's index in the pool.
+        pid: its process id.
+        kind: the remote exception's class name, or ``"died"``.
+        exitcode: the process's exit code (negative: killed by that signal), if it exited.
+        remote_traceback: the traceback text from the actor, or "".
+    """
+
+    def __init__(self, message: str, *, index: int, pid: int | None, kind: str, exitcode: int | None = None,
+                 remote_traceback: str = ""):
+        super().__init__(message)
+        self.index = index
+        self.pid = pid
+        self.kind = kind
+        self.exitcode = exitcode
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # keyword-only fields: rebuilt through _actor_error, so that an ActorError survives a pickle (Ray
+        # carries a node owner's exception to the learner that way; without it Ray gives UnserializableException)
+        return _actor_error, (self.args[0] if self.args else "", self.index, self.pid, self.kind, self.exitcode,
+                              self.remote_traceback)
+
+    def __str__(self) -> str:
+        head = super().__str__()
+        if self.remote_traceback:
+            return f"{head}\n\nRemote traceback (actor {self.index}, pid {self.pid}):\n{self.remote_traceback}"
+        return head
+
+
+class BufferFull(ShmbufError, RuntimeError):
+    """``start_rollout()`` in the learner's process while every slot holds a rollout not yet taken by
+    ``get()`` (or held from ``get(flatten=False)``): only this process could free one, so waiting
+    would never end. A RuntimeError, as embodichain's "RolloutBuffer already contains a rollout"."""
+
+
+class BufferEmpty(SlotTimeout, RuntimeError):
+    """``get()`` with nothing stored and no wait asked for. A :class:`SlotTimeout` (so a TimeoutError) and a
+    RuntimeError, as embodichain's ``RuntimeError("RolloutBuffer is empty.")``: ported ``except`` clauses hold."""

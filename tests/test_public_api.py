@@ -5,7 +5,7 @@ import shmbuf
 
 def test_public_names_are_pinned() -> None:
     assert sorted(shmbuf.__all__) == sorted([
-        "Batch", "BrokenPipeline", "Handle", "InferenceClient", "InferenceTable", "Leaf", "NoSpace", "PipelineClosed", "Reader", "Rollout", "Schema",
+        "ActorError", "Batch", "BrokenPipeline", "BufferEmpty", "BufferFull", "Handle", "InferenceClient", "InferenceTable", "Leaf", "NoSpace", "PipelineClosed", "Reader", "Rollout", "Schema",
         "SchemaError", "SegmentError", "ShmbufError", "SlotTimeout", "StaleRollout", "Timescale", "TimescaleFull",
         "UnknownTimescale", "UsageError", "WeightPublisher",
         "WeightSubscriber", "WeightsHandle", "Writer",

@@ -40,50 +40,13 @@ from typing import Any
 import msgpack
 
 import shmbuf
+from shmbuf import ActorError
 
 EXIT_ERROR = 1
 EXIT_ORPHANED = 75
 WATCH_INTERVAL = 0.2
 MAX_TEXT = 16000
 _MSG_FIELDS = {"stop": set(), "ready": set(), "error": {"type", "message", "traceback"}}
-
-
-def _actor_error(message: str, index: int, pid: int | None, kind: str, exitcode: int | None,
-                 remote_traceback: str) -> ActorError:
-    return ActorError(message, index=index, pid=pid, kind=kind, exitcode=exitcode, remote_traceback=remote_traceback)
-
-
-class ActorError(RuntimeError):
-    """An actor process failed: it raised (``remote_traceback`` holds its traceback text) or died.
-
-    Attributes:
-        index: the actor's index in the pool.
-        pid: its process id.
-        kind: the remote exception's class name, or ``"died"``.
-        exitcode: the process's exit code (negative: killed by that signal), if it exited.
-        remote_traceback: the traceback text from the actor, or "".
-    """
-
-    def __init__(self, message: str, *, index: int, pid: int | None, kind: str, exitcode: int | None = None,
-                 remote_traceback: str = ""):
-        super().__init__(message)
-        self.index = index
-        self.pid = pid
-        self.kind = kind
-        self.exitcode = exitcode
-        self.remote_traceback = remote_traceback
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # keyword-only fields: rebuilt through _actor_error, so that an ActorError survives a pickle (Ray
-        # carries a node owner's exception to the learner that way; without it Ray gives UnserializableException)
-        return _actor_error, (self.args[0] if self.args else "", self.index, self.pid, self.kind, self.exitcode,
-                              self.remote_traceback)
-
-    def __str__(self) -> str:
-        head = super().__str__()
-        if self.remote_traceback:
-            return f"{head}\n\nRemote traceback (actor {self.index}, pid {self.pid}):\n{self.remote_traceback}"
-        return head
 
 
 def _encode(kind: str, **fields: Any) -> bytes:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 import shmbuf
-from shmbuf._errors import PipelineClosed, SchemaError, ShmbufError, SlotTimeout, StaleRollout, UsageError
+from shmbuf._errors import BufferEmpty, BufferFull, PipelineClosed, SchemaError, SlotTimeout, StaleRollout, UsageError
 from shmbuf.storage._torch import to_torch
 from shmbuf.storage._common import generator
 
@@ -37,17 +37,6 @@ KINDS = (OBSERVATION, TRANSITION)
 DEFAULT_OBS_FIELDS = ("obs", "value")
 INDICES = "_indices"  # the key iterate_minibatches adds (embodichain's name)
 _DEFAULT = object()
-
-
-class BufferFull(ShmbufError, RuntimeError):
-    """``start_rollout()`` in the learner's process while every slot holds a rollout not yet taken by
-    ``get()`` (or held from ``get(flatten=False)``): only this process could free one, so waiting
-    would never end. A RuntimeError, as embodichain's "RolloutBuffer already contains a rollout"."""
-
-
-class BufferEmpty(SlotTimeout, RuntimeError):
-    """``get()`` with nothing stored and no wait asked for. A :class:`SlotTimeout` (so a TimeoutError) and a
-    RuntimeError, as embodichain's ``RuntimeError("RolloutBuffer is empty.")``: ported ``except`` clauses hold."""
 
 
 @dataclass(frozen=True)
