@@ -44,6 +44,12 @@ from typing import Any, Final
 import numpy as np
 import optree
 
+__all__ = [
+    "ACTION", "BATCH_MODES", "BOOTSTRAP", "COMPLETE_EPISODES", "END", "ENV", "ENV_STEPS", "EPISODE", "FINAL_OBS",
+    "FLAG_KEYS", "LENGTH", "OBS", "RETURN", "REWARD", "STEP", "STEP_KEYS", "TERMINATED", "TRUNCATED",
+    "TRUNCATE_EPISODES", "check_batch_mode", "rollout_example", "zeros_with_lead",
+]
+
 # Timescales.
 STEP: Final = "step"
 EPISODE: Final = "episode"
