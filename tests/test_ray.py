@@ -32,7 +32,7 @@ ray = pytest.importorskip("ray", reason="the `ray` extra (make test installs it)
 import shmbuf  # noqa: E402
 from tests.conftest import child_pids, shm_objects, wait_until  # noqa: E402
 from workers import ActorError, CollectedBatch, RayCollector  # noqa: E402
-from workers import _ray  # noqa: E402
+from workers import _ray, _ray_wire  # noqa: E402  # after the importorskip: they import ray
 
 T, E = 8, 2
 FRAMES = 4 * T * E  # four rollouts a batch
@@ -247,11 +247,11 @@ def test_usage_errors_name_the_setting(cluster: Any, monkeypatch: Any) -> None:
 
 def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
     with pytest.raises(shmbuf.SchemaError, match="expected msgpack bytes"):
-        _ray._unpack_header(["not", "bytes"], "a batch from node 0")
+        _ray_wire.unpack_header(["not", "bytes"], "a batch from node 0")
     with pytest.raises(shmbuf.SchemaError, match="not valid msgpack"):
-        _ray._unpack_header(b"\xc1", "a batch from node 0")
-    with pytest.raises(shmbuf.SchemaError, match=f"wire version 99, expected {_ray.WIRE_VERSION}"):
-        _ray._unpack_header(msgpack.packb({"magic": _ray.WIRE_MAGIC, "version": 99}), "a batch from node 0")
+        _ray_wire.unpack_header(b"\xc1", "a batch from node 0")
+    with pytest.raises(shmbuf.SchemaError, match=f"wire version 99, expected {_ray_wire.WIRE_VERSION}"):
+        _ray_wire.unpack_header(msgpack.packb({"magic": _ray_wire.WIRE_MAGIC, "version": 99}), "a batch from node 0")
     # _unpack against a real schema, without a cluster: a collector shell with the schema of CountEnv's rollouts
     from workers import probe, rollout_example
 
@@ -268,8 +268,8 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
     leaves = [lf for ts in rc.schema.timescales for lf in ts.leaves]
     good = [np.zeros((2, *lf.shape), lf.dtype) for lf in leaves]
     good += [np.zeros(2, np.int64) for _ in rc.schema.timescales]
-    good += [np.zeros(2, np.int64) for _ in _ray.META] + [np.zeros(0), np.zeros(0, np.int64)]
-    head = msgpack.packb({"magic": _ray.WIRE_MAGIC, "version": _ray.WIRE_VERSION, "frames": 2 * T * E, "fill": True})
+    good += [np.zeros(2, np.int64) for _ in _ray_wire.META] + [np.zeros(0), np.zeros(0, np.int64)]
+    head = msgpack.packb({"magic": _ray_wire.WIRE_MAGIC, "version": _ray_wire.WIRE_VERSION, "frames": 2 * T * E, "fill": True})
     assert rc._unpack(node, (head, good)).data["step"]["obs"].shape == (2, T, E, 3)
     bad = list(good)
     i = next(k for k, lf in enumerate(leaves) if lf.name == "step/obs")
@@ -291,7 +291,7 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
     with pytest.raises(shmbuf.SchemaError, match=r"expected integers of shape \(2,\), got <U1 \(2,\)"):
         rc._unpack(node, (head, text_meta))
     for bad_head in ({"frames": "many", "fill": True}, {"fill": True}, {"frames": -1, "fill": True}, {"frames": 1}):
-        h = msgpack.packb({"magic": _ray.WIRE_MAGIC, "version": _ray.WIRE_VERSION, **bad_head})
+        h = msgpack.packb({"magic": _ray_wire.WIRE_MAGIC, "version": _ray_wire.WIRE_VERSION, **bad_head})
         with pytest.raises(shmbuf.SchemaError, match=r"header field frames .* or fill .* missing or wrong"):
             rc._unpack(node, (h, good))
 

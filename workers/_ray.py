@@ -19,12 +19,10 @@ returns each as one Ray object; the learner keeps ``max_in_flight``
 ``next_batch`` calls outstanding per such node and takes whichever comes first.
 
 What crosses between nodes, per batch: one Ray object, a msgpack header and
-the batch's arrays, which Ray's serialiser carries as out-of-band buffers
-(``ray.get`` on the learner's node maps them without a copy). Once per
-weights version: one ``ray.put`` object, fetched by each node once. Once per
-node: the schema, as msgpack, checked on arrival. Nothing of shmbuf's is
-pickled; Ray frames its own objects with pickle protocol 5, as it does for
-every object, and a Ray cluster trusts its members (see docs/ray.md).
+the batch's arrays as out-of-band buffers (``ray.get`` on the learner's node
+maps them without a copy); once per weights version, one ``ray.put`` object.
+The format and its checks are in workers._ray_wire; the node side (owners,
+the learner's node, janitors) in workers._ray_nodes.
 
 Exactly once: each ``next_batch`` call returns a batch that no other call
 returns, so a batch reaches the learner once or, when its node's owner dies
@@ -35,47 +33,30 @@ away takes its actor processes (they watch the owner, see workers._pool).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
-import os
-import queue
-import secrets
-import signal
-import subprocess
-import sys
-import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-import numpy as np
-import optree
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import shmbuf
-from workers._collector import CollectedBatch, Collector, checked_sources, progress, weights_of
+from workers._collector import CollectedBatch, checked_sources, progress, weights_of
 from workers._pool import default_start_method
+from workers._ray_nodes import OWNER_SLICE, LocalNode, NodeOwner  # NodeOwner: workers.NodeOwner comes from here
+from workers._ray_wire import unpack_batch, unpack_header
 
 logger = logging.getLogger(__name__)
 
-WIRE_MAGIC = "shmbuf-ray-batch"
-WIRE_VERSION = 2  # 2: each rollout's epoch (its writer's claim of the lane) in META
 WAIT_SLICE = 0.1
-# How long a node owner's next_batch waits for its Collector before looking at its stop flag again.
-OWNER_SLICE = 0.25
 # How long the learner waits on its own node's batches before it looks at the other nodes' again.
 LOCAL_SLICE = 0.002
 # How long a refused weights version waits for the other nodes' answers to it, to raise them as one error.
 ACK_WAIT = 5.0
-# Per rollout, in this order, after the data leaves and (truncate-episodes) one fill column per timescale.
-META = ("policy_version", "lane", "epoch", "seq", "lengths")
-EPISODES = ("episode_returns", "episode_lengths")
 
 
 class RayBatch(CollectedBatch):
@@ -118,228 +99,6 @@ class NodeFailure:
     def __str__(self) -> str:
         then = "Ray restarts it" if self.restarting else "its node is out of the collection"
         return f"node {self.node} ({self.node_id[:12]}): {type(self.error).__name__}: {self.error}; {then}"
-
-
-class _NodeCollector:
-    """What every node's collecting side does, in a node owner or in the learner: a janitor first, the
-    ``Collector``, its actors up within ``ready_timeout``, and its batches one at a time until stopped."""
-
-    lives_on = False  # the process outlives its node (the learner's): its janitor is ended with the node
-
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float, where: str):
-        self.token = secrets.token_hex(8)  # this process: a restarted owner has another
-        # First, so that nothing this process creates can outlive it: Ray SIGKILLs an owner whose learner
-        # died, or that ray.kill hits (at any point, this constructor included).
-        self.janitor_pid = _start_janitor()
-        self._stop = threading.Event()
-        self._iter: Iterator[CollectedBatch] | None = None
-        try:
-            self.collector = Collector(*args, **kwargs)
-        except BaseException:
-            self._janitor_done()
-            raise
-        try:
-            c = self.collector
-            self.names = [c.reader.name] + ([c.publisher.name] if c.publisher is not None else [])
-            try:
-                c.pool.wait_ready(ready_timeout)  # the constructor returns once the actor processes are up
-            except TimeoutError as exc:
-                raise shmbuf.SlotTimeout(f"{where}: its actor processes did not start within "
-                                         f"ready_timeout={ready_timeout} s ({exc})") from None
-        except BaseException:
-            self.collector.shutdown()
-            self._janitor_done()
-            raise
-
-    def _janitor_done(self) -> None:
-        if self.lives_on:
-            _end_janitor(self.janitor_pid)
-
-    def describe(self) -> bytes:
-        """Who and where this node's collector is, and the rollout layout: msgpack."""
-        return _description(self.collector, self.names, self.janitor_pid, self.token)
-
-    def _next(self) -> CollectedBatch | None:
-        """The collector's next batch (it releases the one before), or None once stopped."""
-        while not self._stop.is_set():
-            if self._iter is None:
-                self._iter = self.collector.iterator()
-            try:
-                return next(self._iter)
-            except shmbuf.SlotTimeout:  # nothing within OWNER_SLICE: look at the stop flag, then wait again
-                self._iter = None
-        return None
-
-
-class NodeOwner(_NodeCollector):
-    """One node's pipeline: a :class:`workers.Collector` in a Ray actor pinned to that node.
-
-    Made by :class:`RayCollector` through ``ray.remote``; its methods are called through Ray.
-    ``describe``, ``next_batch`` and ``shutdown`` run in Ray's default concurrency group (one
-    thread, in call order); ``set_weights`` and ``stop`` in the ``control`` group (one thread of
-    its own), so that they reach the owner while it waits for a batch.
-    """
-
-    def __init__(self, node: int, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float):
-        self.node = node
-        with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id (Ray 2.60)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
-        if reconstructed and kwargs.get("seed") is not None:
-            kwargs = dict(kwargs, seed=kwargs["seed"] + secrets.randbelow(2**20) * 10**9)  # no replayed episodes
-        if reconstructed:  # Ray gave us the first owner's arguments: collect nothing before the learner's current weights
-            kwargs = dict(kwargs, await_weights=True)
-        self._lock = threading.Lock()  # set_weights (control group) against shutdown (default group)
-        super().__init__(args, kwargs, ready_timeout, f"node {node}")
-        self.schema: shmbuf.Schema = self.collector.reader.schema
-
-    def next_batch(self) -> tuple[bytes, list[np.ndarray]] | None:
-        """The next batch from this node's pipeline: (msgpack header, arrays), or None once stopped.
-
-        The arrays are views of the node's shared memory. Ray copies them into its object store
-        after this method returns and before it runs the next call of the default group (this
-        owner's next ``next_batch``, which releases them, or ``shutdown``, which unmaps them).
-        """
-        b = self._next()
-        return None if b is None else self._pack(b)
-
-    def _pack(self, b: CollectedBatch) -> tuple[bytes, list[np.ndarray]]:
-        arrays = [leaf for ts in self.schema.timescales for leaf in ts.treespec.flatten_up_to(b.data[ts.name])]
-        if b.fill is not None:
-            arrays += [np.asarray(b.fill[ts.name]) for ts in self.schema.timescales]
-        arrays += [np.asarray(getattr(b, k)) for k in META + EPISODES]
-        header = msgpack.packb({"magic": WIRE_MAGIC, "version": WIRE_VERSION, "frames": int(b.frames),
-                                "fill": b.fill is not None, "sent": time.time()}, use_bin_type=True)
-        return header, arrays
-
-    def set_weights(self, weights: Any, version: int) -> int:
-        """Republish ``weights`` (fetched once to this node by Ray) in the node's shared-memory broadcast.
-
-        Idempotent: a version this node already has (sent again after a restart the learner had not
-        yet seen) is not published twice. A stopped owner takes nothing. Returns the node's version.
-        ``weights=None`` (the learner never published, and this restarted owner awaits weights):
-        the weights the collector started from, as ``version``.
-        """
-        with self._lock:
-            c = self.collector
-            awaiting = c.publisher is not None and c.publisher.version is None
-            if self._stop.is_set() or (not awaiting and version <= c.policy_version):
-                return c.policy_version
-            return c.update_policy_weights(c.awaited_weights if weights is None else weights, version=version)
-
-    def stop(self) -> None:
-        """(control group) Make ``next_batch`` return None within OWNER_SLICE, and every later one at once."""
-        self._stop.set()
-
-    def shutdown(self, timeout: float) -> list[str]:
-        """(default group, so after every next_batch's output is stored) Stop the actors, remove the shared memory."""
-        self._stop.set()
-        with self._lock:
-            self.collector.shutdown(timeout)
-        return [str(f) for f in self.collector.failures]
-
-
-def _description(c: Collector, names: list[str], janitor_pid: int, token: str) -> bytes:
-    """A node's collector described for the learner (msgpack): where it runs, its layout, its processes."""
-    return msgpack.packb({
-        "magic": WIRE_MAGIC, "version": WIRE_VERSION, "node_id": ray.get_runtime_context().get_node_id(),
-        "host": ray.util.get_node_ip_address(), "pid": os.getpid(), "schema": c.reader.schema.to_msgpack(),
-        "batch_mode": c.batch_mode, "num_actors": c.num_actors, "num_envs": c.num_envs,
-        "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.reader.slots,
-        "broadcast": c.publisher is not None, "actor_pids": list(c.pool.pids), "janitor_pid": janitor_pid,
-        "names": names, "token": token, "weights_version": c.policy_version,
-        "awaiting_weights": c.publisher is not None and c.publisher.version is None,
-    }, use_bin_type=True)
-
-
-class LocalNode(_NodeCollector):
-    """The learner's own node, read in the learner's process: no node owner and no Ray object in between.
-
-    Its :class:`workers.Collector` lives here; a thread takes its batches one at a time and hands
-    each to the learner, which gives it back by asking for its next batch (from any node). So a
-    batch from this node is what a ``Collector`` batch is: views of the node's shared memory (with
-    ``copy=False``), valid until the learner's next batch, never copied on the way.
-    """
-
-    lives_on = True
-
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float):
-        self._ready: queue.Queue[Any] = queue.Queue()
-        self._given_back = threading.Semaphore(0)
-        self.held = False
-        super().__init__(args, kwargs, ready_timeout, "the learner's node")
-        self._thread = threading.Thread(target=self._run, name="shmbuf-ray-local-node", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while (b := self._next()) is not None:
-                self._ready.put(b)
-                while not self._given_back.acquire(timeout=OWNER_SLICE):  # the learner still uses it
-                    if self._stop.is_set():
-                        return
-        except BaseException as exc:  # the learner reports it as this node's failure
-            self._ready.put(exc)
-
-    def take(self, timeout: float) -> CollectedBatch | None:
-        """This node's next batch, waiting up to ``timeout``; None if none came. Raises what the collector raised."""
-        try:
-            got = self._ready.get(timeout=timeout) if timeout > 0 else self._ready.get_nowait()
-        except queue.Empty:
-            return None
-        if isinstance(got, BaseException):
-            raise got
-        self.held = True
-        return got
-
-    def give_back(self) -> None:
-        """The learner is done with the batch it took: the thread may take the next (which releases it)."""
-        if self.held:
-            self.held = False
-            self._given_back.release()
-
-    def set_weights(self, weights: Any, version: int) -> int:
-        return self.collector.update_policy_weights(weights, version=version)
-
-    def shutdown(self, timeout: float) -> None:
-        """Stop the thread, then the actors; remove the node's shared memory; end the janitor."""
-        self._stop.set()
-        self._given_back.release()
-        self._thread.join(OWNER_SLICE + 5.0)
-        self.collector.shutdown(timeout)
-        _end_janitor(self.janitor_pid)
-
-
-def _end_janitor(pid: int) -> None:
-    """A clean end: the janitor of a process that lives on (the learner) has nothing to wait for."""
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-
-
-# Started through a short-lived middle process, so that the janitor is not the owner's child: Ray kills a
-# worker's children with it (kill_child_processes_on_worker_exit), and the janitor must outlive the owner.
-# The janitor writes its errors where the owner does (Ray's log of that worker).
-_DETACH = ("import subprocess, sys; "
-           "p = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, "
-           "start_new_session=True); print(p.pid)")
-
-
-def _start_janitor() -> int:
-    """Start ``shmbuf clean --after <this pid>``, detached; return its pid.
-
-    Once this process has exited, the janitor removes every shmbuf object it created (their headers
-    name it, by pid and start time), and nothing else. After a clean shutdown it finds nothing.
-    shmbuf's own directory goes on its path, for a shmbuf shipped with ``runtime_env`` rather than installed.
-    """
-    spec = importlib.util.find_spec("shmbuf")  # where this process found it (a module attribute is not shmbuf's API)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin))) if spec and spec.origin else ""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-c", _DETACH, sys.executable, "-m", "shmbuf", "clean", "--after", str(os.getpid())]
-    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=60, check=True,
-                         env=env)
-    return int(out.stdout)
 
 
 @dataclass
@@ -494,7 +253,7 @@ class RayCollector:
             self._took_description(n, ray.get(ready[0]))  # an owner that failed to start raises here, with Ray's error
 
     def _took_description(self, n: _Node, raw: bytes) -> None:
-        info = _unpack_header(raw, f"node {n.index}'s description")
+        info = unpack_header(raw, f"node {n.index}'s description")
         schema = shmbuf.Schema.from_msgpack(info["schema"])
         if self.schema is None:
             self.schema = schema
@@ -737,55 +496,12 @@ class RayCollector:
         Raises:
             shmbuf.SchemaError: naming the node and what is wrong (the node is then taken out).
         """
-        what = f"a batch from node {n.index}"
-        if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[1], list)):
-            raise shmbuf.SchemaError(f"{what}: expected (header, list of arrays), got {type(got).__name__}")
-        raw, arrays = got
-        head = _unpack_header(raw, what)
-        frames, has_fill = head.get("frames"), head.get("fill")
-        if type(frames) is not int or frames < 0 or type(has_fill) is not bool:
-            raise shmbuf.SchemaError(f"{what}: header field frames (an int >= 0) or fill (a bool) missing or wrong: "
-                                     f"{frames!r}, {has_fill!r}")
-        schema = self.schema
-        assert schema is not None
-        complete = self.batch_mode == "complete_episodes"
-        if has_fill == complete:
-            raise shmbuf.SchemaError(f"{what}: fill={has_fill} in {self.batch_mode} mode")
-        leaves = [lf for ts in schema.timescales for lf in ts.leaves]
-        want = len(leaves) + (len(schema.timescales) if has_fill else 0) + len(META) + len(EPISODES)
-        if len(arrays) != want:
-            raise shmbuf.SchemaError(f"{what}: expected {want} arrays, got {len(arrays)}")
-        if not all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in arrays):
-            bad = next(a for a in arrays if not (isinstance(a, np.ndarray) and a.ndim >= 1))
-            raise shmbuf.SchemaError(f"{what}: expected arrays of at least one dimension, got {type(bad).__name__} "
-                                     f"{getattr(bad, 'shape', '')}")
-        lead: dict[bool, int] = {}  # step leaves in complete-episodes mode (frames) vs the rest (rollouts)
-        for lf, a in zip(leaves, arrays):
-            per_step = complete and lf.path[0] == "step"
-            tail = lf.item_shape if per_step else lf.shape
-            n_rows = lead.setdefault(per_step, a.shape[0])
-            if a.dtype != lf.dtype or a.shape != (n_rows, *tail):
-                raise shmbuf.SchemaError(f"{what}, leaf {lf.name}: expected {lf.dtype} "
-                                         f"{(n_rows, *tail)}, got {a.dtype} {a.shape}")
-        rollouts = lead[False]
-        rest = arrays[len(leaves):]
-        for k, a in zip([*(f"fill/{ts.name}" for ts in schema.timescales if has_fill), *META], rest):
-            if a.shape != (rollouts,) or a.dtype.kind not in "iu":
-                raise shmbuf.SchemaError(f"{what}, {k}: expected integers of shape ({rollouts},), got {a.dtype} {a.shape}")
-        returns, lengths = rest[-2:]
-        if (returns.ndim != 1 or returns.dtype.kind not in "fiu" or lengths.shape != returns.shape
-                or lengths.dtype.kind not in "iu"):
-            raise shmbuf.SchemaError(f"{what}: episode returns and lengths: expected two numeric 1-d arrays of one "
-                                     f"length, got {returns.dtype} {returns.shape} and {lengths.dtype} {lengths.shape}")
-        if self.copy:
-            arrays = [np.array(a) for a in arrays]
-        it = iter(arrays)
-        data = {ts.name: optree.tree_unflatten(ts.treespec, [next(it) for _ in ts.leaves]) for ts in schema.timescales}
-        fill = {ts.name: next(it) for ts in schema.timescales} if head["fill"] else None
-        meta = {k: next(it) for k in META + EPISODES}
+        assert self.schema is not None
+        w = unpack_batch(got, self.schema, self.batch_mode, self.copy, f"a batch from node {n.index}")
+        meta = w.meta
         version = meta["policy_version"]
-        return RayBatch(data=data, fill=fill, policy_version=version, policy_lag=self.policy_version - version,
-                        lane=meta["lane"], epoch=meta["epoch"], seq=meta["seq"], frames=frames,
+        return RayBatch(data=w.data, fill=w.fill, policy_version=version, policy_lag=self.policy_version - version,
+                        lane=meta["lane"], epoch=meta["epoch"], seq=meta["seq"], frames=w.frames,
                         episode_returns=meta["episode_returns"], episode_lengths=meta["episode_lengths"],
                         lengths=meta["lengths"], batch_mode=self.batch_mode, node=n.index, node_id=n.node_id,
                         incarnation=n.incarnation)
@@ -880,19 +596,3 @@ def _rate(n: _Node) -> float:
     if n.first is None or n.last is None or n.last <= n.first or n.batches < 2:
         return math.nan
     return n.frames * (n.batches - 1) / n.batches / (n.last - n.first)
-
-
-def _unpack_header(raw: Any, what: str) -> dict[str, Any]:
-    """A msgpack header from a node: magic and version checked, anything malformed a SchemaError naming it."""
-    if not isinstance(raw, bytes) or len(raw) > 1 << 24:
-        raise shmbuf.SchemaError(f"{what}: expected msgpack bytes, got {type(raw).__name__}")
-    try:
-        obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise shmbuf.SchemaError(f"{what}: not valid msgpack ({type(exc).__name__}: {exc})") from None
-    if not isinstance(obj, dict) or obj.get("magic") != WIRE_MAGIC:
-        raise shmbuf.SchemaError(f"{what}: expected a {WIRE_MAGIC!r} header, got {str(obj)[:80]!r}")
-    if obj.get("version") != WIRE_VERSION:
-        raise shmbuf.SchemaError(f"{what}: wire version {obj.get('version')!r}, expected {WIRE_VERSION}: "
-                                 "run the same shmbuf on every node")
-    return obj

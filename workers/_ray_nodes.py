@@ -1,0 +1,234 @@
+"""RayCollector's node side: the collecting half that runs on each node, and the janitor that cleans up after it.
+
+:class:`NodeOwner` is a Ray actor pinned to one node, holding that node's :class:`workers.Collector`
+and answering the learner's calls (``describe``, ``next_batch``, ``set_weights``, ``stop``,
+``shutdown``); :class:`LocalNode` is the same on the learner's own node, in the learner's process,
+handing batches over through a thread instead of Ray. Each starts a detached janitor first thing
+(``shmbuf clean --after <pid>``), so that nothing it creates outlives its process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import ray
+
+import shmbuf
+from workers._collector import CollectedBatch, Collector
+from workers._ray_wire import pack_batch, pack_description
+
+# How long a node owner's next_batch waits for its Collector before looking at its stop flag again.
+OWNER_SLICE = 0.25
+
+
+class _NodeCollector:
+    """What every node's collecting side does, in a node owner or in the learner: a janitor first, the
+    ``Collector``, its actors up within ``ready_timeout``, and its batches one at a time until stopped."""
+
+    lives_on = False  # the process outlives its node (the learner's): its janitor is ended with the node
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float, where: str):
+        self.token = secrets.token_hex(8)  # this process: a restarted owner has another
+        # First, so that nothing this process creates can outlive it: Ray SIGKILLs an owner whose learner
+        # died, or that ray.kill hits (at any point, this constructor included).
+        self.janitor_pid = _start_janitor()
+        self._stop = threading.Event()
+        self._iter: Iterator[CollectedBatch] | None = None
+        try:
+            self.collector = Collector(*args, **kwargs)
+        except BaseException:
+            self._janitor_done()
+            raise
+        try:
+            c = self.collector
+            self.names = [c.reader.name] + ([c.publisher.name] if c.publisher is not None else [])
+            try:
+                c.pool.wait_ready(ready_timeout)  # the constructor returns once the actor processes are up
+            except TimeoutError as exc:
+                raise shmbuf.SlotTimeout(f"{where}: its actor processes did not start within "
+                                         f"ready_timeout={ready_timeout} s ({exc})") from None
+        except BaseException:
+            self.collector.shutdown()
+            self._janitor_done()
+            raise
+
+    def _janitor_done(self) -> None:
+        if self.lives_on:
+            _end_janitor(self.janitor_pid)
+
+    def describe(self) -> bytes:
+        """Who and where this node's collector is, and the rollout layout: msgpack."""
+        return pack_description(self.collector, self.names, self.janitor_pid, self.token,
+                                node_id=ray.get_runtime_context().get_node_id(), host=ray.util.get_node_ip_address(),
+                                pid=os.getpid())
+
+    def _next(self) -> CollectedBatch | None:
+        """The collector's next batch (it releases the one before), or None once stopped."""
+        while not self._stop.is_set():
+            if self._iter is None:
+                self._iter = self.collector.iterator()
+            try:
+                return next(self._iter)
+            except shmbuf.SlotTimeout:  # nothing within OWNER_SLICE: look at the stop flag, then wait again
+                self._iter = None
+        return None
+
+
+class NodeOwner(_NodeCollector):
+    """One node's pipeline: a :class:`workers.Collector` in a Ray actor pinned to that node.
+
+    Made by :class:`RayCollector` through ``ray.remote``; its methods are called through Ray.
+    ``describe``, ``next_batch`` and ``shutdown`` run in Ray's default concurrency group (one
+    thread, in call order); ``set_weights`` and ``stop`` in the ``control`` group (one thread of
+    its own), so that they reach the owner while it waits for a batch.
+    """
+
+    def __init__(self, node: int, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float):
+        self.node = node
+        with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id (Ray 2.60)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
+        if reconstructed and kwargs.get("seed") is not None:
+            kwargs = dict(kwargs, seed=kwargs["seed"] + secrets.randbelow(2**20) * 10**9)  # no replayed episodes
+        if reconstructed:  # Ray gave us the first owner's arguments: collect nothing before the learner's current weights
+            kwargs = dict(kwargs, await_weights=True)
+        self._lock = threading.Lock()  # set_weights (control group) against shutdown (default group)
+        super().__init__(args, kwargs, ready_timeout, f"node {node}")
+        self.schema: shmbuf.Schema = self.collector.reader.schema
+
+    def next_batch(self) -> tuple[bytes, list[np.ndarray]] | None:
+        """The next batch from this node's pipeline: (msgpack header, arrays), or None once stopped.
+
+        The arrays are views of the node's shared memory. Ray copies them into its object store
+        after this method returns and before it runs the next call of the default group (this
+        owner's next ``next_batch``, which releases them, or ``shutdown``, which unmaps them).
+        """
+        b = self._next()
+        return None if b is None else pack_batch(self.schema, b)
+
+    def set_weights(self, weights: Any, version: int) -> int:
+        """Republish ``weights`` (fetched once to this node by Ray) in the node's shared-memory broadcast.
+
+        Idempotent: a version this node already has (sent again after a restart the learner had not
+        yet seen) is not published twice. A stopped owner takes nothing. Returns the node's version.
+        ``weights=None`` (the learner never published, and this restarted owner awaits weights):
+        the weights the collector started from, as ``version``.
+        """
+        with self._lock:
+            c = self.collector
+            awaiting = c.publisher is not None and c.publisher.version is None
+            if self._stop.is_set() or (not awaiting and version <= c.policy_version):
+                return c.policy_version
+            return c.update_policy_weights(c.awaited_weights if weights is None else weights, version=version)
+
+    def stop(self) -> None:
+        """(control group) Make ``next_batch`` return None within OWNER_SLICE, and every later one at once."""
+        self._stop.set()
+
+    def shutdown(self, timeout: float) -> list[str]:
+        """(default group, so after every next_batch's output is stored) Stop the actors, remove the shared memory."""
+        self._stop.set()
+        with self._lock:
+            self.collector.shutdown(timeout)
+        return [str(f) for f in self.collector.failures]
+
+
+class LocalNode(_NodeCollector):
+    """The learner's own node, read in the learner's process: no node owner and no Ray object in between.
+
+    Its :class:`workers.Collector` lives here; a thread takes its batches one at a time and hands
+    each to the learner, which gives it back by asking for its next batch (from any node). So a
+    batch from this node is what a ``Collector`` batch is: views of the node's shared memory (with
+    ``copy=False``), valid until the learner's next batch, never copied on the way.
+    """
+
+    lives_on = True
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float):
+        self._ready: queue.Queue[Any] = queue.Queue()
+        self._given_back = threading.Semaphore(0)
+        self.held = False
+        super().__init__(args, kwargs, ready_timeout, "the learner's node")
+        self._thread = threading.Thread(target=self._run, name="shmbuf-ray-local-node", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while (b := self._next()) is not None:
+                self._ready.put(b)
+                while not self._given_back.acquire(timeout=OWNER_SLICE):  # the learner still uses it
+                    if self._stop.is_set():
+                        return
+        except BaseException as exc:  # the learner reports it as this node's failure
+            self._ready.put(exc)
+
+    def take(self, timeout: float) -> CollectedBatch | None:
+        """This node's next batch, waiting up to ``timeout``; None if none came. Raises what the collector raised."""
+        try:
+            got = self._ready.get(timeout=timeout) if timeout > 0 else self._ready.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(got, BaseException):
+            raise got
+        self.held = True
+        return got
+
+    def give_back(self) -> None:
+        """The learner is done with the batch it took: the thread may take the next (which releases it)."""
+        if self.held:
+            self.held = False
+            self._given_back.release()
+
+    def set_weights(self, weights: Any, version: int) -> int:
+        return self.collector.update_policy_weights(weights, version=version)
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop the thread, then the actors; remove the node's shared memory; end the janitor."""
+        self._stop.set()
+        self._given_back.release()
+        self._thread.join(OWNER_SLICE + 5.0)
+        self.collector.shutdown(timeout)
+        _end_janitor(self.janitor_pid)
+
+
+def _end_janitor(pid: int) -> None:
+    """A clean end: the janitor of a process that lives on (the learner) has nothing to wait for."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
+# Started through a short-lived middle process, so that the janitor is not the owner's child: Ray kills a
+# worker's children with it (kill_child_processes_on_worker_exit), and the janitor must outlive the owner.
+# The janitor writes its errors where the owner does (Ray's log of that worker).
+_DETACH = ("import subprocess, sys; "
+           "p = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, "
+           "start_new_session=True); print(p.pid)")
+
+
+def _start_janitor() -> int:
+    """Start ``shmbuf clean --after <this pid>``, detached; return its pid.
+
+    Once this process has exited, the janitor removes every shmbuf object it created (their headers
+    name it, by pid and start time), and nothing else. After a clean shutdown it finds nothing.
+    shmbuf's own directory goes on its path, for a shmbuf shipped with ``runtime_env`` rather than installed.
+    """
+    spec = importlib.util.find_spec("shmbuf")  # where this process found it (a module attribute is not shmbuf's API)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin))) if spec and spec.origin else ""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-c", _DETACH, sys.executable, "-m", "shmbuf", "clean", "--after", str(os.getpid())]
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=60, check=True,
+                         env=env)
+    return int(out.stdout)
