@@ -284,7 +284,7 @@ class RayCollector:
         params = weights_of(policy_or_weights, self._policy)
         new = self.policy_version + 1 if version is None else int(version)
         if new <= self.policy_version:
-            raise ValueError(f"version: expected more than the current {self.policy_version}, got {new}")
+            raise shmbuf.UsageError(f"version: expected more than the current {self.policy_version}, got {new}")
         local = [n for n in self.nodes if n.local is not None and n.state == "running"]
         for n in local:  # here: published now, and what it raises is raised now
             n.local.set_weights(params, new)  # type: ignore[union-attr]
@@ -340,7 +340,7 @@ class RayCollector:
 
     def iterator(self) -> Iterator[RayBatch]:
         if self._closed:
-            raise RuntimeError("this RayCollector was shut down")
+            raise shmbuf.PipelineClosed("this RayCollector was shut down")
         if self._t0 is None:
             self._t0 = time.monotonic()
         for n in self.nodes:
@@ -375,8 +375,8 @@ class RayCollector:
             if local is not None and local.state != "running":
                 local = None
             if not self._pending and local is None and not any(n.state == "restarting" for n in self.nodes):
-                raise RuntimeError("every node has failed; no more batches will come: "
-                                   + "; ".join(str(f) for f in self.failures))
+                raise shmbuf.BrokenPipeline("every node has failed; no more batches will come: "
+                                            + "; ".join(str(f) for f in self.failures))
             if self._pending:  # a remote node's batch first, if one is there; else wait on both in turn
                 ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=0 if local is not None else WAIT_SLICE)
                 if ready:
@@ -448,7 +448,7 @@ class RayCollector:
         else:
             self._out(n)
         if self.raise_on_node_failure:
-            raise RuntimeError(f"a node failed: {failure}") from exc
+            raise shmbuf.BrokenPipeline(f"a node failed: {failure}") from exc
 
     def _out(self, n: _Node) -> None:
         """Take node ``n`` out of the collection. Its owner may live (its collector raised, it sent garbage, it
