@@ -29,10 +29,11 @@ from shmbuf._errors import (
 )
 from shmbuf._fastpath import PreparedTimescale, slot_views
 from shmbuf._handle import Handle, name_of
-from shmbuf._lane import WriterLane, check_timeout
+from shmbuf._lane import WriterLane
 from shmbuf._proc import Owner
 from shmbuf._schema import Schema
 from shmbuf._segment import S_COMMIT_NS, S_EPOCH, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment, sem_name
+from shmbuf._validate import int_setting, timeout_setting
 
 # How often a writer that is not waiting looks whether the reader still lives: every call looks at
 # the closed flag (one load), and at most this often at the reader's process (a few microseconds).
@@ -119,7 +120,7 @@ class Writer:
 
     def __init__(self, pipeline: Handle | str | Any, example: Any = None, *, timeout: float | None = 30.0,
                  label: str = ""):
-        self.timeout = check_timeout(timeout, "Writer(timeout=...)")
+        self.timeout = timeout_setting("Writer(timeout=...)", timeout)
         self.name = name_of(pipeline)
         self._pid = os.getpid()
         self._closed = False
@@ -294,7 +295,7 @@ class Writer:
             pass
 
     def __reduce__(self) -> Any:
-        raise TypeError(
+        raise UsageError(
             "a shmbuf Writer belongs to the process that made it; pass the pipeline's handle "
             "(reader.handle) to the other process and make a Writer there"
         )
@@ -412,9 +413,7 @@ class Writer:
             ts = self._ts.get(name)
             if ts is None:
                 self._unknown(name)
-            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= ts.capacity:
-                raise UsageError(f"commit(fill=...): timescale '{name}' holds 0 to {ts.capacity}, got {n!r}")
-            counts[ts.index] = int(n)
+            counts[ts.index] = int_setting(f"commit(fill=...): timescale '{name}'", n, 0, ts.capacity)
         self._fill[:] = counts
 
     def send(self, tree: Any, policy_version: int | None = None) -> int:
