@@ -423,7 +423,7 @@ class Schema:
                 arrays.append((tuple(path), _Proto(dtype, tuple(shape))))
             # Rebuild through the same rules, then check the result says what the bytes said.
             try:
-                ts = cls._timescale(name, structure, arrays)  # type: ignore[arg-type]
+                ts = cls._timescale(name, structure, arrays)  # type: ignore[arg-type]  # _Proto: an array's dtype and shape only
             except SchemaError as exc:
                 raise SegmentError(f"schema timescale '{name}': {exc}") from None
             if ts.buffered != buffered or ts.capacity != capacity or [lf.path for lf in ts.leaves] != [p for p, _ in arrays]:

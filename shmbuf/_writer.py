@@ -4,13 +4,14 @@ A :class:`Writer` behaves like InstaDeep echo's ``TrajectoryAccumulator``
 (same timescale rules, same ``add``/``reset``, the same kinds of error)
 except that ``add()`` writes into the shared-memory slot the reader will
 read, and ``commit()`` hands the slot over instead of returning a tree to
-send. The lane protocol underneath (claim, wait, publish, mail, retire) is
-:mod:`shmbuf._lane`'s; this module is its user.
+send. This module is the Writer's lifecycle (attach, claim, add/commit/reset, close); the lane
+protocol underneath (claim, wait, publish, mail, retire) is :mod:`shmbuf._lane`'s, the checks and
+conversions of what ``add`` is given are :mod:`shmbuf._coerce`'s, and ``add``'s precompiled stores
+are :mod:`shmbuf._fastpath`'s.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import select
 import time
@@ -22,23 +23,21 @@ import optree
 import posix_ipc
 
 from shmbuf import _control, _fork, _segment
+from shmbuf._coerce import coerce_into
 from shmbuf._errors import (
     BrokenPipeline, PipelineClosed, SchemaError, SegmentError, TimescaleFull, UnknownTimescale, UsageError, WrongProcess,
 )
+from shmbuf._fastpath import PreparedTimescale, slot_views
 from shmbuf._handle import Handle, name_of
-from shmbuf._lane import WriterLane, check_timeout
+from shmbuf._lane import WriterLane
 from shmbuf._proc import Owner
-from shmbuf._schema import Leaf, Schema, Timescale, flatten_like
+from shmbuf._schema import Schema
 from shmbuf._segment import S_COMMIT_NS, S_EPOCH, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment, sem_name
+from shmbuf._validate import int_setting, timeout_setting
 
 # How often a writer that is not waiting looks whether the reader still lives: every call looks at
 # the closed flag (one load), and at most this often at the reader's process (a few microseconds).
 LIVENESS_INTERVAL = 0.25
-_MISSING = object()
-_F32_MAX = float(np.finfo(np.float32).max)
-# add()'s fast path is a function compiled for the timescale when the Writer starts, at about 0.3 ms
-# per leaf; a timescale with more leaves than this takes the general path instead.
-MAX_FAST_LEAVES = 256
 _now = time.monotonic
 
 
@@ -74,124 +73,6 @@ class _ReaderWatch:
             os.close(self.fd)
             self.fd = -1
         self._poll = None
-
-
-class _Ts:
-    """A timescale as the writer's hot path wants it: everything precomputed, nothing to look up."""
-
-    __slots__ = ("index", "spec", "leaves", "keys", "store", "scratch", "capacity", "buffered")
-
-    def __init__(self, index: int, spec: Timescale):
-        self.index = index
-        self.spec = spec
-        self.leaves = spec.leaves
-        self.capacity = spec.capacity
-        self.buffered = spec.buffered
-        st = spec.structure
-        flat = st[0] == "dict" and all(c[0] == "leaf" for c in st[2])
-        self.keys: tuple[str, ...] | None = tuple(st[1]) if flat else None
-        # A buffered flat dict (the common case) gets add()'s fast path, a function made for it (_ItemStore).
-        fast = flat and spec.buffered and len(spec.leaves) <= MAX_FAST_LEAVES
-        self.store = _ItemStore(self) if fast else None
-        self.scratch: list[Any] = [None] * len(spec.leaves)
-
-
-def _item_format_ok(dtype: np.dtype) -> bool:
-    """Can a memoryview store this dtype's items (bool, integers, float32, float64; native order)?"""
-    return dtype.kind in "biu" or (dtype.kind == "f" and dtype.itemsize in (4, 8))
-
-
-def _flat_memoryview(a: np.ndarray) -> memoryview | None:
-    """A 1-d memoryview of a slot's (C-contiguous) leaf in numpy's own format, for item and row stores."""
-    if not _item_format_ok(a.dtype) or a.nbytes == 0:
-        return None
-    m = memoryview(a)
-    return m.cast("B").cast(m.format)
-
-
-class _ItemStore:
-    """add()'s fast path for one buffered flat-dict timescale: check every leaf of a step, then store them.
-
-    Python's per-bytecode cost, not numpy's copy, dominates an add of small items, so the check
-    is one straight-line function made for the timescale when the Writer starts (like the
-    ``__init__`` that ``dataclasses`` writes): per leaf a chain of identity tests on the item's type,
-    each with the store that type gets, then the stores. No user text goes into its source: keys,
-    dtypes and bounds are passed in by name. ``source`` keeps the text, for reading.
-
-    The routes, per leaf (all give the same bits as numpy's assignment of the same item):
-
-    - a numpy integer or bool scalar of the leaf's own type, or a Python bool: an item store
-      through the slot's memoryview (``mv[i] = x``), no numpy call;
-    - a Python int within the leaf's range (integer leaves), or within +-2**53 (float leaves), and a
-      Python float within float32's finite range (float32 leaves; any, for float64): the same item
-      store. Outside these ranges the general path decides (its range error, numpy's overflow);
-    - a numpy float scalar of the leaf's own type: numpy's own store (through a C double, a
-      memoryview store would quiet a signalling NaN);
-    - an ndarray of the leaf's exact dtype and item shape: for a 1-d item of a memoryview-able
-      dtype, a row store through the memoryview (``mv[a:b] = x``, a plain copy, half numpy's
-      cost); otherwise numpy's ``arr[i] = x``;
-    - anything else (other dtypes, a leading 1, Python numbers out of range, ``__array__``
-      objects, a missing key): the general path, ``_coerce``, then numpy's store; it raises
-      before anything is stored if the item is refused.
-    """
-
-    __slots__ = ("source", "fn")
-
-    def __init__(self, ts: _Ts):
-        spec = ts.spec
-        ns: dict[str, Any] = {"ndarray": np.ndarray, "MISSING": _MISSING, "slow": _SlowItem(spec, ts.keys or ())}
-        checks, stores = [], []
-        for j, (key, leaf) in enumerate(zip(ts.keys or (), spec.leaves)):
-            dt, mv = leaf.dtype, _item_format_ok(leaf.dtype) and leaf.nbytes > 0
-            ns[f"K{j}"], ns[f"DT{j}"], ns[f"SH{j}"] = key, dt, leaf.item_shape
-            x, item, general = f"x{j}", f"d{j} = mvs[{j}]; k{j} = i", f"d{j} = arrs[{j}]; k{j} = i"
-            lines = [f"{x} = data.get(K{j}, MISSING)"]
-            if leaf.item_shape == ():
-                ns[f"NT{j}"] = dt.type
-                lines.append(f"t = type({x})")
-                lines.append(f"if t is NT{j}: {item if mv and dt.kind in 'biu' else general}")
-                if mv:
-                    lines.append(f"elif t is bool: {item}")
-                    if dt.kind in "iu":
-                        ns[f"IL{j}"], ns[f"IH{j}"] = int(np.iinfo(dt).min), int(np.iinfo(dt).max)
-                    elif dt.kind == "f":  # ints a double holds exactly: then one rounding, as numpy's
-                        ns[f"IL{j}"], ns[f"IH{j}"] = -(2**53), 2**53
-                        lim = _F32_MAX if dt.itemsize == 4 else math.inf
-                        ns[f"FL{j}"], ns[f"FH{j}"] = -lim, lim
-                        lines.append(f"elif t is float and FL{j} <= {x} <= FH{j}: {item}")
-                    if dt.kind in "iuf":
-                        lines.append(f"elif t is int and IL{j} <= {x} <= IH{j}: {item}")
-                lines.append(f"elif t is ndarray and {x}.dtype is DT{j} and {x}.shape == (): {general}")
-            else:
-                exact = f"type({x}) is ndarray and {x}.dtype is DT{j} and {x}.shape == SH{j}"
-                if mv and len(leaf.item_shape) == 1:
-                    n = leaf.item_shape[0]
-                    ns[f"ROWS{j}"] = tuple(slice(r * n, r * n + n) for r in range(spec.capacity))
-                    lines.append(f"if {exact}: d{j} = mvs[{j}]; k{j} = ROWS{j}[i]")
-                else:
-                    lines.append(f"if {exact}: {general}")
-            lines.append(f"else: {x} = slow({j}, {x}, data); {general}")
-            checks += lines
-            stores.append(f"d{j}[k{j}] = {x}")
-        body = "\n".join("    " + ln for ln in checks + stores)
-        self.source = f"def store(data, i, arrs, mvs):\n{body}\n"
-        # exec of our own text: no user input in it (the timescale's name goes only into the file name)
-        exec(compile(self.source, f"<shmbuf add() of timescale {spec.name!r}>", "exec"), ns)  # noqa: S102
-        self.fn = ns["store"]
-
-
-class _SlowItem:
-    """The general path of one leaf of a fast-path timescale: a missing key, or an item to coerce."""
-
-    __slots__ = ("keys", "spec")
-
-    def __init__(self, spec: Timescale, keys: tuple[str, ...]):
-        self.spec, self.keys = spec, keys  # not the _Ts: no reference cycle through the function's globals
-
-    def __call__(self, j: int, x: Any, data: dict[Any, Any]) -> np.ndarray:
-        if x is _MISSING:
-            _keys_mismatch(self.spec.name, self.keys, data)
-        return _coerce(self.spec.leaves[j], x, True, whole=False)
 
 
 class Writer:
@@ -239,7 +120,7 @@ class Writer:
 
     def __init__(self, pipeline: Handle | str | Any, example: Any = None, *, timeout: float | None = 30.0,
                  label: str = ""):
-        self.timeout = check_timeout(timeout, "Writer(timeout=...)")
+        self.timeout = timeout_setting("Writer(timeout=...)", timeout)
         self.name = name_of(pipeline)
         self._pid = os.getpid()
         self._closed = False
@@ -271,8 +152,7 @@ class Writer:
                 raise SchemaError(f"the example does not match pipeline {self.name}: {diff}")
             treespecs = {ts.name: ts.treespec for ts in mine.timescales}
         self.schema = schema
-        self._ts = {ts.name: _Ts(i, ts) for i, ts in enumerate(schema.timescales)}
-        self._treespecs = treespecs
+        self._ts = {ts.name: PreparedTimescale(i, ts, treespecs[ts.name]) for i, ts in enumerate(schema.timescales)}
         self._ts_list = list(self._ts.values())
         self._w = seg.words
         self._plan = p = seg.plan
@@ -286,14 +166,14 @@ class Writer:
                                       lambda i: self._open_sem(f"f{i}"), label, self.timeout, self._check_reader)
         self.lane = self._lane.rec.index
         self.epoch = self._lane.epoch
-        self._leaf_all = [seg.leaf_view(i) for i in range(len(schema.leaves))]
+        # Per timescale, each leaf's view of every slot (the schema lists leaves timescale by timescale).
+        self._leaf_views: list[list[np.ndarray]] = []
         first = 0
-        self._leaf_base: dict[str, int] = {}
         for ts in schema.timescales:
-            self._leaf_base[ts.name] = first
+            self._leaf_views.append([seg.leaf_view(first + j) for j in range(len(ts.leaves))])
             first += len(ts.leaves)
         # Per slot, built on its first use and then reused: per timescale, each leaf's array view and
-        # (for add's fast path) its flat memoryview, or None.
+        # (for add's fast path) its flat memoryview, or None (see shmbuf._fastpath.slot_views).
         self._slot_views: dict[int, tuple[list[list[np.ndarray]], list[list[memoryview | None]]]] = {}
         self._cur: list[list[np.ndarray]] = []
         self._cur_mv: list[list[memoryview | None]] = []
@@ -352,7 +232,7 @@ class Writer:
         if self._seg is not None:
             self._forget_views()
             self._slot_views = {}
-            self._leaf_all = []
+            self._leaf_views = []
             self._seg.close()
             self._seg = None
 
@@ -415,7 +295,7 @@ class Writer:
             pass
 
     def __reduce__(self) -> Any:
-        raise TypeError(
+        raise UsageError(
             "a shmbuf Writer belongs to the process that made it; pass the pipeline's handle "
             "(reader.handle) to the other process and make a Writer there"
         )
@@ -448,16 +328,7 @@ class Writer:
             self._fill[t] = i + 1
             return
         vals = ts.scratch
-        if ts.keys is not None and type(data) is dict and len(data) == len(vals):
-            for j, k in enumerate(ts.keys):
-                x = data.get(k, _MISSING)
-                if x is _MISSING:
-                    _keys_mismatch(ts.spec.name, ts.keys, data)
-                vals[j] = _coerce(ts.leaves[j], x, ts.buffered, whole=False)
-        else:
-            leaves = self._leaves_of(ts, data)
-            for j, x in enumerate(leaves):
-                vals[j] = _coerce(ts.leaves[j], x, ts.buffered, whole=False)
+        coerce_into(vals, ts.spec, ts.keys, ts.treespec, data, whole=False)  # checks every leaf before any store
         if ts.buffered:
             for dst, x in zip(self._cur[ts.index], vals):
                 dst[i] = x
@@ -524,7 +395,7 @@ class Writer:
         self._direct = True
         out, views = {}, self._cur
         for ts in self._ts_list:
-            out[ts.spec.name] = optree.tree_unflatten(self._treespecs[ts.spec.name], views[ts.index])
+            out[ts.spec.name] = optree.tree_unflatten(ts.treespec, views[ts.index])
         return out
 
     def reset(self) -> None:
@@ -542,9 +413,7 @@ class Writer:
             ts = self._ts.get(name)
             if ts is None:
                 self._unknown(name)
-            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= ts.capacity:
-                raise UsageError(f"commit(fill=...): timescale '{name}' holds 0 to {ts.capacity}, got {n!r}")
-            counts[ts.index] = int(n)
+            counts[ts.index] = int_setting(f"commit(fill=...): timescale '{name}'", n, 0, ts.capacity)
         self._fill[:] = counts
 
     def send(self, tree: Any, policy_version: int | None = None) -> int:
@@ -562,9 +431,7 @@ class Writer:
             got = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
             raise SchemaError(f"send: expected a dict with timescales {sorted(self._ts)}, got {got}")
         for ts in self._ts_list:  # check everything before writing anything
-            vals = ts.scratch
-            for j, x in enumerate(self._leaves_of(ts, tree[ts.spec.name])):
-                vals[j] = _coerce(ts.leaves[j], x, ts.buffered, whole=True)
+            coerce_into(ts.scratch, ts.spec, ts.keys, ts.treespec, tree[ts.spec.name], whole=True)
         if self._slot < 0:
             self._claim_slot()
         for ts in self._ts_list:
@@ -595,11 +462,7 @@ class Writer:
         self._slot = slot
         views = self._slot_views.get(slot)
         if views is None:
-            arrays = [[self._leaf_all[self._leaf_base[ts.name] + j][slot, ...] for j in range(len(ts.leaves))]
-                      for ts in self.schema.timescales]
-            mvs = [[_flat_memoryview(a) for a in leaves] if ts.store is not None else [None] * len(leaves)
-                   for ts, leaves in zip(self._ts_list, arrays)]
-            views = self._slot_views[slot] = (arrays, mvs)
+            views = self._slot_views[slot] = slot_views(self._ts_list, self._leaf_views, slot)
         self._cur, self._cur_mv = views
 
     def _forget_views(self) -> None:
@@ -668,100 +531,9 @@ class Writer:
     def _unknown(self, timescale: Any) -> None:
         raise UnknownTimescale(f"Unknown timescale {timescale!r}. Known: {list(self._ts)}")
 
-    def _full(self, ts: _Ts, i: int) -> None:
+    def _full(self, ts: PreparedTimescale, i: int) -> None:
         what = "steps" if ts.buffered else "item (it is single-item)"
         raise TimescaleFull(
             f"Timescale '{ts.spec.name}' is full: it holds {ts.capacity} {what}, and add() was called for index {i}. "
             "commit() (or reset()) starts the next rollout"
         )
-
-    def _leaves_of(self, ts: _Ts, data: Any) -> list[Any]:
-        """The leaves of ``data`` in schema order, or a SchemaError naming the first mismatch."""
-        if ts.keys is not None and isinstance(data, dict):
-            if set(data) != set(ts.keys):
-                _keys_mismatch(ts.spec.name, ts.keys, data)
-            return [data[k] for k in ts.keys]
-        leaves, spec = optree.tree_flatten(data)
-        if spec != self._treespecs[ts.spec.name]:  # not the example's exact containers: walk and compare
-            leaves = []
-            flatten_like(ts.spec.structure, data, (ts.spec.name,), leaves)
-        return leaves
-
-
-def _keys_mismatch(name: str, keys: tuple[str, ...] | None, data: dict[Any, Any]) -> None:
-    """Raise the SchemaError naming the missing and the unexpected keys of flat timescale ``name``."""
-    expected = set(keys or ())
-    got = set(data)
-    missing = sorted(expected - got, key=str)
-    extra = sorted(got - expected, key=str)
-    parts = []
-    if missing:
-        parts.append("missing " + ", ".join(f"{name}/{k}" for k in missing))
-    if extra:
-        parts.append("unexpected " + ", ".join(f"{name}/{k}" for k in extra))
-    raise SchemaError(
-        f"timescale '{name}': expected keys {sorted(expected)}, got {sorted(got, key=str)} ({'; '.join(parts)})"
-    )
-
-
-# Which kinds of Python number may go into which kinds of leaf: numpy's own rules for Python scalars
-# (a bool goes anywhere; an int into any integer, float or complex leaf if its value fits; a float
-# into float or complex; a complex into complex).
-_PY_INTO = {bool: "biufc", int: "iufc", float: "fc", complex: "c"}
-
-
-def _coerce(leaf: Leaf, x: Any, buffered: bool, *, whole: bool) -> np.ndarray:
-    """Check one incoming value against its leaf; return an array numpy can assign without surprises.
-
-    ``whole``: ``x`` is the whole leaf (``send``), else one item (``add``), which may also come,
-    echo-style, with a leading 1 (buffered) or without the leading 1 of a single-item leaf.
-    """
-    if not isinstance(x, np.ndarray):
-        x = _as_array(leaf, x)
-    if x.dtype != leaf.dtype and not np.can_cast(x.dtype, leaf.dtype, casting="same_kind"):
-        raise SchemaError(
-            f"leaf {leaf.name}: expected dtype {leaf.dtype} (or one that casts to it under numpy's 'same_kind' rule), "
-            f"got {x.dtype}"
-        )
-    want = leaf.shape if whole else leaf.item_shape
-    if x.shape != want:
-        if whole:
-            ok = False
-        elif buffered:
-            ok = x.shape == (1, *want)
-        else:
-            ok = len(want) >= 1 and want[0] == 1 and x.shape == want[1:]
-        if not ok:
-            raise SchemaError(f"leaf {leaf.name}: expected shape {want}{'' if whole else ' for one add()'}, got {x.shape}")
-        x = x.reshape(want)
-    return x
-
-
-def _as_array(leaf: Leaf, x: Any) -> np.ndarray:
-    """A Python number (range-checked, as numpy's assignment does), a numpy scalar, or anything with ``__array__``."""
-    kinds = _PY_INTO.get(type(x))
-    if kinds is not None:
-        if leaf.dtype.kind not in kinds:
-            raise SchemaError(f"leaf {leaf.name}: expected dtype {leaf.dtype} (a Python {type(x).__name__} does not cast to it "
-                              f"under numpy's 'same_kind' rule), got Python {type(x).__name__} {x!r}")
-        try:
-            return np.asarray(x, leaf.dtype)
-        except OverflowError:
-            info = np.iinfo(leaf.dtype)
-            raise SchemaError(
-                f"leaf {leaf.name}: {x!r} does not fit dtype {leaf.dtype} ({info.min}..{info.max}); "
-                "numpy's own assignment refuses it too"
-            ) from None
-    if isinstance(x, np.generic):
-        return np.asarray(x)
-    if hasattr(x, "__array__"):
-        try:
-            return np.asarray(x)
-        except Exception as exc:  # e.g. a torch tensor that requires grad, or lives on a GPU
-            raise SchemaError(
-                f"leaf {leaf.name}: could not read a {type(x).__name__} as a numpy array ({type(exc).__name__}: {exc}); "
-                "pass a CPU array (for torch: tensor.detach().cpu())"
-            ) from None
-    raise SchemaError(
-        f"leaf {leaf.name}: expected a numpy array of {leaf.dtype} with shape {leaf.item_shape}, got {type(x).__name__}"
-    )

@@ -491,7 +491,7 @@ def test_slot_views_are_written_in_place_and_commit_publishes_them_full(make_rea
     with reader.get(timeout=5) as r:
         assert r.fill == {"episode": 0, "final_step": 1, "step": 3}
     writer.slot()
-    with pytest.raises(shmbuf.UsageError, match=r"timescale 'step' holds 0 to 64, got 65"):
+    with pytest.raises(shmbuf.UsageError, match=r"commit\(fill=...\): timescale 'step': expected an int from 0 to 64, got 65"):
         writer.commit(fill={"step": 65})
     writer.commit(fill={"step": 64})  # the failed commit published nothing and kept the slot
     assert reader.get(timeout=5).fill["step"] == 64

@@ -1,7 +1,7 @@
 """Writer.add's fast path: the same bits as the general path for every item it takes, the same refusals.
 
-A plain ``dict`` of a buffered flat timescale takes the fast path (shmbuf._writer._ItemStore); a
-dict subclass takes the general one (_leaves_of, _coerce per leaf, numpy's assignment). Each case
+A plain ``dict`` of a buffered flat timescale takes the fast path (shmbuf._fastpath.ItemStore); a
+dict subclass takes the general one (shmbuf._coerce: leaves_of, coerce per leaf, numpy's assignment). Each case
 adds the same item both ways, into rows 2k and 2k+1 of one rollout, and compares their bytes.
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 import shmbuf
 from shmbuf import SchemaError
-from shmbuf import _writer
+from shmbuf import _coerce, _fastpath
 
 T = 64
 F32_MAX = float(np.finfo(np.float32).max)
@@ -112,8 +112,8 @@ def test_every_timescale_of_the_example_that_should_take_the_fast_path_does(make
 def test_fast_items_never_reach_the_general_path(make_reader: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     reader, writer = pair(make_reader)
     calls: list[str] = []
-    real = _writer._coerce
-    monkeypatch.setattr(_writer, "_coerce", lambda leaf, *a, **kw: calls.append(leaf.name) or real(leaf, *a, **kw))
+    real = _coerce.coerce
+    monkeypatch.setattr(_coerce, "coerce", lambda leaf, *a, **kw: calls.append(leaf.name) or real(leaf, *a, **kw))
     item = base_item()
     writer.add("step", item)  # numpy scalars of each leaf's type, exact arrays
     py = dict(item, f32=0.5, f64=-2.0, i8=-3, u8=200, i32=7, i64=-(2**40), u64=2**63, b=True, f16=0.5, c64=1.5)
@@ -276,7 +276,7 @@ def test_leaf_without_a_memoryview_format_and_zero_size_leaves_take_numpys_store
 def test_a_timescale_past_max_fast_leaves_takes_the_general_path(make_reader: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     reader = make_reader(example(), slots=4, max_writers=2)
     fast = shmbuf.Writer(reader.handle, timeout=5.0)
-    monkeypatch.setattr(_writer, "MAX_FAST_LEAVES", 2)
+    monkeypatch.setattr(_fastpath, "MAX_FAST_LEAVES", 2)
     general = shmbuf.Writer(reader.handle, timeout=5.0)
     reader.poll()
     assert fast._ts["step"].store is not None and general._ts["step"].store is None
