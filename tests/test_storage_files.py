@@ -367,7 +367,7 @@ def test_a_reader_never_sees_a_trajectory_being_written(tmp_path, monkeypatch):
     """The recorder is stopped after one file of a trajectory's directory; the reader looks there and then."""
     rollouts, _ = synth(1, 12, 2, [[5]], single=True)
     written, paused, go = [0], threading.Event(), threading.Event()
-    real = recorder._write_npy
+    real = recorder.write_npy
 
     def slow(path: str, array: np.ndarray, fsync: bool) -> None:
         real(path, array, fsync)
@@ -376,7 +376,7 @@ def test_a_reader_never_sees_a_trajectory_being_written(tmp_path, monkeypatch):
             paused.set()
             assert go.wait(10)
 
-    monkeypatch.setattr(recorder, "_write_npy", slow)
+    monkeypatch.setattr(recorder, "write_npy", slow)
     with Recorder(tmp_path) as rec:
         t = threading.Thread(target=rec.write, args=(rollouts[0],))
         t.start()

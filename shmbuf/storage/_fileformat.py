@@ -38,25 +38,25 @@ TRAJ_INFO = "trajectory.json"
 LOCK = ".recorder.lock"
 TMP_PREFIX = ".tmp-"
 KEYS = {"obs": "obs", "action": "action", "reward": "reward", "terminated": "terminated", "truncated": "truncated"}
-_TRAJ_DIR = re.compile(r"^trajectory_(\d+)_(\d+)$")
-_CHUNK_DIR = re.compile(r"^traj_(\d+)_(\d+)$")
+TRAJ_DIR = re.compile(r"^trajectory_(\d+)_(\d+)$")
+CHUNK_DIR = re.compile(r"^traj_(\d+)_(\d+)$")
 _SAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
 # -- trees: dicts, lists and tuples of arrays, described in JSON --------------------------------------
 
-def _describe(tree: Any, path: tuple[Any, ...], leaves: list[dict[str, Any]], where: str) -> dict[str, Any]:
+def describe(tree: Any, path: tuple[Any, ...], leaves: list[dict[str, Any]], where: str) -> dict[str, Any]:
     """The JSON description of ``tree`` (leaves item-shaped: lead dims already dropped by the caller)."""
     if isinstance(tree, Mapping):
         items = []
         for k, v in tree.items():
             if not isinstance(k, str):
                 raise UsageError(f"{where}: dict keys must be str to be written to metadata.json, got {k!r} at {path}")
-            items.append([k, _describe(v, path + (k,), leaves, where)])
+            items.append([k, describe(v, path + (k,), leaves, where)])
         return {"kind": "dict", "items": items}
     if isinstance(tree, (list, tuple)):
         kind = "list" if isinstance(tree, list) else "tuple"
-        return {"kind": kind, "items": [_describe(v, path + (i,), leaves, where) for i, v in enumerate(tree)]}
+        return {"kind": kind, "items": [describe(v, path + (i,), leaves, where) for i, v in enumerate(tree)]}
     a = np.asarray(tree)
     if a.dtype.hasobject:
         raise SchemaError(f"{where}: leaf {'/'.join(map(str, path))} has dtype object; only plain numeric arrays are "
@@ -72,42 +72,47 @@ def _describe(tree: Any, path: tuple[Any, ...], leaves: list[dict[str, Any]], wh
     return {"kind": "leaf", "file": name}
 
 
-def _build(desc: dict[str, Any], leaf: Any) -> Any:
+def build(desc: dict[str, Any], leaf: Any) -> Any:
     """The tree ``desc`` describes, with ``leaf(file)`` at each leaf."""
     kind = desc["kind"]
     if kind == "leaf":
         return leaf(desc["file"])
     if kind == "dict":
-        return {k: _build(d, leaf) for k, d in desc["items"]}
-    items = [_build(d, leaf) for d in desc["items"]]
+        return {k: build(d, leaf) for k, d in desc["items"]}
+    items = [build(d, leaf) for d in desc["items"]]
     return items if kind == "list" else tuple(items)
 
 
-def _map(tree: Any, fn: Any) -> Any:
+def map_leaves(tree: Any, fn: Any) -> Any:
     """``fn`` on every array leaf of a dict/list/tuple tree (namedtuples come back as tuples)."""
     if isinstance(tree, Mapping):
-        return {k: _map(v, fn) for k, v in tree.items()}
+        return {k: map_leaves(v, fn) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        out = [_map(v, fn) for v in tree]
+        out = [map_leaves(v, fn) for v in tree]
         return out if isinstance(tree, list) else tuple(out)
     return fn(tree)
 
 
-def _flat(tree: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[str, Any]]:
-    """``(file name, leaf)`` in the order :func:`_describe` names them."""
+def index_leaves(tree: Any, i: Any) -> Any:
+    """Every array leaf of ``tree`` indexed with ``i``."""
+    return map_leaves(tree, lambda a: a[i])
+
+
+def flat_leaves(tree: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[str, Any]]:
+    """``(file name, leaf)`` in the order :func:`describe` names them."""
     if isinstance(tree, Mapping):
         for k, v in tree.items():
-            yield from _flat(v, path + (k,))
+            yield from flat_leaves(v, path + (k,))
     elif isinstance(tree, (list, tuple)):
         for i, v in enumerate(tree):
-            yield from _flat(v, path + (i,))
+            yield from flat_leaves(v, path + (i,))
     else:
         yield ".".join(_SAFE.sub("_", str(p)) for p in path), tree
 
 
 # -- files -------------------------------------------------------------------------------------------
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -115,7 +120,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_npy(path: str, array: np.ndarray, fsync: bool) -> None:
+def write_npy(path: str, array: np.ndarray, fsync: bool) -> None:
     """One ``.npy`` file, never pickled; fsync'd when asked (before the rename that publishes it)."""
     with open(path, "xb") as f:
         np.lib.format.write_array(f, np.asarray(array), allow_pickle=False)
@@ -124,7 +129,7 @@ def _write_npy(path: str, array: np.ndarray, fsync: bool) -> None:
             os.fsync(f.fileno())
 
 
-def _remove(path: str) -> None:
+def remove_path(path: str) -> None:
     """Remove a file or a directory tree; one already gone is fine, any other error is raised (not hidden)."""
     try:
         if os.path.isdir(path) and not os.path.islink(path):
@@ -135,7 +140,7 @@ def _remove(path: str) -> None:
         pass
 
 
-def _write_json(path: str, obj: Any, fsync: bool) -> None:
+def write_json(path: str, obj: Any, fsync: bool) -> None:
     with open(path, "x") as f:
         json.dump(obj, f, indent=1)
         f.flush()
@@ -153,7 +158,7 @@ _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a ch
           stat.S_IFBLK: "a block device", stat.S_IFDIR: "a directory", stat.S_IFLNK: "a symbolic link"}
 
 
-def _not_regular(path: str, mode: int) -> SegmentError:
+def not_regular(path: str, mode: int) -> SegmentError:
     kind = _KINDS.get(stat.S_IFMT(mode), f"file type {stat.S_IFMT(mode):o}")
     return SegmentError(f"{path}: {kind}, expected a regular file; a Recorder writes only regular files here (remove "
                         "it, or the trajectory directory that holds it)")
@@ -169,19 +174,19 @@ def _open_regular(path: str) -> Any:
     """
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise _not_regular(path, st.st_mode)
+        raise not_regular(path, st.st_mode)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise _not_regular(path, st.st_mode)
+            raise not_regular(path, st.st_mode)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
 
 
-def _read_json(path: str) -> Any:
+def read_json(path: str) -> Any:
     """The JSON in ``path`` (a regular file of at most 64 MiB); SegmentError naming it if it is anything else.
 
     FileNotFoundError is the caller's, to say what is missing.
@@ -309,7 +314,7 @@ def _npy_header(f: Any, path: str) -> tuple[np.dtype, bool, tuple[int, ...], int
     return dt, d["fortran_order"], d["shape"], start + hlen
 
 
-def _load_npy(path: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+def load_npy(path: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     """A read-only memory map of ``path``, checked against metadata.json's dtype and shape.
 
     The file is opened as :func:`_open_regular` does (never blocking), its header is parsed here
@@ -350,7 +355,7 @@ def read_metadata(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """``data_dir/metadata.json``, checked to be a shmbuf rollout directory's (:class:`SegmentError` if not)."""
     path = os.path.join(os.fspath(data_dir), METADATA)
     try:
-        meta = _read_json(path)
+        meta = read_json(path)
     except FileNotFoundError:
         raise SegmentError(f"{path}: missing; a shmbuf rollout directory starts with it (a Recorder writes it with "
                            "the first rollout)") from None
@@ -451,7 +456,7 @@ _INFO_FIELDS = {"length": "an int >= 1", "terminated": "a bool", "truncated": "a
                 "episode_return": "a number", "episode_length": "an int"}
 
 
-def _checked_info(info: Any, path: str) -> dict[str, Any]:
+def checked_info(info: Any, path: str) -> dict[str, Any]:
     """A trajectory.json's fields that readers use, checked (SegmentError naming the file and the field)."""
     def ok(k: str, v: Any) -> bool:
         if k in ("terminated", "truncated", "ends_episode"):
@@ -472,6 +477,6 @@ def _checked_info(info: Any, path: str) -> dict[str, Any]:
     return info
 
 
-def _few(names: list[str]) -> str:
+def few(names: list[str]) -> str:
     names = sorted(names)
     return f"{names[:5]}{f' and {len(names) - 5} more' if len(names) > 5 else ''}"

@@ -1,6 +1,6 @@
 """What a writer hands out (a shmbuf Rollout or Batch, a workers CollectedBatch), read as per-lane units.
 
-:func:`_units` is the Recorder's adapter of a rollout or batch to one unit per rollout of one lane,
+:func:`rollout_units` is the Recorder's adapter of a rollout or batch to one unit per rollout of one lane,
 each checked before anything is written.
 """
 
@@ -12,10 +12,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from shmbuf._errors import SchemaError, UsageError
-from shmbuf.storage._fileformat import _flat, _map
+from shmbuf.storage._fileformat import flat_leaves, index_leaves, map_leaves
 
 
-class _Unit(NamedTuple):
+class Unit(NamedTuple):
     """One rollout of one lane: step leaves ``(n, E, ...)`` (views), its ended episodes, its successor."""
 
     lane: int
@@ -26,10 +26,6 @@ class _Unit(NamedTuple):
     episodes: list[tuple[int, int, bool, bool, float, int, Any]]  # env, end, terminated, truncated, return, length, final
     bootstrap: Any  # obs tree, leaves (E, ...)
     complete: bool  # one whole episode (complete-episodes mode)
-
-
-def _index(tree: Any, i: Any) -> Any:
-    return _map(tree, lambda a: a[i])
 
 
 def _get(tree: Mapping[str, Any], key: str, where: str) -> Any:
@@ -43,7 +39,7 @@ def _get(tree: Mapping[str, Any], key: str, where: str) -> Any:
     return tree[key]
 
 
-def _units(src: Any) -> list[_Unit]:
+def rollout_units(src: Any) -> list[Unit]:
     """A shmbuf Rollout or Batch, or a workers CollectedBatch (duck-typed: ``.data``, ``.fill``, optional lane/seq).
 
     Every rollout is checked here, before anything is written: a bad one raises :class:`SchemaError`
@@ -71,8 +67,8 @@ def _units(src: Any) -> list[_Unit]:
         for b, n in enumerate(lengths.tolist()):
             sl = slice(o, o + n)
             o += n
-            out.append(_complete_unit(_map(step, lambda a, sl=sl: np.asarray(a)[sl][:, None]), n, _index(ep, b),
-                                      _index(bobs, b), _pick(lanes, b, b), _pick(seqs, b, None)))
+            out.append(_complete_unit(map_leaves(step, lambda a, sl=sl: np.asarray(a)[sl][:, None]), n, index_leaves(ep, b),
+                                      index_leaves(bobs, b), _pick(lanes, b, b), _pick(seqs, b, None)))
         return out
     if not isinstance(fill, Mapping) or "step" not in fill:
         raise SchemaError(f"{where}: .fill must be a dict with a 'step' count (the rollout's or batch's fill), got {fill!r}")
@@ -89,7 +85,7 @@ def _units(src: Any) -> list[_Unit]:
         lane, seq = (_pick(lanes, b, b), _pick(seqs, b, None)) if batched else (_pick(lanes, None, 0), _pick(seqs, None, None))
         name = (f"rollout {b} of the batch" if batched else "the rollout") + f" (lane {lane}, seq {seq})"
         counts = {k: _count(v[b] if batched else v, f"{where}: {name}: fill[{k!r}]") for k, v in fill.items()}
-        subs.append((_index(data, b) if batched else data, counts, lane, seq, name))
+        subs.append((index_leaves(data, b) if batched else data, counts, lane, seq, name))
     out = []
     for d, f, lane, seq, name in subs:
         n = f["step"]
@@ -105,11 +101,11 @@ def _units(src: Any) -> list[_Unit]:
         if not truncate:
             _lead_dims(d["episode"], (), "episode", f"{where}: {name}", exact=True)
             _same_obs(st["obs"], 1, d["bootstrap"]["obs"], 0, "bootstrap obs", f"{where}: {name}")
-            out.append(_complete_unit(_map(st, lambda a, n=n: np.asarray(a)[:n][:, None]), n, d["episode"],
+            out.append(_complete_unit(map_leaves(st, lambda a, n=n: np.asarray(a)[:n][:, None]), n, d["episode"],
                                       d["bootstrap"]["obs"], lane, seq))
             continue
         vector = np.ndim(st["reward"]) == 2
-        step_v = _map(st, (lambda a, n=n: np.asarray(a)[:n]) if vector else (lambda a, n=n: np.asarray(a)[:n, None]))
+        step_v = map_leaves(st, (lambda a, n=n: np.asarray(a)[:n]) if vector else (lambda a, n=n: np.asarray(a)[:n, None]))
         E = np.shape(st["reward"])[1] if vector else 1
         e_tab = d["episode"]
         k = f.get("episode", 0)
@@ -119,9 +115,9 @@ def _units(src: Any) -> list[_Unit]:
         if vector:
             _lead_dims(d["bootstrap"]["obs"], (E,), "bootstrap obs", f"{where}: {name}")
         eps = [(int(e_tab["env"][i]), int(e_tab["end"][i]), bool(e_tab["terminated"][i]), bool(e_tab["truncated"][i]),
-                float(e_tab["return"][i]), int(e_tab["length"][i]), _index(e_tab["final_obs"], i)) for i in range(k)]
+                float(e_tab["return"][i]), int(e_tab["length"][i]), index_leaves(e_tab["final_obs"], i)) for i in range(k)]
         bo = d["bootstrap"]["obs"]
-        out.append(_Unit(lane, seq, step_v, n, E, eps, bo if vector else _map(bo, lambda a: np.asarray(a)[None]), False))
+        out.append(Unit(lane, seq, step_v, n, E, eps, bo if vector else map_leaves(bo, lambda a: np.asarray(a)[None]), False))
     return out
 
 
@@ -130,7 +126,7 @@ EPISODE_FIELDS = ("return", "length", "terminated", "truncated", "env", "end", "
 
 def _arrays(tree: Any, where: str) -> None:
     """Every leaf of ``tree`` is (or reads as) a numpy array of a plain dtype; SchemaError naming the first that is not."""
-    for name, leaf in _flat(tree):
+    for name, leaf in flat_leaves(tree):
         try:
             a = np.asarray(leaf)
         except Exception as e:  # noqa: BLE001  # whatever __array__ raises (a torch tensor needing grad, ...)
@@ -142,7 +138,7 @@ def _arrays(tree: Any, where: str) -> None:
 
 def _lead_dims(tree: Any, lead: tuple[int, ...], prefix: str, where: str, exact: bool = False) -> None:
     """Every leaf's shape starts with ``lead`` (is exactly ``lead`` with ``exact``); SchemaError naming the first that does not."""
-    for name, leaf in _flat(tree):
+    for name, leaf in flat_leaves(tree):
         shape = np.shape(leaf)
         if (shape != lead) if exact else (shape[:len(lead)] != lead):
             path = ".".join(p for p in (prefix, name) if p)
@@ -151,8 +147,8 @@ def _lead_dims(tree: Any, lead: tuple[int, ...], prefix: str, where: str, exact:
 
 def _same_obs(obs: Any, obs_lead: int, other: Any, other_lead: int, what: str, where: str) -> None:
     """``other`` (final or bootstrap observations) has the step obs tree's leaves, with the same item shapes."""
-    a = {k: np.shape(v)[obs_lead:] for k, v in _flat(obs)}
-    b = {k: np.shape(v)[other_lead:] for k, v in _flat(other)}
+    a = {k: np.shape(v)[obs_lead:] for k, v in flat_leaves(obs)}
+    b = {k: np.shape(v)[other_lead:] for k, v in flat_leaves(other)}
     if a != b:
         raise SchemaError(f"{where}: {what} has leaves {b}; expected the step obs tree's {a} (item shapes)")
 
@@ -193,12 +189,12 @@ def _check_episodes(e_tab: Any, k: int, n: int, E: int, where: str) -> None:
         if key != "final_obs" and np.ndim(e_tab[key]) != 1:
             raise SchemaError(f"{where}: episode table field {key!r} has shape {np.shape(e_tab[key])}; expected one "
                               "value per row (rows,)")
-    for name, leaf in _flat(e_tab["final_obs"]):
+    for name, leaf in flat_leaves(e_tab["final_obs"]):
         if np.ndim(leaf) < 1:
             raise SchemaError(f"{where}: episode table field 'final_obs' leaf {name!r} has shape {np.shape(leaf)}; "
                               "expected (rows, ...)")
     rows = min(len(np.asarray(x)) if np.ndim(x) else 0 for x in [e_tab[f] for f in EPISODE_FIELDS[:-1]]
-               + [leaf for _, leaf in _flat(e_tab["final_obs"])])
+               + [leaf for _, leaf in flat_leaves(e_tab["final_obs"])])
     if not 0 <= k <= rows:
         raise SchemaError(f"{where}: fill['episode']={k} is outside the episode table's capacity 0..{rows}")
     end = np.asarray(e_tab["end"])[:k]
@@ -228,7 +224,7 @@ def _pick(arr: Any, b: int | None, default: Any) -> Any:
                       "a batch), as a shmbuf Rollout, Batch or CollectedBatch gives")
 
 
-def _complete_unit(step: Any, n: int, ep: Any, bobs: Any, lane: int, seq: int | None) -> _Unit:
+def _complete_unit(step: Any, n: int, ep: Any, bobs: Any, lane: int, seq: int | None) -> Unit:
     episode = (0, n - 1, bool(ep["terminated"]), bool(ep["truncated"]), float(ep["return"]), int(ep["length"]), bobs)
-    return _Unit(lane, seq, step, n, 1, [episode], _map(bobs, lambda a: np.asarray(a)[None]), True)
+    return Unit(lane, seq, step, n, 1, [episode], map_leaves(bobs, lambda a: np.asarray(a)[None]), True)
 

@@ -17,15 +17,14 @@ import numpy as np
 
 from shmbuf._errors import SegmentError, SlotTimeout, UsageError
 from shmbuf.storage._fileformat import (
-    KEYS, METADATA, TRAJ_INFO, _build, _CHUNK_DIR, _checked_info, _few, _load_npy, _map, _read_json, _TRAJ_DIR,
-    read_metadata,
+    CHUNK_DIR, KEYS, METADATA, TRAJ_DIR, TRAJ_INFO, build, checked_info, few, load_npy, map_leaves, read_json, read_metadata,
 )
 from shmbuf.storage._torch import to_torch
 
 
 def get_frame_range(name: str) -> tuple[int, int]:
     """002's ``get_frame_range``: ``(start, end)`` (end exclusive) from ``traj_100_200`` or ``trajectory_100_200``."""
-    m = _TRAJ_DIR.match(name) or _CHUNK_DIR.match(os.path.basename(name).split(".")[0])
+    m = TRAJ_DIR.match(name) or CHUNK_DIR.match(os.path.basename(name).split(".")[0])
     if m is None:
         raise UsageError(f"get_frame_range: {name!r} is not named traj_<start>_<end> or trajectory_<start>_<end>")
     return int(m.group(1)), int(m.group(2))
@@ -38,7 +37,7 @@ class _Traj:
         self.path = path
         info_path = os.path.join(path, TRAJ_INFO)
         try:
-            self.info = _checked_info(_read_json(info_path), info_path)
+            self.info = checked_info(read_json(info_path), info_path)
         except FileNotFoundError:
             raise SegmentError(f"{info_path}: missing; {path} is not a whole trajectory") from None
         self.length = self.info["length"]
@@ -48,13 +47,13 @@ class _Traj:
             raise SegmentError(f"{path}: cannot be listed ({e})") from None
         chunks, odd = [], []
         for name in names:
-            m = _CHUNK_DIR.match(name)
+            m = CHUNK_DIR.match(name)
             if m:
                 chunks.append((int(m.group(1)), int(m.group(2)), name))
             elif name.startswith("traj_"):
                 odd.append(name)
         if odd:
-            raise SegmentError(f"{path}: {_few(odd)} look like chunk directories but are not named traj_<a>_<b> as a "
+            raise SegmentError(f"{path}: {few(odd)} look like chunk directories but are not named traj_<a>_<b> as a "
                                "Recorder writes them; they would be skipped. Rename them, or move them out")
         chunks.sort()
         edges = [0] + [c[1] for c in chunks]
@@ -65,10 +64,10 @@ class _Traj:
         self.data: dict[str, list[np.ndarray]] = {}
         for lf in meta["leaves"]:
             dt, shape = np.dtype(lf["dtype"]), tuple(lf["shape"])
-            self.data[lf["file"]] = [_load_npy(os.path.join(path, c, lf["file"] + ".npy"), dt, (b - a, *shape))
+            self.data[lf["file"]] = [load_npy(os.path.join(path, c, lf["file"] + ".npy"), dt, (b - a, *shape))
                                      for a, b, c in chunks]
         shapes = {lf["file"]: (np.dtype(lf["dtype"]), tuple(lf["shape"])) for lf in meta["leaves"]}
-        self.final = {f: _load_npy(os.path.join(path, "final_" + f + ".npy"), *shapes[f]) for f in obs_files}
+        self.final = {f: load_npy(os.path.join(path, "final_" + f + ".npy"), *shapes[f]) for f in obs_files}
         self.ends_episode = self.info["ends_episode"]
         # A boundary the step leaves do not show: a trajectory cut short by the recording, or one whose last frame
         # has neither flag (an episode truncated in a recording without a truncated field; a soft horizon recorded
@@ -221,7 +220,7 @@ class RolloutDataset:
             if name == METADATA or name.startswith("."):
                 continue
             path = os.path.join(self.data_dir, name)
-            m = _TRAJ_DIR.match(name)
+            m = TRAJ_DIR.match(name)
             if m and os.path.isdir(path):
                 try:
                     trajs.append((os.stat(path).st_mtime_ns, int(m.group(1)), path))
@@ -243,7 +242,7 @@ class RolloutDataset:
             # The rule: a name that starts like a trajectory's must be one (trajectory_<F0>_<F1>, a directory), or the
             # data under it would be skipped without a word; a Recorder never publishes any other (it renames whole
             # trajectories into place). Other names are left alone: notes, plots, a README.
-            raise SegmentError(f"{self.data_dir}: {_few(odd)} look like trajectories but are not trajectory_<F0>_<F1> "
+            raise SegmentError(f"{self.data_dir}: {few(odd)} look like trajectories but are not trajectory_<F0>_<F1> "
                                "directories as a Recorder publishes them, so they cannot be read and would be skipped. "
                                "Rename them (trajectory_<first frame>_<end frame>), or move them out of the directory")
         if self.metadata is None:
@@ -391,7 +390,7 @@ class RolloutDataset:
         return term, done, timeout
 
     def _obs(self, out: dict[str, np.ndarray], prefix: str) -> Any:
-        tree = _build(self._fields[self.obs_key], lambda f: out[prefix + f])
+        tree = build(self._fields[self.obs_key], lambda f: out[prefix + f])
         if self.concat_obs:
             parts = [out[prefix + f] for f in self._obs_files]
             lead = parts[0].shape[:2]
@@ -416,13 +415,13 @@ class RolloutDataset:
         self._fill(out, n)
         b = self._transition(out)
         if num_transitions_per_env is None:
-            b = FileTransition(*[_map(x, lambda a: a[0]) if x is not None else None for x in b])
+            b = FileTransition(*[map_leaves(x, lambda a: a[0]) if x is not None else None for x in b])
         return b if self.device is None else to_torch(b, self.device)
 
     def _transition(self, out: dict[str, np.ndarray]) -> FileTransition:
         term, done, timeout = self._flags(out)
-        extras = {k: _build(d, lambda f: out[f]) for k, d in self._fields.items() if k not in self._reserved}
-        return FileTransition(self._obs(out, ""), _build(self._fields["action"], lambda f: out[f]), out["reward"], done,
+        extras = {k: build(d, lambda f: out[f]) for k, d in self._fields.items() if k not in self._reserved}
+        return FileTransition(self._obs(out, ""), build(self._fields["action"], lambda f: out[f]), out["reward"], done,
                           timeout, self._obs(out, "next:"), term, out["first"], extras)
 
     def get_transition_batch(self) -> tuple[Any, Any, Any, Any, dict[str, Any]]:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from shmbuf._errors import UsageError
-from shmbuf.storage._fileformat import _build, _flat, read_metadata
+from shmbuf.storage._fileformat import build, flat_leaves, read_metadata
 from shmbuf.storage.dataset import RolloutDataset, _Traj
 
 
@@ -40,13 +40,13 @@ def playback_example(data_dir: str | os.PathLike[str], *, rollout_len: int, num_
     def zeros(lead: tuple[int, ...]) -> Any:
         return lambda f: np.zeros(lead + tuple(leaves[f]["shape"]), leaves[f]["dtype"])
 
-    step = {k: _build(d, zeros((T, *env))) for k, d in fields.items()}
+    step = {k: build(d, zeros((T, *env))) for k, d in fields.items()}
     if "truncated" not in step:
         step["truncated"] = np.zeros((T, *env), bool)
     episode = {"return": np.zeros(m, np.float64), "length": np.zeros(m, np.int64), "terminated": np.zeros(m, bool),
                "truncated": np.zeros(m, bool), "env": np.zeros(m, np.int32), "end": np.zeros(m, np.int32),
-               "final_obs": _build(fields["obs"], zeros((m,)))}
-    bootstrap = {"obs": _build(fields["obs"], zeros(env)), "env_steps": np.zeros((), np.int64)}
+               "final_obs": build(fields["obs"], zeros((m,)))}
+    bootstrap = {"obs": build(fields["obs"], zeros(env)), "env_steps": np.zeros((), np.int64)}
     return {"step": step, "episode": episode, "bootstrap": bootstrap}
 
 
@@ -103,7 +103,7 @@ def _write_rollout(slot: dict[str, Any], out: dict[str, np.ndarray], ds: Rollout
                    ends: list[tuple[int, int, _Traj]], single: bool, env_steps: int) -> None:
     """One played rollout into the slot's views (``(T, [E], ...)``); the copy from the batch is the only one."""
     step = slot["step"]
-    for name, view in _flat(step):
+    for name, view in flat_leaves(step):
         if name == "truncated" and "truncated" not in out:
             src = out["cut"]
         elif name == "truncated":
@@ -120,10 +120,10 @@ def _write_rollout(slot: dict[str, Any], out: dict[str, np.ndarray], ds: Rollout
         ep["truncated"][k] = bool(info["truncated"]) or traj.unflagged_end
         ep["env"][k] = e
         ep["end"][k] = t
-        for name, view in _flat({"obs": ep["final_obs"]}):
+        for name, view in flat_leaves({"obs": ep["final_obs"]}):
             view[k] = traj.final[name]
     boot = slot["bootstrap"]
-    for name, view in _flat({"obs": boot["obs"]}):
+    for name, view in flat_leaves({"obs": boot["obs"]}):
         last = out["next:" + name][-1]
         view[...] = last[0] if single else last
     boot["env_steps"][...] = env_steps

@@ -26,10 +26,10 @@ import numpy as np
 
 from shmbuf._errors import SchemaError, SegmentError, UsageError
 from shmbuf.storage._fileformat import (
-    FORMAT, KEYS, LOCK, METADATA, TMP_PREFIX, TRAJ_INFO, VERSION, _TRAJ_DIR, _describe, _flat, _fsync_dir, _map,
-    _not_regular, _remove, _write_json, _write_npy, read_metadata,
+    FORMAT, KEYS, LOCK, METADATA, TMP_PREFIX, TRAJ_DIR, TRAJ_INFO, VERSION, describe, flat_leaves, fsync_dir, index_leaves,
+    map_leaves, not_regular, read_metadata, remove_path, write_json, write_npy,
 )
-from shmbuf.storage._rollout_units import _index, _Unit, _units
+from shmbuf.storage._rollout_units import Unit, rollout_units
 
 
 class _Open:
@@ -88,7 +88,7 @@ class Recorder:
         try:
             mode = os.fstat(self._lock).st_mode
             if not stat.S_ISREG(mode):
-                raise _not_regular(lock, mode)
+                raise not_regular(lock, mode)
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock)
@@ -115,8 +115,8 @@ class Recorder:
         """Remove what a crashed recorder left half-written (we hold the lock: nobody else writes), continue the counter."""
         for name in os.listdir(self.data_dir):
             if name.startswith(TMP_PREFIX):
-                _remove(os.path.join(self.data_dir, name))
-            m = _TRAJ_DIR.match(name)
+                remove_path(os.path.join(self.data_dir, name))
+            m = TRAJ_DIR.match(name)
             if m:
                 self.frames = max(self.frames, int(m.group(2)))
         path = os.path.join(self.data_dir, METADATA)
@@ -125,11 +125,11 @@ class Recorder:
 
     # -- metadata ---------------------------------------------------------------------------------
 
-    def _metadata_for(self, unit: _Unit) -> dict[str, Any]:
+    def _metadata_for(self, unit: Unit) -> dict[str, Any]:
         leaves: list[dict[str, Any]] = []
         where = "Recorder.write"
-        item = _map(unit.step, lambda a: np.asarray(a)[0, 0] if unit.n else np.zeros(np.shape(a)[2:], np.asarray(a).dtype))
-        fields = _describe(item, (), leaves, where)
+        item = map_leaves(unit.step, lambda a: np.asarray(a)[0, 0] if unit.n else np.zeros(np.shape(a)[2:], np.asarray(a).dtype))
+        fields = describe(item, (), leaves, where)
         obs = unit.step["obs"]
         components = None
         if isinstance(obs, (Mapping, list, tuple)):
@@ -138,14 +138,14 @@ class Recorder:
                 "keys": {k: (v if v in unit.step else None) for k, v in KEYS.items()},
                 "trajectory": "one episode of one sub-env of one writer lane; frames [a, b) in traj_<a>_<b>"}
 
-    def _check_metadata(self, unit: _Unit) -> None:
+    def _check_metadata(self, unit: Unit) -> None:
         want = self._metadata_for(unit)
         if self.metadata is None:
             tmp = os.path.join(self.data_dir, f"{TMP_PREFIX}{self._token}-{METADATA}")
-            _write_json(tmp, want, self.fsync)
+            write_json(tmp, want, self.fsync)
             os.rename(tmp, os.path.join(self.data_dir, METADATA))
             if self.fsync:
-                _fsync_dir(self.data_dir)
+                fsync_dir(self.data_dir)
             self.metadata = want
             return
         have = {lf["file"]: lf for lf in self.metadata["leaves"]}
@@ -173,7 +173,7 @@ class Recorder:
         """
         if self._closed:
             raise UsageError(f"Recorder({self.data_dir!r}) is closed")
-        units = _units(rollout_or_batch)
+        units = rollout_units(rollout_or_batch)
         before = self.trajectories
         for u in units:
             if u.n == 0:
@@ -188,7 +188,7 @@ class Recorder:
                 self._truncated(u)
         return self.trajectories - before
 
-    def _truncated(self, u: _Unit) -> None:
+    def _truncated(self, u: Unit) -> None:
         ends: dict[int, list[tuple[int, bool, bool, float, int, Any]]] = {}
         for env, end, term, trunc, ret, length, final in u.episodes:
             ends.setdefault(env, []).append((end, term, trunc, ret, length, final))
@@ -222,11 +222,11 @@ class Recorder:
                 if o is None:
                     o = _Open(u.lane, e, starts_episode=start > 0 or follows)
                 self._append(o, u, e, start, u.n)
-                o.successor = _map(_index(u.bootstrap, e), np.array)
+                o.successor = map_leaves(index_leaves(u.bootstrap, e), np.array)
                 self._open[key] = o
 
-    def _append(self, o: _Open, u: _Unit, e: int, a: int, b: int) -> None:
-        part = {name: np.array(np.asarray(leaf)[a:b, e]) for name, leaf in _flat(u.step)}
+    def _append(self, o: _Open, u: Unit, e: int, a: int, b: int) -> None:
+        part = {name: np.array(np.asarray(leaf)[a:b, e]) for name, leaf in flat_leaves(u.step)}
         o.parts.append(part)
         o.n += b - a
         o.reward += float(np.sum(part["reward"], dtype=np.float64))
@@ -249,9 +249,9 @@ class Recorder:
         chunk = os.path.join(self._tmpdir(o), f"traj_{a:06d}_{b:06d}")
         os.mkdir(chunk)
         for name in o.parts[0]:
-            _write_npy(os.path.join(chunk, name + ".npy"), np.concatenate([p[name] for p in o.parts]), self.fsync)
+            write_npy(os.path.join(chunk, name + ".npy"), np.concatenate([p[name] for p in o.parts]), self.fsync)
         if self.fsync:
-            _fsync_dir(chunk)
+            fsync_dir(chunk)
         o.chunks.append((a, b))
         o.spilled = b
         o.parts, o.mem_bytes = [], 0
@@ -261,21 +261,21 @@ class Recorder:
         """Finish a trajectory: last chunk, final observation, trajectory.json, then one rename makes it visible."""
         self._spill(o)
         tmp = self._tmpdir(o)
-        for name, leaf in _flat({"final_obs": final}):
-            _write_npy(os.path.join(tmp, name + ".npy"), np.asarray(leaf), self.fsync)
+        for name, leaf in flat_leaves({"final_obs": final}):
+            write_npy(os.path.join(tmp, name + ".npy"), np.asarray(leaf), self.fsync)
         f0, f1 = self.frames, self.frames + o.n
         info = {"length": o.n, "env": o.env, "lane": o.lane, "terminated": bool(terminated), "truncated": bool(truncated),
                 "starts_episode": o.starts_episode, "ends_episode": bool(ends_episode),
                 "episode_return": float(ret), "episode_length": int(length), "reward_sum": o.reward,
                 "soft_horizons": o.soft_horizons,
                 "frames": [f0, f1], "chunks": [list(c) for c in o.chunks]}
-        _write_json(os.path.join(tmp, TRAJ_INFO), info, self.fsync)
+        write_json(os.path.join(tmp, TRAJ_INFO), info, self.fsync)
         if self.fsync:
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
         os.utime(tmp)  # the directory's mtime is its publication time (keep_latest_n_trajs sorts by it)
         os.rename(tmp, os.path.join(self.data_dir, f"trajectory_{f0:012d}_{f1:012d}"))
         if self.fsync:
-            _fsync_dir(self.data_dir)
+            fsync_dir(self.data_dir)
         o.tmp = None
         self.frames = f1
         self.trajectories += 1
@@ -286,7 +286,7 @@ class Recorder:
             # Not an episode end: the final observation is the true next one (the rollout's bootstrap).
             self._publish(o, o.successor, False, False, o.reward, o.n, False)
         elif o.tmp is not None:
-            _remove(o.tmp)
+            remove_path(o.tmp)
 
     def close(self) -> None:
         """Publish (``keep_partial``) or drop the episodes still running, and release the directory's lock."""
