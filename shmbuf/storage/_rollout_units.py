@@ -12,6 +12,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from shmbuf._errors import SchemaError, UsageError
+from shmbuf.layout import (
+    ACTION, BOOTSTRAP, END, ENV, EPISODE, FINAL_OBS, LENGTH, OBS, RETURN, REWARD, STEP, TERMINATED, TRUNCATED,
+)
 from shmbuf.storage._fileformat import flat_leaves, index_leaves, map_leaves
 
 
@@ -47,22 +50,22 @@ def rollout_units(src: Any) -> list[Unit]:
     """
     data, fill = getattr(src, "data", None), getattr(src, "fill", None)
     where = "Recorder.write"
-    if not isinstance(data, Mapping) or not isinstance(data.get("step"), Mapping):
+    if not isinstance(data, Mapping) or not isinstance(data.get(STEP), Mapping):
         raise UsageError(f"{where}: expected a shmbuf Rollout or Batch or a workers CollectedBatch (with .data['step'] "
                          f"and .fill), got {type(src).__name__}")
-    step, ep, boot = data["step"], _get(data, "episode", where), _get(data, "bootstrap", where)
-    for k in ("obs", "action", "reward", "terminated"):
+    step, ep, boot = data[STEP], _get(data, EPISODE, where), _get(data, BOOTSTRAP, where)
+    for k in (OBS, ACTION, REWARD, TERMINATED):
         _get(step, k, where)
-    bobs = _get(boot, "obs", where)
-    _get(ep, "terminated", where)
+    bobs = _get(boot, OBS, where)
+    _get(ep, TERMINATED, where)
     _arrays(data, where)
     lanes, seqs = getattr(src, "lane", None), getattr(src, "seq", None)
-    truncate = "end" in ep
+    truncate = END in ep
     if fill is None:  # a complete-episodes CollectedBatch: episodes concatenated, split by lengths
         lengths = _lengths(src, step, where)
-        _lead_dims(step, (len(np.asarray(step["reward"])),), "step", where)
-        _lead_dims({"episode": ep, "bootstrap": boot}, (len(lengths),), "", f"{where} (one per episode)")
-        _same_obs(step["obs"], 1, bobs, 1, "bootstrap obs", where)
+        _lead_dims(step, (len(np.asarray(step[REWARD])),), STEP, where)
+        _lead_dims({EPISODE: ep, BOOTSTRAP: boot}, (len(lengths),), "", f"{where} (one per episode)")
+        _same_obs(step[OBS], 1, bobs, 1, "bootstrap obs", where)
         out, o = [], 0
         for b, n in enumerate(lengths.tolist()):
             sl = slice(o, o + n)
@@ -70,10 +73,10 @@ def rollout_units(src: Any) -> list[Unit]:
             out.append(_complete_unit(map_leaves(step, lambda a, sl=sl: np.asarray(a)[sl][:, None]), n, index_leaves(ep, b),
                                       index_leaves(bobs, b), _pick(lanes, b, b), _pick(seqs, b, None)))
         return out
-    if not isinstance(fill, Mapping) or "step" not in fill:
+    if not isinstance(fill, Mapping) or STEP not in fill:
         raise SchemaError(f"{where}: .fill must be a dict with a 'step' count (the rollout's or batch's fill), got {fill!r}")
-    batched = np.ndim(fill["step"]) > 0
-    B = len(fill["step"]) if batched else 1
+    batched = np.ndim(fill[STEP]) > 0
+    B = len(fill[STEP]) if batched else 1
     for k, v in fill.items():
         if np.shape(v) != ((B,) if batched else ()):
             raise SchemaError(f"{where}: fill[{k!r}] has shape {np.shape(v)}, fill['step'] {np.shape(fill['step'])}; "
@@ -88,40 +91,40 @@ def rollout_units(src: Any) -> list[Unit]:
         subs.append((index_leaves(data, b) if batched else data, counts, lane, seq, name))
     out = []
     for d, f, lane, seq, name in subs:
-        n = f["step"]
-        st = d["step"]
-        lead = np.shape(st["reward"])
+        n = f[STEP]
+        st = d[STEP]
+        lead = np.shape(st[REWARD])
         if len(lead) not in (1, 2) or (not truncate and len(lead) != 1):
             raise SchemaError(f"{where}: {name}: step leaf 'reward' has shape {lead}; expected (steps,) or, in "
                               "truncate-episodes mode, (steps, envs)")
-        _lead_dims(st, lead, "step", f"{where}: {name}")
+        _lead_dims(st, lead, STEP, f"{where}: {name}")
         cap = lead[0]
         if not 0 <= n <= cap:
             raise SchemaError(f"{where}: {name}: fill['step']={n} is outside the step leaves' capacity 0..{cap}")
         if not truncate:
-            _lead_dims(d["episode"], (), "episode", f"{where}: {name}", exact=True)
-            _same_obs(st["obs"], 1, d["bootstrap"]["obs"], 0, "bootstrap obs", f"{where}: {name}")
-            out.append(_complete_unit(map_leaves(st, lambda a, n=n: np.asarray(a)[:n][:, None]), n, d["episode"],
-                                      d["bootstrap"]["obs"], lane, seq))
+            _lead_dims(d[EPISODE], (), EPISODE, f"{where}: {name}", exact=True)
+            _same_obs(st[OBS], 1, d[BOOTSTRAP][OBS], 0, "bootstrap obs", f"{where}: {name}")
+            out.append(_complete_unit(map_leaves(st, lambda a, n=n: np.asarray(a)[:n][:, None]), n, d[EPISODE],
+                                      d[BOOTSTRAP][OBS], lane, seq))
             continue
-        vector = np.ndim(st["reward"]) == 2
+        vector = np.ndim(st[REWARD]) == 2
         step_v = map_leaves(st, (lambda a, n=n: np.asarray(a)[:n]) if vector else (lambda a, n=n: np.asarray(a)[:n, None]))
-        E = np.shape(st["reward"])[1] if vector else 1
-        e_tab = d["episode"]
-        k = f.get("episode", 0)
+        E = np.shape(st[REWARD])[1] if vector else 1
+        e_tab = d[EPISODE]
+        k = f.get(EPISODE, 0)
         _check_episodes(e_tab, k, n, E, f"{where}: {name}")
-        _same_obs(st["obs"], len(lead), e_tab["final_obs"], 1, "episode final_obs", f"{where}: {name}")
-        _same_obs(st["obs"], len(lead), d["bootstrap"]["obs"], len(lead) - 1, "bootstrap obs", f"{where}: {name}")
+        _same_obs(st[OBS], len(lead), e_tab[FINAL_OBS], 1, "episode final_obs", f"{where}: {name}")
+        _same_obs(st[OBS], len(lead), d[BOOTSTRAP][OBS], len(lead) - 1, "bootstrap obs", f"{where}: {name}")
         if vector:
-            _lead_dims(d["bootstrap"]["obs"], (E,), "bootstrap obs", f"{where}: {name}")
-        eps = [(int(e_tab["env"][i]), int(e_tab["end"][i]), bool(e_tab["terminated"][i]), bool(e_tab["truncated"][i]),
-                float(e_tab["return"][i]), int(e_tab["length"][i]), index_leaves(e_tab["final_obs"], i)) for i in range(k)]
-        bo = d["bootstrap"]["obs"]
+            _lead_dims(d[BOOTSTRAP][OBS], (E,), "bootstrap obs", f"{where}: {name}")
+        eps = [(int(e_tab[ENV][i]), int(e_tab[END][i]), bool(e_tab[TERMINATED][i]), bool(e_tab[TRUNCATED][i]),
+                float(e_tab[RETURN][i]), int(e_tab[LENGTH][i]), index_leaves(e_tab[FINAL_OBS], i)) for i in range(k)]
+        bo = d[BOOTSTRAP][OBS]
         out.append(Unit(lane, seq, step_v, n, E, eps, bo if vector else map_leaves(bo, lambda a: np.asarray(a)[None]), False))
     return out
 
 
-EPISODE_FIELDS = ("return", "length", "terminated", "truncated", "env", "end", "final_obs")
+EPISODE_FIELDS = (RETURN, LENGTH, TERMINATED, TRUNCATED, ENV, END, FINAL_OBS)
 
 
 def _arrays(tree: Any, where: str) -> None:
@@ -170,7 +173,7 @@ def _lengths(src: Any, step: Any, where: str) -> np.ndarray:
         raise SchemaError(f"{where}: the rollout has no .fill and no .lengths; expected a shmbuf Rollout or Batch (fill) "
                           "or a complete-episodes CollectedBatch (lengths)")
     a = np.asarray(lengths)
-    cap = len(np.asarray(step["reward"]))
+    cap = len(np.asarray(step[REWARD]))
     if a.ndim != 1 or a.dtype.kind not in "iu" or (a < 0).any() or int(a.sum()) > cap:
         raise SchemaError(f"{where}: .lengths {a.tolist()!r} must be episode lengths >= 0 summing to at most the step "
                           f"leaves' {cap} rows")
@@ -186,26 +189,26 @@ def _check_episodes(e_tab: Any, k: int, n: int, E: int, where: str) -> None:
         if key not in e_tab:
             raise SchemaError(f"{where}: the episode table has no {key!r}; the workers truncate-episodes layout has "
                               f"{list(EPISODE_FIELDS)}, got {sorted(e_tab)}")
-        if key != "final_obs" and np.ndim(e_tab[key]) != 1:
+        if key != FINAL_OBS and np.ndim(e_tab[key]) != 1:
             raise SchemaError(f"{where}: episode table field {key!r} has shape {np.shape(e_tab[key])}; expected one "
                               "value per row (rows,)")
-    for name, leaf in flat_leaves(e_tab["final_obs"]):
+    for name, leaf in flat_leaves(e_tab[FINAL_OBS]):
         if np.ndim(leaf) < 1:
             raise SchemaError(f"{where}: episode table field 'final_obs' leaf {name!r} has shape {np.shape(leaf)}; "
                               "expected (rows, ...)")
     rows = min(len(np.asarray(x)) if np.ndim(x) else 0 for x in [e_tab[f] for f in EPISODE_FIELDS[:-1]]
-               + [leaf for _, leaf in flat_leaves(e_tab["final_obs"])])
+               + [leaf for _, leaf in flat_leaves(e_tab[FINAL_OBS])])
     if not 0 <= k <= rows:
         raise SchemaError(f"{where}: fill['episode']={k} is outside the episode table's capacity 0..{rows}")
-    end = np.asarray(e_tab["end"])[:k]
-    env = np.asarray(e_tab["env"])[:k]
-    for field, v, hi in (("end", end, n), ("env", env, E)):
+    end = np.asarray(e_tab[END])[:k]
+    env = np.asarray(e_tab[ENV])[:k]
+    for field, v, hi in ((END, end, n), (ENV, env, E)):
         if v.dtype.kind not in "iu":
             raise SchemaError(f"{where}: episode table field {field!r} has dtype {v.dtype}; expected integers")
         bad = np.flatnonzero((v < 0) | (v >= hi))
         if len(bad):
             i = int(bad[0])
-            what = f"the stored steps 0..{n - 1} (fill['step']={n})" if field == "end" else f"the envs 0..{E - 1}"
+            what = f"the stored steps 0..{n - 1} (fill['step']={n})" if field == END else f"the envs 0..{E - 1}"
             raise SchemaError(f"{where}: episode table row {i} has {field}={int(v[i])}, outside {what}")
 
 
@@ -225,6 +228,6 @@ def _pick(arr: Any, b: int | None, default: Any) -> Any:
 
 
 def _complete_unit(step: Any, n: int, ep: Any, bobs: Any, lane: int, seq: int | None) -> Unit:
-    episode = (0, n - 1, bool(ep["terminated"]), bool(ep["truncated"]), float(ep["return"]), int(ep["length"]), bobs)
+    episode = (0, n - 1, bool(ep[TERMINATED]), bool(ep[TRUNCATED]), float(ep[RETURN]), int(ep[LENGTH]), bobs)
     return Unit(lane, seq, step, n, 1, [episode], map_leaves(bobs, lambda a: np.asarray(a)[None]), True)
 

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from shmbuf._errors import SegmentError, SlotTimeout, UsageError
+from shmbuf._validate import int_setting, timeout_setting
+from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATED
 from shmbuf.storage._fileformat import (
     CHUNK_DIR, KEYS, METADATA, TRAJ_DIR, TRAJ_INFO, build, checked_info, few, load_npy, map_leaves, read_json, read_metadata,
 )
@@ -72,7 +74,7 @@ class _Traj:
         # A boundary the step leaves do not show: a trajectory cut short by the recording, or one whose last frame
         # has neither flag (an episode truncated in a recording without a truncated field; a soft horizon recorded
         # by an older Recorder). Readers mark it as a timeout (002's done, play's truncated): never run on across it.
-        flags = [self.data[f][-1][-1] for f in (meta["keys"].get("terminated"), meta["keys"].get("truncated"))
+        flags = [self.data[f][-1][-1] for f in (meta["keys"].get(TERMINATED), meta["keys"].get(TRUNCATED))
                  if f in self.data]
         self.unflagged_end = not self.ends_episode or not any(bool(np.any(x != 0)) for x in flags)
 
@@ -123,11 +125,6 @@ class FileTransition(NamedTuple):
     extras: dict[str, Any]
 
 
-def _seconds(v: Any, lo: float) -> bool:
-    """Whether ``v`` is a real number of seconds >= ``lo`` (not a bool, not NaN)."""
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and v >= lo
-
-
 class _Handler:
     __slots__ = ("cursor", "fresh", "traj")
 
@@ -163,12 +160,11 @@ class RolloutDataset:
 
     def __init__(self, data_dir: str | os.PathLike[str], num_envs: int, dataset_loops: int = 1,
                  random_shuffle_traj_order: bool = False, keep_latest_n_trajs: int = 0,
-                 starting_frame_range: Sequence[int] = (0, 1), device: Any = None, *, obs_key: str = "obs",
+                 starting_frame_range: Sequence[int] = (0, 1), device: Any = None, *, obs_key: str = OBS,
                  concat_obs: bool = False, seed: Any = None, wait_timeout: float | None = 60.0,
                  poll_interval: float = 0.2):
-        for name, v, lo in (("num_envs", num_envs, 1), ("keep_latest_n_trajs", keep_latest_n_trajs, 0)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-                raise UsageError(f"RolloutDataset({name}=...): expected an int >= {lo}, got {v!r}")
+        num_envs = int_setting("RolloutDataset(num_envs=...)", num_envs)
+        keep_latest_n_trajs = int_setting("RolloutDataset(keep_latest_n_trajs=...)", keep_latest_n_trajs, 0)
         if isinstance(dataset_loops, bool) or not isinstance(dataset_loops, (int, np.integer)):
             raise UsageError(f"RolloutDataset(dataset_loops=...): expected an int (0 or less: loop for ever), got {dataset_loops!r}")
         r = tuple(starting_frame_range) if isinstance(starting_frame_range, (Sequence, np.ndarray)) else ()
@@ -176,9 +172,10 @@ class RolloutDataset:
                 or not 0 <= r[0] < r[1]:
             raise UsageError(f"RolloutDataset(starting_frame_range=...): expected (lo, hi) ints with 0 <= lo < hi, got "
                              f"{starting_frame_range!r}")
-        if wait_timeout is not None and not _seconds(wait_timeout, 0):
-            raise UsageError(f"RolloutDataset(wait_timeout=...): expected seconds >= 0 or None, got {wait_timeout!r}")
-        if not _seconds(poll_interval, 0) or poll_interval == 0:
+        wait_timeout = timeout_setting("RolloutDataset(wait_timeout=...)", wait_timeout)
+        # Not a timeout (None and 0 mean nothing here): how often a wait rescans the directory.
+        if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float, np.integer, np.floating)) \
+                or not poll_interval > 0:
             raise UsageError(f"RolloutDataset(poll_interval=...): expected seconds > 0, got {poll_interval!r}")
         if not isinstance(obs_key, str):
             raise UsageError(f"RolloutDataset(obs_key=...): expected a step leaf name (str), got {obs_key!r}")
@@ -255,7 +252,7 @@ class RolloutDataset:
     def _setup_fields(self, meta: dict[str, Any]) -> None:
         self._leaves = {lf["file"]: lf for lf in meta["leaves"]}
         fields = {k: d for k, d in meta["fields"]["items"]}
-        recorded = meta["keys"].get("obs") or "obs"
+        recorded = meta["keys"].get(OBS) or OBS
         if self.obs_key != recorded:
             what = "is one of the recording's step leaves, but" if self.obs_key in fields else "is not a step leaf " \
                 f"of the recording ({sorted(fields)}), and"
@@ -265,9 +262,9 @@ class RolloutDataset:
         self._fields = fields
         self._obs_files = [f for f in self._leaves if self._leaves[f]["path"][0] == self.obs_key]
         keys = meta.get("keys", KEYS)
-        self._timeout_key = keys.get("truncated")
-        self._term_key = keys.get("terminated") or "terminated"
-        self._reserved = {self.obs_key, "action", "reward", self._term_key, self._timeout_key}
+        self._timeout_key = keys.get(TRUNCATED)
+        self._term_key = keys.get(TERMINATED) or TERMINATED
+        self._reserved = {self.obs_key, ACTION, REWARD, self._term_key, self._timeout_key}
 
     def read_dataset_directory(self) -> bool:
         """Rescan ``data_dir`` (002's name): True, with a fresh pool of unused trajectories, if there are enough."""
@@ -404,10 +401,8 @@ class RolloutDataset:
         starts (``dataset_loops``) or :class:`StopIteration` is raised (the rows of this unfinished
         batch are dropped). The first call resets (waiting for enough trajectories).
         """
-        if num_transitions_per_env is not None and (isinstance(num_transitions_per_env, bool) or not isinstance(
-                num_transitions_per_env, (int, np.integer)) or num_transitions_per_env < 1):
-            raise UsageError(f"get_batch(num_transitions_per_env=...): expected None or an int >= 1, got "
-                             f"{num_transitions_per_env!r}")
+        if num_transitions_per_env is not None:
+            int_setting("get_batch(num_transitions_per_env=...) (None: one transition, no time dim)", num_transitions_per_env)
         if not self._initialized:
             self.reset()
         n = 1 if num_transitions_per_env is None else int(num_transitions_per_env)
@@ -421,7 +416,7 @@ class RolloutDataset:
     def _transition(self, out: dict[str, np.ndarray]) -> FileTransition:
         term, done, timeout = self._flags(out)
         extras = {k: build(d, lambda f: out[f]) for k, d in self._fields.items() if k not in self._reserved}
-        return FileTransition(self._obs(out, ""), build(self._fields["action"], lambda f: out[f]), out["reward"], done,
+        return FileTransition(self._obs(out, ""), build(self._fields[ACTION], lambda f: out[f]), out[REWARD], done,
                           timeout, self._obs(out, "next:"), term, out["first"], extras)
 
     def get_transition_batch(self) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
@@ -431,7 +426,7 @@ class RolloutDataset:
         where the recording has a timeout (truncated) field.
         """
         b = self.get_batch()
-        info: dict[str, Any] = {"next_observation": b.next_observation, "terminated": b.terminated, "first": b.first,
+        info: dict[str, Any] = {"next_observation": b.next_observation, TERMINATED: b.terminated, "first": b.first,
                                 **b.extras}
         if b.timeout is not None:
             info["time_outs"] = b.timeout

@@ -10,6 +10,10 @@ from typing import Any
 import numpy as np
 
 from shmbuf._errors import UsageError
+from shmbuf._validate import int_setting
+from shmbuf.layout import (
+    BOOTSTRAP, END, ENV, ENV_STEPS, EPISODE, FINAL_OBS, LENGTH, OBS, RETURN, STEP, TERMINATED, TRUNCATED,
+)
 from shmbuf.storage._fileformat import build, flat_leaves, read_metadata
 from shmbuf.storage.dataset import RolloutDataset, _Traj
 
@@ -24,13 +28,11 @@ def playback_example(data_dir: str | os.PathLike[str], *, rollout_len: int, num_
     obs and env_steps. ``num_envs=None``: a single env (no env dim).
     """
     meta = read_metadata(data_dir)
-    if isinstance(rollout_len, bool) or not isinstance(rollout_len, int) or rollout_len < 2:
-        raise UsageError(f"playback_example(rollout_len=...): expected an int >= 2, got {rollout_len!r}")
-    if num_envs is not None and (isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1):
-        raise UsageError(f"playback_example(num_envs=...): expected None (a single env) or an int >= 1, got {num_envs!r}")
-    if max_episodes is not None and (isinstance(max_episodes, bool) or not isinstance(max_episodes, (int, np.integer))
-                                     or max_episodes < 1):
-        raise UsageError(f"playback_example(max_episodes=...): expected None (T * E) or an int >= 1, got {max_episodes!r}")
+    rollout_len = int_setting("playback_example(rollout_len=...)", rollout_len, 2)
+    if num_envs is not None:
+        num_envs = int_setting("playback_example(num_envs=...) (None: a single env)", num_envs)
+    if max_episodes is not None:
+        max_episodes = int_setting("playback_example(max_episodes=...) (None: T * E)", max_episodes)
     leaves = {lf["file"]: lf for lf in meta["leaves"]}
     T, env = rollout_len, (() if num_envs is None else (num_envs,))
     E = num_envs or 1
@@ -41,13 +43,13 @@ def playback_example(data_dir: str | os.PathLike[str], *, rollout_len: int, num_
         return lambda f: np.zeros(lead + tuple(leaves[f]["shape"]), leaves[f]["dtype"])
 
     step = {k: build(d, zeros((T, *env))) for k, d in fields.items()}
-    if "truncated" not in step:
-        step["truncated"] = np.zeros((T, *env), bool)
-    episode = {"return": np.zeros(m, np.float64), "length": np.zeros(m, np.int64), "terminated": np.zeros(m, bool),
-               "truncated": np.zeros(m, bool), "env": np.zeros(m, np.int32), "end": np.zeros(m, np.int32),
-               "final_obs": build(fields["obs"], zeros((m,)))}
-    bootstrap = {"obs": build(fields["obs"], zeros(env)), "env_steps": np.zeros((), np.int64)}
-    return {"step": step, "episode": episode, "bootstrap": bootstrap}
+    if TRUNCATED not in step:
+        step[TRUNCATED] = np.zeros((T, *env), bool)
+    episode = {RETURN: np.zeros(m, np.float64), LENGTH: np.zeros(m, np.int64), TERMINATED: np.zeros(m, bool),
+               TRUNCATED: np.zeros(m, bool), ENV: np.zeros(m, np.int32), END: np.zeros(m, np.int32),
+               FINAL_OBS: build(fields[OBS], zeros((m,)))}
+    bootstrap = {OBS: build(fields[OBS], zeros(env)), ENV_STEPS: np.zeros((), np.int64)}
+    return {STEP: step, EPISODE: episode, BOOTSTRAP: bootstrap}
 
 
 def play(data_dir: str | os.PathLike[str], pipeline: Any, *, rollout_len: int, num_envs: int | None = None,
@@ -75,7 +77,7 @@ def play(data_dir: str | os.PathLike[str], pipeline: Any, *, rollout_len: int, n
     ds = RolloutDataset(data_dir, E, dataset_loops, random_shuffle_traj_order, keep_latest_n_trajs, seed=seed,
                         wait_timeout=wait_timeout)
     committed, env_steps = 0, 0
-    ep_cap = len(example["episode"]["env"])
+    ep_cap = len(example[EPISODE][ENV])
     with shmbuf.Writer(pipeline, example, timeout=writer_timeout, label=label) as writer:
         try:
             ds.reset()
@@ -92,7 +94,7 @@ def play(data_dir: str | os.PathLike[str], pipeline: Any, *, rollout_len: int, n
                                      f"raise max_episodes to at least that")
                 env_steps += T * E
                 _write_rollout(writer.slot(), out, ds, ends, num_envs is None, env_steps)
-                writer.commit(fill={"episode": len(ends)})
+                writer.commit(fill={EPISODE: len(ends)})
                 committed += 1
         except shmbuf.PipelineClosed:
             pass
@@ -102,28 +104,28 @@ def play(data_dir: str | os.PathLike[str], pipeline: Any, *, rollout_len: int, n
 def _write_rollout(slot: dict[str, Any], out: dict[str, np.ndarray], ds: RolloutDataset,
                    ends: list[tuple[int, int, _Traj]], single: bool, env_steps: int) -> None:
     """One played rollout into the slot's views (``(T, [E], ...)``); the copy from the batch is the only one."""
-    step = slot["step"]
+    step = slot[STEP]
     for name, view in flat_leaves(step):
-        if name == "truncated" and "truncated" not in out:
+        if name == TRUNCATED and TRUNCATED not in out:
             src = out["cut"]
-        elif name == "truncated":
-            src = (out["truncated"] != 0) | out["cut"]
+        elif name == TRUNCATED:
+            src = (out[TRUNCATED] != 0) | out["cut"]
         else:
             src = out[name]
         view[...] = src[:, 0] if single else src
-    ep = slot["episode"]
+    ep = slot[EPISODE]
     for k, (e, t, traj) in enumerate(ends):
         info = traj.info
-        ep["return"][k] = info["episode_return"]
-        ep["length"][k] = info["episode_length"]
-        ep["terminated"][k] = info["terminated"]
-        ep["truncated"][k] = bool(info["truncated"]) or traj.unflagged_end
-        ep["env"][k] = e
-        ep["end"][k] = t
-        for name, view in flat_leaves({"obs": ep["final_obs"]}):
+        ep[RETURN][k] = info["episode_return"]
+        ep[LENGTH][k] = info["episode_length"]
+        ep[TERMINATED][k] = info[TERMINATED]
+        ep[TRUNCATED][k] = bool(info[TRUNCATED]) or traj.unflagged_end
+        ep[ENV][k] = e
+        ep[END][k] = t
+        for name, view in flat_leaves({OBS: ep[FINAL_OBS]}):
             view[k] = traj.final[name]
-    boot = slot["bootstrap"]
-    for name, view in flat_leaves({"obs": boot["obs"]}):
+    boot = slot[BOOTSTRAP]
+    for name, view in flat_leaves({OBS: boot[OBS]}):
         last = out["next:" + name][-1]
         view[...] = last[0] if single else last
-    boot["env_steps"][...] = env_steps
+    boot[ENV_STEPS][...] = env_steps

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from shmbuf._errors import SchemaError, SegmentError, UsageError
+from shmbuf._validate import int_setting
+from shmbuf.layout import ENV, FINAL_OBS, OBS, REWARD, TERMINATED, TRUNCATED
 from shmbuf.storage._fileformat import (
     FORMAT, KEYS, LOCK, METADATA, TMP_PREFIX, TRAJ_DIR, TRAJ_INFO, VERSION, describe, flat_leaves, fsync_dir, index_leaves,
     map_leaves, not_regular, read_metadata, remove_path, write_json, write_npy,
@@ -71,8 +73,7 @@ class Recorder:
 
     def __init__(self, data_dir: str | os.PathLike[str], *, fsync: bool = True, chunk_bytes: int = 16 << 20,
                  keep_partial: bool = True):
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise UsageError(f"Recorder(chunk_bytes=...): expected an int >= 1, got {chunk_bytes!r}")
+        chunk_bytes = int_setting("Recorder(chunk_bytes=...)", chunk_bytes)
         self.data_dir = os.fspath(data_dir)
         self.fsync, self.chunk_bytes, self.keep_partial = bool(fsync), chunk_bytes, bool(keep_partial)
         try:
@@ -130,10 +131,10 @@ class Recorder:
         where = "Recorder.write"
         item = map_leaves(unit.step, lambda a: np.asarray(a)[0, 0] if unit.n else np.zeros(np.shape(a)[2:], np.asarray(a).dtype))
         fields = describe(item, (), leaves, where)
-        obs = unit.step["obs"]
+        obs = unit.step[OBS]
         components = None
         if isinstance(obs, (Mapping, list, tuple)):
-            components = [{"name": lf["file"].split(".", 1)[1], **lf} for lf in leaves if lf["path"][0] == "obs"]
+            components = [{"name": lf["file"].split(".", 1)[1], **lf} for lf in leaves if lf["path"][0] == OBS]
         return {"format": FORMAT, "version": VERSION, "fields": fields, "leaves": leaves, "obs_components": components,
                 "keys": {k: (v if v in unit.step else None) for k, v in KEYS.items()},
                 "trajectory": "one episode of one sub-env of one writer lane; frames [a, b) in traj_<a>_<b>"}
@@ -229,7 +230,7 @@ class Recorder:
         part = {name: np.array(np.asarray(leaf)[a:b, e]) for name, leaf in flat_leaves(u.step)}
         o.parts.append(part)
         o.n += b - a
-        o.reward += float(np.sum(part["reward"], dtype=np.float64))
+        o.reward += float(np.sum(part[REWARD], dtype=np.float64))
         o.mem_bytes += sum(x.nbytes for x in part.values())
         if o.mem_bytes >= self.chunk_bytes:
             self._spill(o)
@@ -261,10 +262,10 @@ class Recorder:
         """Finish a trajectory: last chunk, final observation, trajectory.json, then one rename makes it visible."""
         self._spill(o)
         tmp = self._tmpdir(o)
-        for name, leaf in flat_leaves({"final_obs": final}):
+        for name, leaf in flat_leaves({FINAL_OBS: final}):
             write_npy(os.path.join(tmp, name + ".npy"), np.asarray(leaf), self.fsync)
         f0, f1 = self.frames, self.frames + o.n
-        info = {"length": o.n, "env": o.env, "lane": o.lane, "terminated": bool(terminated), "truncated": bool(truncated),
+        info = {"length": o.n, ENV: o.env, "lane": o.lane, TERMINATED: bool(terminated), TRUNCATED: bool(truncated),
                 "starts_episode": o.starts_episode, "ends_episode": bool(ends_episode),
                 "episode_return": float(ret), "episode_length": int(length), "reward_sum": o.reward,
                 "soft_horizons": o.soft_horizons,
