@@ -45,6 +45,11 @@ _SAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
 # -- trees: dicts, lists and tuples of arrays, described in JSON --------------------------------------
+#
+# Dicts are walked in insertion order, not in the schema's (optree's) sorted-key order: that order is
+# on disk (metadata.json's "fields" items and "leaves" list, which concat_obs follows), and a Recorder
+# continuing a directory compares "fields" as written. Sorting here would make every recording made
+# so far unresumable and reorder concat_obs; changing it is a format version, not a refactor.
 
 def describe(tree: Any, path: tuple[Any, ...], leaves: list[dict[str, Any]], where: str) -> dict[str, Any]:
     """The JSON description of ``tree`` (leaves item-shaped: lead dims already dropped by the caller)."""

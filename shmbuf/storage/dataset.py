@@ -1,7 +1,7 @@
 """002's :class:`RolloutDataset` over a directory a :class:`~shmbuf.storage.recorder.Recorder` wrote: per-env
 trajectory cursors, batches of :class:`FileTransition`.
 
-Trajectory files are read as read-only memory maps (:func:`~shmbuf.storage._fileformat._load_npy`); a
+Trajectory files are read as read-only memory maps (:func:`~shmbuf.storage._fileformat.load_npy`); a
 batch copies what it takes from them. numpy only; torch is imported when ``device=`` or
 :meth:`RolloutDataset.torch_dataset` asks for it.
 """

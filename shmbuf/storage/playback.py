@@ -1,5 +1,9 @@
 """Playback: a recording fed into a shmbuf pipeline as truncate-episodes rollouts, so the same learner code
 trains on live actors or on files.
+
+:func:`play` reads through a :class:`~shmbuf.storage.dataset.RolloutDataset`'s own batch filling
+(``_alloc``, ``_fill``, which report the trajectories a rollout ends), so that both hand out
+trajectories alike.
 """
 
 from __future__ import annotations
