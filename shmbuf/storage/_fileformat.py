@@ -407,6 +407,7 @@ def _check_metadata_fields(meta: dict[str, Any], path: str) -> None:
         if not isinstance(desc, dict) or len(path) > 64:
             return False
         if desc.get("kind") == "leaf":
+            # arg-type: "file" may be anything here; the return value below fails the walk unless it is a str
             found.append((desc.get("file"), path))  # type: ignore[arg-type]
             return isinstance(desc.get("file"), str) and set(desc) == {"kind", "file"}
         items = desc.get("items")

@@ -326,17 +326,19 @@ class RolloutDataset:
                 raise UsageError(f"RolloutDataset.reset(env_ids=...): env {e} is not in 0..{self.num_envs - 1}")
             self._next_traj(e)
 
-    def _next_traj(self, e: int) -> None:
+    def _next_traj(self, e: int) -> _Handler:
         if not self.unused_trajectory_idxs:
             self.num_dataset_looped += 1
             if 0 < self.dataset_loops <= self.num_dataset_looped or not self.read_dataset_directory():
                 raise StopIteration
         i = self.unused_trajectory_idxs.pop(0)
+        # metadata is not None here: _scan reads it before it lists any trajectory
         traj = _Traj(self.all_available_trajectory_dirs[i], self.metadata, self._obs_files)  # type: ignore[arg-type]
         lo, hi = self.starting_frame_range
         lo = min(lo, traj.length - 1)
         hi = max(lo + 1, min(hi, traj.length))
-        self._handlers[e] = _Handler(traj, int(self.rng.integers(lo, hi)))
+        h = self._handlers[e] = _Handler(traj, int(self.rng.integers(lo, hi)))
+        return h
 
     # -- batches -------------------------------------------------------------------------------------
 
@@ -357,23 +359,22 @@ class RolloutDataset:
             while i < n:
                 h = self._handlers[e]
                 if h is None or h.cursor >= h.traj.length:
-                    self._next_traj(e)  # StopIteration when the passes are done
-                    h = self._handlers[e]
-                t, c = h.traj, h.cursor  # type: ignore[union-attr]
+                    h = self._next_traj(e)  # StopIteration when the passes are done
+                t, c = h.traj, h.cursor
                 run = min(n - i, t.length - c)
                 for f in files:
                     t.copy(f, c, c + run, out[f][i:i + run, e])
                 for f in self._obs_files:
                     t.copy_next(f, c, c + run, out["next:" + f][i:i + run, e])
-                if h.fresh:  # type: ignore[union-attr]
+                if h.fresh:
                     out["first"][i, e] = True
-                    h.fresh = False  # type: ignore[union-attr]
+                    h.fresh = False
                 if c + run == t.length:
                     if t.unflagged_end:
                         out["cut"][i + run - 1, e] = True
                     if ends is not None:
                         ends.append((e, i + run - 1, t))
-                h.cursor = c + run  # type: ignore[union-attr]
+                h.cursor = c + run
                 i += run
 
     def _flags(self, out: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -450,7 +451,7 @@ class RolloutDataset:
 
         outer = self
 
-        class RolloutIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        class RolloutIterableDataset(torch.utils.data.IterableDataset[FileTransition]):
             def __iter__(self) -> Iterator[FileTransition]:
                 outer.reset()
                 while True:
