@@ -15,7 +15,7 @@ import optree
 import pytest
 
 import shmbuf
-from shmbuf.storage import files
+from shmbuf.storage import _fileformat, dataset, files, recorder
 from shmbuf.storage.files import Recorder, RolloutDataset, play, playback_example, read_metadata
 from tests.helpers import doc_blocks, run_doc_block, run_doc_block_under_each_start_method
 
@@ -367,7 +367,7 @@ def test_a_reader_never_sees_a_trajectory_being_written(tmp_path, monkeypatch):
     """The recorder is stopped after one file of a trajectory's directory; the reader looks there and then."""
     rollouts, _ = synth(1, 12, 2, [[5]], single=True)
     written, paused, go = [0], threading.Event(), threading.Event()
-    real = files._write_npy
+    real = recorder.write_npy
 
     def slow(path: str, array: np.ndarray, fsync: bool) -> None:
         real(path, array, fsync)
@@ -376,7 +376,7 @@ def test_a_reader_never_sees_a_trajectory_being_written(tmp_path, monkeypatch):
             paused.set()
             assert go.wait(10)
 
-    monkeypatch.setattr(files, "_write_npy", slow)
+    monkeypatch.setattr(recorder, "write_npy", slow)
     with Recorder(tmp_path) as rec:
         t = threading.Thread(target=rec.write, args=(rollouts[0],))
         t.start()
@@ -421,7 +421,7 @@ def test_a_reader_in_step_with_a_recorder_process_sees_only_whole_trajectories(t
         for t in tmp_path.glob("trajectory_*"):
             if t.name in seen:
                 continue
-            tr = files._Traj(str(t), read_metadata(tmp_path), ["obs"])  # every file there, mapped and checked
+            tr = dataset._Traj(str(t), read_metadata(tmp_path), ["obs"])  # every file there, mapped and checked
             a, b = files.get_frame_range(t.name)
             assert tr.length == b - a == 300 and len(tr.starts) == 3
             k = np.empty(300, np.int64)
@@ -952,7 +952,7 @@ def test_a_crash_while_writing_metadata_leaves_a_file_the_next_recorder_removes(
     def refuse(path: str) -> None:
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(files.os, "remove", refuse)
+    monkeypatch.setattr(_fileformat.os, "remove", refuse)
     with pytest.raises(PermissionError):
         Recorder(tmp_path, fsync=False)
     monkeypatch.undo()
