@@ -41,6 +41,7 @@ import msgpack
 
 import shmbuf
 from shmbuf import ActorError
+from workers._settings import int_setting
 
 EXIT_ERROR = 1
 EXIT_ORPHANED = 75
@@ -255,11 +256,10 @@ class ActorPool:
     def __init__(self, target: Callable[..., Any], num_actors: int, *, args: tuple[Any, ...] = (),
                  kwargs: dict[str, Any] | None = None, start_method: str | None = None, restart: bool = False,
                  max_restarts: int = 3, name: str = "shmbuf-actor", on_failure: Callable[[int], None] | None = None):
-        if not isinstance(num_actors, int) or num_actors < 1:
-            raise ValueError(f"num_actors: expected an int >= 1, got {num_actors!r}")
+        num_actors = int_setting("num_actors", num_actors)
         method = start_method or default_start_method()
         if method not in mp.get_all_start_methods():
-            raise ValueError(f"start_method: expected one of {mp.get_all_start_methods()}, got {method!r}")
+            raise shmbuf.UsageError(f"start_method: expected one of {mp.get_all_start_methods()}, got {method!r}")
         self.target = target
         self.num_actors = num_actors
         self.args = tuple(args)

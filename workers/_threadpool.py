@@ -19,6 +19,7 @@ from typing import Any
 
 import shmbuf
 from workers._pool import ActorError
+from workers._settings import int_setting
 
 
 class ThreadContext:
@@ -54,8 +55,7 @@ class ThreadActorPool:
 
     def __init__(self, target: Callable[..., Any], num_actors: int, *, args: tuple[Any, ...] = (), restart: bool = False,
                  max_restarts: int = 3, name: str = "shmbuf-env", on_failure: Callable[[int], None] | None = None):
-        if not isinstance(num_actors, int) or num_actors < 1:
-            raise ValueError(f"num_actors: expected an int >= 1, got {num_actors!r}")
+        num_actors = int_setting("num_actors", num_actors)
         self.target = target
         self.num_actors = num_actors
         self.args = tuple(args)
