@@ -98,6 +98,11 @@ def check_settings(create_env_fn: Any, create_env_kwargs: Any, policy: Any, poli
     return env_fns
 
 
+def _plan_field(name: str) -> Any:
+    """A read-only attribute of a Collector that is its plan's ``name``."""
+    return property(lambda self: getattr(self.plan, name), doc=f"``collector.plan.{name}``")
+
+
 def probe_env(env_fn: Callable[[], Any], policy: Callable[[], Any], seed: int | None,
               view_requirements: dict[str, Any] | None) -> tuple[dict[str, Any], int | None]:
     """Make one env, then the policy (``policy()``), and probe them: the probe and the env's
@@ -283,31 +288,13 @@ class Collector:
             self._bar = tqdm(total=plan.rounded_total(self.total_frames), unit="frame", unit_scale=True,
                              desc="collecting", dynamic_ncols=True)
 
-    # -- the plan's figures, under their old names ---------------------------
-
-    @property
-    def batch_mode(self) -> str:
-        return self.plan.batch_mode
-
-    @property
-    def frames_per_batch(self) -> int:
-        return self.plan.frames_per_batch
-
-    @property
-    def num_actors(self) -> int:
-        return self.plan.num_actors
-
-    @property
-    def num_envs(self) -> int:
-        return self.plan.num_envs
-
-    @property
-    def rollout_len(self) -> int:
-        return self.plan.rollout_len
-
-    @property
-    def rollouts_per_batch(self) -> int:
-        return self.plan.rollouts_per_batch
+    # the plan's figures, under their old names
+    batch_mode = _plan_field("batch_mode")
+    frames_per_batch = _plan_field("frames_per_batch")
+    num_actors = _plan_field("num_actors")
+    num_envs = _plan_field("num_envs")
+    rollout_len = _plan_field("rollout_len")
+    rollouts_per_batch = _plan_field("rollouts_per_batch")
 
     # -- weights ------------------------------------------------------------
 
