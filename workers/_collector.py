@@ -218,7 +218,7 @@ class Collector:
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
                  policy_factory: Callable[[], Any] | None = None, frames_per_batch: int, total_frames: int = -1,
                  num_actors: int | None = None, rollout_len: int | None = None,
-                 batch_mode: str = "truncate_episodes", max_episodes: int | None = None, weights: Any = None,
+                 batch_mode: str = TRUNCATE_EPISODES, max_episodes: int | None = None, weights: Any = None,
                  slots: int | None = None, start_method: str | None = None, restart: bool = False,
                  max_restarts: int = 3, progress: bool = False, copy: bool = False, seed: int | None = 0,
                  torch_threads: int | None = 1, stop_timeout: float = 5.0, ready_timeout: float = 120.0,
@@ -347,7 +347,7 @@ class Collector:
                 self._bar.update(batch.frames)
                 post = {"lag": int(batch.policy_lag.max())}
                 if self._returns:
-                    post["return"] = f"{np.mean(self._returns):.1f}"
+                    post[RETURN] = f"{np.mean(self._returns):.1f}"
                 self._bar.set_postfix(post, refresh=False)
             yield batch if self.postproc is None else self.postproc(batch)
 

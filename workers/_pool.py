@@ -226,6 +226,20 @@ class _Actor:
         self.ready = False
 
 
+def restart_or_raise(pool: Any, member: Any, err: ActorError) -> None:
+    """A pool's member (an actor, or a :class:`workers.ThreadActorPool` thread) failed with ``err``: record it,
+    call the pool's ``on_failure``, then restart the member within the pool's budget, or mark it failed and raise."""
+    pool.failures.append(err)
+    if pool.on_failure is not None:
+        pool.on_failure(member.index)  # before any replacement starts
+    if pool.restart and pool.restarts < pool.max_restarts and not pool._stopped:
+        pool.restarts += 1
+        pool._spawn(member)
+        return
+    member.state = "failed"
+    raise err
+
+
 def default_start_method() -> str:
     """forkserver where the platform has it (Python 3.14's default on Linux), else spawn."""
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
@@ -283,6 +297,7 @@ class ActorPool:
 
     def start(self) -> ActorPool:
         if self._started:
+            # no ShmbufError fits: it must stay a RuntimeError, and UsageError is a ValueError
             raise RuntimeError("this ActorPool was already started")
         self._started = True
         try:
@@ -360,16 +375,8 @@ class ActorPool:
                 index=a.index, pid=a.pid, kind="died", exitcode=a.exitcode,
             )
             err.exitcode = a.exitcode
-            self.failures.append(err)
             self._close_actor(a)
-            if self.on_failure is not None:
-                self.on_failure(a.index)  # before any replacement starts
-            if self.restart and self.restarts < self.max_restarts and not self._stopped:
-                self.restarts += 1
-                self._spawn(a)
-                continue
-            a.state = "failed"
-            raise err
+            restart_or_raise(self, a, err)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Wait until every running actor called ``ctx.ready()``; raise its failure if one fails first.
@@ -385,6 +392,8 @@ class ActorPool:
             left = deadline - time.monotonic()
             if left <= 0:
                 waiting = [a.index for a in self._actors if a.state == "running" and not a.ready]
+                # not SlotTimeout (no ShmbufError fits yet): a node owner's batch loop in workers._ray takes a
+                # SlotTimeout as 'nothing yet, ask again', and a start that never comes must not be retried so
                 raise TimeoutError(f"actors {waiting} were not ready within {timeout} s")
             self.check(timeout=min(left, 0.1))
 
