@@ -87,3 +87,12 @@ def test_a_plan_is_frozen_and_the_default_actor_count() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.slots = 3  # type: ignore[misc]  # the point: it refuses
     assert [default_num_actors(n) for n in (1, 2, 5)] == [2, 2, 5]
+
+
+def test_async_batched_collector_only_gives_collector_a_served_policy() -> None:
+    """Composition, not hooks: AsyncBatchedCollector overrides nothing of Collector's; its placement differs."""
+    from workers import AsyncBatchedCollector, Collector
+
+    own = {k for k in vars(AsyncBatchedCollector) if not k.startswith("__")}
+    assert own == {"server", "table"}  # views of its ServedPolicy, besides __init__
+    assert not own & set(vars(Collector))
