@@ -41,6 +41,7 @@ import msgpack
 
 import shmbuf
 from shmbuf import ActorError
+from workers._settings import int_setting
 
 EXIT_ERROR = 1
 EXIT_ORPHANED = 75
@@ -225,6 +226,20 @@ class _Actor:
         self.ready = False
 
 
+def restart_or_raise(pool: Any, member: Any, err: ActorError) -> None:
+    """A pool's member (an actor, or a :class:`workers.ThreadActorPool` thread) failed with ``err``: record it,
+    call the pool's ``on_failure``, then restart the member within the pool's budget, or mark it failed and raise."""
+    pool.failures.append(err)
+    if pool.on_failure is not None:
+        pool.on_failure(member.index)  # before any replacement starts
+    if pool.restart and pool.restarts < pool.max_restarts and not pool._stopped:
+        pool.restarts += 1
+        pool._spawn(member)
+        return
+    member.state = "failed"
+    raise err
+
+
 def default_start_method() -> str:
     """forkserver where the platform has it (Python 3.14's default on Linux), else spawn."""
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
@@ -255,11 +270,10 @@ class ActorPool:
     def __init__(self, target: Callable[..., Any], num_actors: int, *, args: tuple[Any, ...] = (),
                  kwargs: dict[str, Any] | None = None, start_method: str | None = None, restart: bool = False,
                  max_restarts: int = 3, name: str = "shmbuf-actor", on_failure: Callable[[int], None] | None = None):
-        if not isinstance(num_actors, int) or num_actors < 1:
-            raise ValueError(f"num_actors: expected an int >= 1, got {num_actors!r}")
+        num_actors = int_setting("num_actors", num_actors)
         method = start_method or default_start_method()
         if method not in mp.get_all_start_methods():
-            raise ValueError(f"start_method: expected one of {mp.get_all_start_methods()}, got {method!r}")
+            raise shmbuf.UsageError(f"start_method: expected one of {mp.get_all_start_methods()}, got {method!r}")
         self.target = target
         self.num_actors = num_actors
         self.args = tuple(args)
@@ -283,6 +297,7 @@ class ActorPool:
 
     def start(self) -> ActorPool:
         if self._started:
+            # no ShmbufError fits: it must stay a RuntimeError, and UsageError is a ValueError
             raise RuntimeError("this ActorPool was already started")
         self._started = True
         try:
@@ -360,16 +375,8 @@ class ActorPool:
                 index=a.index, pid=a.pid, kind="died", exitcode=a.exitcode,
             )
             err.exitcode = a.exitcode
-            self.failures.append(err)
             self._close_actor(a)
-            if self.on_failure is not None:
-                self.on_failure(a.index)  # before any replacement starts
-            if self.restart and self.restarts < self.max_restarts and not self._stopped:
-                self.restarts += 1
-                self._spawn(a)
-                continue
-            a.state = "failed"
-            raise err
+            restart_or_raise(self, a, err)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Wait until every running actor called ``ctx.ready()``; raise its failure if one fails first.
@@ -385,6 +392,8 @@ class ActorPool:
             left = deadline - time.monotonic()
             if left <= 0:
                 waiting = [a.index for a in self._actors if a.state == "running" and not a.ready]
+                # not SlotTimeout (no ShmbufError fits yet): a node owner's batch loop in workers._ray takes a
+                # SlotTimeout as 'nothing yet, ask again', and a start that never comes must not be retried so
                 raise TimeoutError(f"actors {waiting} were not ready within {timeout} s")
             self.check(timeout=min(left, 0.1))
 

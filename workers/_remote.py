@@ -16,6 +16,7 @@ import numpy as np
 import optree
 
 import shmbuf
+from shmbuf.layout import ACTION
 
 VERSION_KEY = "policy_version"
 
@@ -38,7 +39,7 @@ class RemotePolicy:
         self._req = c.request_leaves
         self._single = len(self._req) == 1
         resp = c.response
-        self._action = resp["action"]
+        self._action = resp[ACTION]
         num_envs = len(optree.tree_leaves(self._action)[0])
         self._version = np.zeros(num_envs, np.int64)
         self._extras = {**resp.get("extras", {}), VERSION_KEY: self._version}

@@ -1,0 +1,109 @@
+"""The collectors' settings checks: ints, waits, batch modes, and the env factories and policy they hand to actors.
+
+Every check raises :class:`shmbuf.UsageError` (a ValueError and a TypeError) naming the setting, before
+any env, pipeline or process is made. :func:`int_setting` and :func:`timeout_setting` keep
+``shmbuf._validate``'s rules and messages; workers may import only shmbuf's public modules, so they live
+here until shmbuf makes its validators public.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from shmbuf import UsageError
+from shmbuf.layout import BATCH_MODES
+
+
+def int_setting(setting: str, value: Any, lo: int = 1) -> int:
+    """``value`` as an int ``>= lo`` (a Python or numpy int, never a bool); UsageError naming ``setting`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise UsageError(f"{setting}: expected an int >= {lo}, got {value!r:.80}")
+    return int(value)
+
+
+def timeout_setting(setting: str, value: Any) -> float | None:
+    """A wait's bound: None (for ever; infinity too) or seconds >= 0; UsageError naming ``setting`` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value >= 0:
+        raise UsageError(f"{setting}: expected None (wait for ever) or a number of seconds >= 0, got {value!r:.80}")
+    return None if math.isinf(value) else float(value)
+
+
+def batch_mode_setting(batch_mode: Any) -> str:
+    """One of :data:`shmbuf.layout.BATCH_MODES`; UsageError otherwise."""
+    if batch_mode not in BATCH_MODES:
+        raise UsageError(f"batch_mode: expected one of {BATCH_MODES}, got {batch_mode!r:.80}")
+    return batch_mode
+
+
+def with_kwargs(env_fns: tuple[Callable[[], Any], ...], kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None
+                ) -> tuple[Callable[[], Any], ...]:
+    """Env factories with ``create_env_kwargs`` bound (``functools.partial``, picklable when the factory is).
+
+    A dict goes to every factory; a list gives one dict per factory (a single factory is
+    repeated to the list's length).
+    """
+    if kwargs is None:
+        return env_fns
+    if isinstance(kwargs, dict):
+        return tuple(functools.partial(f, **kwargs) for f in env_fns)
+    kws = list(kwargs)
+    if not all(isinstance(k, dict) for k in kws):
+        raise UsageError(f"create_env_kwargs: expected a dict or a list of dicts, got {kwargs!r:.80}")
+    if len(env_fns) == 1:
+        env_fns = env_fns * len(kws)
+    if len(kws) != len(env_fns):
+        raise UsageError(f"create_env_kwargs: {len(kws)} dicts for {len(env_fns)} env factories; give one per factory")
+    return tuple(functools.partial(f, **k) for f, k in zip(env_fns, kws, strict=True))
+
+
+def check_picklable(what: str, obj: Any, start_method: str, fix: str) -> None:
+    """Raise :class:`shmbuf.UsageError` if ``obj`` cannot be pickled and ``start_method`` would pickle it.
+
+    Only ``fork`` hands the actors their arguments without pickling them.
+    This is a trial ``pickle.dumps`` in this process; nothing crosses to another.
+    """
+    if start_method == "fork":
+        return
+    try:
+        pickle.dumps(obj)
+    except Exception as exc:  # pickle raises PicklingError, AttributeError, TypeError... for what it cannot pickle
+        name = getattr(obj, "__qualname__", type(obj).__name__)
+        raise UsageError(
+            f"{what}: {name} cannot be pickled ({type(exc).__name__}: {exc}), and start_method={start_method!r} "
+            f"pickles it to send it to each actor process. {fix}, or use start_method='fork'"
+        ) from exc
+
+
+def checked_sources(create_env_fn: Any, create_env_kwargs: Any, policy: Any, policy_factory: Any, start_method: str, *,
+                    policy_travels: bool = True) -> tuple[Callable[[], Any], ...]:
+    """The env factories (with ``create_env_kwargs`` bound), once the policy and they are checked.
+
+    Exactly one of ``policy`` and ``policy_factory``; callables; picklable where ``start_method``
+    pickles them (the policy only if it ``policy_travels`` to the actors).
+    """
+    if (policy is None) == (policy_factory is None):
+        raise UsageError("give exactly one of policy and policy_factory")
+    env_fns = tuple(create_env_fn) if isinstance(create_env_fn, Sequence) else (create_env_fn,)
+    if not env_fns or not all(callable(f) for f in env_fns):
+        raise UsageError("create_env_fn: expected a callable returning an env, or a list of them")
+    env_fns = with_kwargs(env_fns, create_env_kwargs)
+    if not policy_travels:
+        pass
+    elif policy is not None:
+        check_picklable("policy", policy, start_method, "Give a picklable policy (a module-level function, or an instance "
+                        "of a module-level class), or pass policy_factory=<a module-level function that builds "
+                        "it in each actor>")
+    else:
+        check_picklable("policy_factory", policy_factory, start_method, "Give a module-level function (or a "
+                        "functools.partial of one)")
+    for f in env_fns:
+        check_picklable("create_env_fn", f, start_method, "Give a module-level function (or a functools.partial of one)")
+    return env_fns
