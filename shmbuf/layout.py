@@ -401,7 +401,7 @@ def grid(data: Any, fill: Mapping[str, Any] | None = None, *, batch_mode: str | 
             batch); None: the object's own, or (a dict) every row of a single rollout. A batch needs it,
             so that padding is never read as data.
         batch_mode: None: the object's own, else :data:`TRUNCATE_EPISODES`.
-        ref: the step leaf (a key of ``data["step"]``) whose leading dims say ``[B]``, ``T`` and ``[E]``.
+        ref: the step leaf (``"a/b"`` walks nested dicts) whose leading dims say ``[B]``, ``T`` and ``[E]``.
 
     Raises:
         UsageError: not a rollout in this layout, a bad fill or batch mode, a batch without its fill.
@@ -432,9 +432,10 @@ def grid(data: Any, fill: Mapping[str, Any] | None = None, *, batch_mode: str | 
         raise UsageError("data is a batch of rollouts (its bootstrap/episode leaves have a leading B) and fill=None: "
                          "pass fill=batch.fill (or the Batch/CollectedBatch itself), so that padding past each "
                          "rollout's fill is never read as data")
-    if ref not in step:
-        raise SchemaError(f"the step leaves have no {ref!r}; there is {sorted(step)}")
-    x = np.asarray(step[ref])
+    try:
+        x = np.asarray(_walk(step, tuple(ref.split("/"))))
+    except (KeyError, IndexError, TypeError):
+        raise SchemaError(f"the step leaves have no {ref!r}; there is {sorted(step)}") from None
     if x.ndim - batched not in (1, 2):
         raise SchemaError(f"step leaf {ref!r} has shape {x.shape}; expected {'(B, T) or (B, T, E)' if batched else '(T,) or (T, E)'}")
     vector = x.ndim - batched == 2

@@ -51,8 +51,26 @@ import optree
 import shmbuf
 from shmbuf import UsageError
 from shmbuf.layout import (
-    ACTION, BATCH_MODES, BOOTSTRAP, COMPLETE_EPISODES, END, ENV, ENV_STEPS, EPISODE, FINAL_OBS, LENGTH, OBS, RETURN, REWARD,
-    STEP, TERMINATED, TRUNCATE_EPISODES, TRUNCATED, check_batch_mode, rollout_example, successors,
+    ACTION,
+    BATCH_MODES,
+    BOOTSTRAP,
+    COMPLETE_EPISODES,
+    END,
+    ENV,
+    ENV_STEPS,
+    EPISODE,
+    FINAL_OBS,
+    LENGTH,
+    OBS,
+    RETURN,
+    REWARD,
+    STEP,
+    TERMINATED,
+    TRUNCATE_EPISODES,
+    TRUNCATED,
+    check_batch_mode,
+    rollout_example,
+    successors,
 )
 from workers._envs import EnvDriver, tree_copy, tree_index
 from workers._views import ActorViews, check_view_requirements

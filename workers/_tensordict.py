@@ -39,8 +39,21 @@ import optree
 
 from shmbuf import SchemaError, UsageError
 from shmbuf.layout import (
-    ACTION, BATCH_MODES, BOOTSTRAP, EPISODE, FINAL_OBS, FLAG_KEYS, OBS, REWARD, STEP, STEP_KEYS, TERMINATED,
-    TRUNCATE_EPISODES, TRUNCATED, Grid, grid,
+    ACTION,
+    BATCH_MODES,
+    BOOTSTRAP,
+    EPISODE,
+    FINAL_OBS,
+    FLAG_KEYS,
+    OBS,
+    REWARD,
+    STEP,
+    STEP_KEYS,
+    TERMINATED,
+    TRUNCATE_EPISODES,
+    TRUNCATED,
+    Grid,
+    grid,
 )
 
 # TorchRL's entry names for the flags: TorchRL's words (they happen to be the layout's too), so spelled here.
