@@ -69,8 +69,8 @@ from shmbuf.layout import (
     TRUNCATE_EPISODES,
     TRUNCATED,
     check_batch_mode,
-    rollout_example,
-    successors,
+    rollout_example,  # noqa: F401  # re-exported: workers.rollout_example (and the collector imports it from here)
+    successors,  # noqa: F401  # re-exported: workers.successors is shmbuf.layout's
 )
 from workers._envs import EnvDriver, tree_copy, tree_index
 from workers._views import ActorViews, check_view_requirements
@@ -532,8 +532,8 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         if writers and not isinstance(exc, quiet):
             try:
                 writers[0].report_error(exc)
-            except Exception:
-                pass  # the pipeline is gone: the pool's channel still carries the error
+            except Exception:  # noqa: BLE001, S110  # whatever a gone pipeline raises: the pool's channel still carries the error
+                pass
         raise
     finally:
         for w in writers:
