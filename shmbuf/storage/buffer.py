@@ -28,6 +28,7 @@ import numpy as np
 
 import shmbuf
 from shmbuf._errors import BufferEmpty, BufferFull, PipelineClosed, SchemaError, SlotTimeout, StaleRollout, UsageError
+from shmbuf._validate import int_setting, timeout_setting
 from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATED
 from shmbuf.storage._buffer_views import iterate_minibatches, transition_view
 from shmbuf.storage._torch import to_torch
@@ -132,8 +133,7 @@ class Layout:
 
     def __init__(self, num_envs: int, rollout_len: int, fields: dict[str, Field]):
         for setting, v in (("num_envs", num_envs), ("rollout_len", rollout_len)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise UsageError(f"RolloutBuffer({setting}=...): expected an int >= 1, got {v!r}")
+            int_setting(f"RolloutBuffer({setting}=...)", v, 1)
         if not fields:
             raise UsageError("RolloutBuffer: no fields left (fields= removed them all)")
         for f in fields.values():
@@ -421,10 +421,7 @@ class RolloutBuffer:
     def __init__(self, num_envs: int, rollout_len: int, obs_dim: Any, action_dim: Any, *,
                  fields: Mapping[str, Any] | None = None, slots: int = 2, dtype: Any = np.float32,
                  max_writers: int = 16, timeout: float | None = 0.0):
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating))
-                                    or not timeout >= 0):
-            raise UsageError(f"RolloutBuffer(timeout=...): expected seconds >= 0 (0: get() never waits) or None (for ever), "
-                             f"got {timeout!r}")
+        timeout = timeout_setting("RolloutBuffer(timeout=...)", timeout)
         self.layout = Layout(num_envs, rollout_len, _merge_fields(default_fields(obs_dim, action_dim, dtype), fields))
         self.num_envs, self.rollout_len = self.layout.num_envs, self.layout.rollout_len
         self.obs_dim, self.action_dim = obs_dim, action_dim
