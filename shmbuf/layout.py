@@ -437,7 +437,8 @@ def grid(data: Any, fill: Mapping[str, Any] | None = None, *, batch_mode: str | 
     except (KeyError, IndexError, TypeError):
         raise SchemaError(f"the step leaves have no {ref!r}; there is {sorted(step)}") from None
     if x.ndim - batched not in (1, 2):
-        raise SchemaError(f"step leaf {ref!r} has shape {x.shape}; expected {'(B, T) or (B, T, E)' if batched else '(T,) or (T, E)'}")
+        want = "(B, T) or (B, T, E)" if batched else "(T,) or (T, E)"
+        raise SchemaError(f"step leaf {ref!r} has shape {x.shape}; expected {want}")
     vector = x.ndim - batched == 2
     E = int(x.shape[-1]) if vector else 1
     k = None
