@@ -69,7 +69,7 @@ from shmbuf.layout import (
     TRUNCATE_EPISODES,
     TRUNCATED,
     check_batch_mode,
-    rollout_example,  # noqa: F401  # re-exported: workers.rollout_example (and the collector imports it from here)
+    rollout_example,  # noqa: F401  # re-exported: workers.rollout_example is shmbuf.layout's
     successors,  # noqa: F401  # re-exported: workers.successors is shmbuf.layout's
 )
 from workers._envs import EnvDriver, tree_copy, tree_index
