@@ -16,19 +16,20 @@ from typing import Any
 import numpy as np
 
 import shmbuf
+from shmbuf.layout import ACTION, BOOTSTRAP, OBS, REWARD, STEP, TERMINATED, TRUNCATED
 
 
 def example(steps: int, envs: int) -> dict[str, Any]:
     return {
-        "step": {
-            "obs": np.zeros((steps, envs, 4), np.float32),
-            "action": np.zeros((steps, envs), np.int64),
-            "reward": np.zeros((steps, envs), np.float32),
-            "terminated": np.zeros((steps, envs), bool),
-            "truncated": np.zeros((steps, envs), bool),
+        STEP: {
+            OBS: np.zeros((steps, envs, 4), np.float32),
+            ACTION: np.zeros((steps, envs), np.int64),
+            REWARD: np.zeros((steps, envs), np.float32),
+            TERMINATED: np.zeros((steps, envs), bool),
+            TRUNCATED: np.zeros((steps, envs), bool),
         },
         # single-item timescales: a leading 1 (the bootstrap observation), or 0-d leaves (episode totals)
-        "bootstrap": {"obs": np.zeros((1, envs, 4), np.float32)},
+        BOOTSTRAP: {OBS: np.zeros((1, envs, 4), np.float32)},
         "episodes": {
             "count": np.zeros((), np.int64), "return_sum": np.zeros((), np.float64), "length_sum": np.zeros((), np.int64),
         },
@@ -46,17 +47,17 @@ def actor(handle: shmbuf.Handle, envs: int, steps: int, seed: int) -> None:
     obs, _ = env.reset(seed=seed)
     ep_return = np.zeros(envs)
     ep_length = np.zeros(envs, np.int64)
-    step = {"obs": obs, "action": np.zeros(envs, np.int64), "reward": None, "terminated": None, "truncated": None}
+    step = {OBS: obs, ACTION: np.zeros(envs, np.int64), REWARD: None, TERMINATED: None, TRUNCATED: None}
     try:
         with shmbuf.Writer(handle, timeout=None, label=f"cartpole-{seed}") as writer:
             while True:
                 count, ret_sum, len_sum = 0, 0.0, 0
                 for _ in range(steps):
                     action = ((obs @ weights) + 0.3 * rng.standard_normal(envs) > 0).astype(np.int64)
-                    next_obs, reward, terminated, truncated, info = env.step(action)
-                    step["obs"], step["action"] = obs, action
-                    step["reward"], step["terminated"], step["truncated"] = reward, terminated, truncated
-                    writer.add("step", step)
+                    next_obs, reward, terminated, truncated, _info = env.step(action)
+                    step[OBS], step[ACTION] = obs, action
+                    step[REWARD], step[TERMINATED], step[TRUNCATED] = reward, terminated, truncated
+                    writer.add(STEP, step)
                     ep_return += reward
                     ep_length += 1
                     done = terminated | truncated
@@ -68,7 +69,7 @@ def actor(handle: shmbuf.Handle, envs: int, steps: int, seed: int) -> None:
                         ep_length[done] = 0
                         # same-step autoreset: next_obs already holds the reset observation of finished envs
                     obs = next_obs
-                writer.add("bootstrap", {"obs": obs})
+                writer.add(BOOTSTRAP, {OBS: obs})
                 writer.add("episodes", {"count": count, "return_sum": ret_sum, "length_sum": len_sum})
                 writer.commit()
     finally:  # the learner closing the pipeline is the normal way out: the `with` block ends quietly on it
@@ -117,7 +118,7 @@ def run(seconds: float = 10.0, actors: int = 2, envs_per_actor: int = 8, steps: 
                     n = int(ep["count"])
                     episodes += n
                     returns += float(ep["return_sum"])
-                    _ = float(r.data["step"]["reward"].sum())
+                    _ = float(r.data[STEP][REWARD].sum())
                 rollouts += 1
                 if rollouts % 50 == 0:
                     bar.n = round(min(now - t0, seconds), 1)

@@ -50,12 +50,32 @@ import optree
 
 import shmbuf
 from shmbuf import UsageError
-from shmbuf.layout import BATCH_MODES, check_batch_mode, rollout_example
+from shmbuf.layout import (
+    ACTION,
+    BATCH_MODES,
+    BOOTSTRAP,
+    COMPLETE_EPISODES,
+    END,
+    ENV,
+    ENV_STEPS,
+    EPISODE,
+    FINAL_OBS,
+    LENGTH,
+    OBS,
+    RETURN,
+    REWARD,
+    STEP,
+    TERMINATED,
+    TRUNCATE_EPISODES,
+    TRUNCATED,
+    check_batch_mode,
+    rollout_example,  # noqa: F401  # re-exported: workers.rollout_example is shmbuf.layout's
+    successors,  # noqa: F401  # re-exported: workers.successors is shmbuf.layout's
+)
 from workers._envs import EnvDriver, tree_copy, tree_index
-from workers._views import STEP_KEYS, ActorViews, check_view_requirements
+from workers._views import ActorViews, check_view_requirements
 
 MODES = BATCH_MODES
-_check_mode = check_batch_mode
 
 
 def split_policy_output(out: Any) -> tuple[Any, dict[str, Any]]:
@@ -106,7 +126,7 @@ def apply_weights(policy: Any, params: Any) -> None:
 
         policy.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in params.items()})
         return
-    raise TypeError(
+    raise UsageError(
         f"the policy ({type(policy).__name__}) cannot take broadcast weights: give it a load_weights(params) "
         "method (or make it a torch.nn.Module and broadcast its state_dict as numpy arrays)"
     )
@@ -125,7 +145,8 @@ def probe(env: Any, policy: Callable[[Any], Any], seed: int | None = None, *,
     With ``view_requirements`` the policy gets the input dict of an episode's first step (see
     :class:`ActorViews`), as :class:`ActorLoop` will call it.
 
-    Returns ``{"obs", "action", "extras", "num_envs", "vector"}`` (templates without env dim).
+    Returns ``{"obs", "action", "extras", "num_envs", "vector"}`` (templates without env dim; the first two are
+    keyed :data:`shmbuf.layout.OBS` and :data:`~shmbuf.layout.ACTION`).
     """
     driver = EnvDriver(env)
     obs = driver.reset(seed)
@@ -133,16 +154,12 @@ def probe(env: Any, policy: Callable[[Any], Any], seed: int | None = None, *,
     action, extras = split_policy_output(as_numpy_policy(policy)(x))
     action = optree.tree_map(np.asarray, action)
     return {
-        "obs": tree_copy(tree_index(obs, 0)),
-        "action": tree_copy(tree_index(action, 0)),
+        OBS: tree_copy(tree_index(obs, 0)),
+        ACTION: tree_copy(tree_index(action, 0)),
         "extras": {k: np.array(np.asarray(v)[0]) for k, v in extras.items()},
         "num_envs": driver.num_envs,
         "vector": driver.vector,
     }
-
-
-# -- actor-side views: the policy's input under view requirements (RLlib's compute-actions views) ---------
-
 
 
 # -- horizons (RLlib's horizon, soft_horizon, no_done_at_end) ------------------------------------------
@@ -157,12 +174,10 @@ def check_horizon(batch_mode: str, horizon: int | None, soft_horizon: bool, no_d
             raise UsageError(f"{name}: expected a bool, got {v!r}")
     if soft_horizon and horizon is None:
         raise UsageError("soft_horizon=True needs horizon=<steps>: it says what happens at the horizon")
-    if soft_horizon and batch_mode == "complete_episodes":
+    if soft_horizon and batch_mode == COMPLETE_EPISODES:
         raise UsageError("soft_horizon=True with batch_mode='complete_episodes': a soft horizon does not reset the env, so "
                          "the next rollout would start mid-episode, which complete-episodes rollouts never do; use "
                          "batch_mode='truncate_episodes' (or a hard horizon)")
-
-
 
 
 class ActorLoop:
@@ -195,12 +210,12 @@ class ActorLoop:
     """
 
     def __init__(self, env: Any, policy: Any, writers: list[Any], *, rollout_len: int,
-                 batch_mode: str = "truncate_episodes", max_episodes: int | None = None, weights: Any = None,
+                 batch_mode: str = TRUNCATE_EPISODES, max_episodes: int | None = None, weights: Any = None,
                  seed: int | None = None, should_stop: Callable[[], bool] | None = None,
                  view_requirements: dict[str, Any] | None = None, horizon: int | None = None,
                  soft_horizon: bool = False, no_done_at_end: bool = False, reset_each_rollout: bool = False):
-        _check_mode(batch_mode)
-        if reset_each_rollout and batch_mode != "truncate_episodes":
+        check_batch_mode(batch_mode)
+        if reset_each_rollout and batch_mode != TRUNCATE_EPISODES:
             raise UsageError("reset_each_rollout=True: complete-episodes rollouts start with a reset already; "
                              "use it with batch_mode='truncate_episodes'")
         check_horizon(batch_mode, horizon, soft_horizon, no_done_at_end)
@@ -212,9 +227,9 @@ class ActorLoop:
         self.policy = policy
         self._call = as_numpy_policy(policy)
         self.writers = list(writers)
-        need = self.E if batch_mode == "complete_episodes" else 1
+        need = self.E if batch_mode == COMPLETE_EPISODES else 1
         if len(self.writers) != need:
-            raise ValueError(f"{batch_mode} with {self.E} sub-envs needs {need} writer(s), got {len(self.writers)}")
+            raise UsageError(f"{batch_mode} with {self.E} sub-envs needs {need} writer(s), got {len(self.writers)}")
         self.T = rollout_len
         self.mode = batch_mode
         self.max_episodes = max(self.T * self.E if max_episodes is None else max_episodes, 2)
@@ -230,7 +245,7 @@ class ActorLoop:
         self.soft_horizon = soft_horizon
         self.no_done_at_end = no_done_at_end
         self.reset_each_rollout = reset_each_rollout
-        limits = [x for x in (self.horizon, self.T if batch_mode == "complete_episodes" else None) if x is not None]
+        limits = [x for x in (self.horizon, self.T if batch_mode == COMPLETE_EPISODES else None) if x is not None]
         self.limit = min(limits) if limits else None  # where the actor ends an episode itself
         self.obs = self.driver.reset(seed)
         self.views = None
@@ -302,7 +317,7 @@ class ActorLoop:
     def run(self, max_rollouts: int | None = None) -> int:
         """Collect until ``max_rollouts`` more rollouts were committed (None: until stopped); return how many."""
         start = self.rollouts
-        if self.mode == "truncate_episodes":
+        if self.mode == TRUNCATE_EPISODES:
             while max_rollouts is None or self.rollouts - start < max_rollouts:
                 if not self._truncate_rollout():
                     break
@@ -340,18 +355,16 @@ class ActorLoop:
                     cut = last if cut is None else cut | last
             rew32 = rew.astype(np.float32)
             # Exact dtypes and shapes take the Writer's fast path (no per-leaf coercion).
-            step = {"obs": row(obs), "action": row(action), "reward": row(rew32),
-                    "terminated": row(term), "truncated": row(trunc)}
+            step = {OBS: row(obs), ACTION: row(action), REWARD: row(rew32), TERMINATED: row(term), TRUNCATED: row(trunc)}
             for k, v in extras.items():
                 step[k] = row(v)
-            w.add("step", step)
+            w.add(STEP, step)
             done = term | trunc
             ends = done if soft is None else done | soft
             if ends.any():
                 for e in np.flatnonzero(ends):
-                    w.add("episode", {"return": self.ep_ret[e], "length": self.ep_len[e], "terminated": term[e],
-                                      "truncated": trunc[e], "env": np.int32(e), "end": np.int32(t),
-                                      "final_obs": tree_index(succ, e)})
+                    w.add(EPISODE, {RETURN: self.ep_ret[e], LENGTH: self.ep_len[e], TERMINATED: term[e],
+                                    TRUNCATED: trunc[e], ENV: np.int32(e), END: np.int32(t), FINAL_OBS: tree_index(succ, e)})
                 n_ep += int(ends.sum())
                 self.episodes += int(ends.sum())
                 self.ep_ret[ends] = 0.0
@@ -365,7 +378,7 @@ class ActorLoop:
             self.obs = nobs
             if (last or n_ep + E > M) and t < self.T - 1:
                 break  # the next step could overflow the episode table: commit short
-        w.add("bootstrap", {"obs": row(succ), "env_steps": np.int64(self.env_steps)})
+        w.add(BOOTSTRAP, {OBS: row(succ), ENV_STEPS: np.int64(self.env_steps)})
         w.commit(self.version)
         self.rollouts += 1
         return True
@@ -389,11 +402,11 @@ class ActorLoop:
             term, trunc, cut, _ = self._flags(term, trunc)  # no soft horizon in this mode (check_horizon)
             rew32 = rew.astype(np.float32)
             for e in range(E):
-                step = {"obs": tree_index(obs, e), "action": tree_index(action, e), "reward": rew32[e],
-                        "terminated": term[e], "truncated": trunc[e]}
+                step = {OBS: tree_index(obs, e), ACTION: tree_index(action, e), REWARD: rew32[e], TERMINATED: term[e],
+                        TRUNCATED: trunc[e]}
                 for k, v in extras.items():
                     step[k] = v[e]
-                self.writers[e].add("step", step)
+                self.writers[e].add(STEP, step)
             if cut is not None:
                 nobs = self.driver.reset_some(cut, nobs)
                 self.cut_episodes += int(cut.sum())
@@ -404,9 +417,9 @@ class ActorLoop:
                 continue
             for e in np.flatnonzero(done):
                 w = self.writers[e]
-                w.add("episode", {"return": self.ep_ret[e], "length": self.ep_len[e], "terminated": term[e],
-                                  "truncated": trunc[e], "env": np.int32(e)})
-                w.add("bootstrap", {"obs": tree_index(succ, e), "env_steps": np.int64(self.env_steps)})
+                w.add(EPISODE, {RETURN: self.ep_ret[e], LENGTH: self.ep_len[e], TERMINATED: term[e], TRUNCATED: trunc[e],
+                                ENV: np.int32(e)})
+                w.add(BOOTSTRAP, {OBS: tree_index(succ, e), ENV_STEPS: np.int64(self.env_steps)})
                 w.commit(int(self.ep_version[e]))  # the oldest policy that acted in this episode
                 self.rollouts += 1
                 self.episodes += 1
@@ -423,34 +436,6 @@ def _squeeze0(x: Any) -> Any:
 
 def _same(x: Any) -> Any:
     return x
-
-
-def successors(data: dict[str, Any], fill: dict[str, int] | None = None, *, batch_mode: str = "truncate_episodes") -> np.ndarray:
-    """The successor observation of every stored transition, shaped like ``data["step"]["obs"]``.
-
-    ``data`` is one rollout (``rollout.filled()`` or ``rollout.data`` with
-    ``fill``). Successor of step t: ``obs[t+1]``, except where step t ended
-    an episode (its final observation, from the episode table) and for the
-    last step (``bootstrap.obs``). Array observations only.
-    """
-    step, boot = data["step"], data["bootstrap"]
-    n = fill["step"] if fill is not None else len(step["obs"])
-    obs = np.asarray(step["obs"])[:n]
-    out = np.empty_like(obs)
-    out[:-1] = obs[1:]
-    out[-1] = boot["obs"]
-    if batch_mode == "truncate_episodes":
-        ep = data["episode"]
-        k = fill["episode"] if fill is not None else len(ep["end"])
-        vector = obs.ndim == np.ndim(ep["final_obs"]) + 1
-        for i in range(k):
-            t = int(ep["end"][i])
-            if t < n - 1:
-                if vector:
-                    out[t, int(ep["env"][i])] = ep["final_obs"][i]
-                else:
-                    out[t] = ep["final_obs"][i]
-    return out
 
 
 def torch_threads(n: int | None) -> None:
@@ -478,7 +463,7 @@ class ActorSpec:
     rollout_len: int
     policy: Any = None
     policy_factory: Callable[[], Any] | None = None
-    batch_mode: str = "truncate_episodes"
+    batch_mode: str = TRUNCATE_EPISODES
     max_episodes: int | None = None
     weights: str | None = None
     seed: int | None = None
@@ -506,7 +491,7 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
     """
     given = (spec.policy is not None) + (spec.policy_factory is not None) + (spec.inference is not None)
     if given != 1:
-        raise ValueError("ActorSpec: give exactly one of policy, policy_factory and inference")
+        raise UsageError("ActorSpec: give exactly one of policy, policy_factory and inference")
     torch_threads(spec.torch_threads)
     env = spec.env_fns[ctx.index % len(spec.env_fns)]()
     writers: list[Any] = []
@@ -520,7 +505,7 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         else:
             policy = spec.policy if spec.policy is not None else spec.policy_factory()  # type: ignore[misc]
         torch_threads(spec.torch_threads)
-        n_writers = EnvDriver(env).num_envs if spec.batch_mode == "complete_episodes" else 1
+        n_writers = EnvDriver(env).num_envs if spec.batch_mode == COMPLETE_EPISODES else 1
         for k in range(n_writers):
             label = f"{spec.label}-{ctx.index}" + (f"/{k}" if n_writers > 1 else "")
             writers.append(shmbuf.Writer(spec.pipeline, timeout=None, label=label))
@@ -547,8 +532,8 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         if writers and not isinstance(exc, quiet):
             try:
                 writers[0].report_error(exc)
-            except Exception:
-                pass  # the pipeline is gone: the pool's channel still carries the error
+            except Exception:  # noqa: BLE001, S110  # whatever a gone pipeline raises: the pool's channel still carries the error
+                pass
         raise
     finally:
         for w in writers:

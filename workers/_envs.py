@@ -37,9 +37,8 @@ since reward and flags come from the step and a Writer row is added whole).
 
 from __future__ import annotations
 
-from typing import Any
-
 import re
+from typing import Any
 
 import numpy as np
 import optree
@@ -173,7 +172,7 @@ class EnvDriver:
             return nobs, np.asarray(r), te, tr, nobs
         succ = tree_copy(o)  # same-step: the final rows go in below; next-step: the reset may overwrite o
         if self.mode == "same_step":
-            final = info["final_obs"]
+            final = info["final_obs"]  # gymnasium's info key (same-step autoreset), not shmbuf.layout.FINAL_OBS
             for e in np.flatnonzero(done):
                 tree_set(succ, e, final[e])
             return self._own(o), np.asarray(r), te, tr, succ

@@ -38,9 +38,27 @@ import numpy as np
 import optree
 
 from shmbuf import SchemaError, UsageError
+from shmbuf.layout import (
+    ACTION,
+    BATCH_MODES,
+    BOOTSTRAP,
+    EPISODE,
+    FINAL_OBS,
+    FLAG_KEYS,
+    OBS,
+    REWARD,
+    STEP,
+    STEP_KEYS,
+    TERMINATED,
+    TRUNCATE_EPISODES,
+    TRUNCATED,
+    Grid,
+    grid,
+)
 
+# TorchRL's entry names for the flags: TorchRL's words (they happen to be the layout's too), so spelled here.
 FLAGS = ("terminated", "truncated")
-RESERVED = ("obs", "action", "reward", *FLAGS, "policy_version")  # step leaves with a TorchRL name of their own
+RESERVED = (*STEP_KEYS, "policy_version")  # step leaves with a TorchRL name of their own
 
 
 def _imports() -> tuple[Any, Any, Any]:
@@ -64,11 +82,17 @@ def _paths(tree: Any, what: str) -> tuple[list[tuple[str, ...]], list[np.ndarray
     return [tuple(p) for p in paths], [np.asarray(x) for x in leaves], spec
 
 
-def _same_tree(spec: Any, tree: Any, what: str) -> list[np.ndarray]:
+def _same_tree(spec: Any, tree: Any, what: str) -> None:
     got = optree.tree_structure(tree)
     if got != spec:
         raise SchemaError(f"{what}: expected the step observation's structure {spec}, got {got}")
-    return [np.asarray(x) for x in optree.tree_leaves(tree)]
+
+
+def _flag_leaves(step: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    term, trunc = np.asarray(step[TERMINATED]), np.asarray(step[TRUNCATED])
+    if term.shape != trunc.shape:
+        raise SchemaError(f"step leaves 'terminated' {term.shape} and 'truncated' {trunc.shape} differ in shape")
+    return term, trunc
 
 
 def _names(step: Mapping[str, Any], obs_paths: list[tuple[str, ...]], rename: Mapping[str, str]) -> dict[str, str]:
@@ -91,61 +115,14 @@ def _names(step: Mapping[str, Any], obs_paths: list[tuple[str, ...]], rename: Ma
     return names
 
 
-def _truncate_layout(batch: Any, term: np.ndarray) -> dict[str, Any]:
-    """Shapes and fill counts of a truncate-episodes batch (step leaves ``(B, T, [E], ...)``)."""
-    if term.ndim not in (2, 3):
-        raise SchemaError(f"step leaf 'terminated' has shape {term.shape}; a truncate-episodes batch has (B, T) or (B, T, E)")
-    fill = batch.fill
-    if not isinstance(fill, Mapping) or "step" not in fill or "episode" not in fill:
-        raise UsageError(f"a truncate-episodes batch needs batch.fill with 'step' and 'episode' counts, got {fill!r}")
-    B, T = term.shape[:2]
-    n = np.asarray(fill["step"]).astype(np.int64).reshape(-1)
-    k = np.asarray(fill["episode"]).astype(np.int64).reshape(-1)
-    if n.shape != (B,) or (n < 0).any() or (n > T).any():
-        raise SchemaError(f"batch.fill['step'] {n.tolist()} does not fit the batch: expected {B} counts in 0..{T}")
-    if k.shape != (B,) or (k < 0).any():
-        raise SchemaError(f"batch.fill['episode'] {k.tolist()} does not fit the batch: expected {B} counts >= 0")
-    vector = term.ndim == 3
-    return {"B": B, "T": T, "E": term.shape[2] if vector else 1, "vector": vector, "n": n, "k": k}
-
-
-def _canon(x: np.ndarray, vector: bool) -> np.ndarray:
-    """``(B, T, [E], ...)`` as ``(B, T, E, ...)``: a view (E = 1 added for single envs)."""
-    return x if vector else x[:, :, None]
-
-
-def _out_canon(y: np.ndarray, vector: bool) -> np.ndarray:
-    """An array in TorchRL order, ``(B, [E], T, ...)``, seen as ``(B, T, E, ...)``: a view, for writing into."""
-    return np.swapaxes(y, 1, 2) if vector else y[:, :, None]
-
-
-def _truncate_successors(lay: dict[str, Any], obs: np.ndarray, boot: np.ndarray, episode: Mapping[str, Any],
-                         final: np.ndarray) -> np.ndarray:
-    """``next/observation`` of one obs leaf, in TorchRL order, a new array: one vectorised pass over the steps
-    (a shifted copy), then scatters of the bootstrap rows and of the episode table's final observations."""
-    B, T, E, vector, n, k = (lay[x] for x in ("B", "T", "E", "vector", "n", "k"))
-    item = obs.shape[3 if vector else 2:]
-    out = np.empty((B, E, T, *item) if vector else (B, T, *item), obs.dtype)
-    oc, nc = _canon(obs, vector), _out_canon(out, vector)
-    nc[:, :-1] = oc[:, 1:]
-    want = (B, *((E,) if vector else ()), *item)
-    if boot.shape != want:
-        raise SchemaError(f"bootstrap obs has shape {boot.shape}; expected {want} (the step obs without T)")
-    rows = np.flatnonzero(n > 0)
-    nc[rows, n[rows] - 1] = boot[rows] if vector else boot[rows][:, None]
-    if (n < T).any():
-        nc[np.arange(T)[None, :] >= n[:, None]] = 0  # padding: zeros, not stale data
-    end, env = np.asarray(episode["end"]).astype(np.int64), np.asarray(episode["env"]).astype(np.int64)
-    M = end.shape[1] if end.ndim == 2 else 0
-    if end.shape != (B, M) or env.shape != (B, M) or final.shape != (B, M, *item) or (k > M).any():
-        raise SchemaError(f"episode table: end {end.shape}, env {env.shape}, final_obs {final.shape} with fill['episode'] "
-                          f"{k.tolist()}; expected (B, M), (B, M), (B, M, *obs item) with M >= every count")
-    b, i = np.nonzero(np.arange(M)[None, :] < k[:, None])
-    te, ee = end[b, i], env[b, i]
-    if ((te < 0) | (te >= n[b]) | (ee < 0) | (ee >= E)).any():
-        raise SchemaError("episode table: an 'end' or 'env' points outside the stored steps or sub-envs")
-    inner = te < n[b] - 1  # an episode that ended at the last stored step: the bootstrap row, already written
-    nc[b[inner], te[inner], ee[inner]] = final[b[inner], i[inner]]
+def _next_obs(g: Grid, path: tuple[str, ...], leaf: np.ndarray) -> np.ndarray:
+    """``next/observation`` of one obs leaf in TorchRL order, a new array (:meth:`shmbuf.layout.Grid.successors`:
+    one vectorised pass). Vector envs: allocated ``(B, E, T, ...)`` and written through a ``(B, T, E, ...)`` view,
+    so that the tensor is contiguous in TorchRL's order."""
+    if not (g.batched and g.vector):
+        return g.from_bte(g.successors(path))
+    out = np.empty((g.B, g.E, g.T, *leaf.shape[3:]), leaf.dtype)
+    g.successors(path, out=np.swapaxes(out, 1, 2))
     return out
 
 
@@ -168,7 +145,6 @@ class _Parts(NamedTuple):
 
     batch_size: tuple[int, ...]
     vector: bool  # step leaves (B, T, E, ...), shown as (B, E, T, ...)
-    nexts: list[np.ndarray]  # per obs leaf, TorchRL order
     truncated: np.ndarray  # the step leaf, or a copy with short rollouts' cuts marked
     done: np.ndarray
     traj_ids: np.ndarray  # TorchRL order
@@ -176,16 +152,13 @@ class _Parts(NamedTuple):
     version: np.ndarray | None  # TorchRL order: from batch.policy_version (per rollout)
 
 
-def _truncated(batch: Any, episode: Mapping[str, Any], obs: list[np.ndarray], boot: list[np.ndarray],
-               finals: list[np.ndarray], term: np.ndarray, trunc: np.ndarray) -> _Parts:
-    lay = _truncate_layout(batch, term)
-    B, T, E, vector, n = lay["B"], lay["T"], lay["E"], lay["vector"], lay["n"]
+def _truncated(batch: Any, g: Grid, term: np.ndarray, trunc: np.ndarray) -> _Parts:
+    B, T, E, vector, n = g.B, g.T, g.E, g.vector, g.n
     short = np.flatnonzero((n > 0) & (n < T))
     if short.size:  # mark each cut (see to_tensordict's doc): on a copy, never in the batch
         trunc = trunc.copy()
         last = n[short] - 1
-        _canon(trunc, vector)[short, last] |= ~_canon(term, vector)[short, last]
-    nexts = [_truncate_successors(lay, o, b, episode, f) for o, b, f in zip(obs, boot, finals)]
+        g.as_bte(trunc)[short, last] |= ~g.as_bte(term)[short, last]
     filled = np.arange(T)[None, :] < n[:, None]
     done = term | trunc
     order = (B, E, T) if vector else (B, T)
@@ -194,30 +167,18 @@ def _truncated(batch: Any, episode: Mapping[str, Any], obs: list[np.ndarray], bo
     if batch.policy_version is not None:
         pv = np.asarray(batch.policy_version, np.int64).reshape(B, *(1,) * (len(order) - 1))
         version = np.ascontiguousarray(np.broadcast_to(pv, order))
-    return _Parts(tuple(order), vector, nexts, trunc, done, _traj_ids(_canon(done, vector), filled, vector), mask, version)
+    return _Parts(tuple(order), vector, trunc, done, _traj_ids(g.as_bte(done), filled, vector), mask, version)
 
 
-def _complete(batch: Any, obs: list[np.ndarray], boot: list[np.ndarray], term: np.ndarray, trunc: np.ndarray) -> _Parts:
+def _complete(batch: Any, g: Grid, term: np.ndarray, trunc: np.ndarray) -> _Parts:
     """A complete-episodes batch: steps concatenated, ``(N, ...)``, one episode per ``batch.lengths`` entry."""
-    lengths = np.asarray(batch.lengths, np.int64).reshape(-1)
-    if term.ndim != 1 or (lengths < 1).any() or int(lengths.sum()) != term.shape[0]:
-        raise SchemaError(f"a complete-episodes batch has step leaves (N,) with N = sum(batch.lengths); got "
-                          f"'terminated' {term.shape} and lengths {lengths.tolist()}")
-    R, N = len(lengths), int(term.shape[0])
-    ends = np.cumsum(lengths) - 1
-    nexts = []
-    for o, b in zip(obs, boot):
-        if b.shape != (R, *o.shape[1:]):
-            raise SchemaError(f"bootstrap obs has shape {b.shape}; expected {(R, *o.shape[1:])} (one row per episode)")
-        nx = np.empty_like(o)  # one pass: the shifted copy, then each episode's final obs at its last step
-        nx[:-1] = o[1:]
-        nx[ends] = b
-        nexts.append(nx)
+    lengths = g.lengths
+    R, N = len(lengths), g.T
     version = None
     if batch.policy_version is not None:
         version = np.repeat(np.asarray(batch.policy_version, np.int64).reshape(R), lengths)
     traj = np.repeat(np.arange(R, dtype=np.int64), lengths)
-    return _Parts((N,), False, nexts, trunc, term | trunc, traj, None, version)
+    return _Parts((N,), False, trunc, term | trunc, traj, None, version)
 
 
 def to_tensordict(batch: Any, /, *, rename: Mapping[str, str] | None = None) -> Any:
@@ -258,43 +219,44 @@ def to_tensordict(batch: Any, /, *, rename: Mapping[str, str] | None = None) -> 
     torch, TensorDict, to_torch = _imports()
     mode = getattr(batch, "batch_mode", None)
     data = getattr(batch, "data", None)
-    if mode not in ("truncate_episodes", "complete_episodes") or not isinstance(data, Mapping) or "step" not in data:
+    if mode not in BATCH_MODES or not isinstance(data, Mapping) or STEP not in data:
         raise UsageError(f"to_tensordict: expected a workers.CollectedBatch (with data['step'] and a batch_mode), got "
                          f"{type(batch).__name__} with batch_mode={mode!r}")
-    step = data["step"]
-    missing = [k for k in ("obs", "action", "reward", *FLAGS) if k not in step]
+    step = data[STEP]
+    missing = [k for k in (OBS, ACTION, REWARD, *FLAG_KEYS) if k not in step]
     if missing:
         raise SchemaError(f"step leaves {missing} are missing; the workers rollout layout has obs, action, reward, "
                           f"terminated, truncated (and policy extras), got {sorted(step)}")
-    obs_paths, obs_leaves, obs_spec = _paths(step["obs"], "obs")
+    obs_paths, obs_leaves, obs_spec = _paths(step[OBS], "obs")
     names = _names(step, obs_paths, dict(rename or {}))
-    boot_leaves = _same_tree(obs_spec, data["bootstrap"]["obs"], "bootstrap obs")
-    term, trunc = np.asarray(step["terminated"]), np.asarray(step["truncated"])
-    if term.shape != trunc.shape:
-        raise SchemaError(f"step leaves 'terminated' {term.shape} and 'truncated' {trunc.shape} differ in shape")
-    if mode == "truncate_episodes":
-        finals = _same_tree(obs_spec, data["episode"]["final_obs"], "episode final_obs")
-        parts = _truncated(batch, data["episode"], obs_leaves, boot_leaves, finals, term, trunc)
-    else:
-        parts = _complete(batch, obs_leaves, boot_leaves, term, trunc)
+    _same_tree(obs_spec, data[BOOTSTRAP][OBS], "bootstrap obs")
+    fill = batch.fill
+    if mode == TRUNCATE_EPISODES:
+        if not isinstance(fill, Mapping) or STEP not in fill or EPISODE not in fill:
+            raise UsageError(f"a truncate-episodes batch needs batch.fill with 'step' and 'episode' counts, got {fill!r}")
+        _same_tree(obs_spec, data[EPISODE][FINAL_OBS], "episode final_obs")
+    g = grid(batch)
+    term, trunc = _flag_leaves(step)
+    parts = _truncated(batch, g, term, trunc) if mode == TRUNCATE_EPISODES else _complete(batch, g, term, trunc)
+    nexts = [_next_obs(g, p, o) for p, o in zip(obs_paths, obs_leaves, strict=True)]
 
     def tl(x: Any) -> Any:  # a step leaf with time last: (B, T, E, ...) -> (B, E, T, ...) as a view
         t = to_torch(np.asarray(x))
         return t.transpose(1, 2) if parts.vector else t
 
     td = TensorDict({}, batch_size=list(parts.batch_size))
-    for p, o, nx in zip(obs_paths, obs_leaves, parts.nexts):
+    for p, o, nx in zip(obs_paths, obs_leaves, nexts, strict=True):
         key = (names["observation"],) if p == () else (names[p[0]], *p[1:])
         td.set(key, tl(o))
         td.set(("next", *key), torch.from_numpy(nx))
-    for name in ["action", *(k for k in step if k not in RESERVED)]:
+    for name in [ACTION, *(k for k in step if k not in RESERVED)]:
         for p, leaf in zip(*_paths(step[name], name)[:2]):
             td.set((names[name], *p), tl(leaf))
     if "policy_version" in step:
         td.set(names["policy_version"], tl(step["policy_version"]))
     elif parts.version is not None:
         td.set(names["policy_version"], torch.from_numpy(parts.version))
-    td.set(("next", names["reward"]), tl(step["reward"]).unsqueeze(-1))
+    td.set(("next", names["reward"]), tl(step[REWARD]).unsqueeze(-1))
     td.set(("next", names["done"]), tl(parts.done).unsqueeze(-1))
     td.set(("next", names["terminated"]), tl(term).unsqueeze(-1))
     td.set(("next", names["truncated"]), tl(parts.truncated).unsqueeze(-1))

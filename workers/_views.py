@@ -14,8 +14,9 @@ import numpy as np
 import optree
 
 from shmbuf import UsageError
+
 # The step leaves (the columns a view can read, with policy extras); the flags are per step and never observations.
-from shmbuf.layout import FLAG_KEYS, STEP_KEYS
+from shmbuf.layout import ACTION, FLAG_KEYS, OBS, REWARD, STEP_KEYS, TERMINATED, TRUNCATED
 
 
 def _item_template(space: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -130,25 +131,25 @@ class ActorViews:
         self._origin = {col: "its requirement's space=" if col in space else "the env's action space" for col in depth}
         self.rings: dict[str, tuple[Any, list[_Ring]]] = {}
         for col in self.columns:
-            self.rings[col] = self._make_rings(col, depth[col], obs, space.get(col, action_space if col == "action" else None))
+            self.rings[col] = self._make_rings(col, depth[col], obs, space.get(col, action_space if col == ACTION else None))
         for key, vr in self.requirements.items():
             self._check_fill(key, vr)
         self.views = {key: [_View(r, vr.offsets, vr.windowed) for r in self.rings[vr.column(key)][1]]
                       for key, vr in self.requirements.items()}
-        if "obs" in self.rings:
-            self._push("obs", obs)
+        if OBS in self.rings:
+            self._push(OBS, obs)
 
     def _make_rings(self, col: str, depth: int, obs: Any, space: Any) -> tuple[Any, list[_Ring]]:
         E = self.E
-        if col == "obs":
+        if col == OBS:
             leaves, spec = optree.tree_flatten(obs)
             return spec, [_Ring(E, depth + 1, np.shape(a)[1:], np.asarray(a).dtype, 0) for a in leaves]
-        if col == "reward":
+        if col == REWARD:
             shape, dtype = (), np.dtype(np.float32)
         elif col in FLAG_KEYS:
             shape, dtype = (), np.dtype(bool)
         elif space is None:
-            what = "the env's action space" if col == "action" else "space="
+            what = "the env's action space" if col == ACTION else "space="
             raise UsageError(f"view column {col!r}: its item shape and dtype are needed before the policy's first output, "
                              f"and there is no {what}: give the requirement space= (one sub-env's item, e.g. a gymnasium "
                              "Space or np.zeros((), np.float32))")
@@ -184,7 +185,7 @@ class ActorViews:
     def _check_output(self, values: dict[str, Any], extras: dict[str, Any]) -> None:
         """The first output's actions and extras have the shape and dtype the rings were made for."""
         for col in self.columns:
-            if col == "obs" or col == "reward" or col in FLAG_KEYS:
+            if col in (OBS, REWARD, *FLAG_KEYS):
                 continue
             ring = self.rings[col][1][0]
             if col not in values:
@@ -204,19 +205,19 @@ class ActorViews:
     def advance(self, action: Any, extras: dict[str, Any], reward: np.ndarray, terminated: np.ndarray,
                 truncated: np.ndarray, next_obs: Any) -> None:
         """Record a step (its recorded values, ``(E, ...)`` each), start the episodes that ended, then take ``next_obs``."""
-        values = {"action": action, "reward": reward, "terminated": terminated, "truncated": truncated, **extras}
+        values = {ACTION: action, REWARD: reward, TERMINATED: terminated, TRUNCATED: truncated, **extras}
         if not self._checked:
             self._check_output(values, extras)
         for col in self.columns:
-            if col != "obs":
+            if col != OBS:
                 self._push(col, values[col])
         ended = terminated | truncated
         if ended.any():
             for _, rings in self.rings.values():
                 for ring in rings:
                     ring.clear(ended)
-        if "obs" in self.rings:
-            self._push("obs", next_obs)
+        if OBS in self.rings:
+            self._push(OBS, next_obs)
 
 
 def check_view_requirements(requirements: Any) -> dict[str, Any]:
@@ -247,7 +248,7 @@ def check_view_requirements(requirements: Any) -> dict[str, Any]:
             raise UsageError(f"view_requirements[{key!r}] (column {col!r}, shift={vr.shift!r}): offset {ahead[0]} is after "
                              "the step the policy acts on, which the actor cannot know yet; positive shifts (e.g. the next "
                              "observation) are for the learner side: leave this one out of the actor's requirements")
-        if col != "obs" and 0 in vr.offsets:
+        if col != OBS and 0 in vr.offsets:
             raise UsageError(f"view_requirements[{key!r}] (column {col!r}, shift={vr.shift!r}): offset 0 is this step's own "
                              f"{col}, which the policy is computing (only 'obs' is known at offset 0); use shift=-1 for the "
                              "previous one")

@@ -28,14 +28,19 @@ import numpy as np
 
 import shmbuf
 from shmbuf._errors import BufferEmpty, BufferFull, PipelineClosed, SchemaError, SlotTimeout, StaleRollout, UsageError
+from shmbuf._validate import int_setting, timeout_setting
+from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATED
+from shmbuf.storage._buffer_views import iterate_minibatches, transition_view
 from shmbuf.storage._torch import to_torch
-from shmbuf.storage._common import generator
+
+__all__ = [
+    "BufferEmpty", "BufferFull", "Field", "RolloutBuffer", "RolloutBufferWriter", "RolloutSlot", "iterate_minibatches",
+    "to_torch", "transition_view",
+]
 
 OBSERVATION = "observation"
 TRANSITION = "transition"
 KINDS = (OBSERVATION, TRANSITION)
-DEFAULT_OBS_FIELDS = ("obs", "value")
-INDICES = "_indices"  # the key iterate_minibatches adds (embodichain's name)
 _DEFAULT = object()
 
 
@@ -86,14 +91,14 @@ def default_fields(obs_dim: Any, action_dim: Any, dtype: Any = np.float32) -> di
     fdt = _dtype(dtype, "RolloutBuffer(dtype=...)")
     b = np.dtype(bool)
     specs = {
-        "obs": (_dim(obs_dim, "RolloutBuffer(obs_dim=...)"), fdt, OBSERVATION),
-        "action": (_dim(action_dim, "RolloutBuffer(action_dim=...)"), fdt, TRANSITION),
+        OBS: (_dim(obs_dim, "RolloutBuffer(obs_dim=...)"), fdt, OBSERVATION),
+        ACTION: (_dim(action_dim, "RolloutBuffer(action_dim=...)"), fdt, TRANSITION),
         "sample_log_prob": ((), fdt, TRANSITION),
         "value": ((), fdt, OBSERVATION),
-        "reward": ((), fdt, TRANSITION),
+        REWARD: ((), fdt, TRANSITION),
         "done": ((), b, TRANSITION),
-        "terminated": ((), b, TRANSITION),
-        "truncated": ((), b, TRANSITION),
+        TERMINATED: ((), b, TRANSITION),
+        TRUNCATED: ((), b, TRANSITION),
     }
     return {name: Field(name, *spec) for name, spec in specs.items()}
 
@@ -128,8 +133,7 @@ class Layout:
 
     def __init__(self, num_envs: int, rollout_len: int, fields: dict[str, Field]):
         for setting, v in (("num_envs", num_envs), ("rollout_len", rollout_len)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise UsageError(f"RolloutBuffer({setting}=...): expected an int >= 1, got {v!r}")
+            int_setting(f"RolloutBuffer({setting}=...)", v, 1)
         if not fields:
             raise UsageError("RolloutBuffer: no fields left (fields= removed them all)")
         for f in fields.values():
@@ -417,10 +421,7 @@ class RolloutBuffer:
     def __init__(self, num_envs: int, rollout_len: int, obs_dim: Any, action_dim: Any, *,
                  fields: Mapping[str, Any] | None = None, slots: int = 2, dtype: Any = np.float32,
                  max_writers: int = 16, timeout: float | None = 0.0):
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating))
-                                    or not timeout >= 0):
-            raise UsageError(f"RolloutBuffer(timeout=...): expected seconds >= 0 (0: get() never waits) or None (for ever), "
-                             f"got {timeout!r}")
+        timeout = timeout_setting("RolloutBuffer(timeout=...)", timeout)
         self.layout = Layout(num_envs, rollout_len, _merge_fields(default_fields(obs_dim, action_dim, dtype), fields))
         self.num_envs, self.rollout_len = self.layout.num_envs, self.layout.rollout_len
         self.obs_dim, self.action_dim = obs_dim, action_dim
@@ -562,98 +563,3 @@ class RolloutBuffer:
     def __repr__(self) -> str:
         return (f"RolloutBuffer(num_envs={self.num_envs}, rollout_len={self.rollout_len}, slots={self.slots}, "
                 f"fields={list(self.layout.fields)}, name={self._reader.name!r})")
-
-
-# -- views and minibatches ---------------------------------------------------
-
-
-def _flat(x: np.ndarray, copy: bool) -> np.ndarray:
-    """``[N, T, ...]`` -> ``[N*T, ...]``: numpy's reshape (a view when it can be one), or always a new array."""
-    shape = (x.shape[0] * x.shape[1], *x.shape[2:])
-    if not copy:
-        return x.reshape(shape)
-    out = np.empty(shape, x.dtype)
-    out.reshape(x.shape)[...] = x
-    return out
-
-
-def transition_view(rollout: Mapping[str, Any], flatten: bool = False, *, obs_fields: tuple[str, ...] = DEFAULT_OBS_FIELDS,
-                    copy: bool = False) -> dict[str, np.ndarray]:
-    """The transitions of a ``[num_envs, T+1]`` rollout: the padding row dropped, next observations aligned.
-
-    For each field ``x`` of batch shape ``[N, T+1]``: an observation-aligned one (in ``obs_fields``)
-    gives ``x = x[:, :T]`` and ``next_x = x[:, 1:]``; any other gives ``x[:, :T]`` (its row T is
-    padding). A field already of batch shape ``[N, T]`` (e.g. an ``advantage`` you computed) is taken
-    as it is. T+1 is the largest second dim among the fields; observation-aligned fields must have it.
-
-    Views and copies: with ``flatten=False`` every result is a view of ``rollout``'s array (a
-    slice; nothing is copied). With ``flatten=True`` each is reshaped to ``[N*T, ...]``, which is a
-    view only where numpy can merge the two axes without copying: for a ``[:, :T]`` or ``[:, 1:]``
-    slice of an ``[N, T+1]`` array, only when ``N == 1`` or ``T == 1`` (otherwise the rows of one env
-    are not a stride apart from the next env's: the padding row sits between them), and for a
-    C-contiguous ``[N, T]`` field always; everything else is copied. ``copy=True`` copies every field
-    (``get(flatten=True)`` does, so the slot can be released).
-    """
-    arrays = {k: np.asarray(v) if not isinstance(v, np.ndarray) else v for k, v in rollout.items()}
-    if not arrays:
-        raise SchemaError("transition_view(): the rollout has no fields")
-    for k, v in arrays.items():
-        if v.ndim < 2:
-            raise SchemaError(f"transition_view(): field {k!r} has shape {v.shape}; expected batch shape [num_envs, T+1]")
-    n = next(iter(arrays.values())).shape[0]
-    t1 = max(v.shape[1] for v in arrays.values())
-    t = t1 - 1
-    if t < 1:
-        raise SchemaError(f"transition_view(): the rollout has {t1} time rows; expected T+1 >= 2")
-    out: dict[str, np.ndarray] = {}
-    for k, v in arrays.items():
-        if v.shape[0] != n or v.shape[1] not in (t, t1) or (k in obs_fields and v.shape[1] != t1):
-            want = f"[{n}, {t1}, ...]" if k in obs_fields else f"[{n}, {t1}, ...] or [{n}, {t}, ...]"
-            kind = "observation-aligned " if k in obs_fields else ""
-            raise SchemaError(f"transition_view(): {kind}field {k!r}: expected batch shape {want}, got {v.shape}")
-        out[k] = v[:, :t]
-        if k in obs_fields:
-            if f"next_{k}" in arrays:
-                raise SchemaError(f"transition_view(): field 'next_{k}' clashes with the next_{k} made of observation-aligned "
-                                  f"field {k!r}; rename it, or leave {k!r} out of obs_fields")
-            out[f"next_{k}"] = v[:, 1:]
-    if flatten:
-        out = {k: _flat(v, copy) for k, v in out.items()}
-    elif copy:
-        out = {k: np.array(v) for k, v in out.items()}
-    return out
-
-
-def iterate_minibatches(rollout: Mapping[str, Any], batch_size: int, *, rng: Any = None,
-                        device: Any = None) -> Iterator[dict[str, Any]]:
-    """Shuffled minibatches of a flattened rollout (every field ``[M, ...]``): each of the M rows exactly once.
-
-    Each batch is new arrays (numpy fancy indexing copies), ``batch_size`` rows (the last may be
-    fewer), plus ``"_indices"``: which rows of ``rollout`` it holds (embodichain's key). ``rng``: a
-    ``np.random.Generator``, a seed, or None (fresh entropy). ``device``: if given, each batch comes
-    as torch tensors on it (:func:`to_torch`). Arguments are checked now, not at the first ``next``
-    (SchemaError for the rollout, UsageError naming ``batch_size`` or ``rng``).
-    """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise UsageError(f"iterate_minibatches(batch_size=...): expected an int >= 1, got {batch_size!r}")
-    arrays = {k: v if isinstance(v, np.ndarray) else np.asarray(v) for k, v in rollout.items()}
-    if not arrays:
-        raise SchemaError("iterate_minibatches(): the rollout has no fields")
-    sizes = {k: v.shape[0] if v.ndim else None for k, v in arrays.items()}
-    m = next(iter(sizes.values()))
-    bad = {k: s for k, s in sizes.items() if s != m or s is None}
-    if bad:
-        raise SchemaError(f"iterate_minibatches(): every field must share the leading dim (a flattened rollout: "
-                          f"get(flatten=True) or transition_view(..., flatten=True)); got {sizes}")
-    gen = generator(rng, "iterate_minibatches(rng=...)")
-    return _minibatches(arrays, m, int(batch_size), gen, device)
-
-
-def _minibatches(arrays: dict[str, np.ndarray], m: int, batch_size: int, gen: np.random.Generator,
-                 device: Any) -> Iterator[dict[str, Any]]:
-    perm = gen.permutation(m)
-    for start in range(0, m, batch_size):
-        idx = perm[start : start + batch_size]
-        batch: dict[str, Any] = {k: v[idx] for k, v in arrays.items()}
-        batch[INDICES] = idx
-        yield batch if device is None else to_torch(batch, device)

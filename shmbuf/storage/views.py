@@ -17,7 +17,8 @@ a copy, because fill values and successor observations are not in the step leaf 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any, NamedTuple, NoReturn
@@ -27,6 +28,7 @@ import optree
 from numpy.lib.stride_tricks import as_strided
 
 from shmbuf._errors import SchemaError, UsageError
+from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATE_EPISODES, TRUNCATED, Grid, grid
 from shmbuf.storage._common import leaf_at
 
 _RANGE = re.compile(r"^\s*(-?\d+)\s*:\s*(-?\d+)\s*$")
@@ -108,13 +110,11 @@ class ViewRequirement:
 
 # -- learner side: columns from a rollout or a batch of rollouts ---------------------------------------
 
-BATCH_MODES = ("truncate_episodes", "complete_episodes")
-
 # RLlib's SampleBatch column names a user may try as a data_col, and what shmbuf calls them (for error hints).
 RLLIB_NAMES = {
-    "obs": "obs", "new_obs": "obs (with shift=1)", "next_obs": "obs (with shift=1)", "actions": "action",
-    "prev_actions": "action (with shift=-1)", "rewards": "reward", "prev_rewards": "reward (with shift=-1)",
-    "terminateds": "terminated", "truncateds": "truncated", "dones": "terminated and truncated",
+    "obs": OBS, "new_obs": f"{OBS} (with shift=1)", "next_obs": f"{OBS} (with shift=1)", "actions": ACTION,
+    "prev_actions": f"{ACTION} (with shift=-1)", "rewards": REWARD, "prev_rewards": f"{REWARD} (with shift=-1)",
+    "terminateds": TERMINATED, "truncateds": TRUNCATED, "dones": f"{TERMINATED} and {TRUNCATED}",
 }
 
 
@@ -141,167 +141,35 @@ def _fail(kind: type[Exception], msg: str) -> NoReturn:
 
 @dataclass
 class _Lanes:
-    """One rollout or a batch of them, in canonical form: every step leaf read as ``(B, T, E, ...)`` (views).
+    """A rollout or a batch as :func:`shmbuf.layout.grid` reads it, with where each step's episode starts and ends.
 
-    ``n`` (B,): stored steps per rollout (rows past it are padding); ``start``/``end`` (B, T, E): the first
-    and last step of each step's episode inside this rollout (``start`` may be negative with a previous
-    rollout: its rows are then at -n_prev..-1).
+    ``start``/``end`` (B, T, E): the first and last step of each step's episode inside this rollout (``start``
+    may be negative with a previous rollout: its rows are then at -n_prev..-1).
     """
 
-    step: Any
-    episode: Any
-    bootstrap: Any
-    batched: bool
-    B: int
-    T: int
-    E: int | None
-    n: np.ndarray
-    k: np.ndarray | None
-    done: np.ndarray
+    g: Grid
     start: np.ndarray
     end: np.ndarray
-    mode: str
-    name: str = "the rollout"
+    name: str
     prev: _Lanes | None = None
 
-    def canon(self, x: np.ndarray) -> np.ndarray:
-        """A step leaf ``([B], T, [E], ...)`` as ``(B, T, E, ...)``: a view with unit axes put in."""
-        if not self.batched:
-            x = x[None]
-        if self.E is None:
-            x = np.expand_dims(x, 2)
-        return x
 
-    def canon_env(self, x: np.ndarray) -> np.ndarray:
-        """A per-rollout leaf ``([B], [E], ...)`` (bootstrap) as ``(B, E, ...)`` (a view)."""
-        if not self.batched:
-            x = x[None]
-        if self.E is None:
-            x = np.expand_dims(x, 1)
-        return x
-
-    def uncanon(self, y: np.ndarray) -> np.ndarray:
-        """Undo :meth:`canon` on a result ``(B, T, E, ...)`` (a view of ``y``)."""
-        if self.E is None:
-            y = y[:, :, 0]
-        return y if self.batched else y[0]
-
-    def lead(self) -> tuple[int, ...]:
-        return ((self.B,) if self.batched else ()) + (self.T,) + (() if self.E is None else (self.E,))
-
-
-def _unwrap(data: Any, fill: Any, batch_mode: str | None) -> tuple[Any, Any, str, Any]:
-    """``(tree, fill, batch_mode, lengths)`` from a dict, or from a Rollout / Batch / CollectedBatch object."""
-    lengths = None
-    if not isinstance(data, Mapping) and hasattr(data, "data"):
-        obj = data
-        data = obj.data
-        if fill is None:
-            fill = getattr(obj, "fill", None)
-        if batch_mode is None:
-            batch_mode = getattr(obj, "batch_mode", None)
-        if fill is None and batch_mode == "complete_episodes":
-            lengths = getattr(obj, "lengths", None)
-    if batch_mode is None:
-        batch_mode = "truncate_episodes"
-    if batch_mode not in BATCH_MODES:
-        _fail(UsageError, f"batch_mode: expected one of {BATCH_MODES}, got {batch_mode!r}")
-    if not isinstance(data, Mapping) or not isinstance(data.get("step"), Mapping):
-        _fail(UsageError, f"expected a rollout in the workers layout (a dict with data['step'], or a shmbuf Rollout, "
-                          f"Batch or workers CollectedBatch), got {type(data).__name__}")
-    return data, fill, batch_mode, lengths
-
-
-def _flags(step: Any) -> tuple[np.ndarray, np.ndarray]:
+@contextmanager
+def _said_here(context: str = "") -> Iterator[None]:
+    """shmbuf.layout's errors (which cannot know the column) said as build_views' own, with ``context`` in front."""
     try:
-        term, trunc = np.asarray(step["terminated"]), np.asarray(step["truncated"])
-    except KeyError:
-        _fail(SchemaError, f"the step leaves need 'terminated' and 'truncated' (episode boundaries); there is {sorted(step)}")
-    if term.shape != trunc.shape:
-        _fail(SchemaError, f"step leaves 'terminated' {term.shape} and 'truncated' {trunc.shape} differ in shape")
-    return term, trunc
+        yield
+    except (SchemaError, UsageError) as e:
+        raise type(e)(f"build_views: {context}{e}") from None
 
 
-def _is_batch(data: Any, mode: str) -> bool:
-    """Whether ``data`` (without ``fill``) is a batch: its per-rollout leaves have a leading B."""
-    boot, ep = data.get("bootstrap"), data.get("episode")
-    if isinstance(boot, Mapping) and "env_steps" in boot:
-        return np.ndim(boot["env_steps"]) == 1
-    if isinstance(ep, Mapping) and "length" in ep:
-        return np.ndim(ep["length"]) == (2 if mode == "truncate_episodes" else 1)
-    return False
-
-
-def _cut(tree: Any, n: int, what: str) -> Any:
-    """Every leaf's first ``n`` rows (views); a leaf without a leading axis is a SchemaError naming it."""
-    def rows(path: tuple[Any, ...], a: Any) -> np.ndarray:
-        a = np.asarray(a)
-        if a.ndim == 0:
-            _fail(SchemaError, f"{what} leaf {'/'.join(map(str, path))!r} is a scalar; expected an array with a leading "
-                               f"time (or row) axis")
-        return a[:n]
-    return optree.tree_map_with_path(rows, tree)
-
-
-def _count(v: Any, what: str) -> np.ndarray:
-    """Fill counts as int64 (a scalar or one per rollout): integral numbers only, else a UsageError naming them."""
-    try:
-        a = np.asarray(v)
-        ok = a.dtype.kind in "iu" or (a.dtype.kind == "f" and bool(np.all(np.mod(a, 1) == 0)))
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        _fail(UsageError, f"{what}: expected integer counts (the rollout's or batch's fill), got {v!r}")
-    return a.astype(np.int64)
-
-
-def _lanes(data: Any, fill: Any, mode: str, lengths: Any, name: str) -> _Lanes:
-    """Read the layout: batch or not, env dim or not, fills, and where each step's episode starts and ends."""
-    step, episode, boot = data["step"], data.get("episode"), data.get("bootstrap")
-    if lengths is not None:  # a complete-episodes CollectedBatch: episodes concatenated, one bootstrap row each
-        return _concatenated(step, episode, boot, np.asarray(lengths, np.int64), name)
-    if fill is not None and (not isinstance(fill, Mapping) or "step" not in fill):
-        _fail(UsageError, f"fill: expected the rollout's or batch's fill (a dict with 'step'), got {fill!r}")
-    batched = np.ndim(fill["step"]) > 0 if fill is not None else _is_batch(data, mode)
-    if batched and fill is None:
-        _fail(UsageError, f"{name} is a batch of rollouts (its bootstrap/episode leaves have a leading B) and fill=None: "
-                          "pass fill=batch.fill (or the Batch/CollectedBatch itself), so that padding past each "
-                          "rollout's fill is never read as data")
-    term, trunc = _flags(step)
-    lead_nd = term.ndim - (1 if batched else 0)
-    if lead_nd not in (1, 2):
-        _fail(SchemaError, f"step leaf 'terminated' has shape {term.shape}; expected "
-                           f"{'(B, T) or (B, T, E)' if batched else '(T,) or (T, E)'}")
-    E = term.shape[-1] if lead_nd == 2 else None
-    k = None
-    if not batched:
-        n = len(term) if fill is None else int(_count(fill["step"], "fill['step']"))
-        if not 0 <= n <= len(term):
-            _fail(UsageError, f"fill['step']={n} is outside the rollout's capacity 0..{len(term)}")
-        step, term, trunc = _cut(step, n, "step"), term[:n], trunc[:n]
-        if isinstance(episode, Mapping) and mode == "truncate_episodes" and "end" in episode:
-            if fill is not None and "episode" in fill:
-                m = int(_count(fill["episode"], "fill['episode']"))
-                rows = len(np.asarray(episode["end"]))
-                if not 0 <= m <= rows:
-                    _fail(UsageError, f"fill['episode']={m} is outside the episode table's capacity 0..{rows}")
-                episode = _cut(episode, m, "episode")
-            k = np.array([len(np.asarray(episode["end"]))])
-        B, T, nn = 1, n, np.array([n])
-    else:
-        B, T = term.shape[0], term.shape[1]
-        nn = _count(fill["step"], "fill['step']").reshape(-1)
-        if nn.shape != (B,) or (nn < 0).any() or (nn > T).any():
-            _fail(UsageError, f"fill['step'] {nn.tolist()} does not fit the batch: expected {B} counts in 0..{T}")
-        if "episode" in fill:
-            k = _count(fill["episode"], "fill['episode']").reshape(-1)
-            if k.shape != (B,) or (k < 0).any():
-                _fail(UsageError, f"fill['episode'] {k.tolist()} does not fit the batch: expected {B} counts >= 0")
-    lanes = _Lanes(step, episode, boot, batched, B, T, E, nn, k, np.empty(0), np.empty(0), np.empty(0), mode, name)
-    done = lanes.canon(term | trunc) & (np.arange(T)[None, :, None] < nn[:, None, None])
-    lanes.done = done
-    lanes.start, lanes.end = _bounds(done, nn)
-    return lanes
+def _lanes(data: Any, fill: Any, batch_mode: str | None, name: str | None = None) -> _Lanes:
+    """Read the layout (:func:`shmbuf.layout.grid`), and where each step's episode starts and ends."""
+    with _said_here():
+        g = grid(data, fill, batch_mode=batch_mode)
+        done = g.done
+    start, end = _bounds(done, g.n)
+    return _Lanes(g, start, end, g.name if name is None else name)
 
 
 def _bounds(done: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -317,46 +185,22 @@ def _bounds(done: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return start, np.minimum(end, last)
 
 
-def _concatenated(step: Any, episode: Any, boot: Any, lengths: np.ndarray, name: str) -> _Lanes:
-    """A complete-episodes CollectedBatch as one long lane: episode i ends at ``cumsum(lengths)[i] - 1``,
-    its successor is ``bootstrap[i]`` (a final-observation table made of the bootstrap rows, no copy)."""
-    term, trunc = _flags(step)
-    N = int(lengths.sum())
-    if term.shape[:1] != (N,) or term.ndim != 1:
-        _fail(SchemaError, f"{name}: step leaf 'terminated' has shape {term.shape}; a complete-episodes batch of "
-                           f"lengths summing to {N} has ({N},)")
-    ends = np.cumsum(lengths) - 1
-    done = term | trunc
-    marked = np.zeros(N, bool)
-    marked[ends] = True
-    if (done != marked).any():
-        t = int(np.flatnonzero(done != marked)[0])
-        _fail(SchemaError, f"{name}: step {t} {'ends' if done[t] else 'does not end'} an episode, but the batch's lengths "
-                           f"say otherwise; a complete-episodes batch ends each episode exactly at its last step")
-    table = {"end": ends.astype(np.int32), "env": np.zeros(len(ends), np.int32)}
-    if isinstance(boot, Mapping) and "obs" in boot:
-        table["final_obs"] = boot["obs"]
-        boot = {"obs": optree.tree_map(lambda a: np.asarray(a)[-1], boot["obs"])}
-    lanes = _Lanes(step, table, boot, False, 1, N, None, np.array([N]), np.array([len(ends)]), np.empty(0), np.empty(0),
-                   np.empty(0), "truncate_episodes", name)
-    lanes.done = lanes.canon(done)
-    lanes.start, lanes.end = _bounds(lanes.done, lanes.n)
-    return lanes
-
-
 def _attach_prev(lanes: _Lanes, prev: _Lanes) -> None:
     """Let steps whose episode began before this rollout reach back into ``prev`` (the previous rollout of each lane).
 
     Rows of ``prev`` count as steps ``-n_prev .. -1``; the first episode segment of each lane starts where its
     episode started in ``prev`` if that episode did not end at ``prev``'s last step (else at 0, exactly).
     """
-    if prev.batched != lanes.batched or prev.B != lanes.B or prev.E != lanes.E:
+    g, pg = lanes.g, prev.g
+    if (pg.batched, pg.B, pg.vector, pg.E) != (g.batched, g.B, g.vector, g.E):
+        def shown(x: Grid) -> str:
+            return f"batch={x.batched}, B={x.B}, E={x.E if x.vector else None}"
         _fail(UsageError, f"prev: expected the previous rollout(s) of the same lane(s), laid out like this one "
-                          f"(batch={lanes.batched}, B={lanes.B}, E={lanes.E}); got batch={prev.batched}, B={prev.B}, E={prev.E}")
-    rows = np.arange(prev.B)
-    last = np.maximum(prev.n - 1, 0)
-    cont = (prev.n > 0)[:, None] & ~prev.done[rows, last]  # (B, E): the episode runs on into this rollout
-    began = np.where(cont, prev.start[rows, last] - prev.n[:, None], 0)  # (B, E), in this rollout's steps
+                          f"({shown(g)}); got {shown(pg)}")
+    rows = np.arange(pg.B)
+    last = np.maximum(pg.n - 1, 0)
+    cont = (pg.n > 0)[:, None] & ~pg.done[rows, last]  # (B, E): the episode runs on into this rollout
+    began = np.where(cont, prev.start[rows, last] - pg.n[:, None], 0)  # (B, E), in this rollout's steps
     first_segment = lanes.start == 0
     lanes.start = np.where(first_segment, began[:, None, :], lanes.start)
     _check_continues(lanes, prev, cont)
@@ -366,21 +210,21 @@ def _attach_prev(lanes: _Lanes, prev: _Lanes) -> None:
 def _check_continues(lanes: _Lanes, prev: _Lanes, cont: np.ndarray) -> None:
     """Where an episode runs on from ``prev``, its bootstrap observation is this rollout's first one, bit for bit."""
     try:
-        obs = leaf_at(lanes.step, "obs", "")
-        boot = leaf_at(prev.bootstrap, "obs", "") if isinstance(prev.bootstrap, Mapping) else None
+        obs = leaf_at(lanes.g.step, OBS, "")
+        boot = leaf_at(prev.g.bootstrap, OBS, "") if isinstance(prev.g.bootstrap, Mapping) else None
     except KeyError:
         return
     if boot is None:
         return
-    here = (lanes.n > 0)[:, None] & cont
+    here = (lanes.g.n > 0)[:, None] & cont
     for a, b in zip(optree.tree_leaves(obs), optree.tree_leaves(boot), strict=False):
-        first, succ = lanes.canon(np.asarray(a))[:, 0], prev.canon_env(np.asarray(b))
+        first, succ = lanes.g.as_bte(a)[:, 0], prev.g.as_be(b)
         if first.shape != succ.shape or first.dtype != succ.dtype:
             _fail(UsageError, f"prev: its bootstrap obs {succ.shape[2:]} {succ.dtype} does not match this rollout's obs "
                               f"{first.shape[2:]} {first.dtype}: not the previous rollout of the same lane")
         for bb, e in zip(*np.nonzero(here), strict=True):
             if first[bb, e].tobytes() != succ[bb, e].tobytes():
-                where = (f"rollout {bb} of the batch, " if lanes.batched else "") + (f"env {e}, " if lanes.E is not None else "")
+                where = (f"rollout {bb} of the batch, " if lanes.g.batched else "") + (f"env {e}, " if lanes.g.vector else "")
                 _fail(UsageError, f"prev: {where}its episode runs on (not done at prev's last step) but prev's bootstrap "
                                   f"obs is not this rollout's first obs: prev is not the previous rollout of this lane "
                                   f"(pass the rollout with the same lane and seq - 1, or prev=None)")
@@ -422,111 +266,33 @@ def _fill_for(req: ViewRequirement, key: str, path: tuple[Any, ...], dtype: np.d
         _fail(UsageError, f"{where}: {e}")
 
 
-def _successors(lanes: _Lanes, key: str, keys: tuple[Any, ...], xc: np.ndarray) -> np.ndarray:
-    """Every stored step's true successor observation, ``(B, T, E, ...)``: obs[t+1], the bootstrap obs at each
-    rollout's last stored step, and the episode's final obs where an episode ended before that. A copy."""
-    B, T, E = lanes.done.shape
-    boot = lanes.bootstrap
-    try:
-        b = np.asarray(_walk(boot, keys)) if isinstance(boot, Mapping) else None
-    except (KeyError, IndexError, TypeError):
-        b = None
-    if b is None:
-        _fail(SchemaError, f"column {key!r}: the next observation (a positive shift of obs) at a rollout's last step is "
-                           f"data['bootstrap'][{'/'.join(map(str, keys[1:])) or 'obs'!r}], which {lanes.name} does not have")
-    bc = lanes.canon_env(b)
-    if bc.shape != (B, E) + xc.shape[3:]:
-        want = ((B,) if lanes.batched else ()) + ((E,) if lanes.E is not None else ()) + xc.shape[3:]
-        _fail(SchemaError, f"column {key!r}: the bootstrap obs has shape {b.shape}; expected {want} (the step leaf's "
-                           f"shape without T)")
-    succ = np.empty(xc.shape, xc.dtype)
-    succ[:, :-1] = xc[:, 1:]
-    rows = np.flatnonzero(lanes.n > 0)
-    succ[rows, lanes.n[rows] - 1] = bc[rows]
-    t = np.arange(T)[None, :, None]
-    interior = lanes.done & (t < (lanes.n - 1)[:, None, None])
-    if not interior.any():
-        return succ
-    bb, tt, ee = (int(v[0]) for v in np.nonzero(interior))
-    at = (f"rollout {bb} of the batch, " if lanes.batched else "") + f"step {tt}" + (f", env {ee}" if lanes.E else "")
-    if lanes.mode == "complete_episodes":
-        _fail(SchemaError, f"column {key!r}: {lanes.name} is said to be complete-episodes (one episode per rollout), but an "
-                           f"episode ends at {at}, before its last stored step; pass batch_mode='truncate_episodes'")
-    _final_obs(lanes, key, keys, succ, interior, at)
-    return succ
-
-
-def _final_obs(lanes: _Lanes, key: str, keys: tuple[Any, ...], succ: np.ndarray, interior: np.ndarray, at: str) -> None:
-    """Write each episode's final observation (the episode table's ``final_obs``) as the successor of its last step."""
-    ep = lanes.episode
-    if not isinstance(ep, Mapping) or not all(k in ep for k in ("end", "env", "final_obs")):
-        _fail(SchemaError, f"column {key!r}: an episode ends at {at} inside {lanes.name}; its next observation is the "
-                           f"episode table's final_obs (data['episode'] with end, env, final_obs), which is missing")
-    if lanes.k is None:
-        _fail(UsageError, f"column {key!r}: fill has no 'episode' count for {lanes.name}: pass the whole fill "
-                          f"(e.g. batch.fill), so that only the filled rows of the episode table are read")
-    E = lanes.done.shape[2]
-    one = (lambda a: np.asarray(a)[None]) if not lanes.batched else np.asarray
-    end, env = one(ep["end"]), one(ep["env"])
-    for name, v in (("end", end), ("env", env)):
-        if v.dtype.kind not in "iu":
-            _fail(SchemaError, f"column {key!r}: the episode table's {name!r} has dtype {v.dtype}; expected integers "
-                               f"(step and env indices)")
-    end, env = end.astype(np.int64), env.astype(np.int64)
-    final = one(_walk(ep["final_obs"], keys[1:]))
-    if final.shape[2:] != succ.shape[3:]:
-        _fail(SchemaError, f"column {key!r}: the episode table's final_obs has item shape {final.shape[2:]}, the step "
-                           f"leaf {succ.shape[3:]}")
-    rows = {"end": end.shape[1], "env": env.shape[1], "final_obs": final.shape[1]}
-    M = min(rows.values())
-    if (lanes.k > M).any():
-        _fail(SchemaError, f"column {key!r}: the episode table has {rows} rows, fewer than the {int(lanes.k.max())} "
-                           f"episodes fill['episode'] counts; end, env and final_obs need a row per ended episode")
-    b, i = np.nonzero(np.arange(M)[None, :] < lanes.k[:, None])
-    te, ee = end[b, i], env[b, i]
-    bad = (te < 0) | (te >= lanes.n[b]) | (ee < 0) | (ee >= E)
-    if bad.any():
-        j = int(np.flatnonzero(bad)[0])
-        _fail(SchemaError, f"column {key!r}: episode table row {int(i[j])}" + (f" of rollout {int(b[j])}" if lanes.batched else "")
-              + f" has end={int(te[j])}, env={int(ee[j])}, outside the stored steps 0..{int(lanes.n[b[j]]) - 1} and envs 0..{E - 1}")
-    has = np.zeros(lanes.done.shape, bool)
-    has[b, te, ee] = True
-    missing = interior & ~has
-    if missing.any():
-        bb, tt, e2 = (int(v[0]) for v in np.nonzero(missing))
-        at = (f"rollout {bb} of the batch, " if lanes.batched else "") + f"step {tt}" + (f", env {e2}" if lanes.E else "")
-        _fail(SchemaError, f"column {key!r}: an episode ends at {at} but the episode table has no row for it, so its final "
-                           f"observation is unknown (is the fill's 'episode' count right?)")
-    sel = te < lanes.n[b] - 1
-    succ[b[sel], te[sel], ee[sel]] = final[b[sel], i[sel]]
-
-
 def _leaf_of(lanes: _Lanes, key: str, keys: tuple[Any, ...], x: Any) -> np.ndarray:
+    """``x`` as an array, checked to be a step leaf of ``lanes`` (its leading dims are the grid's)."""
     x = np.asarray(x)
-    lead = lanes.lead()
-    if x.shape[: len(lead)] != lead:
-        _fail(SchemaError, f"column {key!r}: step leaf {'/'.join(map(str, keys))!r} has shape {x.shape}; expected it to start "
-                           f"with {lead} ({'B, ' if lanes.batched else ''}T{', E' if lanes.E is not None else ''})")
+    with _said_here(f"column {key!r}: "):
+        lanes.g.as_bte(x, f"step leaf {'/'.join(map(str, keys))!r}")
     return x
 
 
 def _gather(lanes: _Lanes, key: str, req: ViewRequirement, keys: tuple[Any, ...], x: np.ndarray) -> np.ndarray:
     """The copied form of one leaf: ``(B, T, E, W, ...)`` with every position the value at ``t + offset`` of its step's
     episode, or the fill value (before the episode's start, past its end, past the rollout, on padding rows)."""
-    B, T, E = lanes.done.shape
-    xc = lanes.canon(x)
+    g = lanes.g
+    B, T, E = g.done.shape
+    xc = g.as_bte(x)
     item = xc.shape[3:]
     fill = _fill_for(req, key, keys[len(req.column(key).split("/")):], x.dtype, item)
     offs = np.asarray(req.offsets, np.int64)
-    is_obs = keys[0] == "obs"
+    is_obs = keys[0] == OBS
     src = np.arange(T)[None, :, None, None] + offs[None, None, None, :]  # (1, T, 1, W)
-    stored = (np.arange(T)[None, :] < lanes.n[:, None])[:, :, None, None]
+    stored = (np.arange(T)[None, :] < g.n[:, None])[:, :, None, None]
     valid = stored & (src >= lanes.start[..., None]) & (src <= lanes.end[..., None] + (offs > 0) * is_obs)
     bi, ei = np.arange(B)[:, None, None, None], np.arange(E)[None, None, :, None]
     out = xc[bi, np.clip(src, 0, max(T - 1, 0)), ei] if T else np.zeros((B, 0, E, len(offs)) + item, x.dtype)
     ahead = offs > 0
     if is_obs and ahead.any() and T:
-        succ = _successors(lanes, key, keys, xc)  # the next observation is the successor of the step before it
+        with _said_here(f"column {key!r}: "):  # the next observation is the successor of the step before it
+            succ = g.successors(keys[1:])
         out[:, :, :, ahead] = succ[bi, np.clip(src[..., ahead] - 1, 0, T - 1), ei]
     if lanes.prev is not None and (offs < 0).any():
         _from_prev(lanes, key, keys, out, src, valid, item, x.dtype)
@@ -539,27 +305,27 @@ def _from_prev(lanes: _Lanes, key: str, keys: tuple[Any, ...], out: np.ndarray, 
     """Positions before this rollout's first step, of an episode that ran on from ``prev``: read from ``prev``."""
     prev = lanes.prev
     try:
-        p = np.asarray(_walk(prev.step, keys))
+        p = np.asarray(_walk(prev.g.step, keys))
     except (KeyError, IndexError, TypeError):
         _fail(SchemaError, f"column {key!r}: prev has no step leaf {'/'.join(map(str, keys))!r}")
     p = _leaf_of(prev, key, keys, p)
-    pc = prev.canon(p)
+    pc = prev.g.as_bte(p)
     if pc.shape[3:] != item or pc.dtype != dtype:
         _fail(SchemaError, f"column {key!r}: prev's leaf is {pc.shape[3:]} {pc.dtype}, this rollout's {item} {dtype}")
     b, t, e, w = np.nonzero(valid & (src < 0))
-    out[b, t, e, w] = pc[b, prev.n[b] + src[0, t, 0, w], e]
+    out[b, t, e, w] = pc[b, prev.g.n[b] + src[0, t, 0, w], e]
 
 
 def _masked_valid(lanes: _Lanes, offs: tuple[int, ...], lo: int, hi: int) -> np.ndarray:
     t = np.arange(lo, hi)
     src = t[None, :, None, None] + np.asarray(offs)[None, None, None, :]
-    stored = (t[None, :] < lanes.n[:, None])[:, :, None, None]
+    stored = (t[None, :] < lanes.g.n[:, None])[:, :, None, None]
     return stored & (src >= lanes.start[:, lo:hi, :, None]) & (src <= lanes.end[:, lo:hi, :, None])
 
 
 def _masked_leaf(lanes: _Lanes, key: str, req: ViewRequirement, x: np.ndarray, lo: int, S: int) -> np.ndarray:
     """The view form of one leaf: ``(B, S, E, [W], ...)``, rows of steps ``lo .. lo + S - 1``; never a copy."""
-    xc = lanes.canon(x)
+    xc = lanes.g.as_bte(x)
     offs = req.offsets
     if not req.windowed:
         return xc[:, lo + offs[0]: lo + offs[0] + S]
@@ -574,9 +340,10 @@ def _masked_leaf(lanes: _Lanes, key: str, req: ViewRequirement, x: np.ndarray, l
 
 
 def _column(lanes: _Lanes, key: str, req: ViewRequirement, mask: bool) -> Any:
+    g = lanes.g
     col = req.column(key)
     try:
-        sub = leaf_at(lanes.step, col, f"{lanes.name}'s step leaves")
+        sub = leaf_at(g.step, col, f"{lanes.name}'s step leaves")
     except KeyError as e:
         hint = f"; RLlib's {col!r} is shmbuf's {RLLIB_NAMES[col]}" if col in RLLIB_NAMES and RLLIB_NAMES[col] != col else ""
         _fail(SchemaError, f"column {key!r} reads {col!r}, but {e.args[0]}{hint}")
@@ -584,29 +351,29 @@ def _column(lanes: _Lanes, key: str, req: ViewRequirement, mask: bool) -> Any:
     prefix = tuple(col.split("/"))
     leaves = [_leaf_of(lanes, key, prefix + p, x) for p, x in zip(paths, leaves, strict=True)]
     for p, x in zip(paths, leaves, strict=True):  # a space that does not fit is an error in every form
-        _fill_for(req, key, p, x.dtype, x.shape[len(lanes.lead()):])
+        _fill_for(req, key, p, x.dtype, x.shape[len(g.lead):])
     offs = req.offsets
     if mask:
-        lo, hi = max(0, -min(offs)), lanes.T - max(0, max(offs))
+        lo, hi = max(0, -min(offs)), g.T - max(0, max(offs))
         S = max(hi - lo, 0)
         valid = _masked_valid(lanes, offs, lo, lo + S)
-        vals = [lanes.uncanon(_masked_leaf(lanes, key, req, x, lo, S)) for x in leaves]
-        valid = lanes.uncanon(valid if req.windowed else valid[:, :, :, 0])
+        vals = [g.from_bte(_masked_leaf(lanes, key, req, x, lo, S)) for x in leaves]
+        valid = g.from_bte(valid if req.windowed else valid[:, :, :, 0])
         return MaskedView(optree.tree_unflatten(spec, vals), valid, slice(lo, lo + S))
     if all(o == 0 for o in offs):
-        return optree.tree_unflatten(spec, [_same(lanes, req, x) for x in leaves])
+        return optree.tree_unflatten(spec, [_same(g, req, x) for x in leaves])
     outs = []
     for p, x in zip(paths, leaves, strict=True):
         y = _gather(lanes, key, req, prefix + p, x)
-        outs.append(lanes.uncanon(y if req.windowed else y[:, :, :, 0]))
+        outs.append(g.from_bte(y if req.windowed else y[:, :, :, 0]))
     return optree.tree_unflatten(spec, outs)
 
 
-def _same(lanes: _Lanes, req: ViewRequirement, x: np.ndarray) -> np.ndarray:
+def _same(g: Grid, req: ViewRequirement, x: np.ndarray) -> np.ndarray:
     """Offsets that are all 0: the leaf itself (shift=0), or a read-only window of it with a zero stride (a view)."""
     if not req.windowed:
         return x
-    k = len(lanes.lead())
+    k = len(g.lead)
     return as_strided(x, shape=x.shape[:k] + (len(req.offsets),) + x.shape[k:], strides=x.strides[:k] + (0,) + x.strides[k:],
                       writeable=False)
 
@@ -647,17 +414,15 @@ def build_views(data: Any, view_requirements: Mapping[str, ViewRequirement], *, 
     Lifetime: views are valid while their source is: until the Rollout is released, or until the reader or
     Collector refills its batch buffer (``copy=False``). Copies are yours.
     """
-    data, fill, mode, lengths = _unwrap(data, fill, batch_mode)
+    lanes = _lanes(data, fill, batch_mode)
     reqs = _check_requirements(view_requirements)
     if not isinstance(for_training, bool) or not isinstance(mask, bool):
         _fail(UsageError, f"for_training and mask are bools, got for_training={for_training!r}, mask={mask!r}")
-    lanes = _lanes(data, fill, mode, lengths, "the batch" if fill is not None and np.ndim(fill.get("step")) else "the rollout")
     if prev is not None:
-        if mode != "truncate_episodes" or lengths is not None:
+        if lanes.g.batch_mode != TRUNCATE_EPISODES:
             _fail(UsageError, "prev: only truncate-episodes rollouts start mid-episode; a complete-episodes rollout "
                               "starts at its episode's start, so there is nothing before it to read")
         if mask:
             _fail(UsageError, "prev with mask=True: a view cannot span two rollouts; use one or the other")
-        pdata, pfill, _, _ = _unwrap(prev, None, mode)
-        _attach_prev(lanes, _lanes(pdata, pfill, mode, None, "prev"))
+        _attach_prev(lanes, _lanes(prev, None, TRUNCATE_EPISODES, "prev"))
     return {key: _column(lanes, key, req, mask) for key, req in reqs.items() if req.used_for_training or not for_training}

@@ -1,0 +1,109 @@
+"""The ``[num_envs, T+1]`` rollout buffer's transitions and minibatches: :func:`transition_view` (the padding row
+dropped, next observations aligned, views) and :func:`iterate_minibatches` (shuffled rows of a flattened rollout)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from shmbuf._errors import SchemaError
+from shmbuf._validate import int_setting
+from shmbuf.layout import OBS
+from shmbuf.storage._common import generator
+from shmbuf.storage._torch import to_torch
+
+DEFAULT_OBS_FIELDS = (OBS, "value")
+INDICES = "_indices"  # the key iterate_minibatches adds (embodichain's name)
+
+
+def _flat(x: np.ndarray, copy: bool) -> np.ndarray:
+    """``[N, T, ...]`` -> ``[N*T, ...]``: numpy's reshape (a view when it can be one), or always a new array."""
+    shape = (x.shape[0] * x.shape[1], *x.shape[2:])
+    if not copy:
+        return x.reshape(shape)
+    out = np.empty(shape, x.dtype)
+    out.reshape(x.shape)[...] = x
+    return out
+
+
+def transition_view(rollout: Mapping[str, Any], flatten: bool = False, *, obs_fields: tuple[str, ...] = DEFAULT_OBS_FIELDS,
+                    copy: bool = False) -> dict[str, np.ndarray]:
+    """The transitions of a ``[num_envs, T+1]`` rollout: the padding row dropped, next observations aligned.
+
+    For each field ``x`` of batch shape ``[N, T+1]``: an observation-aligned one (in ``obs_fields``)
+    gives ``x = x[:, :T]`` and ``next_x = x[:, 1:]``; any other gives ``x[:, :T]`` (its row T is
+    padding). A field already of batch shape ``[N, T]`` (e.g. an ``advantage`` you computed) is taken
+    as it is. T+1 is the largest second dim among the fields; observation-aligned fields must have it.
+
+    Views and copies: with ``flatten=False`` every result is a view of ``rollout``'s array (a
+    slice; nothing is copied). With ``flatten=True`` each is reshaped to ``[N*T, ...]``, which is a
+    view only where numpy can merge the two axes without copying: for a ``[:, :T]`` or ``[:, 1:]``
+    slice of an ``[N, T+1]`` array, only when ``N == 1`` or ``T == 1`` (otherwise the rows of one env
+    are not a stride apart from the next env's: the padding row sits between them), and for a
+    C-contiguous ``[N, T]`` field always; everything else is copied. ``copy=True`` copies every field
+    (``get(flatten=True)`` does, so the slot can be released).
+    """
+    arrays = {k: np.asarray(v) if not isinstance(v, np.ndarray) else v for k, v in rollout.items()}
+    if not arrays:
+        raise SchemaError("transition_view(): the rollout has no fields")
+    for k, v in arrays.items():
+        if v.ndim < 2:
+            raise SchemaError(f"transition_view(): field {k!r} has shape {v.shape}; expected batch shape [num_envs, T+1]")
+    n = next(iter(arrays.values())).shape[0]
+    t1 = max(v.shape[1] for v in arrays.values())
+    t = t1 - 1
+    if t < 1:
+        raise SchemaError(f"transition_view(): the rollout has {t1} time rows; expected T+1 >= 2")
+    out: dict[str, np.ndarray] = {}
+    for k, v in arrays.items():
+        if v.shape[0] != n or v.shape[1] not in (t, t1) or (k in obs_fields and v.shape[1] != t1):
+            want = f"[{n}, {t1}, ...]" if k in obs_fields else f"[{n}, {t1}, ...] or [{n}, {t}, ...]"
+            kind = "observation-aligned " if k in obs_fields else ""
+            raise SchemaError(f"transition_view(): {kind}field {k!r}: expected batch shape {want}, got {v.shape}")
+        out[k] = v[:, :t]
+        if k in obs_fields:
+            if f"next_{k}" in arrays:
+                raise SchemaError(f"transition_view(): field 'next_{k}' clashes with the next_{k} made of observation-aligned "
+                                  f"field {k!r}; rename it, or leave {k!r} out of obs_fields")
+            out[f"next_{k}"] = v[:, 1:]
+    if flatten:
+        out = {k: _flat(v, copy) for k, v in out.items()}
+    elif copy:
+        out = {k: np.array(v) for k, v in out.items()}
+    return out
+
+
+def iterate_minibatches(rollout: Mapping[str, Any], batch_size: int, *, rng: Any = None,
+                        device: Any = None) -> Iterator[dict[str, Any]]:
+    """Shuffled minibatches of a flattened rollout (every field ``[M, ...]``): each of the M rows exactly once.
+
+    Each batch is new arrays (numpy fancy indexing copies), ``batch_size`` rows (the last may be
+    fewer), plus ``"_indices"``: which rows of ``rollout`` it holds (embodichain's key). ``rng``: a
+    ``np.random.Generator``, a seed, or None (fresh entropy). ``device``: if given, each batch comes
+    as torch tensors on it (:func:`to_torch`). Arguments are checked now, not at the first ``next``
+    (SchemaError for the rollout, UsageError naming ``batch_size`` or ``rng``).
+    """
+    batch_size = int_setting("iterate_minibatches(batch_size=...)", batch_size, 1)
+    arrays = {k: v if isinstance(v, np.ndarray) else np.asarray(v) for k, v in rollout.items()}
+    if not arrays:
+        raise SchemaError("iterate_minibatches(): the rollout has no fields")
+    sizes = {k: v.shape[0] if v.ndim else None for k, v in arrays.items()}
+    m = next(iter(sizes.values()))
+    bad = {k: s for k, s in sizes.items() if s != m or s is None}
+    if bad:
+        raise SchemaError(f"iterate_minibatches(): every field must share the leading dim (a flattened rollout: "
+                          f"get(flatten=True) or transition_view(..., flatten=True)); got {sizes}")
+    gen = generator(rng, "iterate_minibatches(rng=...)")
+    return _minibatches(arrays, m, batch_size, gen, device)
+
+
+def _minibatches(arrays: dict[str, np.ndarray], m: int, batch_size: int, gen: np.random.Generator,
+                 device: Any) -> Iterator[dict[str, Any]]:
+    perm = gen.permutation(m)
+    for start in range(0, m, batch_size):
+        idx = perm[start : start + batch_size]
+        batch: dict[str, Any] = {k: v[idx] for k, v in arrays.items()}
+        batch[INDICES] = idx
+        yield batch if device is None else to_torch(batch, device)

@@ -1,0 +1,199 @@
+"""002's two variants of the PPO storage: :class:`QueueRolloutStorage` (a rolling buffer that grows, then loops)
+and :class:`SarsaRolloutStorage` (next observations as a view of one T+1-row buffer)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from shmbuf._errors import SchemaError, UsageError
+from shmbuf.storage._rollout_source import RolloutSource
+from shmbuf.storage._rollout_storage import RolloutStorage
+from shmbuf.storage._transition import STEP_ARRAYS, MiniBatch, SarsaMiniBatch, SarsaTransition, Transition, as_row
+
+
+class QueueRolloutStorage(RolloutStorage):
+    """A rolling buffer (002's ``QueueRolloutStorage``): it starts with one rollout's rows and, at each
+    :meth:`clear` after a full rollout, grows by one rollout (:meth:`expand_buffer_once`) up to
+    ``int(buffer_dilation_ratio * num_transitions_per_env)`` rows; from then on it loops, the newest rows
+    overwriting the oldest. ``num_transitions_per_env`` is the current buffer length, as in 002, and
+    ``num_timesteps_each_rollout`` the rollout length. ``buffer_full`` becomes true when it first loops.
+
+    :meth:`compute_returns` and the recurrent generator first :meth:`untie_buffer_loop` (the time order GAE
+    and trajectories need; 002 unties only for the recurrent generator). All of them work on the valid rows:
+    every row once the buffer has looped, else rows ``[0, step)``.
+    """
+
+    def __init__(self, num_envs: int, num_transitions_per_env: int, *args: Any, buffer_dilation_ratio: float = 1.0,
+                 **kwargs: Any):
+        if not isinstance(buffer_dilation_ratio, (int, float)) or buffer_dilation_ratio < 1.0:
+            raise UsageError(f"buffer_dilation_ratio: expected a number >= 1.0, got {buffer_dilation_ratio!r}")
+        super().__init__(num_envs, num_transitions_per_env, *args, **kwargs)
+        self.num_timesteps_each_rollout = self.num_transitions_per_env
+        self.buffer_dilation_ratio = float(buffer_dilation_ratio)
+        self.buffer_full = False
+
+    @classmethod
+    def from_rollout(cls, *args: Any, **kwargs: Any) -> RolloutStorage:
+        raise UsageError("QueueRolloutStorage owns its growing buffer; use RolloutStorage.from_rollout for a view of "
+                         "a rollout, or add_transitions to keep rollouts here")
+
+    @property
+    def max_buffer_length(self) -> int:
+        return int(self.buffer_dilation_ratio * self.num_timesteps_each_rollout)
+
+    def expand_buffer_once(self) -> int:
+        """Grow every per-step array by one rollout's rows (less at the limit); return how many rows were added.
+        The arrays are new (the old rows copied into them): views taken earlier do not see later writes."""
+        grow = min(self.max_buffer_length - self.num_transitions_per_env, self.num_timesteps_each_rollout)
+        if grow <= 0:
+            return 0
+        for name in STEP_ARRAYS:
+            a = getattr(self, name)
+            if a is not None:
+                setattr(self, name, np.concatenate([a, np.zeros((grow, *a.shape[1:]), a.dtype)]))
+        self.num_transitions_per_env += grow
+        return grow
+
+    def add_transitions(self, transition: Transition) -> None:
+        super().add_transitions(transition)
+        if self.step >= self.num_transitions_per_env:
+            self.buffer_full = self.buffer_full or self.num_transitions_per_env >= self.max_buffer_length
+            if self.buffer_full:
+                self.step = 0
+
+    def clear(self) -> None:
+        """Keep the data: grow if a rollout filled the buffer and it may still grow (002's ``clear``)."""
+        if self.step >= self.num_transitions_per_env and not self.buffer_full:
+            self.expand_buffer_once()
+
+    def _count(self) -> int:
+        return self.num_transitions_per_env if self.buffer_full else self.step
+
+    def untie_buffer_loop(self) -> None:
+        """Rotate every per-step array in place so that the oldest row is row 0 and the newest the last
+        (``[5,6,7,8,9,0,1,2,3,4] -> [0,...,9]``, 9 the newest), and set ``step`` to 0 (the next write replaces
+        the oldest). A no-op until the buffer has looped. Views of the arrays stay views (same memory)."""
+        s = self.step
+        if not self.buffer_full:
+            return
+        if 0 < s < self.num_transitions_per_env:
+            for name in STEP_ARRAYS:
+                a = getattr(self, name)
+                if a is not None:
+                    a[...] = np.concatenate([a[s:], a[:s]])
+        self.step = 0
+
+    def compute_returns(self, last_values: Any, gamma: float, lam: float, *, time_out_values: Any = None,
+                        normalize_advantages: bool = False) -> None:
+        """:meth:`untie_buffer_loop`, then :meth:`RolloutStorage.compute_returns` over the valid rows.
+
+        ``time_out_values`` ``[T, N]`` (T the current buffer length) is indexed like the storage's rows *as
+        they are when you call* (its row ``i`` goes with ``values[i]``, whatever the loop's position): it is
+        rotated the same way as the storage (a rotated copy; your array is not changed). Build it after an
+        explicit ``untie_buffer_loop()`` and it is used as it is (the rotation is then none).
+        """
+        self._check_discounts(gamma, lam)
+        s, T = self.step, self.num_transitions_per_env
+        if time_out_values is not None:
+            tov = np.asarray(time_out_values)
+            if tov.shape[:2] != (T, self.num_envs) or tov.shape[2:] not in ((), (1,)):
+                raise SchemaError(f"{type(self).__name__}.compute_returns: time_out_values has shape {tov.shape}, expected "
+                                  f"{(T, self.num_envs)} like values (the buffer's rows, in their order before the call)")
+            if self.buffer_full and 0 < s < T:
+                time_out_values = np.concatenate([tov[s:], tov[:s]])
+        self.untie_buffer_loop()
+        super().compute_returns(last_values, gamma, lam, time_out_values=time_out_values,
+                                normalize_advantages=normalize_advantages)
+
+    def recurrent_mini_batch_generator(self, num_mini_batches: int, num_epochs: int = 8, **kwargs: Any) -> Iterator[MiniBatch]:
+        self.untie_buffer_loop()
+        return super().recurrent_mini_batch_generator(num_mini_batches, num_epochs, **kwargs)
+
+    reccurent_mini_batch_generator = recurrent_mini_batch_generator
+
+
+class SarsaRolloutStorage(RolloutStorage):
+    """Storage with next observations (002's ``SarsaRolloutStorage``): one ``all_observations`` buffer of T+1
+    rows; ``observations = all_observations[:-1]`` and ``next_observations = all_observations[1:]`` are views
+    of it, so ``(s, a, r, s')`` stay aligned without a second copy; the same for privileged observations.
+    The last row is the observation after the rollout: set by :meth:`set_bootstrap_observations`, by the
+    last :class:`SarsaTransition`'s ``next_observations``, or by :meth:`from_rollout` from ``data["bootstrap"]``.
+
+    ``next_observations[t]`` at an episode end is the next episode's first observation (the env reset), as in
+    002: mask with ``dones | time_outs``; a truncated episode's final observation is in ``time_out_observations``.
+    """
+
+    Transition = SarsaTransition
+    MiniBatch = SarsaMiniBatch
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._link()
+
+    def _link(self) -> None:
+        """Make ``all_*`` of T+1 rows and the two views of it (copying the current T rows in)."""
+        for base in ("observations", "privileged_observations"):
+            a = getattr(self, base)
+            if a is None:
+                setattr(self, f"all_{base}", None)
+                setattr(self, f"next_{base}", None)
+                continue
+            full = np.zeros((a.shape[0] + 1, *a.shape[1:]), a.dtype)
+            full[:-1] = a
+            setattr(self, f"all_{base}", full)
+            setattr(self, base, full[:-1])
+            setattr(self, f"next_{base}", full[1:])
+
+    @classmethod
+    def from_rollout(cls, rollout_or_batch: Any, **kwargs: Any) -> RolloutStorage:
+        """As :meth:`RolloutStorage.from_rollout`, plus ``next_observations``. The slot holds the step
+        observations and the bootstrap observation in two leaves, so ``all_observations`` (T+1 rows) is one
+        copy of them (``"observations"`` is in ``copied``); every other field stays a view."""
+        return super().from_rollout(rollout_or_batch, **kwargs)
+
+    def _adopt(self, arrays: dict[str, np.ndarray | None], src: RolloutSource) -> None:
+        super()._adopt(arrays, src)
+        if self.bootstrap_observations is None:
+            raise SchemaError("SarsaRolloutStorage.from_rollout: the rollout has no data['bootstrap'] observation; "
+                              "the last next_observation comes from it")
+        self._link()
+        self.all_observations[-1] = self.bootstrap_observations
+        src.copied.append("observations")
+        if self.all_privileged_observations is not None:
+            if self.bootstrap_critic_observations is None:
+                raise SchemaError("SarsaRolloutStorage.from_rollout: no bootstrap critic observation in data['bootstrap']")
+            self.all_privileged_observations[-1] = self.bootstrap_critic_observations
+            src.copied.append("privileged_observations")
+
+    def set_bootstrap_observations(self, observations: Any, critic_observations: Any = None) -> None:
+        """Write the observation after row ``step - 1`` (so ``next_observations[step - 1]``)."""
+        for dst, x in self._bootstrap_rows(observations, critic_observations, self.step):
+            np.copyto(dst, x, casting="same_kind")
+
+    def add_transitions(self, transition: Transition) -> None:
+        nxt = getattr(transition, "next_observations", None)
+        last = self.step + 1 == self.num_transitions_per_env and nxt is not None and self._borrowed is None
+        if last:  # checked before the row is written, like every other field
+            self._bootstrap_rows(nxt, getattr(transition, "next_critic_observations", None), self.step + 1)
+        super().add_transitions(transition)
+        if last:
+            self.set_bootstrap_observations(nxt, getattr(transition, "next_critic_observations", None))
+
+    def _bootstrap_rows(self, observations: Any, critic_observations: Any, t: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(row of all_*, checked array)`` for the observation after row ``t - 1``; SchemaError naming a bad one."""
+        rows = [(self.all_observations[t], as_row("next_observations", observations, self.all_observations[t]))]
+        if self.all_privileged_observations is not None and critic_observations is not None:
+            dst = self.all_privileged_observations[t]
+            rows.append((dst, as_row("next_critic_observations", critic_observations, dst)))
+        return rows
+
+    def _obs_fields(self) -> dict[str, np.ndarray]:
+        out = super()._obs_fields()
+        nxt = self.next_observations
+        priv = self.next_privileged_observations
+        out["next_obs"] = nxt
+        out["next_critic_obs"] = nxt if priv is None else priv
+        return out
