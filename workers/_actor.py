@@ -52,7 +52,6 @@ import shmbuf
 from shmbuf import UsageError
 from shmbuf.layout import (
     ACTION,
-    BATCH_MODES,
     BOOTSTRAP,
     COMPLETE_EPISODES,
     END,
@@ -75,7 +74,6 @@ from shmbuf.layout import (
 from workers._envs import EnvDriver, tree_copy, tree_index
 from workers._views import ActorViews, check_view_requirements
 
-MODES = BATCH_MODES
 
 
 def split_policy_output(out: Any) -> tuple[Any, dict[str, Any]]:
