@@ -30,13 +30,17 @@ def stat_fields(pid: int | str) -> list[bytes] | None:
     return raw[raw.rfind(b")") + 2 :].split()
 
 
+def _field(fields: list[bytes] | None, i: int) -> int:
+    """Field ``i`` of :func:`stat_fields` as an int; 0 where /proc could not tell."""
+    try:
+        return int(fields[i]) if fields is not None else 0
+    except (IndexError, ValueError):
+        return 0
+
+
 def start_time(pid: int) -> int:
     """The process's start time in clock ticks since boot, or 0 where /proc cannot tell (then pid alone is used)."""
-    fields = stat_fields(pid)
-    try:
-        return int(fields[_START])  # type: ignore[index]  # None: caught below, as a short line is
-    except (TypeError, IndexError, ValueError):
-        return 0
+    return _field(stat_fields(pid), _START)
 
 
 def cpu_ticks(pid: int | str = "self") -> int:
@@ -45,10 +49,7 @@ def cpu_ticks(pid: int | str = "self") -> int:
     Divide by :data:`CLOCK_TICKS` for seconds.
     """
     fields = stat_fields(pid)
-    try:
-        return int(fields[_UTIME]) + int(fields[_STIME])  # type: ignore[index]  # None: caught below
-    except (TypeError, IndexError, ValueError):
-        return 0
+    return _field(fields, _UTIME) + _field(fields, _STIME)
 
 
 def machine_ticks() -> tuple[int, int]:
@@ -126,4 +127,4 @@ def alive(pid: int, started: int) -> bool:
 
 def _is_zombie(pid: int) -> bool:
     fields = stat_fields(pid)
-    return bool(fields) and fields[_STATE][:1] in (b"Z", b"X")  # type: ignore[index]  # bool(None) is False
+    return fields is not None and fields[_STATE : _STATE + 1] in ([b"Z"], [b"X"])
