@@ -65,23 +65,15 @@ from shmbuf._substrate import (
 from shmbuf._trust import why_untrusted
 from shmbuf._validate import int_setting
 
-# Importers of the names that lived here before the substrate was split (shmbuf._writer, tests) find them
-# here still; new code imports them from shmbuf._substrate.
+# With the names that lived here before the substrate was split, still importable from here for
+# shmbuf._writer and the tests (new code imports those from shmbuf._substrate).
 __all__ = [
-    "HEAD",
-    "HEADER_BYTES",
-    "PIDNS_OFF",
-    "PREFIX",
-    "SHM_DIR",
-    "WEIGHTS_PREFIX",
-    "check_name",
-    "check_semaphore",
-    "new_name",
-    "open_object",
-    "path_problem",
-    "pinned",
-    "sem_name",
-    "why_untrusted",
+    "HEAD", "HEADER_BYTES", "LANE_BYTES", "LAYOUT_VERSION", "LIVE_BYTES", "LIVE_OFF", "MAGIC", "MAILBOX_BYTES",
+    "MAILBOX_PAYLOAD_OFF", "MAX_LANES", "MAX_SLOTS", "PIDNS_OFF", "PREFIX", "SHM_DIR", "SLOT_META_WORDS", "S_COMMIT_NS",
+    "S_EPOCH", "S_FILL", "S_POLICY", "S_SEQ", "WEIGHTS_PREFIX", "W_BAD_MESSAGES", "W_CLOSED", "W_DELIVERED",
+    "W_LANES_RECLAIMED", "W_NEWCOMER", "W_PARTIAL_DROPPED", "W_POOL", "W_READY_DEPTH", "Plan", "Segment", "check_name",
+    "check_semaphore", "new_name", "open_object", "path_problem", "pinned", "plan", "read_header", "sem_name",
+    "unlink_all", "why_untrusted",
 ]
 
 MAGIC = b"\x89SHMBUF\n"
