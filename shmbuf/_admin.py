@@ -10,20 +10,21 @@ owner in another pid namespace is never judged dead. Nothing here raises on what
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from shmbuf._errors import ShmbufError
 from shmbuf._lane import LANE_ACTIVE, LANE_RETIRED, Record, lane_held, read_label
+from shmbuf._names import PREFIX, SHM_DIR, entry_pattern
 from shmbuf._proc import Owner, alive
-from shmbuf._segment import PREFIX, SHM_DIR, W_CLOSED, W_DELIVERED, W_POOL, W_READY_DEPTH, Segment, path_problem
+from shmbuf._segment import W_CLOSED, W_DELIVERED, W_POOL, W_READY_DEPTH, Segment
+from shmbuf._trust import path_problem
 
-_SEG = re.compile(r"^shmbuf-([0-9a-f]{16})$")
-_WEIGHTS = re.compile(r"^shmbuf-w([0-9a-f]{16})$")
-_SEM = re.compile(r"^sem\.shmbuf-([0-9a-f]{16})-(r|f\d+)$")
-_INFER = re.compile(r"^shmbuf-i([0-9a-f]{16})$")
-_ISEM = re.compile(r"^sem\.shmbuf-i([0-9a-f]{16})-(s|c\d+)$")
+_SEG = entry_pattern("pipeline")
+_WEIGHTS = entry_pattern("weights")
+_SEM = entry_pattern("pipeline", semaphore=True)
+_INFER = entry_pattern("inference")
+_ISEM = entry_pattern("inference", semaphore=True)
 
 
 @dataclass

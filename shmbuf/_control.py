@@ -28,8 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
-
+from shmbuf._codec import NotMsgpack, pack, unpack
 from shmbuf._segment import MAILBOX_BYTES, MAILBOX_PAYLOAD_OFF
 
 MAX_PAYLOAD = MAILBOX_BYTES - MAILBOX_PAYLOAD_OFF
@@ -53,7 +52,7 @@ def encode(msg_type: str, **fields: Any) -> bytes:
     if msg_type not in _FIELDS:
         raise ValueError(f"unknown control message type {msg_type!r}; known: {sorted(_FIELDS)}")
     msg = {"type": msg_type, **fields}
-    data = msgpack.packb(msg, use_bin_type=True)
+    data = pack(msg)
     while len(data) > MAX_PAYLOAD:
         texts = [k for k, v in msg.items() if isinstance(v, str) and v and k != "type"]
         if not texts:
@@ -64,7 +63,7 @@ def encode(msg_type: str, **fields: Any) -> bytes:
         # time, so that two long fields (a message and the traceback that repeats it) both keep a share.
         keep = max(0, len(raw) - (len(data) - MAX_PAYLOAD) - 8, len(raw) // 2)
         msg[key] = "…" + raw[len(raw) - keep :].decode(errors="ignore") if keep else ""
-        data = msgpack.packb(msg, use_bin_type=True)
+        data = pack(msg)
     return data
 
 
@@ -73,10 +72,9 @@ def decode(data: bytes) -> dict[str, Any]:
     if len(data) > MAX_PAYLOAD:
         raise BadMessage(f"message of {len(data)} bytes exceeds the {MAX_PAYLOAD}-byte mailbox")
     try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0,
-                              max_array_len=256, max_map_len=256, max_str_len=MAX_PAYLOAD)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise BadMessage(f"not msgpack: {type(exc).__name__}") from None
+        msg = unpack(data, max_array_len=256, max_map_len=256, max_str_len=MAX_PAYLOAD)
+    except NotMsgpack as exc:
+        raise BadMessage(str(exc)) from None
     if not isinstance(msg, dict):
         raise BadMessage(f"expected a map, got {type(msg).__name__}")
     mtype = msg.get("type")

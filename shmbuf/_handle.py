@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmbuf._errors import UsageError
-from shmbuf._segment import check_name
+from shmbuf._names import check_name
 
 
 @dataclass(frozen=True)

@@ -1,63 +1,15 @@
 """The inference table: env workers ask for actions, one server answers them in batches, all in shared memory.
 
-One object holds a request slot and a response slot for each of N clients
-(env workers). A client writes its observation into its request slot, bumps
-its request word and sleeps on its own semaphore; the server finds every
-pending request with one vectorised comparison, reads their observations as
-one batch, runs one forward pass, writes each action into its client's
-response slot, and wakes exactly the clients it answered. Nothing is pickled
-and nothing is queued: a slot is written in place and read in place.
-
-Layout (every region 64-byte aligned)::
-
-    0     header      magic, layout version, sizes, owner pid; clients; schema and data offsets; owner's pid namespace
-    256   CLOSED      1 once the owner closed the table
-    320   SLEEP       1 while the server is (about to be) asleep on its doorbell
-    384   REQ[N]      client i's newest request word: (generation << 32) | sequence        written by client i
-    ...   RESP[N]     the request word the server answered last                           written by the server
-    ...   VER[N]      the policy version of that answer                                   written by the server
-    ...   GEN[N]      client slot i's generation, bumped when its client is replaced      written by the owner
-    ...   PID[N]      the pid of slot i's client                                          written by client i
-    ...   schema      msgpack: {"request": <one client's request tree>, "response": <one client's response tree>}
-    ...   data        each leaf leaf-major, ``(N, *leaf.shape)``: client i's row is row i, so the
-                      requests of clients a..b-1 are one contiguous block
-
-Request path (client ``i``, generation ``g``, sequence ``s``)::
-
-    client:  write request rows; REQ[i] = (g << 32) | s; store-load fence; if SLEEP: post doorbell
-             wait on sem[i] until RESP[i] == REQ[i]; read VER[i] and the response rows
-    server:  pending = REQ != RESP and REQ's generation == GEN   (one numpy comparison over N words)
-             read their request rows; forward; write response rows and VER; fence;
-             for each answered i still of generation g: RESP[i] = REQ word; post sem[i]
-
-Ordering: each word is one aligned 8-byte store, never torn. On x86-64 stores
-become visible in program order and loads are not reordered with older loads,
-so "rows, then REQ" read as "REQ, then rows" (and the same for responses) needs
-no fence there; elsewhere :func:`shmbuf._ring.fence` is a full barrier at
-those places. The doorbell is the ring's wake-up handshake (docs/design/rings.md,
-"Waking"): the server stores SLEEP = 1, *store-load fence*, loads every REQ;
-a client stores REQ, *store-load fence*, loads SLEEP. Whichever is second sees
-the other's store, so a request is never left unseen while the server sleeps.
-Both sides may see each other, and the doorbell then holds a spare count:
-the server's next sleep returns at once and finds nothing, which costs one scan.
-
-Answers: the server posts ``sem[i]`` once per answer and the client waits once
-per request; a spare count (an answer its previous incarnation never took)
-only makes the client look at RESP once more. A request is answered at most
-once (RESP then equals it, and the client makes a new one only after its
-answer); a dead client's pending request is dropped when the owner calls
-:meth:`InferenceTable.retire` before starting its replacement, which bumps
-GEN: the server drops an answer whose generation is no longer current, and a
-stale answer never matches the new client's words.
-
-What this does not do: decide how to batch beyond ``take``'s rule, run the
-policy, or know what an observation means. That is ``workers.AsyncBatchedCollector``.
+One object holds a request slot and a response slot per client (env worker); a client writes its
+request in place and sleeps on its own semaphore, the server finds every pending request with one
+vectorised comparison, answers them in one batch and wakes exactly those clients. Nothing is pickled
+or queued. Layout, request path, ordering and retirement: docs/design/inference-table.md.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import secrets
 import struct
 import time
 from typing import Any
@@ -66,18 +18,37 @@ import numpy as np
 import optree
 import posix_ipc
 
-from shmbuf._closable import Closable
-from shmbuf._errors import BrokenPipeline, PipelineClosed, SchemaError, SegmentError, SlotTimeout, UsageError
-from shmbuf._fork import track
-from shmbuf._lane import WAIT_SLICE, check_timeout
-from shmbuf._proc import Owner, start_time
-from shmbuf._ring import fence, store_load_fence
-from shmbuf._schema import Schema, _align, format_path
-from shmbuf._segment import (
-    HEAD, HEADER_BYTES, INFERENCE_PREFIX, _fmt_bytes, check_head, check_name, check_semaphore, create_object,
-    map_object, pinned, stamp_pidns,
+from shmbuf._errors import BrokenPipeline, PipelineClosed, SchemaError, SegmentError, SlotTimeout, UsageError, WrongProcess
+from shmbuf._lane import WAIT_SLICE
+from shmbuf._schema import Schema, format_path
+from shmbuf._substrate import (
+    HEAD,
+    HEADER_BYTES,
+    INFERENCE_PREFIX,
+    Closable,
+    Owner,
+    ProcessWatch,
+    align,
+    check_head,
+    check_name,
+    check_semaphore,
+    create_object,
+    fence,
+    fmt_bytes,
+    leaf_major,
+    map_object,
+    new_name,
+    pinned,
+    sem_name,
+    store_load_fence,
+    this_process,
+    track,
+    unlink_object,
+    unlink_semaphore,
+    unmap,
+    write_header,
 )
-from shmbuf._writer import _ReaderWatch
+from shmbuf._validate import int_setting, timeout_setting
 
 I_MAGIC = b"\x89SHMBUFI"
 I_LAYOUT_VERSION = 1
@@ -93,10 +64,10 @@ _NONE = np.zeros(0, np.int64)
 
 
 def _words_bytes(n: int) -> int:
-    return _align(8 * n)
+    return align(8 * n)
 
 
-class _Layout:
+class _TableLayout:
     """Offsets derived from (schema, clients): recomputed and compared with the header on attach."""
 
     def __init__(self, schema: Schema, clients: int):
@@ -106,12 +77,8 @@ class _Layout:
         self.req_off, self.resp_off, self.ver_off, self.gen_off, self.pid_off = (ARRAYS_OFF + k * wb for k in range(5))
         self.schema_len = len(schema.to_msgpack())
         self.schema_off = ARRAYS_OFF + 5 * wb
-        self.data_off = _align(self.schema_off + self.schema_len)
-        self.leaf_offs: list[int] = []
-        off = self.data_off
-        for lf in schema.leaves:
-            self.leaf_offs.append(off)
-            off = _align(off + clients * lf.nbytes)
+        self.data_off = align(self.schema_off + self.schema_len)
+        self.leaf_offs, off = leaf_major(schema.leaves, clients, self.data_off)
         self.total = max(off, self.data_off + 64)
 
     def words(self, mm: Any, off: int) -> np.ndarray:
@@ -137,10 +104,6 @@ def _schema_of(request: Any, response: Any) -> Schema:
     return Schema.from_example({"request": request, "response": response})
 
 
-def _sem(name: str, role: str) -> str:
-    return f"{name}-{role}"
-
-
 class InferenceTable(Closable):
     """The owner's (and server's) side: creates the table, finds pending requests, answers them.
 
@@ -157,13 +120,14 @@ class InferenceTable(Closable):
     all unlinked by :meth:`close`.
     """
 
+    _kind = "inference table"
+
     def __init__(self, request: Any, response: Any, clients: int):
-        if isinstance(clients, bool) or not isinstance(clients, int) or not 1 <= clients <= MAX_CLIENTS:
-            raise UsageError(f"InferenceTable(clients=...): expected an int from 1 to {MAX_CLIENTS}, got {clients!r:.80}")
+        clients = int_setting("InferenceTable(clients=...)", clients, 1, MAX_CLIENTS)
         self.schema = _schema_of(request, response)
-        self._lay = lay = _Layout(self.schema, clients)
+        self._lay = lay = _TableLayout(self.schema, clients)
         self.clients = clients
-        self.name = INFERENCE_PREFIX + secrets.token_hex(8)
+        self.name = new_name(INFERENCE_PREFIX)
         self._pid = os.getpid()
         self._closed = False
         self._w: memoryview | None = None
@@ -172,19 +136,24 @@ class InferenceTable(Closable):
         self._sems: list[posix_ipc.Semaphore] = []
         self.doorbell: posix_ipc.Semaphore | None = None
         fd, self._mm = create_object(self.name, lay.total, f"{clients} request and response slots of "
-                                     f"{_fmt_bytes(lay.total - lay.data_off)} in all")
+                                     f"{fmt_bytes(lay.total - lay.data_off)} in all")
         os.close(fd)
+        self._w = memoryview(self._mm).cast("q")
+        # Every semaphore made (the doorbell first), filled in as they are: what close(), collection or exit releases.
+        self._held: list[posix_ipc.Semaphore] = []
+        self._lifetime(_withdraw, self._w, self._held, self.name, self._pid, self._sl_fence,
+                       unlink=functools.partial(_unlink_all, self.name, clients))
         try:
-            self.doorbell = posix_ipc.Semaphore(_sem(self.name, "s"), posix_ipc.O_CREX, mode=0o600)
+            self.doorbell = posix_ipc.Semaphore(sem_name(self.name, "s"), posix_ipc.O_CREX, mode=0o600)
+            self._held.append(self.doorbell)
             for i in range(clients):
-                self._sems.append(posix_ipc.Semaphore(_sem(self.name, f"c{i}"), posix_ipc.O_CREX, mode=0o600))
-            pid = os.getpid()
-            self._mm[: _HEADER.size] = _HEADER.pack(I_MAGIC, I_LAYOUT_VERSION, HEADER_BYTES, lay.total, pid,
-                                                    start_time(pid), clients, lay.schema_off, lay.schema_len,
-                                                    lay.data_off, lay.total - lay.data_off)
-            stamp_pidns(self._mm)
+                self._sems.append(posix_ipc.Semaphore(sem_name(self.name, f"c{i}"), posix_ipc.O_CREX, mode=0o600))
+                self._held.append(self._sems[-1])
+            me = this_process()
+            write_header(self._mm, _HEADER.pack(I_MAGIC, I_LAYOUT_VERSION, HEADER_BYTES, lay.total, me.pid, me.start,
+                                                 clients, lay.schema_off, lay.schema_len, lay.data_off,
+                                                 lay.total - lay.data_off))
             self._mm[lay.schema_off : lay.schema_off + lay.schema_len] = self.schema.to_msgpack()
-            self._w = memoryview(self._mm).cast("q")
             self._req, self._resp, self._ver, self._gen, self._cpid = (
                 lay.words(self._mm, off) for off in (lay.req_off, lay.resp_off, lay.ver_off, lay.gen_off, lay.pid_off))
             self._gen[:] = 1
@@ -284,7 +253,7 @@ class InferenceTable(Closable):
         """Sleep on the doorbell unless ``need`` requests are already there; False if the wait timed out."""
         w = self._w
         w[SLEEP_WORD] = 1
-        self._sl_fence()  # our SLEEP store before our loads of REQ (see Waking in the module doc)
+        self._sl_fence()  # our SLEEP store before our loads of REQ (docs/design/inference-table.md, "Ordering")
         if len(self.pending()) >= need:
             w[SLEEP_WORD] = 0
             return True
@@ -386,39 +355,45 @@ class InferenceTable(Closable):
         if self._closed:
             return
         self._closed = True
-        mine = os.getpid() == self._pid
-        if mine and getattr(self, "_w", None) is not None:
-            self._w[CLOSED_WORD] = 1
-            self._sl_fence()
-        for s in ([self.doorbell] if self.doorbell is not None else []) + self._sems:
-            if mine:
-                try:
-                    s.release()  # a sleeper wakes and sees CLOSED
-                    s.unlink()
-                except posix_ipc.ExistentialError:
-                    pass
-            s.close()
+        super().close()
         self._sems = []
         self.doorbell = None
-        if mine:
-            try:
-                posix_ipc.unlink_shared_memory(self.name)
-            except posix_ipc.ExistentialError:
-                pass
         self.request_rows = self.response_rows = self._scratch = []
         for a in ("_req", "_resp", "_ver", "_gen", "_cpid"):
             setattr(self, a, None)
         if getattr(self, "_w", None) is not None:
             self._w.release()
             self._w = None  # type: ignore[assignment]
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # a caller still holds a view of the rows; the mapping goes with it
+        unmap(self._mm)  # a caller that still holds a view of the rows keeps it until the view goes
 
 
+def _withdraw(w: memoryview, sems: list[posix_ipc.Semaphore], name: str, pid: int, sl_fence: Any) -> None:
+    """The table's release: in the owner's process mark it closed, wake every sleeper (they see CLOSED), remove
+    the semaphores and the object; in any process close the semaphores."""
+    mine = os.getpid() == pid
+    if mine:
+        w[CLOSED_WORD] = 1
+        sl_fence()
+    for s in sems:
+        if mine:
+            try:
+                s.release()  # a sleeper wakes and sees CLOSED
+                s.unlink()
+            except posix_ipc.ExistentialError:
+                pass
+        s.close()
+    if mine:
+        unlink_object(name)
 
-def _read_layout(mm: Any, name: str) -> tuple[Owner, _Layout]:
+
+def _unlink_all(name: str, clients: int) -> None:
+    """:meth:`InferenceTable.unlink`: the object and its semaphores; what is already gone is fine."""
+    for role in ["s"] + [f"c{i}" for i in range(clients)]:
+        unlink_semaphore(sem_name(name, role))
+    unlink_object(name)
+
+
+def _read_layout(mm: Any, name: str) -> tuple[Owner, _TableLayout]:
     """Check the header and recompute the layout from the schema: nothing read here is trusted."""
     size = len(mm)
     owner = check_head(mm, name, magic=I_MAGIC, version=I_LAYOUT_VERSION, what="inference table")
@@ -430,7 +405,7 @@ def _read_layout(mm: Any, name: str) -> tuple[Owner, _Layout]:
     schema = Schema.from_msgpack(bytes(mm[schema_off : schema_off + schema_len]))
     if tuple(ts.name for ts in schema.timescales) != _TIMESCALES:
         raise SegmentError(f"{name}: the schema's top level is not request and response")
-    lay = _Layout(schema, clients)
+    lay = _TableLayout(schema, clients)
     if (lay.total, lay.schema_off, lay.data_off) != (size, schema_off, data_off):
         raise SegmentError(f"{name}: the schema calls for a different layout than the header states")
     return owner, lay
@@ -466,12 +441,14 @@ class InferenceClient(Closable):
 
     def __init__(self, table: str, index: int, *, timeout: float | None = None):
         self.name = check_name(table if isinstance(table, str) else getattr(table, "name", table), "inference")
-        self.timeout = check_timeout(timeout, "InferenceClient(timeout=...)")
+        self.timeout = timeout_setting("InferenceClient(timeout=...)", timeout)
         fd, self._mm = map_object(self.name, readonly=False, min_size=HEADER_BYTES + 64, what="inference table")
         os.close(fd)
         self._sem: posix_ipc.Semaphore | None = None
         self._doorbell: posix_ipc.Semaphore | None = None
-        self._watch: _ReaderWatch | None = None
+        self._watch: ProcessWatch | None = None
+        self._held: list[Any] = []  # the semaphores and the watch: what close(), collection or exit releases
+        self._lifetime(_close_all, self._held)
         try:
             self._setup(len(self._mm), index)
         except BaseException:
@@ -483,9 +460,7 @@ class InferenceClient(Closable):
         mm = self._mm
         owner, lay = _read_layout(mm, self.name)
         schema, clients = lay.schema, lay.clients
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < clients:
-            raise UsageError(f"InferenceClient(index=...): expected an int from 0 to {clients - 1}, got {index!r:.80}")
-        self.index = i = int(index)
+        self.index = i = int_setting("InferenceClient(index=...)", index, 0, clients - 1)
         self.schema = schema
         self.owner: Owner = owner
         self._w = memoryview(mm).cast("q")
@@ -499,13 +474,16 @@ class InferenceClient(Closable):
         self.request_leaves = req_rows
         self.response_leaves = resp_rows
         for role in ("s", f"c{i}"):
-            check_semaphore(_sem(self.name, role))
+            check_semaphore(sem_name(self.name, role))
         try:
-            self._doorbell = posix_ipc.Semaphore(_sem(self.name, "s"))
-            self._sem = posix_ipc.Semaphore(_sem(self.name, f"c{i}"))
+            self._doorbell = posix_ipc.Semaphore(sem_name(self.name, "s"))
+            self._held.append(self._doorbell)
+            self._sem = posix_ipc.Semaphore(sem_name(self.name, f"c{i}"))
+            self._held.append(self._sem)
         except posix_ipc.ExistentialError:
             raise SegmentError(f"{self.name}: its semaphores are gone: the owner closed the table") from None
-        self._watch = _ReaderWatch(owner)
+        self._watch = ProcessWatch(owner)
+        self._held.append(self._watch)
         w = self._w
         w[self._word["pid"]] = os.getpid()
         self._gen = w[self._word["gen"]] & _SEQ_MASK
@@ -527,8 +505,6 @@ class InferenceClient(Closable):
         The answer is in :attr:`response` when this returns.
         """
         if os.getpid() != self._pid:
-            from shmbuf._errors import WrongProcess
-
             raise WrongProcess(f"this InferenceClient was made in process {self._pid}; attach a new one in this process")
         w = self._w
         wd = self._word
@@ -537,7 +513,7 @@ class InferenceClient(Closable):
         if self._fence:  # our request rows before the word that publishes them
             self._fence()
         w[wd["req"]] = word
-        self._sl_fence()  # our REQ store before our load of SLEEP (see Waking in the module doc)
+        self._sl_fence()  # our REQ store before our load of SLEEP (docs/design/inference-table.md, "Ordering")
         if w[SLEEP_WORD]:
             self._doorbell.release()  # type: ignore[union-attr]
         sem = self._sem
@@ -574,20 +550,20 @@ class InferenceClient(Closable):
 
     def close(self) -> None:
         """Detach (unmap); the table and its other clients go on."""
-        for s in (self._sem, self._doorbell):
-            if s is not None:
-                s.close()
+        super().close()  # the semaphores and the watch
         self._sem = self._doorbell = None
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
+        self._watch = None
         self.request = self.response = None
         self.request_leaves = self.response_leaves = []
         if getattr(self, "_w", None) is not None:
             self._w.release()
             self._w = None  # type: ignore[assignment]
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        unmap(self._mm)
+
+
+def _close_all(held: list[Any]) -> None:
+    """A client's release: close its semaphores and its watch of the owner (each has a ``close()``)."""
+    for h in held:
+        h.close()
+    held.clear()
 

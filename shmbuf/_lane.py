@@ -41,11 +41,8 @@ writer that replaces a dead one on its lane counts ``seq`` from 0 again.
 
 Ordering (each arrow is "visible before"; see docs/design/rings.md)
 -------------------------------------------------------------------
-Every word is one aligned 8-byte load or store done by one C call, so none is
-torn, and the C compiler cannot reorder it with the neighbouring calls. On
-x86-64 (TSO) stores are seen in program order and loads are not reordered
-with older loads, so the message-passing pairs below need no fence there;
-:func:`shmbuf._ring.fence` is None on x86-64 and a full barrier elsewhere.
+What the machine guarantees, and why *fence* is needed only off x86-64 while the
+store-load fence of *Waking* is needed everywhere: docs/design/memory-ordering.md.
 
 - **Claim.** The writer stores PID, START, LABEL and EPOCH, *fence*, then
   STATE = ACTIVE. The reader loads STATE, *fence*, then PID and START. So a
@@ -62,7 +59,7 @@ with older loads, so the message-passing pairs below need no fence there;
   ACK = POST.
 - **Rings.** In :mod:`shmbuf._ring`: payload, entry, *fence*, head; head,
   *fence*, entry, payload.
-- **Waking** (store-load, so a full barrier on every CPU, x86-64 included).
+- **Waking** (store-load: a full barrier on every CPU).
   The reader stores WAKE_AT, *store-load fence*, loads READY_HEAD; the
   writer stores READY_HEAD, *store-load fence*, loads WAKE_AT. Whichever
   runs second sees the other's store, so a commit that reaches the quota
@@ -75,7 +72,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -83,10 +79,12 @@ from typing import Any
 import numpy as np
 import posix_ipc
 
-from shmbuf._errors import PipelineClosed, SlotTimeout, UsageError
+from shmbuf._errors import PipelineClosed, SlotTimeout
+from shmbuf._ofd import LOCK_BASE, held, lock
 from shmbuf._proc import start_time
 from shmbuf._ring import Consumer, Fence, Producer, bump, fence, store_load_fence
 from shmbuf._segment import MAILBOX_PAYLOAD_OFF, W_CLOSED, W_NEWCOMER, Plan
+from shmbuf._validate import timeout_setting
 
 # Blocking waits sleep in slices this long, so that a dead peer or a closed pipeline is noticed
 # within one slice (the reliability promise is 2 s). Writer and reader both use it.
@@ -106,16 +104,10 @@ M_POST, M_LEN, M_MAGIC, M_ACK = 0, 1, 2, 8
 MSG_MAGIC = 0x53424D5300000001  # "SBMS", version 1
 
 def check_timeout(value: Any, setting: str) -> float | None:
-    """A wait's bound: None (for ever) or seconds >= 0; else UsageError naming the setting."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
-        raise UsageError(f"{setting}: expected None or a number of seconds >= 0, got {value!r}")
-    return value
+    """A wait's bound, by the one rule of :func:`shmbuf._validate.timeout_setting` (kept for its importers)."""
+    return timeout_setting(setting, value)
 
 
-_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK)
-_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", fcntl.F_GETLK)
-_FLOCK = struct.Struct("@hhqqi4x")  # struct flock: type, whence, start, len, pid
-_LOCK_BASE = 1 << 40  # lane locks sit on bytes past the end of any real segment
 
 
 class Record:
@@ -147,7 +139,7 @@ def read_label(mm: Any, w: memoryview, rec: Record) -> str:
 
 
 def _lock(fd: int, lane: int, kind: int) -> None:
-    fcntl.fcntl(fd, _OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, _LOCK_BASE + lane, 1, 0))
+    lock(fd, LOCK_BASE + lane, kind)  # lane locks sit on bytes past the end of any real segment
 
 
 def lane_held(fd: int, lane: int) -> bool | None:
@@ -158,11 +150,7 @@ def lane_held(fd: int, lane: int) -> bool | None:
     descriptor is close-on-exec, and a forked child closes its copy at once). Unlike a pid, it
     means the same thing in every pid namespace, and no other process can inherit it by reuse.
     """
-    try:
-        got = fcntl.fcntl(fd, _OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, _LOCK_BASE + lane, 1, 0))
-    except OSError:
-        return None
-    return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
+    return held(fd, LOCK_BASE + lane)
 
 
 # ------------------------------------------------------------------ writer half

@@ -1,4 +1,5 @@
-"""Is a process still the one we met? (pid plus start time, so a reused pid is not mistaken for it)."""
+"""What /proc says of a process: is it still the one we met (pid plus start time, so a reused pid is not
+mistaken for it), and how much CPU it and the machine used. The one reader of /proc/<pid>/stat in shmbuf."""
 
 from __future__ import annotations
 
@@ -10,19 +11,56 @@ from dataclasses import dataclass
 PID_MAX = 2**31 - 1
 
 
-def start_time(pid: int) -> int:
-    """The process's start time in clock ticks since boot, or 0 where /proc cannot tell (then pid alone is used)."""
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's unit of CPU time, per second
+# Fields of /proc/<pid>/stat as stat_fields() returns them: field n of proc(5), counted from 1, is index n - 3.
+_STATE, _UTIME, _STIME, _START = 0, 11, 12, 19
+
+
+def stat_fields(pid: int | str) -> list[bytes] | None:
+    """/proc/<pid>/stat's fields from the third on (state, ppid, ...), or None where /proc cannot tell.
+
+    ``pid`` may be ``"self"`` or ``"<pid>/task/<tid>"`` (a thread).
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
     except OSError:
-        return 0
+        return None
     # The command name (field 2) may hold spaces and parentheses; fields after the last ')' are plain.
-    fields = raw[raw.rfind(b")") + 2 :].split()
+    return raw[raw.rfind(b")") + 2 :].split()
+
+
+def _field(fields: list[bytes] | None, i: int) -> int:
+    """Field ``i`` of :func:`stat_fields` as an int; 0 where /proc could not tell."""
     try:
-        return int(fields[19])  # field 22 of stat, counted from 1
+        return int(fields[i]) if fields is not None else 0
     except (IndexError, ValueError):
         return 0
+
+
+def start_time(pid: int) -> int:
+    """The process's start time in clock ticks since boot, or 0 where /proc cannot tell (then pid alone is used)."""
+    return _field(stat_fields(pid), _START)
+
+
+def cpu_ticks(pid: int | str = "self") -> int:
+    """User plus system CPU time of a process (all its threads) or thread, in clock ticks; 0 where /proc cannot tell.
+
+    Divide by :data:`CLOCK_TICKS` for seconds.
+    """
+    fields = stat_fields(pid)
+    return _field(fields, _UTIME) + _field(fields, _STIME)
+
+
+def machine_ticks() -> tuple[int, int]:
+    """``(busy, all)`` clock ticks of the whole machine since boot, all cores (/proc/stat's first line: busy is
+    everything but idle and iowait); ``(0, 0)`` where /proc cannot tell."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return 0, 0
+    return sum(v) - v[3] - (v[4] if len(v) > 4 else 0), sum(v)
 
 
 def valid_pid(pid: object) -> bool:
@@ -36,6 +74,12 @@ def pid_namespace() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
+
+
+def this_process() -> Owner:
+    """This process, as an object's header records its creator."""
+    pid = os.getpid()
+    return Owner(pid, start_time(pid), pid_namespace())
 
 
 @dataclass(frozen=True)
@@ -82,10 +126,5 @@ def alive(pid: int, started: int) -> bool:
 
 
 def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return False
-    state = raw[raw.rfind(b")") + 2 : raw.rfind(b")") + 3]
-    return state in (b"Z", b"X")
+    fields = stat_fields(pid)
+    return fields is not None and fields[_STATE : _STATE + 1] in ([b"Z"], [b"X"])

@@ -20,26 +20,9 @@ for the free ring), then the entry, then ``head``. The consumer loads
 ``head``, then the entry, then the payload. Correctness needs the consumer
 never to see the new ``head`` before the entry and payload it covers.
 
-- Every store here is an aligned 8-byte store done by one C call
-  (memoryview item assignment; numpy slice copies for entries and payload). The C
-  compiler cannot move stores across an opaque call into another function
-  that may touch the same memory, so the program order above is the order
-  the CPU receives. Aligned 8-byte stores are single-copy atomic on x86-64
-  and AArch64, so no counter is ever seen torn.
-- On x86-64 (TSO), stores become visible to other cores in program order and
-  loads are not reordered with older loads. That is exactly the
-  message-passing guarantee the ring needs, with no fence.
-- On weakly ordered CPUs (AArch64, POWER) that is not enough, so
-  :func:`fence` is called between payload and ``head`` on the producer side
-  and between ``head`` and payload on the consumer side. It releases and
-  re-acquires a lock private to the caller: the interpreter implements that
-  with atomic read-modify-writes (release, then acquire), which AArch64
-  orders as a full barrier (RCsc: a store-release is never reordered with a
-  later load-acquire). On x86-64 the fence is skipped.
-- Waking is separate from ordering. Semaphore posts (``sem_post``) follow
-  the ``head`` store and semaphore waits precede the loads; POSIX lists both
-  among the functions that synchronise memory, so a consumer woken by a post
-  sees everything stored before it, on any CPU.
+Why that holds on x86-64 with no fence, and where :func:`fence` is needed elsewhere (between
+payload and ``head`` on the producer side, between ``head`` and payload on the consumer side):
+docs/design/memory-ordering.md.
 """
 
 from __future__ import annotations
@@ -63,7 +46,7 @@ _TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 class Fence:
-    """A full memory barrier for weakly ordered CPUs (see the module doc)."""
+    """A full memory barrier: release and re-acquire of a private lock (docs/design/memory-ordering.md)."""
 
     __slots__ = ("_lock",)
 
@@ -77,12 +60,7 @@ class Fence:
 
 
 def store_load_fence() -> Fence:
-    """A full barrier on every CPU, x86-64 included.
-
-    TSO still lets a store be passed by a later load (the store-buffer litmus test), so a wake-up
-    handshake where each side stores its own word and then loads the other's needs an atomic
-    read-modify-write on both sides: see "Waking" in docs/design/rings.md.
-    """
+    """A full barrier on every CPU, x86-64 included: for store-load handshakes (docs/design/memory-ordering.md)."""
     return Fence()
 
 

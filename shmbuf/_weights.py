@@ -1,80 +1,15 @@
 """Weight broadcast: the learner publishes policy parameters, actors read the newest whole version.
 
-The learner (one process, one thread: the *publisher*) owns a POSIX
-shared-memory object holding ``buffers`` copies of a parameter pytree. Actors
-(*subscribers*, any number, read-only mappings) copy the newest complete
-version out whenever they like. Nobody ever waits for anybody: the publisher
-never blocks, and a subscriber retries only when the publisher overwrote the
-buffer it was copying, which takes ``buffers`` publishes during one copy.
-
-Layout (every region 64-byte aligned)::
-
-    0     header   magic, layout version, sizes, owner pid, buffer count; last word: owner's pid namespace
-    256   latest   the publish count of the newest complete buffer (0: none yet)
-    320   seq[b]   one word per buffer, each on its own cache line
-    ...   schema   msgpack (never pickle): the tree's structure, paths, dtypes, shapes
-    ...   data     buffers x (the tree's leaves, then its int64 version)
-
-Publish ``n`` (n = 1, 2, ...) goes to buffer ``b = n % buffers``.
-
-The object is made, opened and checked by the segment's own code
-(:mod:`shmbuf._segment`: ``create_object``, ``map_object``, ``check_head``): the
-same name rules, the same refusal of links, FIFOs, directories and other users'
-files, the same header head (magic, version, sizes, owner) and pid namespace.
-
-Memory ordering (a sequence lock per buffer)
---------------------------------------------
-Publisher, for publish ``n``::
-
-    seq[b] = 2n - 1        odd: buffer b is being written
-    fence
-    copy every leaf and the version into buffer b
-    fence
-    seq[b] = 2n            even: buffer b holds publish n, complete
-    latest = n
-
-Subscriber::
-
-    n  = latest;  b = n % buffers
-    s1 = seq[b];  if s1 != 2n: start again  (b is already being rewritten)
-    fence
-    copy buffer b out
-    fence
-    s2 = seq[b];  if s2 != s1: start again  (b was rewritten during the copy)
-    accept
-
-Why a subscriber never accepts a torn mix: the publisher stores the odd
-``seq[b]`` before any byte of a new version and the even one after the last;
-the subscriber loads ``s1`` before any byte it copies and ``s2`` after the
-last. If any byte it copied came from a later publish ``m > n`` into ``b``,
-then the odd ``2m - 1`` was stored before that byte, so the later load of
-``s2`` sees at least ``2m - 1 != 2n`` and the copy is thrown away. If
-``s1 == 2n`` then publish ``n`` had finished, so every byte of it is visible
-to loads that come after ``s1``. Counts only grow, so ``2n`` is written to
-``seq[b]`` once ever: no ABA.
-
-What that needs from the machine, and how it gets it (the same argument as
-:mod:`shmbuf._ring`): each ``seq``/``latest`` access is one aligned 8-byte
-load or store done by one C call (memoryview item access), so it is never
-torn, and the C compiler cannot move it across the neighbouring opaque calls
-(numpy's copy). On x86-64 (TSO) stores become visible in program order and
-loads are not reordered with older loads, which is all a seqlock needs; the
-one exception, non-temporal stores that glibc's ``memcpy`` uses for very large
-copies, ends with an ``sfence`` inside ``memcpy`` itself. On weakly ordered
-CPUs (AArch64, POWER) :class:`shmbuf._ring.Fence` is a full barrier at the
-places marked ``fence`` above.
-
-With ``buffers >= 2`` a subscriber that is slower than one publish still gets
-the version that was newest when it started; it only restarts when lapped
-``buffers`` times. Only one publisher may exist per object (it is the
-learner's; ``WeightPublisher`` is not picklable).
+One publisher (the learner) owns an object of ``buffers`` copies of a parameter pytree, each under a
+sequence lock; subscribers (actors, read-only mappings) copy the newest complete one out, and nobody
+waits for anybody. Layout, protocol and why a torn version is never accepted: docs/design/weights.md.
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
-import secrets
 import struct
 import time
 from dataclasses import dataclass
@@ -82,19 +17,31 @@ from typing import Any
 
 import numpy as np
 import optree
-import posix_ipc
 
-from shmbuf._closable import Closable
-from shmbuf._errors import PipelineClosed, SchemaError, SegmentError, SlotTimeout, UsageError
-from shmbuf._proc import Owner, start_time
-from shmbuf._ring import Fence
-from shmbuf._schema import Schema, _align
-from shmbuf._segment import (
-    HEAD, HEADER_BYTES, WEIGHTS_PREFIX, _fmt_bytes, check_head, check_name, create_object, map_object, pinned,
-    stamp_pidns,
+from shmbuf._errors import PipelineClosed, SchemaError, SegmentError, SlotTimeout, UsageError, WrongProcess
+from shmbuf._schema import Schema
+from shmbuf._substrate import (
+    HEAD,
+    HEADER_BYTES,
+    WEIGHTS_PREFIX,
+    Closable,
+    Fence,
+    Owner,
+    align,
+    check_head,
+    check_name,
+    create_object,
+    fmt_bytes,
+    map_object,
+    new_name,
+    pinned,
+    this_process,
+    unlink_object,
+    unmap,
+    write_header,
 )
+from shmbuf._validate import int_setting
 
-W_PREFIX = WEIGHTS_PREFIX
 W_MAGIC = b"\x89SHMBUFW"
 W_LAYOUT_VERSION = 2  # 2: the segment's header head (owner before buffer count), pid namespace in the last word
 # <the head every shmbuf header starts with: magic, layout version, header bytes, total, owner pid, owner start>
@@ -122,22 +69,22 @@ class WeightsHandle:
         check_name(self.name, "weights")  # UsageError unless '/shmbuf-w' and 16 hex digits
 
 
-class _Layout:
+class _WeightsLayout:
     """Offsets of one weights object, derived from (schema, buffers): recomputed and checked on attach."""
 
     def __init__(self, schema: Schema, buffers: int):
         self.schema = schema
         self.buffers = buffers
         self.schema_len = len(schema.to_msgpack())
-        self.schema_off = _align(SEQ_OFF + buffers * 64)
-        self.data_off = _align(self.schema_off + self.schema_len)
+        self.schema_off = align(SEQ_OFF + buffers * 64)
+        self.data_off = align(self.schema_off + self.schema_len)
         leaves = schema.leaves
         self.leaf_offs: list[int] = []
         off = 0
         for lf in leaves:
             self.leaf_offs.append(off)
             off += lf.stride
-        self.buffer_bytes = _align(max(off, 64))
+        self.buffer_bytes = align(max(off, 64))
         self.total = self.data_off + buffers * self.buffer_bytes
 
     def views(self, mm: mmap.mmap, b: int) -> list[np.ndarray]:
@@ -163,24 +110,25 @@ class WeightPublisher(Closable):
     object is created owner-only (0600) under ``/shmbuf-w<16 hex>``.
     """
 
+    _kind = "weight broadcast"
+
     def __init__(self, example: Any, *, buffers: int = 3):
-        if isinstance(buffers, bool) or not isinstance(buffers, int) or not 1 <= buffers <= MAX_BUFFERS:
-            raise UsageError(f"WeightPublisher(buffers=...): expected an int from 1 to {MAX_BUFFERS}, got {buffers!r:.80}")
+        buffers = int_setting("WeightPublisher(buffers=...)", buffers, 1, MAX_BUFFERS)
         self.schema = _schema_of(example)
-        self._lay = lay = _Layout(self.schema, buffers)
+        self._lay = lay = _WeightsLayout(self.schema, buffers)
         self._treespec = self.schema.timescales[0].treespec
-        self.name = W_PREFIX + secrets.token_hex(8)
+        self.name = new_name(WEIGHTS_PREFIX)
         self._pid = os.getpid()
         self._closed = False
-        fd, self._mm = create_object(self.name, lay.total, f"{buffers} buffers of {_fmt_bytes(lay.buffer_bytes)}")
+        fd, self._mm = create_object(self.name, lay.total, f"{buffers} buffers of {fmt_bytes(lay.buffer_bytes)}")
         os.close(fd)  # the mapping is all the publisher needs
-        packed = self.schema.to_msgpack()
-        pid = os.getpid()
-        self._mm[: _HEADER.size] = _HEADER.pack(W_MAGIC, W_LAYOUT_VERSION, HEADER_BYTES, lay.total, pid, start_time(pid),
-                                                buffers, lay.schema_off, lay.schema_len, lay.data_off, lay.buffer_bytes)
-        stamp_pidns(self._mm)
-        self._mm[lay.schema_off : lay.schema_off + lay.schema_len] = packed
         self._w = memoryview(self._mm).cast("q")
+        # Closed and unlinked at close(), collection or exit, in this process only (a forked child's copy never).
+        self._lifetime(_withdraw, self._w, self.name, self._pid, unlink=functools.partial(unlink_object, self.name))
+        me = this_process()
+        write_header(self._mm, _HEADER.pack(W_MAGIC, W_LAYOUT_VERSION, HEADER_BYTES, lay.total, me.pid, me.start, buffers,
+                                            lay.schema_off, lay.schema_len, lay.data_off, lay.buffer_bytes))
+        self._mm[lay.schema_off : lay.schema_off + lay.schema_len] = self.schema.to_msgpack()
         self._bufs = [lay.views(self._mm, b) for b in range(buffers)]
         self._fence = Fence()
         self._count = 0
@@ -202,7 +150,7 @@ class WeightPublisher(Closable):
         if self._closed:
             raise PipelineClosed(f"weight broadcast {self.name} is closed")
         if os.getpid() != self._pid:
-            raise RuntimeError(f"this WeightPublisher belongs to process {self._pid}; only the learner publishes")
+            raise WrongProcess(f"this WeightPublisher belongs to process {self._pid}; only the learner publishes")
         if version is None:
             version = 0 if self.version is None else self.version + 1
         elif not isinstance(version, (int, np.integer)) or (self.version is not None and version <= self.version):
@@ -248,23 +196,23 @@ class WeightPublisher(Closable):
         if self._closed:
             return
         self._closed = True
+        super().close()
         if os.getpid() != self._pid:
             return
-        try:
-            self._w[CLOSED_WORD] = 1
-        except (ValueError, TypeError):
-            pass
-        try:
-            posix_ipc.unlink_shared_memory(self.name)
-        except posix_ipc.ExistentialError:
-            pass
         self._bufs = []
         self._w.release()
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # arrays taken from the buffers still exist; the mapping goes with them
+        unmap(self._mm)  # arrays taken from the buffers that still exist keep it until they go
 
+
+def _withdraw(w: memoryview, name: str, pid: int) -> None:
+    """The publisher's release: tell subscribers it closed, and remove the name; in the publisher's process only."""
+    if os.getpid() != pid:
+        return
+    try:
+        w[CLOSED_WORD] = 1
+    except (ValueError, TypeError):
+        pass
+    unlink_object(name)
 
 
 def _param_name(path: tuple[Any, ...]) -> str:
@@ -311,7 +259,7 @@ class WeightSubscriber(Closable):
         if not 0 < schema_len <= size or not SEQ_OFF <= schema_off <= size - schema_len:
             raise SegmentError(f"{self.name}: schema lies outside the object")
         schema = Schema.from_msgpack(bytes(mm[schema_off : schema_off + schema_len]))
-        lay = _Layout(schema, buffers)
+        lay = _WeightsLayout(schema, buffers)
         if (lay.total, lay.schema_off, lay.data_off, lay.buffer_bytes) != (size, schema_off, data_off, buffer_bytes):
             raise SegmentError(f"{self.name}: the schema calls for a different layout than the header states")
         self.schema = schema
@@ -381,8 +329,5 @@ class WeightSubscriber(Closable):
             return
         self._bufs = None  # type: ignore[assignment]
         self._w.release()
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        unmap(self._mm)
 

@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 
 import shmbuf
 from tests.conftest import leaked_since
-from shmbuf import _errors
+from shmbuf import _errors, _ofd
+from shmbuf._shm import unlink_object
 from shmbuf.storage import replay as replay_mod
 from shmbuf.storage.replay import ReplayBuffer, ReplayHandle, describe, is_replay
 
@@ -445,14 +446,14 @@ def test_the_creator_unlinks_at_close_or_when_collected_and_nobody_else_does(mak
         gc.collect()
         assert gone(name)
     finally:
-        replay_mod._unlink(name)
+        unlink_object(name)
     rb = ReplayBuffer.create(example_row(), 8)
     try:
         rb.close()
         assert gone(rb.name)
         rb.close()
     finally:
-        replay_mod._unlink(rb.name)
+        unlink_object(rb.name)
 
 
 def test_close_waits_for_an_insert_in_another_thread(make_rb: Callable[..., ReplayBuffer]) -> None:
@@ -492,7 +493,7 @@ class _StoreBoom:
         return self.w[i]
 
     def __setitem__(self, i: int, v: int) -> None:
-        if i == replay_mod.W_INSERTED:
+        if i == replay_mod.layout.W_INSERTED:
             raise KeyboardInterrupt
         self.w[i] = v
 
@@ -537,8 +538,8 @@ def test_a_reservation_held_for_ever_times_out(make_rb: Callable[..., ReplayBuff
 
     t = threading.Thread(target=insert)
     try:
-        lock = replay_mod._FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, replay_mod.LOCK_BASE, 1, 0)
-        fcntl.fcntl(holder, getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK), lock)
+        lock = _ofd.packed(fcntl.F_WRLCK, replay_mod.LOCK_BASE)
+        fcntl.fcntl(holder, _ofd.SETLK, lock)
         t.start()
         wait_until(lambda: bool(out), 10, "the insert to give up on the reservation lock")
     finally:

@@ -1,307 +1,62 @@
 """A replay buffer in POSIX shared memory: several actor processes insert rows while the learner samples.
 
-002's ``ReplayBuffer`` (a ring of ``buffer_size`` states and next states, ``insert`` split in two
-where a batch wraps round the end, ``num_samples`` that grows to ``buffer_size`` and stays there,
-``feed_forward_generator`` sampling uniformly with replacement) generalised to rows that are any
-pytree of numpy arrays, and kept in one shared-memory object like a pipeline: the process that
-calls :meth:`ReplayBuffer.create` makes it (owner-only, 0600, space reserved, its schema as
-msgpack in the header, never pickle); any process of the same user attaches by name
-(:meth:`ReplayBuffer.attach`, a :class:`ReplayHandle`, or by pickling the buffer, which carries
-the name only). Its name is a pipeline's (``/shmbuf-`` and 16 hex digits) with its own magic in
-the header (``\\x89SHMBUFR``), so the segment code's name and file checks apply as they are.
-
-Layout (every region 64-byte aligned, offsets in bytes)::
-
-    0      header    the shmbuf head (magic, layout version, sizes, owner pid and start), buffer_size,
-                     max_writers, offsets, row bytes, schema fingerprint; last word: owner's pid namespace
-    256    counter   INSERTED: rows handed out so far (the global insert index of the next row)
-    320    writers   max_writers x 64 bytes: FIRST, END (the insert in progress), PID, ROWS
-    ...    seq       buffer_size int64: one sequence word per row
-    ...    schema    msgpack: one row's tree, every leaf with a leading 1
-    ...    data      leaf-major: for each leaf, buffer_size rows of that leaf, contiguous
-
-Global insert index ``g`` (0, 1, 2, ... over the buffer's life) goes to row ``g % buffer_size``.
-
-The protocol (writer and sampler halves both live in this module)
-------------------------------------------------------------------
-Locks are open-file-description locks (``F_OFD_SETLK*``) on bytes past the end of the object,
-taken on a descriptor of the buffer's file that each attached instance opens for itself. The
-kernel drops such a lock when its holder's description closes, which happens when the process
-dies however it dies (SIGKILL included), so no lock here can be left held by a dead process.
-(A forked child closes its inherited copy at once, see :mod:`shmbuf._fork`, so it never keeps
-a dead parent's lock alive.)
-
-- Writer slot ``k``: a lock on byte ``LOCK_BASE + 1 + k``, held by an inserting instance from its
-  first insert until it closes, is collected, or its process dies. The slot's record (``FIRST, END``) says which
-  global indices that instance is writing now; ``FIRST == END`` when none.
-- Reservation lock: byte ``LOCK_BASE``, held for three stores; waited for by retrying ``F_OFD_SETLK``
-  up to ``timeout`` (``F_OFD_SETLKW`` cannot be bounded: a stopped holder would stall everyone).
-
-Insert of ``n`` rows (a batch of ``n > buffer_size`` writes only its last ``buffer_size`` rows: the
-earlier ones would be overwritten by the same insert, exactly as in a ring written row by row)::
-
-    take the reservation lock
-      g = INSERTED;  we write [first, end) = [max(g, g+n-N), g+n)
-      our record: FIRST = first, END = end;  INSERTED = g + n
-    release the reservation lock
-    wait until no live writer of an earlier insert is still writing one of our rows (below)
-    seq[row(i)] = 2i + 1 for i in [first, end)      odd: being written by insert i
-    fence
-    copy every leaf of the batch into its rows     (at most two slices per leaf: 002's wrap-around split)
-    fence
-    seq[row(i)] = 2i + 2                            even: row holds insert i, complete
-    fence
-    FIRST = END                                     our insert is over
-
-Sampler (``sample``, ``feed_forward_generator``)::
-
-    idx = uniform draws in [0, num_samples)
-    s1 = seq[idx];  fence;  gather every leaf at idx (one copy);  fence;  s2 = seq[idx]
-    a draw is good iff s1 == s2, s1 is even and s1 > 0;  redraw (and re-gather) the others
-
-Why a sample never holds a half-written row nor a mix of two inserts. Stamps are unique: row
-``r`` is stamped ``2i+2`` only by insert ``i``, and (below) the inserts that write a row do so
-one after another in the order of ``i``, so no value ever comes back (no ABA). Suppose a good
-draw of row ``r`` read ``s1 == s2 == 2i+2``. ``s1`` was loaded before any byte of the gather,
-and insert ``i`` stored ``2i+2`` after its last byte, so every byte of insert ``i`` is visible
-to the gather. If any byte gathered came from a later insert ``j > i`` on row ``r``, that insert
-stored the odd ``2j+1`` before that byte, so the load of ``s2``, which comes after the gather,
-sees ``2j+1`` or a later stamp, not ``2i+2``: the draw would have been thrown away. A row never
-written has seq 0; a row being written, or whose writer died mid-row, is odd: neither is ever
-accepted. This is the weight broadcast's sequence lock (:mod:`shmbuf._weights`), per row, with
-the same machine argument: each seq word is an aligned 8-byte location, loaded and stored whole
-(numpy's int64 copy loops move 8-byte items with single 8-byte accesses, single-copy atomic on
-x86-64 and AArch64); on x86-64 (TSO) stores become visible in program order and loads are not
-reordered with older loads, and the opaque C calls keep the compiler from moving them; on weakly
-ordered CPUs :func:`shmbuf._ring.fence` is a full barrier at each ``fence`` above.
-
-That argument needs one more thing: **at most one insert writes a row at any time**, the
-earlier one first. Two inserts on the same row (a live but slow writer lapped by the others a
-full ring later) would interleave their stamps and could leave an even stamp over mixed bytes.
-So before its first store to the rows, a writer looks at every other writer's record: an
-insert earlier than ours whose range shares a row with ours (it can only if it began more than
-``buffer_size`` indices before our end: a cheap vectorised test that finds nothing in the usual
-case) and whose slot's lock is still held is a live writer still writing there, and we wait
-(polling, up to ``timeout`` seconds; then SlotTimeout, nothing written, our places in the ring
-skipped and our record cleared). A record whose lock is free belongs to a writer that died:
-its rows are odd or hold older complete rows, and we may overwrite them. Every earlier
-insert's record was stored under the reservation lock before we took it, so we see it; a
-record changes afterwards only from "in progress" to empty, and only after that insert's last
-store to its rows (its even stamps, or none if it gave up or was interrupted), so seeing it
-empty means that insert will touch its rows no more. We wait only for earlier inserts, so
-waits never form a cycle, and a waiting insert holds no lock: inserts on other rows go on, and
-a slow writer delays only the inserts that reach its rows (and those that reach theirs).
-
-What an interrupted insert leaves (an exception, KeyboardInterrupt included, anywhere from the
-reservation on, or SlotTimeout): its record is cleared in a ``finally``, so no later insert waits
-for it; places it reserved but did not write hold their previous rows (or odd stamps, never
-sampled), exactly as for a killed writer. What a killed writer leaves: SIGKILL at any point drops both its locks. Killed while holding the
-reservation lock, it has reserved nothing (``INSERTED`` is stored last) or its whole range (then
-its rows still hold their previous complete rows); killed while copying, its rows are odd and
-are never sampled, and the next insert that reaches them overwrites them without waiting (its
-slot's lock is gone). Nobody waits on it, and nothing it wrote half is ever read.
-
-Order: concurrent inserts land in the order they took the reservation lock (the order of their
-global indices); each batch occupies consecutive rows in ring order, never interleaved with
-another, its rows in the batch's order. A row becomes sampleable when its writer stamps it even,
-which for a slow writer may be after rows of later inserts became sampleable. No insert is lost:
-every reserved row is written by its writer unless the writer dies (or its insert raised
-SlotTimeout, which says so), and stays sampleable until a later insert takes the row in ring order. ``num_samples`` is ``min(INSERTED, buffer_size)``: rows
-reserved, some of which may still be in flight (the sampler redraws those).
-
-What this does not do: prioritised sampling, sampling without replacement, several samplers
-sharing one random stream (each instance has its own generator), growing the buffer, or any
-ordering between a sample and an insert that has not returned yet.
+A ring of ``buffer_size`` rows (any pytree of numpy arrays), made by :meth:`ReplayBuffer.create`
+and attached to by name from any process of the same user. Inserts reserve rows under a lock and
+stamp each row's sequence word odd, then even; samples keep only rows whose stamp was even and
+unchanged around the copy. The protocol and why it never returns a torn row: docs/design/replay.md;
+the object's layout and header: :mod:`shmbuf.storage._replay_layout`.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
-import mmap
+import functools
 import os
-import struct
 import threading
 import time
-import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import optree
-import posix_ipc
 
-from shmbuf import _fork
-from shmbuf._errors import SchemaError, SegmentError, ShmbufError, SlotTimeout, UsageError
-from shmbuf._proc import Owner, pid_namespace, start_time
-from shmbuf._ring import fence
-from shmbuf._schema import Leaf, Schema, _align, flatten_like, format_path
-from shmbuf._segment import (
-    HEAD,
+from shmbuf._errors import SegmentError, SlotTimeout, UsageError
+from shmbuf._schema import Schema
+from shmbuf._substrate import (
+    BUSY,
     HEADER_BYTES,
-    _fmt_bytes,
-    check_head,
-    check_name,
+    LOCK_BASE,
+    Closable,
+    Owner,
+    apply,
     create_object,
+    fence,
+    fmt_bytes,
+    lock,
     map_object,
     new_name,
     open_object,
+    packed,
     pinned,
-    stamp_pidns,
+    populated,
+    this_process,
+    track,
+    unlink_object,
+    unmap,
+    write_header,
 )
+from shmbuf._validate import int_setting
+from shmbuf.storage import _replay_layout as layout
+from shmbuf.storage._replay_layout import ReplayHandle, ReplayInfo, describe, is_replay
+from shmbuf.storage._replay_row import ROW, Row, row_schema
 from shmbuf.storage._torch import to_torch
 
 __all__ = ["ReplayBuffer", "ReplayHandle", "ReplayInfo", "describe", "is_replay"]
 
-R_MAGIC = b"\x89SHMBUFR"
-R_LAYOUT_VERSION = 1
-# <the shmbuf head: magic, version, header bytes, total, owner pid, owner start>
-# <buffer_size, max_writers, n_leaves, writers off, seq off, schema off, schema len, data off, row bytes, created ns,
-#  schema fingerprint>
-_HEADER = struct.Struct(HEAD.format + "QII" + "QQQQQQQ" + "16s")
-COUNTER_OFF = 256
-W_INSERTED = COUNTER_OFF // 8
-WRITERS_OFF = 320
-RECORD_BYTES = 64
-F_FIRST, F_END, F_PID, F_ROWS = 0, 1, 2, 3  # a writer record's words
-MAX_ROWS = 1 << 40
-MAX_WRITERS = 1024
-_TS = "row"  # the schema's single timescale: one row, every leaf with a leading 1
-
-_SETLK = getattr(fcntl, "F_OFD_SETLK", fcntl.F_SETLK)
-_GETLK = getattr(fcntl, "F_OFD_GETLK", fcntl.F_GETLK)
-_FLOCK = struct.Struct("@hhqqi4x")  # struct flock: type, whence, start, len, pid
-LOCK_BASE = 1 << 40  # lock bytes sit past the end of any real object
 _SIGN_OR_ODD = np.int64(-(2**63) + 1)  # 0x8000000000000001
 _NONE = np.zeros(0, np.intp)
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
-_RESERVE = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, LOCK_BASE, 1, 0)  # packed once: the unlock must not fail half-way
-_UNRESERVE = _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, LOCK_BASE, 1, 0)
-_BUSY = (errno.EAGAIN, errno.EACCES)
-
-
-def _lock(fd: int, byte: int, kind: int, cmd: int = _SETLK) -> None:
-    fcntl.fcntl(fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0))
-
-
-def _held(fd: int, byte: int) -> bool:
-    """Does another open file description hold a lock on ``byte``? (True where the kernel cannot say: we wait.)"""
-    try:
-        got = fcntl.fcntl(fd, _GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
-    except OSError:
-        return True
-    return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
-
-
-# ------------------------------------------------------------------ schema and layout
-
-
-def _row_schema(example_row: Any) -> Schema:
-    """The schema of one row: the row's tree with a leading 1 on every leaf (so always single-item)."""
-    paths, leaves, _ = optree.tree_flatten_with_path(example_row)
-    if not leaves:
-        raise SchemaError("ReplayBuffer: the example row has no array leaves: expected a pytree of numpy arrays, e.g. "
-                          "{'obs': np.zeros(64, np.float32), 'reward': np.zeros((), np.float32)}")
-    for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, (np.ndarray, np.generic)):
-            raise SchemaError(
-                f"ReplayBuffer: example row leaf {format_path(path)}: expected a numpy array, got {type(leaf).__name__}; "
-                "wrap Python numbers in np.asarray(..., dtype)"
-            )
-    batch_of_one = optree.tree_map(lambda a: np.asarray(a)[None], example_row)
-    return Schema.from_example({_TS: batch_of_one})
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Every offset of a replay object, from (schema, buffer_size, max_writers): recomputed and compared on attach."""
-
-    buffer_size: int
-    max_writers: int
-    seq_off: int
-    schema_off: int
-    schema_len: int
-    data_off: int
-    leaf_offs: tuple[int, ...]
-    row_bytes: int
-    total: int
-
-    @staticmethod
-    def of(schema: Schema, buffer_size: int, max_writers: int) -> _Layout:
-        seq_off = _align(WRITERS_OFF + max_writers * RECORD_BYTES)
-        schema_off = _align(seq_off + buffer_size * 8)
-        schema_len = len(schema.to_msgpack())
-        off = data_off = _align(schema_off + schema_len)
-        offs = []
-        for lf in schema.leaves:
-            offs.append(off)
-            off = _align(off + buffer_size * lf.nbytes)
-        row_bytes = sum(lf.nbytes for lf in schema.leaves)
-        return _Layout(buffer_size, max_writers, seq_off, schema_off, schema_len, data_off, tuple(offs), row_bytes,
-                       max(_align(off), HEADER_BYTES))
-
-    def pack(self, schema: Schema, owner: Owner) -> bytes:
-        return _HEADER.pack(R_MAGIC, R_LAYOUT_VERSION, HEADER_BYTES, self.total, owner.pid, owner.start, self.buffer_size,
-                            self.max_writers, len(schema.leaves), WRITERS_OFF, self.seq_off, self.schema_off,
-                            self.schema_len, self.data_off, self.row_bytes, time.time_ns(), schema.fingerprint.encode())
-
-
-def _int_setting(setting: str, value: object, top: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= top:
-        raise UsageError(f"ReplayBuffer: {setting}: expected an int from 1 to {top}, got {value!r:.80}")
-    return int(value)
-
-
-def _timeout(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise UsageError(f"ReplayBuffer: timeout: expected a number of seconds > 0, got {value!r:.80}")
-    return float(value)
-
-
-def _read_layout(mm: mmap.mmap, name: str) -> tuple[Schema, _Layout, Owner]:
-    """Check a mapping's header field by field; return its schema, layout and creator, or raise SegmentError."""
-    owner = check_head(mm, name, magic=R_MAGIC, version=R_LAYOUT_VERSION, what="shmbuf replay buffer")
-    size = len(mm)
-    (*_head, buffer_size, max_writers, n_leaves, writers_off, _seq_off, schema_off, schema_len, _data_off, _row_bytes,
-     _created, fingerprint) = _HEADER.unpack_from(mm, 0)
-    if not (1 <= buffer_size <= MAX_ROWS and 1 <= max_writers <= MAX_WRITERS and writers_off == WRITERS_OFF):
-        raise SegmentError(f"{name}: header declares buffer_size {buffer_size}, max_writers {max_writers}: corrupt")
-    if not (0 < schema_len <= size and 0 < schema_off <= size - schema_len):
-        raise SegmentError(f"{name}: schema at [{schema_off}, +{schema_len}) lies outside the {size}-byte object")
-    schema = Schema.from_msgpack(bytes(mm[schema_off : schema_off + schema_len]))
-    if schema.fingerprint.encode() != fingerprint:
-        raise SegmentError(f"{name}: the schema's fingerprint {schema.fingerprint} is not the header's {fingerprint!r}: corrupt")
-    if [ts.name for ts in schema.timescales] != [_TS] or any(lf.shape[:1] != (1,) for lf in schema.leaves):
-        raise SegmentError(f"{name}: its schema is not a replay row's ({schema.summary():.200})")
-    lay = _Layout.of(schema, buffer_size, max_writers)
-    expect = lay.pack(schema, owner)
-    got = bytes(mm[: _HEADER.size])
-    skip = slice(_HEADER.size - 16 - 8, _HEADER.size - 16)  # created ns: not derived
-    if expect[: skip.start] != got[: skip.start] or expect[skip.stop :] != got[skip.stop :] or n_leaves != len(schema.leaves):
-        raise SegmentError(f"{name}: header offsets disagree with its schema and sizes (the object is corrupt or foreign)")
-    return schema, lay, owner
-
-
-@dataclass(frozen=True)
-class ReplayHandle:
-    """A picklable reference to a replay buffer: its name. ``ReplayBuffer.attach(handle)`` attaches."""
-
-    name: str
-
-    def __post_init__(self) -> None:
-        check_name(self.name)
-
-
-def _name_of(target: Any) -> str:
-    if isinstance(target, str):
-        return check_name(target)
-    name = getattr(target, "name", None)
-    if isinstance(name, str):
-        return check_name(name)
-    raise UsageError(f"ReplayBuffer.attach: expected a replay buffer name, ReplayHandle or ReplayBuffer, got {type(target).__name__}")
+_RESERVE = packed(fcntl.F_WRLCK, LOCK_BASE)  # packed once: the unlock must not fail half-way
+_UNRESERVE = packed(fcntl.F_UNLCK, LOCK_BASE)
 
 
 def _attach_pickled(name: str, timeout: float) -> ReplayBuffer:
@@ -310,14 +65,13 @@ def _attach_pickled(name: str, timeout: float) -> ReplayBuffer:
 
 # ------------------------------------------------------------------ the buffer
 
-
-class ReplayBuffer:
+class ReplayBuffer(Closable):
     """A ring of ``buffer_size`` rows in shared memory, inserted into by many processes and sampled uniformly.
 
     Make one with :meth:`create` (the owner; its ``close()``, ``with`` or collection unlinks it), attach to it in other
     processes with :meth:`attach` (by name or :class:`ReplayHandle`, or pass the buffer itself to a
     ``multiprocessing`` child: pickling carries the name only, and a ``fork``-ed child may keep
-    using the copy it inherited). See the module doc for the concurrency protocol.
+    using the copy it inherited). The concurrency protocol: docs/design/replay.md.
 
     Lifetime: everything :meth:`sample` and :meth:`feed_forward_generator` return is a fresh copy,
     the caller's to keep; nothing hands out a view of the shared rows. One instance is for one
@@ -326,7 +80,9 @@ class ReplayBuffer:
     insert concurrently.
     """
 
-    def __init__(self, name: str, mm: mmap.mmap, fd: int, schema: Schema, lay: _Layout, owner: bool, creator: Owner,
+    _kind = "replay buffer"
+
+    def __init__(self, name: str, mm: Any, fd: int, schema: Schema, lay: layout.ReplayLayout, owner: bool, creator: Owner,
                  timeout: float, seed: int | None):
         self.name = name
         self.schema = schema
@@ -346,28 +102,24 @@ class ReplayBuffer:
         self._w = memoryview(mm).cast("q")
         pin = pinned(mm)  # every array below keeps the mapping alive while it lives
         self._seq = np.ndarray((lay.buffer_size,), np.int64, buffer=pin, offset=lay.seq_off)
-        ts = schema.by_name[_TS]
+        ts = schema.by_name[ROW]
+        self._row = Row(ts)  # the row's contract: what a batch is checked against
         self._treespec = ts.treespec
-        self._structure = ts.structure
-        self._leaves: tuple[Leaf, ...] = ts.leaves
-        self._row_shapes = tuple(lf.shape[1:] for lf in ts.leaves)
-        self._names = tuple(format_path(lf.path[1:]) for lf in ts.leaves)
-        self._out_specs = tuple((lf.dtype, lf.shape[1:]) for lf in ts.leaves)
-        self._checks = tuple((lf.dtype, lf.shape[1:], 1 + len(lf.shape[1:])) for lf in ts.leaves)
         self._rows = [np.ndarray((lay.buffer_size, *lf.shape[1:]), lf.dtype, buffer=pin, offset=off)
                       for lf, off in zip(ts.leaves, lay.leaf_offs)]
         self._slot: int | None = None  # our writer slot, claimed at the first insert
         self._rec = -1  # its record's first word
-        self._recs = np.ndarray((lay.max_writers, RECORD_BYTES // 8), np.int64, buffer=pin, offset=WRITERS_OFF)
-        self._firsts, self._ends = self._recs[:, F_FIRST], self._recs[:, F_END]  # views: every writer's record
+        self._recs = np.ndarray((lay.max_writers, layout.RECORD_BYTES // 8), np.int64, buffer=pin, offset=layout.WRITERS_OFF)
+        self._firsts, self._ends = self._recs[:, layout.F_FIRST], self._recs[:, layout.F_END]  # views: every writer's record
         self._stamps = np.zeros(0, np.int64)  # 2 * arange(m), grown to the largest batch: stamps are this + 2*first + 1
         self._insert_lock = threading.Lock()
         self._fence = fence()
         # Release at collection or exit if never closed: the descriptor (and our writer slot's lock with it), and
         # in the creator's process the name. Without it every instance dropped unclosed kept a writer slot live
         # (max_writers of them and inserts time out) and a creator that forgot `with` left the object in /dev/shm.
-        self._finalizer = weakref.finalize(self, _release, self._fdbox, name, os.getpid() if owner else 0)
-        _fork.track(self)
+        self._lifetime(layout.release, self._fdbox, name, os.getpid() if owner else 0,
+                       unlink=functools.partial(unlink_object, name) if owner else None)
+        track(self)
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -388,24 +140,23 @@ class ReplayBuffer:
         (a ``fork``-ed child's copy never unlinks). A creator killed outright leaves the object for
         ``shmbuf clean``.
         """
-        buffer_size = _int_setting("buffer_size", buffer_size, MAX_ROWS)
-        max_writers = _int_setting("max_writers", max_writers, MAX_WRITERS)
+        buffer_size = int_setting("ReplayBuffer: buffer_size", buffer_size, 1, layout.MAX_ROWS)
+        max_writers = int_setting("ReplayBuffer: max_writers", max_writers, 1, layout.MAX_WRITERS)
         timeout = _timeout(timeout)
-        schema = _row_schema(example_row)
-        lay = _Layout.of(schema, buffer_size, max_writers)
+        schema = row_schema(example_row)
+        lay = layout.ReplayLayout.of(schema, buffer_size, max_writers)
         name = new_name()
-        fd, mm = create_object(name, lay.total, f"a replay buffer of {buffer_size} rows x {_fmt_bytes(lay.row_bytes)}",
+        fd, mm = create_object(name, lay.total, f"a replay buffer of {buffer_size} rows x {fmt_bytes(lay.row_bytes)}",
                                populate=True)
         try:
-            me = Owner(os.getpid(), start_time(os.getpid()), pid_namespace())
-            mm[: _HEADER.size] = lay.pack(schema, me)
-            stamp_pidns(mm)
+            me = this_process()
+            write_header(mm, lay.pack(schema, me))
             mm[lay.schema_off : lay.schema_off + lay.schema_len] = schema.to_msgpack()
             return cls(name, mm, fd, schema, lay, True, me, timeout, seed)
         except BaseException:
             mm.close()
             os.close(fd)
-            _unlink(name)
+            unlink_object(name)
             raise
 
     @classmethod
@@ -416,15 +167,12 @@ class ReplayBuffer:
         file of this user; every header field is checked against the schema it carries before
         any view is made. ``close()`` (or collection) detaches; only the creator unlinks.
         """
-        name = _name_of(target)
+        name = layout.name_of(target)
         timeout = _timeout(timeout)
         fd, mm = map_object(name, readonly=False, min_size=HEADER_BYTES + 64, what="shmbuf replay buffer")
         try:
-            schema, lay, creator = _read_layout(mm, name)
-            if _POPULATE:
-                full = mmap.mmap(fd, len(mm), flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                mm.close()
-                mm = full
+            schema, lay, creator = layout.read_layout(mm, name)
+            mm = populated(fd, mm)
             return cls(name, mm, fd, schema, lay, False, creator, timeout, seed)
         except BaseException:
             mm.close()
@@ -438,10 +186,7 @@ class ReplayBuffer:
     def __reduce__(self) -> Any:
         return (_attach_pickled, (self.name, self.timeout))
 
-    def __enter__(self) -> ReplayBuffer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._owner and self._pid == os.getpid():
             self.unlink()
         self.close()
@@ -474,20 +219,10 @@ class ReplayBuffer:
             self._rows = []
             self._seq = self._recs = self._firsts = self._ends = None  # type: ignore[assignment]
             self._w.release()
-            try:
-                self._mm.close()
-            except BufferError:  # pragma: no cover - we hand out no views; the mapping would go with the last one (pinned)
-                pass
-            self._finalizer()  # closes the file (dropping our writer slot's lock); the creator's process unlinks
+            unmap(self._mm)  # we hand out no views; were there one, the mapping would go with it (pinned)
+            super().close()  # closes the file (dropping our writer slot's lock); the creator's process unlinks
         finally:
             self._insert_lock.release()
-
-    def unlink(self) -> None:
-        """Remove the buffer's name now (``close()`` does it too, in the creator's process); attached processes keep
-        their mapping, new attaches fail. The creator's call alone."""
-        if not self._owner or self._pid != os.getpid():
-            raise UsageError(f"replay buffer {self.name}: only the process that created it unlinks it; call close() to detach")
-        _unlink(self.name)
 
     def _after_fork_in_child(self) -> None:
         """In a fork-ed child: drop the parent's descriptor (and with it any claim on the parent's locks)."""
@@ -521,7 +256,7 @@ class ReplayBuffer:
     @property
     def inserted(self) -> int:
         """Rows handed out to inserts so far, over the buffer's life (the global index of the next row)."""
-        return int(self._live_words()[W_INSERTED])
+        return int(self._live_words()[layout.W_INSERTED])
 
     @property
     def num_samples(self) -> int:
@@ -538,7 +273,7 @@ class ReplayBuffer:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.num_samples}/{self.buffer_size} rows, step {self.step}"
-        return f"ReplayBuffer({self.name}, {state}; row: {', '.join(f'{n} {lf.dtype} {s}' for n, lf, s in zip(self._names, self._leaves, self._row_shapes))})"
+        return f"ReplayBuffer({self.name}, {state}; row: {', '.join(f'{n} {dt} {s}' for n, (dt, s) in zip(self._row.names, self._row.out_specs))})"
 
     def _live_words(self) -> memoryview:
         if self._closed:
@@ -559,7 +294,7 @@ class ReplayBuffer:
         second kind its places in the ring were already taken: they are skipped, and ``inserted``
         counts them).
         """
-        leaves, n = self._check_batch(batch)
+        leaves, n = self._row.check_batch(batch)
         if n == 0:
             return self.inserted
         with self._insert_lock:
@@ -578,50 +313,8 @@ class ReplayBuffer:
                     if self._fence:  # the stamps before the record says we are done
                         self._fence()
                 finally:
-                    w[rec + F_FIRST] = w[rec + F_END]  # one store (END is ours alone): the record reads empty
+                    w[rec + layout.F_FIRST] = w[rec + layout.F_END]  # one store (END is ours alone): the record reads empty
             return end - n
-
-    def _check_batch(self, batch: Any) -> tuple[list[np.ndarray], int]:
-        """The batch's leaves in schema order, as arrays, and its row count; SchemaError naming the first bad leaf."""
-        got, spec = optree.tree_flatten(batch)
-        if spec != self._treespec:  # not the example's exact containers: walk and compare (names what differs)
-            got = []
-            try:
-                flatten_like(self._structure, batch, (), got)
-            except SchemaError as exc:
-                raise SchemaError(f"insert: the batch is not shaped like the row: {exc}") from None
-        n = -1
-        for i, (x, (dtype, shape, ndim)) in enumerate(zip(got, self._checks)):
-            if type(x) is not np.ndarray:
-                got[i] = x = self._as_array(i, x)
-            xs = x.shape
-            if len(xs) != ndim or xs[1:] != shape or (x.dtype is not dtype and x.dtype != dtype):
-                self._refuse(i, x)
-            if n != xs[0]:
-                if n >= 0:
-                    raise SchemaError(f"insert: leaf {self._names[i]}: batch dim {xs[0]}, but leaf {self._names[0]} has {n}; "
-                                      "every leaf of a batch must have the same leading dim")
-                n = xs[0]
-        return got, n
-
-    def _as_array(self, i: int, x: Any) -> np.ndarray:
-        try:
-            return np.asarray(x)
-        except Exception as exc:  # noqa: BLE001  # a torch tensor that requires grad or lives on a GPU, ...
-            raise SchemaError(f"insert: leaf {self._names[i]}: could not read a {type(x).__name__} as an array ({exc}); "
-                              "pass CPU arrays (for torch: tensor.detach().cpu())") from None
-
-    def _refuse(self, i: int, x: np.ndarray) -> None:
-        """Raise SchemaError for leaf ``i`` unless only its dtype differs and casts under 'same_kind' (then return)."""
-        dtype, shape, ndim = self._checks[i]
-        name = self._names[i]
-        if x.ndim != ndim or x.shape[1:] != shape:
-            want = "(" + ", ".join(["n", *map(str, shape)]) + ("," if not shape else "") + ")"
-            raise SchemaError(f"insert: leaf {name}: expected shape {want} (a leading batch dim n, then the row's "
-                              f"{shape}), got {x.shape}")
-        if not np.can_cast(x.dtype, dtype, casting="same_kind"):
-            raise SchemaError(f"insert: leaf {name}: expected dtype {dtype} (or one that casts to it under numpy's "
-                              f"'same_kind' rule), got {x.dtype}")
 
     def _claim_slot(self, fd: int, deadline: float) -> int:
         """Our writer slot (claimed once, held until close or death): a lock on its byte, then its record cleared."""
@@ -631,13 +324,13 @@ class ReplayBuffer:
         while True:
             for k in range(self.max_writers):
                 try:
-                    _lock(fd, LOCK_BASE + 1 + k, fcntl.F_WRLCK)
+                    lock(fd, layout.slot_lock(k), fcntl.F_WRLCK)
                 except OSError:
                     continue  # a live instance holds it
-                rec = WRITERS_OFF // 8 + k * (RECORD_BYTES // 8)
-                w[rec + F_FIRST] = w[rec + F_END]  # one store: whatever a dead holder was writing is no one's now
-                w[rec + F_PID] = os.getpid()
-                w[rec + F_ROWS] = 0
+                rec = layout.record_word(k)
+                w[rec + layout.F_FIRST] = w[rec + layout.F_END]  # one store: whatever a dead holder was writing is no one's now
+                w[rec + layout.F_PID] = os.getpid()
+                w[rec + layout.F_ROWS] = 0
                 self._slot, self._rec = k, rec
                 return k
             if time.monotonic() > deadline:
@@ -660,14 +353,14 @@ class ReplayBuffer:
         rec = self._rec
         try:
             self._take_reservation(fd, deadline)
-            g = w[W_INSERTED]
+            g = w[layout.W_INSERTED]
             end = g + n
             first = max(g, end - self.buffer_size)
-            w[rec + F_FIRST] = first
-            w[rec + F_END] = end
-            w[W_INSERTED] = end
+            w[rec + layout.F_FIRST] = first
+            w[rec + layout.F_END] = end
+            w[layout.W_INSERTED] = end
         finally:
-            fcntl.fcntl(fd, _SETLK, _UNRESERVE)  # a no-op if we never got it
+            apply(fd, _UNRESERVE)  # a no-op if we never got it
         return first, end
 
     def _take_reservation(self, fd: int, deadline: float) -> None:
@@ -681,10 +374,10 @@ class ReplayBuffer:
         tries, pause = 0, 0.00005
         while True:
             try:
-                fcntl.fcntl(fd, _SETLK, _RESERVE)
+                apply(fd, _RESERVE)
                 return
             except OSError as exc:
-                if exc.errno not in _BUSY:
+                if exc.errno not in BUSY:
                     raise
             tries += 1
             if tries <= 20:
@@ -732,17 +425,17 @@ class ReplayBuffer:
         """The pid of a live writer among slots ``cand`` whose insert in progress shares a row with [first, end), or None."""
         n_rows, mine = self.buffer_size, end - first
         for k in cand.tolist():
-            rec = WRITERS_OFF // 8 + k * (RECORD_BYTES // 8)
-            a, b = self._w[rec + F_FIRST], self._w[rec + F_END]
+            rec = layout.record_word(k)
+            a, b = self._w[rec + layout.F_FIRST], self._w[rec + layout.F_END]
             if not a < b:
                 continue  # finished since we looked
             shift = (first - a) % n_rows  # ranges of length <= N share a row iff one starts inside the other, mod N
-            if (shift < b - a or shift + mine > n_rows) and _held(fd, LOCK_BASE + 1 + k):
-                return int(self._w[rec + F_PID])
+            if (shift < b - a or shift + mine > n_rows) and layout.writer_held(fd, k):
+                return int(self._w[rec + layout.F_PID])
         return None
 
     def _write(self, leaves: list[np.ndarray], n: int, first: int, end: int) -> None:
-        """Stamp odd, copy (two slices where the rows wrap), stamp even: the module doc's writer half."""
+        """Stamp odd, copy (two slices where the rows wrap), stamp even: the writer half of docs/design/replay.md."""
         seq, f = self._seq, self._fence
         n_rows = self.buffer_size
         m = end - first
@@ -765,7 +458,7 @@ class ReplayBuffer:
         seq[start : start + part] = stamps[:part]
         if m > part:
             seq[: m - part] = stamps[part:]
-        self._w[self._rec + F_ROWS] += n
+        self._w[self._rec + layout.F_ROWS] += n
 
     def _copy_rows(self, leaves: list[np.ndarray], start: int, part: int, skip: int) -> None:
         """Copy the batch (less its first ``skip`` rows) to rows ``start, ...``: ``part`` rows to the end, the rest from row 0."""
@@ -802,7 +495,7 @@ class ReplayBuffer:
         if n == 0:
             raise UsageError(f"sample: replay buffer {self.name} is empty (num_samples=0): insert rows before sampling")
         idx = self._draw(n, size)
-        out = [np.empty((size, *s), dt) for dt, s in self._out_specs]
+        out = [np.empty((size, *s), dt) for dt, s in self._row.out_specs]
         bad = self._gather_into(out, None, idx)
         deadline = time.monotonic() + self.timeout
         while bad.size:
@@ -890,8 +583,8 @@ class ReplayBuffer:
         """Is any live writer (another instance) in the middle of an insert?"""
         fd, w = self._descriptor(), self._live_words()
         for k in range(self.max_writers):
-            rec = WRITERS_OFF // 8 + k * (RECORD_BYTES // 8)
-            if w[rec + F_FIRST] < w[rec + F_END] and _held(fd, LOCK_BASE + 1 + k):
+            rec = layout.record_word(k)
+            if w[rec + layout.F_FIRST] < w[rec + layout.F_END] and layout.writer_held(fd, k):
                 return True
         return False
 
@@ -904,89 +597,14 @@ class ReplayBuffer:
     to_torch = staticmethod(to_torch)  # shmbuf.storage's one numpy-to-torch (see _torch.py)
 
 
+
+def _timeout(value: object) -> float:
+    # Not _validate.timeout_setting's rule: a replay buffer's timeout bounds every wait, so None (for ever) and 0
+    # are refused (tests/test_storage_replay.py::test_bad_settings_and_rows_are_named pins this).
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise UsageError(f"ReplayBuffer: timeout: expected a number of seconds > 0, got {value!r:.80}")
+    return float(value)
+
+
 def _size(setting: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise UsageError(f"{setting}: expected an int >= 1, got {value!r:.80}")
-    return int(value)
-
-
-def _release(fdbox: list[int], name: str, creator_pid: int) -> None:
-    """``close()``'s last step, or the finalizer of an instance never closed: close our descriptor (the kernel
-    drops our writer slot's lock with it) and, in the creator's process only, remove the name. The mapping
-    goes with the instance's arrays (unmapped when they are freed)."""
-    fd, fdbox[0] = fdbox[0], -1
-    if fd >= 0:
-        try:
-            os.close(fd)
-        except OSError:  # pragma: no cover - not ours to fail on at exit
-            pass
-    if creator_pid == os.getpid():
-        _unlink(name)
-
-
-def _unlink(name: str) -> None:
-    try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass
-
-
-# ------------------------------------------------------------------ for shmbuf ls / clean
-
-
-@dataclass(frozen=True)
-class ReplayInfo:
-    """What ``shmbuf ls`` shows of a replay buffer. ``writers``: (slot, pid, alive, rows inserted) per claimed slot."""
-
-    name: str
-    owner: Owner
-    size: int
-    buffer_size: int
-    max_writers: int
-    inserted: int
-    schema: str
-    writers: tuple[tuple[int, int, bool, int], ...]
-
-
-def is_replay(name: str) -> bool:
-    """Does the object ``name`` start with a replay buffer's magic? Never raises (False for anything unreadable)."""
-    try:
-        fd, _ = open_object(name, readonly=True)
-    except (ShmbufError, OSError):
-        return False
-    try:
-        return os.pread(fd, len(R_MAGIC), 0) == R_MAGIC
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def describe(name: str) -> ReplayInfo:
-    """Read a replay buffer's header and writer table without changing anything (a read-only map, nothing faulted in).
-
-    SegmentError (or UsageError for a malformed name) if ``name`` is not a replay buffer.
-    """
-    check_name(name)
-    fd, mm = map_object(name, readonly=True, min_size=HEADER_BYTES + 64, what="shmbuf replay buffer")
-    try:
-        schema, lay, owner = _read_layout(mm, name)
-        w = memoryview(mm).cast("q")
-        try:
-            writers = []
-            for k in range(lay.max_writers):
-                rec = WRITERS_OFF // 8 + k * (RECORD_BYTES // 8)
-                pid = w[rec + F_PID]
-                if pid:
-                    writers.append((k, int(pid), _held(fd, LOCK_BASE + 1 + k), int(w[rec + F_ROWS])))
-            summary = ", ".join(f"{format_path(lf.path[1:])} {lf.dtype} {lf.shape[1:]}" for lf in schema.leaves)
-            return ReplayInfo(name, owner, len(mm), lay.buffer_size, lay.max_writers, int(w[W_INSERTED]),
-                              f"replay x{lay.buffer_size}: {summary}", tuple(writers))
-        finally:
-            w.release()
-    finally:
-        mm.close()
-        os.close(fd)
-
-
-assert _HEADER.size <= HEADER_BYTES - 8 and RECORD_BYTES % 64 == 0
+    return int_setting(setting, value, 1)
