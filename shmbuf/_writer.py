@@ -13,7 +13,6 @@ are :mod:`shmbuf._fastpath`'s.
 from __future__ import annotations
 
 import os
-import select
 import time
 import traceback
 from typing import Any
@@ -30,7 +29,7 @@ from shmbuf._errors import (
 from shmbuf._fastpath import PreparedTimescale, slot_views
 from shmbuf._handle import Handle, name_of
 from shmbuf._lane import WriterLane
-from shmbuf._proc import Owner
+from shmbuf._pidwatch import ProcessWatch
 from shmbuf._schema import Schema
 from shmbuf._segment import S_COMMIT_NS, S_EPOCH, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment, sem_name
 from shmbuf._validate import int_setting, timeout_setting
@@ -39,40 +38,6 @@ from shmbuf._validate import int_setting, timeout_setting
 # the closed flag (one load), and at most this often at the reader's process (a few microseconds).
 LIVENESS_INTERVAL = 0.25
 _now = time.monotonic
-
-
-class _ReaderWatch:
-    """Is the reader's process still there? A pidfd where Linux has one (it cannot be fooled by a
-    reused pid, and asking costs one poll() with no allocation); else pid and start time. A reader
-    in another pid namespace cannot be judged by its pid at all: it counts as alive (``Owner``)."""
-
-    __slots__ = ("owner", "fd", "_poll")
-
-    def __init__(self, owner: Owner):
-        self.owner, self.fd = owner, -1
-        self._poll: Any = None
-        if owner.elsewhere or not hasattr(os, "pidfd_open") or not owner.alive():
-            return
-        try:
-            self.fd = os.pidfd_open(owner.pid)
-        except OSError:
-            return
-        if not owner.alive():  # the pid was reused between the two looks: it is not our reader
-            self.close()
-            return
-        self._poll = select.poll()
-        self._poll.register(self.fd, select.POLLIN)
-
-    def alive(self) -> bool:
-        if self._poll is not None:
-            return not self._poll.poll(0)  # readable once the process has exited
-        return self.owner.alive()
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        self._poll = None
 
 
 class Writer:
@@ -156,7 +121,7 @@ class Writer:
         self._ts_list = list(self._ts.values())
         self._w = seg.words
         self._plan = p = seg.plan
-        self._reader_watch = _ReaderWatch(seg.creator)
+        self._reader_watch = ProcessWatch(seg.creator)
         self._next_check = 0.0
         doorbell = self._open_sem("r")
         if self._w[W_CLOSED]:
