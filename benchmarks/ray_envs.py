@@ -11,7 +11,7 @@ Three workloads, the same for every system of ``benchmarks/on_ray.py``:
   linear numpy policy (softmax sampling over ``obs @ w``).
 
 :class:`RolloutActor` is the peer (what a Ray user writes today): a plain Ray actor stepping the same
-env with the same policy through the same :class:`workers.EnvDriver` (so every system steps the env
+env with the same policy through the same :class:`workers.lowlevel.EnvDriver` (so every system steps the env
 alike, autoreset included), filling numpy arrays for ``k`` rollouts and returning them, a dict of
 numpy arrays, from a remote method. Ray serialises that dict its own way (pickle protocol 5 with the
 arrays out of band); nothing of shmbuf's crosses a process boundary by pickle.
@@ -143,7 +143,7 @@ class RolloutActor:
     """
 
     def __init__(self, name: str, seed: int = 0):
-        from workers import EnvDriver
+        from workers.lowlevel import EnvDriver
 
         w = workload(name)
         self.T = w.rollout_len

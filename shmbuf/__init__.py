@@ -15,6 +15,8 @@ Actor::
         writer.commit()
 """
 
+import importlib
+
 from shmbuf._errors import (
     ActorError,
     BrokenPipeline,
@@ -34,9 +36,9 @@ from shmbuf._errors import (
     WrongProcess,
 )
 from shmbuf._handle import Handle
-from shmbuf._inference import InferenceClient, InferenceTable
+from shmbuf._moved import moved
 from shmbuf._reader import Batch, Reader, Rollout, create
-from shmbuf._schema import Leaf, Schema, Timescale
+from shmbuf._schema import Schema
 from shmbuf._weights import WeightPublisher, WeightsHandle, WeightSubscriber
 from shmbuf._writer import Writer
 
@@ -49,9 +51,6 @@ __all__ = [
     "BufferEmpty",
     "BufferFull",
     "Handle",
-    "InferenceClient",
-    "InferenceTable",
-    "Leaf",
     "NoSpace",
     "PipelineClosed",
     "Reader",
@@ -62,7 +61,6 @@ __all__ = [
     "ShmbufError",
     "SlotTimeout",
     "StaleRollout",
-    "Timescale",
     "TimescaleFull",
     "UnknownTimescale",
     "UsageError",
@@ -75,3 +73,13 @@ __all__ = [
     "__version__",
     "create",
 ]
+
+# Names that moved down a tier (CHANGELOG.md): still importable from here, with a warning.
+_MOVED = {"InferenceClient": "shmbuf.lowlevel", "InferenceTable": "shmbuf.lowlevel", "Leaf": "shmbuf.lowlevel",
+          "Timescale": "shmbuf.lowlevel"}
+
+
+def __getattr__(name: str) -> object:
+    if name in ("layout", "lowlevel", "storage"):  # `import shmbuf` then `shmbuf.lowlevel.X` works, as for a package
+        return importlib.import_module(f"shmbuf.{name}")
+    return moved("shmbuf", name, _MOVED)

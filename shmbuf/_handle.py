@@ -1,9 +1,14 @@
-"""What crosses to another process: a pipeline's name, nothing else."""
+"""What crosses to another process: a shared-memory object's name, nothing else.
+
+One kind of handle: :class:`Handle` names a pipeline; :class:`shmbuf.WeightsHandle`,
+``shmbuf.storage.lowlevel.ReplayHandle`` and ``shmbuf.lowlevel.InferenceHandle`` are its subclasses for a
+weight broadcast, a replay buffer and an inference table, each checking its own kind of name.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from shmbuf._errors import UsageError
 from shmbuf._names import check_name
@@ -20,9 +25,16 @@ class Handle:
     """
 
     name: str
+    kind: ClassVar[str] = "pipeline"  # which names check_name accepts
 
     def __post_init__(self) -> None:
-        check_name(self.name)
+        check_name(self.name, self.kind)
+
+
+class InferenceHandle(Handle):
+    """A picklable reference to an inference table: its name. ``InferenceClient(handle, index)`` attaches."""
+
+    kind = "inference"
 
 
 def name_of(pipeline: Any) -> str:

@@ -19,6 +19,7 @@ import optree
 import posix_ipc
 
 from shmbuf._errors import BrokenPipeline, PipelineClosed, SchemaError, SegmentError, SlotTimeout, UsageError, WrongProcess
+from shmbuf._handle import InferenceHandle
 from shmbuf._lane import WAIT_SLICE
 from shmbuf._schema import Schema, format_path
 from shmbuf._substrate import (
@@ -174,8 +175,8 @@ class InferenceTable(Closable):
         track(self)
 
     @property
-    def handle(self) -> str:
-        return self.name
+    def handle(self) -> InferenceHandle:
+        return InferenceHandle(self.name)
 
     def __reduce__(self) -> Any:
         return (str, (self.name,))  # a pickled table is its name: clients attach by name
@@ -332,7 +333,7 @@ class InferenceTable(Closable):
         if self.doorbell is not None:
             self.doorbell.release()
 
-    def shut(self) -> None:
+    def close_to_clients(self) -> None:
         """Mark the table closed and wake every client and the server, keeping it mapped (a server thread
         may still be inside a forward pass): each waiting client raises ``PipelineClosed`` at once.
         :meth:`close` does this too, then unlinks and unmaps."""

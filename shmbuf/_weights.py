@@ -19,6 +19,7 @@ import numpy as np
 import optree
 
 from shmbuf._errors import PipelineClosed, SchemaError, SegmentError, SlotTimeout, UsageError, WrongProcess
+from shmbuf._handle import Handle
 from shmbuf._schema import Schema
 from shmbuf._substrate import (
     HEAD,
@@ -29,7 +30,6 @@ from shmbuf._substrate import (
     Owner,
     align,
     check_head,
-    check_name,
     create_object,
     fmt_bytes,
     map_object,
@@ -60,13 +60,10 @@ def _schema_of(params: Any) -> Schema:
 
 
 @dataclass(frozen=True)
-class WeightsHandle:
+class WeightsHandle(Handle):
     """A picklable reference to a weight broadcast: its name. ``WeightSubscriber(handle)`` attaches."""
 
-    name: str
-
-    def __post_init__(self) -> None:
-        check_name(self.name, "weights")  # UsageError unless '/shmbuf-w' and 16 hex digits
+    kind = "weights"  # UsageError unless '/shmbuf-w' and 16 hex digits
 
 
 class _WeightsLayout:

@@ -146,7 +146,7 @@ class Writer:
         self._direct = False  # slot() handed out the views: commit counts every timescale full
         self._seq = 0
         self.policy_version = 0
-        self.stats = {"commits": 0, "wait_s": 0.0, "waits": 0}
+        self._counts = {"commits": 0, "wait_s": 0.0, "waits": 0}
 
     # -- set-up and tear-down -----------------------------------------------
 
@@ -338,7 +338,7 @@ class Writer:
         self._slot = -1
         self._direct = False
         self._seq = seq + 1
-        self.stats["commits"] += 1
+        self._counts["commits"] += 1
         return seq
 
     def slot(self) -> dict[str, Any]:
@@ -415,11 +415,11 @@ class Writer:
         assert lane is not None  # _guard raised otherwise
         if not lane.has_free():
             t0 = _now()
-            self.stats["waits"] += 1
+            self._counts["waits"] += 1
             try:
                 lane.wait(None if self.timeout is None else t0 + self.timeout, self._guard, self._timeout_message)
             finally:
-                self.stats["wait_s"] += _now() - t0
+                self._counts["wait_s"] += _now() - t0
         slot = lane.take()
         if not 0 <= slot < self._plan.n_slots:
             raise SegmentError(f"pipeline {self.name}: the free ring of lane {self.lane} holds slot {slot}, outside "
@@ -485,11 +485,16 @@ class Writer:
         msg = _control.encode("error", exc_type=type(exc).__name__, message=str(exc), traceback=tb)
         return self._lane.post(msg, timeout, self._reader_gone)
 
+    def stats(self) -> dict[str, float]:
+        """This writer's counters, a copy: ``commits``, ``waits`` (for a free slot) and ``wait_s`` (seconds spent so).
+        :meth:`send_stats` posts them to the reader (``reader.stats()["writer_stats"]``)."""
+        return dict(self._counts)
+
     def send_stats(self) -> bool:
         """Send this writer's counters to the reader (shown in ``reader.stats()``)."""
         if self._closed or self._foreign or self._lane is None:
             return False
-        return self._lane.post(_control.encode("stats", counters=dict(self.stats)), 0.0, self._reader_gone)
+        return self._lane.post(_control.encode("stats", counters=self.stats()), 0.0, self._reader_gone)
 
     # -- errors, the slow way -----------------------------------------------
 

@@ -1,4 +1,4 @@
-"""shmbuf.InferenceTable / InferenceClient: the request path between env workers and one inference server."""
+"""shmbuf.lowlevel.InferenceTable / InferenceClient: the request path between env workers and one inference server."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import shmbuf
+import shmbuf.lowlevel
 from shmbuf import _admin
 from shmbuf._inference import CLOSED_WORD
 
@@ -24,19 +25,19 @@ RESP = {"action": np.zeros((2,), np.int64), "extras": {"echo": np.zeros((2, 3), 
 
 @pytest.fixture
 def table() -> Any:
-    t = shmbuf.InferenceTable(REQ, RESP, 4)
+    t = shmbuf.lowlevel.InferenceTable(REQ, RESP, 4)
     yield t
     t.close()
 
 
-def answer(t: shmbuf.InferenceTable, idx: np.ndarray, version: int = 0) -> int:
+def answer(t: shmbuf.lowlevel.InferenceTable, idx: np.ndarray, version: int = 0) -> int:
     """The test server's rule: action = 10 * obs[..., 0] + mask; echo = obs."""
     req = t.requests(idx)
     action = (10 * req["obs"][..., 0]).astype(np.int64) + req["mask"]
     return t.respond(idx, [action, req["obs"].copy()], version)
 
 
-def serve(t: shmbuf.InferenceTable, stop: threading.Event, sizes: list[int], **take: Any) -> None:
+def serve(t: shmbuf.lowlevel.InferenceTable, stop: threading.Event, sizes: list[int], **take: Any) -> None:
     rotate = 0
     while not stop.is_set():
         try:
@@ -51,7 +52,7 @@ def serve(t: shmbuf.InferenceTable, stop: threading.Event, sizes: list[int], **t
 
 
 def client_main(name: str, index: int, n: int) -> None:
-    c = shmbuf.InferenceClient(name, index, timeout=20)
+    c = shmbuf.lowlevel.InferenceClient(name, index, timeout=20)
     try:
         for k in range(n):
             c.request["obs"][:] = [[index, k, 0.5], [index + 100, k, 0.25]]
@@ -65,7 +66,7 @@ def client_main(name: str, index: int, n: int) -> None:
         c.close()
 
 
-def test_clients_in_processes_get_exactly_their_own_answers(table: shmbuf.InferenceTable) -> None:
+def test_clients_in_processes_get_exactly_their_own_answers(table: shmbuf.lowlevel.InferenceTable) -> None:
     stop, sizes = threading.Event(), []  # type: ignore[var-annotated]
     server = threading.Thread(target=serve, args=(table, stop, sizes), daemon=True)
     server.start()
@@ -88,8 +89,8 @@ def test_clients_in_processes_get_exactly_their_own_answers(table: shmbuf.Infere
     assert table.client_pids() == [p.pid for p in procs]
 
 
-def test_consecutive_clients_are_one_view_others_are_gathered(table: shmbuf.InferenceTable) -> None:
-    clients = [shmbuf.InferenceClient(table.name, i) for i in range(4)]
+def test_consecutive_clients_are_one_view_others_are_gathered(table: shmbuf.lowlevel.InferenceTable) -> None:
+    clients = [shmbuf.lowlevel.InferenceClient(table.name, i) for i in range(4)]
     try:
         for i, c in enumerate(clients):
             c.request["obs"][:] = i
@@ -104,7 +105,7 @@ def test_consecutive_clients_are_one_view_others_are_gathered(table: shmbuf.Infe
             c.close()
 
 
-def _call_in_thread(c: shmbuf.InferenceClient, errors: list[BaseException]) -> threading.Thread:
+def _call_in_thread(c: shmbuf.lowlevel.InferenceClient, errors: list[BaseException]) -> threading.Thread:
     """Start ``c.call()`` in a thread (it blocks until answered); its exception goes to ``errors``."""
 
     def call() -> None:
@@ -118,22 +119,22 @@ def _call_in_thread(c: shmbuf.InferenceClient, errors: list[BaseException]) -> t
     return th
 
 
-def _send(c: shmbuf.InferenceClient, value: float, errors: list[BaseException] | None = None) -> threading.Thread:
+def _send(c: shmbuf.lowlevel.InferenceClient, value: float, errors: list[BaseException] | None = None) -> threading.Thread:
     """Make a request of ``value`` from a thread (see :func:`_call_in_thread`)."""
     c.request["obs"][:] = value
     c.request["mask"][:] = 0
     return _call_in_thread(c, [] if errors is None else errors)
 
 
-def _wait_pending(t: shmbuf.InferenceTable, n: int) -> None:
+def _wait_pending(t: shmbuf.lowlevel.InferenceTable, n: int) -> None:
     deadline = time.monotonic() + 10
     while len(t.pending()) < n:
         assert time.monotonic() < deadline, f"{len(t.pending())} requests pending, expected {n}"
         time.sleep(0.001)
 
 
-def test_take_waits_for_min_count_at_most_linger_and_never_takes_more_than_max(table: shmbuf.InferenceTable) -> None:
-    clients = [shmbuf.InferenceClient(table.name, i) for i in range(4)]
+def test_take_waits_for_min_count_at_most_linger_and_never_takes_more_than_max(table: shmbuf.lowlevel.InferenceTable) -> None:
+    clients = [shmbuf.lowlevel.InferenceClient(table.name, i) for i in range(4)]
     try:
         th = [_send(clients[0], 1.0)]
         t0 = time.monotonic()
@@ -165,8 +166,8 @@ def test_take_waits_for_min_count_at_most_linger_and_never_takes_more_than_max(t
             c.close()
 
 
-def test_a_sleeping_server_is_woken_by_a_request(table: shmbuf.InferenceTable) -> None:
-    c = shmbuf.InferenceClient(table.name, 1)
+def test_a_sleeping_server_is_woken_by_a_request(table: shmbuf.lowlevel.InferenceTable) -> None:
+    c = shmbuf.lowlevel.InferenceClient(table.name, 1)
     got: list[float] = []
 
     def server() -> None:
@@ -187,8 +188,8 @@ def test_a_sleeping_server_is_woken_by_a_request(table: shmbuf.InferenceTable) -
         c.close()
 
 
-def test_a_retired_clients_pending_request_is_dropped_and_its_successor_is_served(table: shmbuf.InferenceTable) -> None:
-    old = shmbuf.InferenceClient(table.name, 2)
+def test_a_retired_clients_pending_request_is_dropped_and_its_successor_is_served(table: shmbuf.lowlevel.InferenceTable) -> None:
+    old = shmbuf.lowlevel.InferenceClient(table.name, 2)
     old_errors: list[BaseException] = []
     th = _send(old, 5.0, old_errors)
     _wait_pending(table, 1)
@@ -200,7 +201,7 @@ def test_a_retired_clients_pending_request_is_dropped_and_its_successor_is_serve
     old._sem.release()  # wake the old caller's thread; it must not take the answer it never got
     time.sleep(0.05)
     assert th.is_alive()
-    new = shmbuf.InferenceClient(table.name, 2)
+    new = shmbuf.lowlevel.InferenceClient(table.name, 2)
     try:
         th2 = _send(new, 7.0)
         _wait_pending(table, 1)
@@ -218,8 +219,8 @@ def test_a_retired_clients_pending_request_is_dropped_and_its_successor_is_serve
 
 
 def test_close_wakes_a_waiting_client_with_pipeline_closed() -> None:
-    t = shmbuf.InferenceTable(REQ, RESP, 2)
-    c = shmbuf.InferenceClient(t.name, 0)
+    t = shmbuf.lowlevel.InferenceTable(REQ, RESP, 2)
+    c = shmbuf.lowlevel.InferenceClient(t.name, 0)
     err: list[BaseException] = []
     try:
         th = _call_in_thread(c, err)
@@ -237,7 +238,7 @@ def test_close_wakes_a_waiting_client_with_pipeline_closed() -> None:
 
 OWNER = """
 import sys, time, numpy as np, shmbuf
-t = shmbuf.InferenceTable({"x": np.zeros((1,), np.float32)}, {"a": np.zeros((1,), np.int64)}, 1)
+t = shmbuf.lowlevel.InferenceTable({"x": np.zeros((1,), np.float32)}, {"a": np.zeros((1,), np.int64)}, 1)
 print(t.name, flush=True)
 time.sleep(60)
 """
@@ -248,7 +249,7 @@ def test_a_client_waiting_on_a_dead_owner_raises_broken_pipeline_within_2_s() ->
     name = None
     try:
         name = owner.stdout.readline().strip()  # type: ignore[union-attr]
-        c = shmbuf.InferenceClient(name, 0)
+        c = shmbuf.lowlevel.InferenceClient(name, 0)
         err: list[BaseException] = []
         th = _call_in_thread(c, err)
         time.sleep(0.1)
@@ -275,26 +276,26 @@ def test_a_client_waiting_on_a_dead_owner_raises_broken_pipeline_within_2_s() ->
                 _admin.remove(f)
 
 
-def test_client_call_times_out_with_a_slot_timeout_naming_the_setting(table: shmbuf.InferenceTable) -> None:
-    with shmbuf.InferenceClient(table.name, 0, timeout=0.2) as c:
+def test_client_call_times_out_with_a_slot_timeout_naming_the_setting(table: shmbuf.lowlevel.InferenceTable) -> None:
+    with shmbuf.lowlevel.InferenceClient(table.name, 0, timeout=0.2) as c:
         t0 = time.monotonic()
         with pytest.raises(shmbuf.SlotTimeout, match=r"timeout=0.2"):
             c.call()
         assert time.monotonic() - t0 < 5
 
 
-def test_bad_input_is_refused_with_a_clear_error(table: shmbuf.InferenceTable) -> None:
+def test_bad_input_is_refused_with_a_clear_error(table: shmbuf.lowlevel.InferenceTable) -> None:
     with pytest.raises(shmbuf.UsageError, match="clients"):
-        shmbuf.InferenceTable(REQ, RESP, 0)
+        shmbuf.lowlevel.InferenceTable(REQ, RESP, 0)
     with pytest.raises(shmbuf.UsageError, match="request example"):
-        shmbuf.InferenceTable({"obs": [1, 2]}, RESP, 2)
+        shmbuf.lowlevel.InferenceTable({"obs": [1, 2]}, RESP, 2)
     with pytest.raises(shmbuf.UsageError, match=r"index.*0 to 3"):
-        shmbuf.InferenceClient(table.name, 4)
+        shmbuf.lowlevel.InferenceClient(table.name, 4)
     with pytest.raises(shmbuf.UsageError, match="inference table name"):
-        shmbuf.InferenceClient("/shmbuf-0123456789abcdef", 0)
+        shmbuf.lowlevel.InferenceClient("/shmbuf-0123456789abcdef", 0)
     with pytest.raises(shmbuf.SegmentError, match="no .* named"):
-        shmbuf.InferenceClient("/shmbuf-i0123456789abcdef", 0)
-    c = shmbuf.InferenceClient(table.name, 1)
+        shmbuf.lowlevel.InferenceClient("/shmbuf-i0123456789abcdef", 0)
+    c = shmbuf.lowlevel.InferenceClient(table.name, 1)
     try:
         th = _send(c, 1.0)
         _wait_pending(table, 1)
@@ -308,7 +309,7 @@ def test_bad_input_is_refused_with_a_clear_error(table: shmbuf.InferenceTable) -
         c.close()
 
 
-def test_the_object_is_owner_only_and_a_corrupt_header_is_refused(table: shmbuf.InferenceTable) -> None:
+def test_the_object_is_owner_only_and_a_corrupt_header_is_refused(table: shmbuf.lowlevel.InferenceTable) -> None:
     path = f"/dev/shm/{table.name[1:]}"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     for s in (f"/dev/shm/sem.{table.name[1:]}-s", f"/dev/shm/sem.{table.name[1:]}-c0"):
@@ -320,14 +321,14 @@ def test_the_object_is_owner_only_and_a_corrupt_header_is_refused(table: shmbuf.
             f.write((10_000).to_bytes(4, "little"))  # the clients field
             f.flush()
             with pytest.raises(shmbuf.SegmentError):
-                shmbuf.InferenceClient(table.name, 0)
+                shmbuf.lowlevel.InferenceClient(table.name, 0)
         finally:
             f.seek(0)
             f.write(good)
-    shmbuf.InferenceClient(table.name, 0).close()
+    shmbuf.lowlevel.InferenceClient(table.name, 0).close()
 
 
-def test_a_forked_child_cannot_unlink_its_parents_table(table: shmbuf.InferenceTable) -> None:
+def test_a_forked_child_cannot_unlink_its_parents_table(table: shmbuf.lowlevel.InferenceTable) -> None:
     pid = os.fork()
     if pid == 0:  # the child: closing its copy must leave the parent's table alone
         try:
@@ -337,16 +338,16 @@ def test_a_forked_child_cannot_unlink_its_parents_table(table: shmbuf.InferenceT
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert os.path.exists(f"/dev/shm/{table.name[1:]}") and not table._w[CLOSED_WORD]
-    shmbuf.InferenceClient(table.name, 0).close()
+    shmbuf.lowlevel.InferenceClient(table.name, 0).close()
 
 
-def _all_pending(t: shmbuf.InferenceTable) -> None:
+def _all_pending(t: shmbuf.lowlevel.InferenceTable) -> None:
     """Make every client's request pending without client processes (the request words alone)."""
     t._req[:] = (t._gen << 32) | ((t._resp & 0xFFFFFFFF) + 1)
 
 
-def test_more_pending_than_max_count_serves_everyone_in_turn(table: shmbuf.InferenceTable) -> None:
-    big = shmbuf.InferenceTable(REQ, RESP, 8)
+def test_more_pending_than_max_count_serves_everyone_in_turn(table: shmbuf.lowlevel.InferenceTable) -> None:
+    big = shmbuf.lowlevel.InferenceTable(REQ, RESP, 8)
     try:
         served = np.zeros(8, int)
         for _ in range(8):
@@ -363,7 +364,7 @@ def test_more_pending_than_max_count_serves_everyone_in_turn(table: shmbuf.Infer
         big.close()
 
 
-def test_waiting_for_min_count_sleeps_instead_of_spinning(table: shmbuf.InferenceTable) -> None:
+def test_waiting_for_min_count_sleeps_instead_of_spinning(table: shmbuf.lowlevel.InferenceTable) -> None:
     _all_pending(table)
     table._req[1:] = table._resp[1:]  # one request pending of the 3 asked for
     t0 = time.thread_time()

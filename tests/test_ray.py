@@ -253,7 +253,8 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
     with pytest.raises(shmbuf.SchemaError, match=f"wire version 99, expected {_ray_wire.WIRE_VERSION}"):
         _ray_wire.unpack_header(msgpack.packb({"magic": _ray_wire.WIRE_MAGIC, "version": 99}), "a batch from node 0")
     # _unpack against a real schema, without a cluster: a collector shell with the schema of CountEnv's rollouts
-    from workers import probe, rollout_example
+    from workers import probe
+    from shmbuf.layout import rollout_example
 
     env = make_count_env()
     try:

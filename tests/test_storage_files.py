@@ -15,6 +15,7 @@ import optree
 import pytest
 
 import shmbuf
+from shmbuf.layout import rollout_example
 from shmbuf.storage import _fileformat, dataset, files, recorder
 from shmbuf.storage.files import Recorder, RolloutDataset, play, playback_example, read_metadata
 from tests.helpers import doc_blocks, run_doc_block, run_doc_block_under_each_start_method
@@ -753,7 +754,7 @@ def test_the_same_learner_code_trains_on_played_rollouts(tmp_path, make_reader):
         for r in rollouts:
             rec.write(r)
     example = playback_example(tmp_path, rollout_len=4, num_envs=2)
-    live = workers.rollout_example(np.zeros(4, np.float32), np.int64(0), rollout_len=4, num_envs=2,
+    live = rollout_example(np.zeros(4, np.float32), np.int64(0), rollout_len=4, num_envs=2,
                                    extras={"value": np.float32(0)})
     assert shmbuf.Schema.from_example(example).fingerprint == shmbuf.Schema.from_example(live).fingerprint
     reader = make_reader(example, slots=8, max_writers=1)

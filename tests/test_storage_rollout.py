@@ -22,7 +22,7 @@ from shmbuf.storage.rollout import (
     unpad_trajectories,
 )
 from tests import _rsl_rl
-from workers import rollout_example
+from shmbuf.layout import rollout_example
 
 OBS, ACT = (3,), (2,)
 

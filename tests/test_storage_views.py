@@ -22,7 +22,8 @@ from shmbuf import SchemaError, ShmbufError, UsageError
 from shmbuf.storage.views import MaskedView, ViewRequirement, build_views
 from tests.helpers import doc_blocks, run_doc_block
 from tests.test_workers_envs import CountingEnv, EchoPolicy
-from workers import ActorLoop, probe, rollout_example
+from workers import ActorLoop, probe
+from shmbuf.layout import rollout_example
 
 VR = ViewRequirement
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -26,7 +26,8 @@ from tests.test_workers_envs import (
     make_async_vector,
     make_vector,
 )
-from workers import ActorLoop, probe, rollout_example, successors
+from workers import ActorLoop, probe
+from shmbuf.layout import rollout_example, successors
 
 MODES = ["NextStep", "SameStep", "Disabled"]
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from shmbuf import UsageError
-from workers import EnvDriver
+from workers.lowlevel import EnvDriver
 
 LENGTHS = (3, 5, 2, 7, 1, 4, 6)
 

@@ -27,7 +27,8 @@ from tests.test_workers_envs import (
     target_ok,
     target_segfault,
 )
-from workers import ActorError, ActorPool, ActorSpec, default_start_method, run_actor
+from workers import ActorError, ActorPool, ActorSpec, run_actor
+from workers.lowlevel import default_start_method
 from workers._pool import LearnerWatch
 
 
@@ -42,7 +43,7 @@ def pools():
 
     yield make
     for p in made:
-        p.stop(timeout=3)
+        p.close(timeout=3)
 
 
 def raise_within(pool: ActorPool, seconds: float) -> ActorError:
@@ -105,7 +106,7 @@ def test_stop_meets_its_deadline_with_a_hung_actor(pools, ignore_term):
     pool = pools(target_hang, 2, kwargs={"ignore_term": ignore_term}, start_method="fork").start()
     pool.wait_ready(20)  # each actor has set up its SIGTERM handling
     t0 = time.monotonic()
-    codes = pool.stop(timeout=3.0)
+    codes = pool.close(timeout=3.0)
     took = time.monotonic() - t0
     # the deadline and a margin for a loaded machine: a wait for the hung actors (for ever) or a second full wait
     # (SIGTERM's 3 s, then as long again after SIGKILL: 6 s) misses it
@@ -119,7 +120,7 @@ def test_stop_is_quick_when_actors_listen(pools):
     pool = pools(target_ok, 3, start_method="fork").start()
     wait_until(lambda: pool.alive() == 3, 10, "actors up")
     t0 = time.monotonic()
-    assert pool.stop(timeout=30) == {0: 0, 1: 0, 2: 0}  # each left on its own: no SIGTERM, no SIGKILL
+    assert pool.close(timeout=30) == {0: 0, 1: 0, 2: 0}  # each left on its own: no SIGTERM, no SIGKILL
     assert time.monotonic() - t0 < 15, "stop waited out its deadline for actors that had left"
 
 
@@ -131,7 +132,8 @@ def _learner(conn, method: str) -> None:
     import numpy as np
 
     import shmbuf
-    from workers import probe, rollout_example
+    from workers import probe
+    from shmbuf.layout import rollout_example
 
     p = probe(make_counting(), EchoPolicy())
     example = rollout_example(p["obs"], p["action"], rollout_len=4, extras=p["extras"])
@@ -181,7 +183,8 @@ def test_run_actor_error_also_reaches_a_bare_reader_as_writer_error(pools):
     """A learner that only reads (no pool.check) still hears of an actor's exception, with its traceback."""
     import shmbuf
     from tests.test_workers_collector import WrongPolicy
-    from workers import probe, rollout_example
+    from workers import probe
+    from shmbuf.layout import rollout_example
 
     p = probe(make_counting(), EchoPolicy())
     example = rollout_example(p["obs"], p["action"], rollout_len=4, extras=p["extras"])
@@ -232,13 +235,15 @@ def test_learner_watch_without_pidfd_falls_back_to_the_pid():
 
 def test_workers_uses_only_shmbuf_public_api():
     """workers is a user of shmbuf: no import of, or attribute from, a private module, and only names in __all__
-    (of shmbuf, of its public learner-side package shmbuf.storage, or of the rollout layout shmbuf.layout)."""
+    (of shmbuf, its learner-side package shmbuf.storage, the rollout layout shmbuf.layout, or a lowlevel tier)."""
     import shmbuf
     import shmbuf.layout
+    import shmbuf.lowlevel
     import shmbuf.storage
+    import shmbuf.storage.lowlevel
 
-    public = {"shmbuf": set(shmbuf.__all__), "shmbuf.storage": set(shmbuf.storage.__all__),
-              "shmbuf.layout": set(shmbuf.layout.__all__)}
+    public = {m.__name__: set(m.__all__) for m in (shmbuf, shmbuf.storage, shmbuf.layout, shmbuf.lowlevel,
+                                                    shmbuf.storage.lowlevel)}
     used = []
     for path in sorted((pathlib.Path(__file__).parent.parent / "workers").glob("*.py")):
         tree = ast.parse(path.read_text())
@@ -255,7 +260,7 @@ def test_workers_uses_only_shmbuf_public_api():
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "shmbuf":
                 used.append((path.name, node.lineno, node.attr))
     assert used, "workers is expected to use shmbuf"
-    private = [u for u in used if u[2] not in shmbuf.__all__]
+    private = [u for u in used if u[2] not in shmbuf.__all__ and f"shmbuf.{u[2]}" not in public]
     assert not private, f"names outside shmbuf.__all__: {private}"
 
 

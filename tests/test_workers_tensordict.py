@@ -19,7 +19,8 @@ pytest.importorskip("tensordict", reason="to_tensordict needs tensordict (pip in
 from torch import nn
 
 import shmbuf
-from workers import CollectedBatch, Collector, successors
+from workers import CollectedBatch, Collector
+from shmbuf.layout import successors
 from workers._tensordict import to_tensordict
 
 F32 = np.float32
@@ -393,7 +394,7 @@ def test_torchrl_gae_and_clip_ppo_loss_run_unchanged_on_a_real_batch(vector):
         tl = (lambda a: a.swapaxes(1, 2)) if vector else (lambda a: a)
         assert int(td["next", "done"].sum()) >= 4  # CartPole's episodes end inside the batch: the final obs matter
 
-        # next/observation: the true successors (workers.successors, rollout by rollout).
+        # next/observation: the true successors (shmbuf.layout.successors, rollout by rollout).
         succ = np.stack([successors({k: {kk: vv[b] for kk, vv in v.items()} for k, v in batch.data.items()},
                                     {k: int(v[b]) for k, v in batch.fill.items()}) for b in range(4)])
         assert np.array_equal(td["next", "observation"].numpy(), tl(succ))

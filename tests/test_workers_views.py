@@ -29,7 +29,8 @@ from shmbuf.storage.views import build_views
 from tests.helpers import doc_blocks
 from tests.test_workers_actor import collect as actor_collect
 from tests.test_workers_envs import CountingEnv, expected_stream
-from workers import ActorLoop, ActorViews, Collector
+from workers import ActorLoop, Collector
+from workers.lowlevel import ActorViews
 
 
 REQS = {

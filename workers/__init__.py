@@ -19,18 +19,20 @@ imported on first use, so that ``import workers`` never imports ray.
 
 Lower level: :class:`ActorPool` runs any target in N watched processes;
 :func:`run_actor` with an :class:`ActorSpec` is the target the collector
-uses; :class:`ActorLoop` is the loop itself, usable in a process you own.
+uses; :class:`ActorLoop` (with :func:`probe`) is the loop itself, usable in a process you own.
+The parts these are built from are in :mod:`workers.lowlevel`; the rollout layout the actors write
+(``rollout_example``, ``successors``) is :mod:`shmbuf.layout`.
 """
 
-from workers._actor import ActorLoop, ActorSpec, apply_weights, probe, rollout_example, run_actor, successors
+import importlib
+import warnings
+
+from shmbuf import ActorError
+from workers._actor import ActorLoop, ActorSpec, probe, run_actor
 from workers._collector import CollectedBatch, Collector
-from workers._envs import EnvDriver
-from workers._inference import AsyncBatchedCollector, InferenceServer
-from workers._pool import ActorContext, ActorError, ActorPool, default_start_method
-from workers._remote import RemotePolicy
+from workers._inference import AsyncBatchedCollector
+from workers._pool import ActorContext, ActorPool
 from workers._tensordict import to_tensordict
-from workers._threadpool import ThreadActorPool
-from workers._views import ActorViews
 
 __all__ = [
     "ActorContext",
@@ -38,25 +40,24 @@ __all__ = [
     "ActorLoop",
     "ActorPool",
     "ActorSpec",
-    "ActorViews",
     "AsyncBatchedCollector",
     "CollectedBatch",
     "Collector",
-    "EnvDriver",
-    "InferenceServer",
-    "RemotePolicy",
-    "ThreadActorPool",
-    "apply_weights",
-    "default_start_method",
     "probe",
-    "rollout_example",
     "run_actor",
-    "successors",
     "to_tensordict",
 ]
 
+# Names that moved down a tier or to the rollout layout (CHANGELOG.md): still importable from here, with a warning.
+_MOVED = {
+    "ActorViews": "workers.lowlevel", "EnvDriver": "workers.lowlevel", "InferenceServer": "workers.lowlevel",
+    "NodeOwner": "workers.lowlevel", "RemotePolicy": "workers.lowlevel", "ThreadActorPool": "workers.lowlevel",
+    "apply_weights": "workers.lowlevel", "default_start_method": "workers.lowlevel",
+    "rollout_example": "shmbuf.layout", "successors": "shmbuf.layout",
+}
+
 # Ray is an optional extra: these names import workers._ray (and ray) when first asked for.
-_RAY_NAMES = ("NodeFailure", "NodeOwner", "RayBatch", "RayCollector")
+_RAY_NAMES = ("NodeFailure", "RayBatch", "RayCollector")
 
 
 def __getattr__(name: str) -> object:
@@ -66,4 +67,8 @@ def __getattr__(name: str) -> object:
         except ImportError as exc:
             raise ImportError(f"workers.{name} needs Ray: pip install 'shmbuf[ray]' ({exc})") from exc
         return getattr(_ray, name)
+    if name in _MOVED:
+        warnings.warn(f"workers.{name} moved to {_MOVED[name]}.{name}; import it from there (CHANGELOG.md)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module 'workers' has no attribute {name!r}")

@@ -37,11 +37,12 @@ from shmbuf.layout import (
     TRUNCATE_EPISODES,
     rollout_example,
 )
+from shmbuf.lowlevel import int_setting, timeout_setting
 from workers._actor import ActorSpec, check_horizon, probe
 from workers._placement import LocalPolicy, Placement, weights_of
 from workers._plan import BatchPlan, default_num_actors, plan_batches
 from workers._pool import default_start_method
-from workers._settings import batch_mode_setting, checked_sources, int_setting, timeout_setting
+from workers._settings import batch_mode_setting, checked_sources
 from workers._views import check_view_requirements
 
 # checked_sources, progress and weights_of: workers._ray imports them from here
@@ -269,7 +270,7 @@ class Collector:
         try:
             self._start(example, probed, actor, restart=restart, max_restarts=max_restarts, progress=progress)
         except BaseException:
-            self.shutdown()
+            self.close()
             raise
 
     def _start(self, example: dict[str, Any], probed: dict[str, Any], actor: dict[str, Any], *, restart: bool,
@@ -435,6 +436,10 @@ class Collector:
         }
 
     def shutdown(self, timeout: float | None = None) -> None:
+        """TorchRL's name for :meth:`close`."""
+        self.close(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
         """Stop the actors, close the pipeline and what the placement made, all within ``timeout`` (default
         ``stop_timeout``).
 
@@ -454,7 +459,7 @@ class Collector:
         if self.reader is not None:
             self.reader.close()
         if self.pool is not None:
-            self.pool.stop(max(0.1, end - time.monotonic()))
+            self.pool.close(max(0.1, end - time.monotonic()))
             self.failures = list(self.pool.failures)
         self._placement.close(end)
 
@@ -462,10 +467,10 @@ class Collector:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
+        self.close()
 
     def __del__(self) -> None:
         try:
-            self.shutdown()
+            self.close()
         except Exception:
             pass

@@ -26,11 +26,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import shmbuf
+import shmbuf.lowlevel
 from shmbuf.layout import COMPLETE_EPISODES, TRUNCATE_EPISODES
+from shmbuf.lowlevel import int_setting
 from workers._collector import Collector
 from workers._placement import ENV_BACKENDS, ServedPolicy
 from workers._server import InferenceServer
-from workers._settings import int_setting
 
 __all__ = ["AsyncBatchedCollector", "InferenceServer"]  # InferenceServer: its home was this module
 
@@ -119,6 +120,6 @@ class AsyncBatchedCollector(Collector):
         return self._placement.server  # type: ignore[attr-defined, no-any-return]  # a ServedPolicy's
 
     @property
-    def table(self) -> shmbuf.InferenceTable | None:
+    def table(self) -> shmbuf.lowlevel.InferenceTable | None:
         """The inference table the env workers ask through (None until started)."""
         return self._placement.table  # type: ignore[attr-defined, no-any-return]  # a ServedPolicy's

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 import shmbuf
+import shmbuf.lowlevel
 from shmbuf.layout import ACTION, OBS, zeros_with_lead
 from workers._actor import ActorSpec, run_actor
 from workers._pool import ActorPool
@@ -156,7 +157,7 @@ class ServedPolicy:
     """The policy stays in this process, behind an :class:`workers.InferenceServer` thread; never pickled.
 
     Each actor (an env worker: a process, or a thread with ``env_backend="threading"``) holds a
-    :class:`workers.RemotePolicy` on its client slot of a :class:`shmbuf.InferenceTable`. Every
+    :class:`workers.RemotePolicy` on its client slot of a :class:`shmbuf.lowlevel.InferenceTable`. Every
     transition gets the step leaf ``policy_version``: the server's weights version that chose its action.
     New weights are copied into the policy between two forward passes. The other arguments are the
     server's (see :class:`workers.AsyncBatchedCollector`).
@@ -177,7 +178,7 @@ class ServedPolicy:
         self.server_timeout = server_timeout
         self.device = device
         self.server_threads = server_threads
-        self.table: shmbuf.InferenceTable | None = None
+        self.table: shmbuf.lowlevel.InferenceTable | None = None
         self.server: InferenceServer | None = None
         self._closed = False
         self._ended = True  # the server thread ended within the shutdown's budget
@@ -197,7 +198,7 @@ class ServedPolicy:
         response = {ACTION: zeros_with_lead(probed[ACTION], E)}
         if probed["extras"]:
             response["extras"] = {k: zeros_with_lead(v, E) for k, v in probed["extras"].items()}
-        self.table = shmbuf.InferenceTable(request, response, num_actors)
+        self.table = shmbuf.lowlevel.InferenceTable(request, response, num_actors)
         self.server = InferenceServer(self.table, self.policy, num_envs=E, max_batch_size=self.max_batch_size,
                                       min_batch_size=self.min_batch_size, server_timeout=self.server_timeout,
                                       device=self.device, torch_threads=self.server_threads)
@@ -237,12 +238,12 @@ class ServedPolicy:
         """Stop the server (within half the budget, at most 1 s) and wake every worker waiting for an answer."""
         self._closed = True
         if self.server is not None and self.server.is_alive():
-            self._ended = self.server.stop(min(1.0, budget / 2))
+            self._ended = self.server.close(min(1.0, budget / 2))
         if self.table is not None:
             if self._ended:
                 self.table.close()
             else:
-                self.table.shut()  # wake them now; the server may still be writing answers into the rows
+                self.table.close_to_clients()  # wake them now; the server may still be writing answers into the rows
 
     def close(self, end: float) -> None:
         """A server still inside a forward pass at ``end`` is left to finish it (a daemon thread) and closes the table."""

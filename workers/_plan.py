@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from shmbuf import UsageError
 from shmbuf.layout import COMPLETE_EPISODES, TRUNCATE_EPISODES
-from workers._settings import batch_mode_setting, int_setting
+from shmbuf.lowlevel import int_setting
+from workers._settings import batch_mode_setting
 
 
 @dataclass(frozen=True)

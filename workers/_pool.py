@@ -34,6 +34,7 @@ import signal
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,7 @@ import msgpack
 
 import shmbuf
 from shmbuf import ActorError
-from workers._settings import int_setting
+from shmbuf.lowlevel import int_setting
 
 EXIT_ERROR = 1
 EXIT_ORPHANED = 75
@@ -304,7 +305,7 @@ class ActorPool:
             for a in self._actors:
                 self._spawn(a)
         except BaseException:
-            self.stop(timeout=2.0)
+            self.close(timeout=2.0)
             raise
         return self
 
@@ -406,7 +407,7 @@ class ActorPool:
 
     # -- stopping -----------------------------------------------------------
 
-    def stop(self, timeout: float = 5.0) -> dict[int, int | None]:
+    def close(self, timeout: float = 5.0) -> dict[int, int | None]:
         """Stop every actor within ``timeout`` seconds in all: ask, then SIGTERM, then SIGKILL.
 
         The first half of the budget is for actors to return from their
@@ -430,8 +431,13 @@ class ActorPool:
             self.start()
         return self
 
+    def stop(self, timeout: float = 5.0) -> dict[int, int | None]:
+        """Deprecated name of :meth:`close` (CHANGELOG.md: one verb, ``close``, ends every object)."""
+        warnings.warn("ActorPool.stop() is now ActorPool.close() (CHANGELOG.md)", DeprecationWarning, stacklevel=2)
+        return self.close(timeout)
+
     def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        self.close()
 
     def __repr__(self) -> str:
         return f"ActorPool({self.name!r}, {self.num_actors} actors, {self.start_method}, states={self.states})"

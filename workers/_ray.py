@@ -236,7 +236,7 @@ class RayCollector:
                 self._bar = tqdm(total=total_frames if total_frames > 0 else None, unit="frame", unit_scale=True,
                                  desc=f"collecting on {len(self.nodes)} nodes", dynamic_ncols=True)
         except BaseException:
-            self.shutdown()
+            self.close()
             raise
 
     # -- start --------------------------------------------------------------
@@ -526,6 +526,10 @@ class RayCollector:
         }
 
     def shutdown(self, timeout: float | None = None) -> None:
+        """TorchRL's name for :meth:`close`."""
+        self.close(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
         """Stop every node (its actors, its shared memory) within ``timeout`` (default ``stop_timeout``), then its owner."""
         if self._closed:
             return
@@ -565,11 +569,11 @@ class RayCollector:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
+        self.close()
 
     def __del__(self) -> None:
         try:
-            self.shutdown()
+            self.close()
         except Exception:
             pass
 

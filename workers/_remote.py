@@ -2,7 +2,7 @@
 
 The worker's :class:`workers.ActorLoop` calls it like any policy; each call
 writes the observation into the worker's request slot of a
-:class:`shmbuf.InferenceTable` and sleeps until the server has written the
+:class:`shmbuf.lowlevel.InferenceTable` and sleeps until the server has written the
 action (and the policy's extras) into its response slot. The answer's policy
 version comes back with it and is stored with the transition as the step
 leaf ``policy_version``.
@@ -16,6 +16,7 @@ import numpy as np
 import optree
 
 import shmbuf
+import shmbuf.lowlevel
 from shmbuf.layout import ACTION
 
 VERSION_KEY = "policy_version"
@@ -35,7 +36,7 @@ class RemotePolicy:
     """
 
     def __init__(self, table: str, index: int, *, timeout: float | None = None):
-        self.client = c = shmbuf.InferenceClient(table, index, timeout=timeout)
+        self.client = c = shmbuf.lowlevel.InferenceClient(table, index, timeout=timeout)
         self._req = c.request_leaves
         self._single = len(self._req) == 1
         resp = c.response

@@ -1,6 +1,6 @@
 """InferenceServer: the thread in the learner that answers env workers' requests in batches.
 
-It takes every pending request of a :class:`shmbuf.InferenceTable` (at least ``min_batch_size``,
+It takes every pending request of a :class:`shmbuf.lowlevel.InferenceTable` (at least ``min_batch_size``,
 waiting at most ``server_timeout`` after the first; at most ``max_batch_size``), runs the policy once
 on their observations (a view of shared memory when the requesting workers' slots are consecutive),
 writes each action back and wakes exactly those workers. No worker waits for any other: there is no
@@ -20,6 +20,7 @@ import numpy as np
 import optree
 
 import shmbuf
+import shmbuf.lowlevel
 from shmbuf.layout import ACTION
 from workers._actor import split_policy_output
 
@@ -65,7 +66,7 @@ class InferenceServer(threading.Thread):
     passed; ``recent`` keeps the last 10,000 ``(size, lingered_out)`` pairs.
     """
 
-    def __init__(self, table: shmbuf.InferenceTable, policy: Any, *, num_envs: int, max_batch_size: int,
+    def __init__(self, table: shmbuf.lowlevel.InferenceTable, policy: Any, *, num_envs: int, max_batch_size: int,
                  min_batch_size: int, server_timeout: float, device: Any = None, torch_threads: int | None = 1):
         super().__init__(name="shmbuf-inference-server", daemon=True)
         self.table = table
@@ -141,7 +142,7 @@ class InferenceServer(threading.Thread):
                 if self.close_table_at_exit:
                     self.table.close()
 
-    def stop(self, timeout: float) -> bool:
+    def close(self, timeout: float) -> bool:
         """Ask the thread to end and wait up to ``timeout`` s; True if it ended."""
         self._stop_requested = True
         try:

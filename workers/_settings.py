@@ -1,45 +1,24 @@
 """The collectors' settings checks: ints, waits, batch modes, and the env factories and policy they hand to actors.
 
 Every check raises :class:`shmbuf.UsageError` (a ValueError and a TypeError) naming the setting, before
-any env, pipeline or process is made. :func:`int_setting` and :func:`timeout_setting` keep
-``shmbuf._validate``'s rules and messages; workers may import only shmbuf's public modules, so they live
-here until shmbuf makes its validators public.
+any env, pipeline or process is made. Ints and waits go through shmbuf's validators
+(:mod:`shmbuf.lowlevel`: one rule and one message for every entry point).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from shmbuf import UsageError
-from shmbuf.layout import BATCH_MODES
-
-
-def int_setting(setting: str, value: Any, lo: int = 1) -> int:
-    """``value`` as an int ``>= lo`` (a Python or numpy int, never a bool); UsageError naming ``setting`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-        raise UsageError(f"{setting}: expected an int >= {lo}, got {value!r:.80}")
-    return int(value)
-
-
-def timeout_setting(setting: str, value: Any) -> float | None:
-    """A wait's bound: None (for ever; infinity too) or seconds >= 0; UsageError naming ``setting`` otherwise."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value >= 0:
-        raise UsageError(f"{setting}: expected None (wait for ever) or a number of seconds >= 0, got {value!r:.80}")
-    return None if math.isinf(value) else float(value)
+from shmbuf.layout import check_batch_mode
 
 
 def batch_mode_setting(batch_mode: Any) -> str:
     """One of :data:`shmbuf.layout.BATCH_MODES`; UsageError otherwise."""
-    if batch_mode not in BATCH_MODES:
-        raise UsageError(f"batch_mode: expected one of {BATCH_MODES}, got {batch_mode!r:.80}")
+    check_batch_mode(batch_mode)
     return batch_mode
 
 

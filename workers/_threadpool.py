@@ -4,7 +4,7 @@ The inference collector's ``env_backend="threading"``: each env worker is a
 thread running the same target as a process would (``target(ctx, *args)``),
 with the same context (``index``, ``incarnation``, ``stop_requested``,
 ``ready()``) and the same failure reports (:class:`workers.ActorError` with
-the traceback). What threads cannot do: be killed. :meth:`stop` asks, and a
+the traceback). What threads cannot do: be killed. :meth:`close` asks, and a
 thread still inside a hung env step at the deadline is left running (a
 daemon thread) and reported in :attr:`ThreadActorPool.hung`.
 """
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import shmbuf
+from shmbuf.lowlevel import int_setting
 from workers._pool import ActorError, restart_or_raise
-from workers._settings import int_setting
 
 
 class ThreadContext:
@@ -130,7 +130,7 @@ class ThreadActorPool:
                 raise TimeoutError(f"env worker threads {waiting} were not ready within {timeout} s")
             time.sleep(0.005)
 
-    def stop(self, timeout: float = 5.0) -> dict[int, int | None]:
+    def close(self, timeout: float = 5.0) -> dict[int, int | None]:
         """Ask every thread to stop and wait up to ``timeout`` s in all; a thread still running is left in :attr:`hung`."""
         self._stopped = True
         for w in self._workers:

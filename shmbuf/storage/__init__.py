@@ -7,21 +7,18 @@ See docs/storage.md for how each class maps to the systems it learns from.
 """
 
 from shmbuf.storage._torch import to_torch
-from shmbuf.storage.buffer import (
-    BufferEmpty, BufferFull, Field, RolloutBuffer, RolloutBufferWriter, RolloutSlot, iterate_minibatches, transition_view,
-)
-from shmbuf.storage.files import FileTransition, Recorder, RolloutDataset, get_frame_range, play, playback_example, read_metadata
+from shmbuf._moved import moved
+from shmbuf.storage.buffer import Field, RolloutBuffer, iterate_minibatches, transition_view
+from shmbuf.storage.files import FileTransition, Recorder, RolloutDataset, play
 from shmbuf.storage.gae import compute_gae, normalize_advantages
-from shmbuf.storage.replay import ReplayBuffer, ReplayHandle, ReplayInfo
+from shmbuf.storage.replay import ReplayBuffer
 from shmbuf.storage.rollout import (
     MiniBatch, QueueRolloutStorage, RolloutStorage, SarsaMiniBatch, SarsaRolloutStorage, SarsaTransition,
     TimeOutObservations, Transition, split_and_pad_trajectories, unpad_trajectories,
 )
-from shmbuf.storage.views import MaskedView, ViewRequirement, build_views, parse_shift
+from shmbuf.storage.views import MaskedView, ViewRequirement, build_views
 
 __all__ = [
-    "BufferEmpty",
-    "BufferFull",
     "Field",
     "FileTransition",
     "MaskedView",
@@ -29,12 +26,8 @@ __all__ = [
     "QueueRolloutStorage",
     "Recorder",
     "ReplayBuffer",
-    "ReplayHandle",
-    "ReplayInfo",
     "RolloutBuffer",
-    "RolloutBufferWriter",
     "RolloutDataset",
-    "RolloutSlot",
     "RolloutStorage",
     "SarsaMiniBatch",
     "SarsaRolloutStorage",
@@ -44,15 +37,24 @@ __all__ = [
     "ViewRequirement",
     "build_views",
     "compute_gae",
-    "get_frame_range",
     "iterate_minibatches",
     "normalize_advantages",
-    "parse_shift",
     "play",
-    "playback_example",
-    "read_metadata",
     "split_and_pad_trajectories",
     "to_torch",
     "transition_view",
     "unpad_trajectories",
 ]
+
+# Names that moved down a tier or to the core (CHANGELOG.md): still importable from here, with a warning.
+_MOVED = {
+    "BufferEmpty": "shmbuf", "BufferFull": "shmbuf", "ReplayHandle": "shmbuf.storage.lowlevel",
+    "ReplayInfo": "shmbuf.storage.lowlevel", "RolloutBufferWriter": "shmbuf.storage.lowlevel",
+    "RolloutSlot": "shmbuf.storage.lowlevel", "get_frame_range": "shmbuf.storage.lowlevel",
+    "parse_shift": "shmbuf.storage.lowlevel", "playback_example": "shmbuf.storage.lowlevel",
+    "read_metadata": "shmbuf.storage.lowlevel",
+}
+
+
+def __getattr__(name: str) -> object:
+    return moved("shmbuf.storage", name, _MOVED)

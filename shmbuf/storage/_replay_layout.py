@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmbuf._errors import SegmentError, ShmbufError, UsageError
+from shmbuf._handle import Handle
 from shmbuf._schema import Schema, format_path
 from shmbuf._substrate import (
     HEAD,
@@ -120,13 +121,8 @@ def read_layout(mm: mmap.mmap, name: str) -> tuple[Schema, ReplayLayout, Owner]:
 
 
 @dataclass(frozen=True)
-class ReplayHandle:
+class ReplayHandle(Handle):
     """A picklable reference to a replay buffer: its name. ``ReplayBuffer.attach(handle)`` attaches."""
-
-    name: str
-
-    def __post_init__(self) -> None:
-        check_name(self.name)
 
 
 def name_of(target: Any) -> str:
