@@ -51,11 +51,13 @@ demo-ray: $(VENV)/.stamp-ray
 test: $(VENV)/.stamp-test
 	$(PY) -m pytest -q -m "not slow"
 
-# ruff over the checkout and mypy over the packages; both run, and either failing fails the target.
+# ruff over the checkout, mypy over the packages, and a reason on every noqa and type: ignore (.ci/lint_reasons.py);
+# all three run, and any failing fails the target.
 lint: $(LINT_VENV)/.stamp
 	@status=0; \
 	$(LINT_VENV)/bin/ruff check $(LINT_PATHS) || status=1; \
 	$(LINT_VENV)/bin/mypy || status=1; \
+	$(LINT_VENV)/bin/python .ci/lint_reasons.py $(LINT_PATHS) || status=1; \
 	exit $$status
 
 # The core alone (no extras): every public module imports, each in a fresh interpreter, and the tests that need no
