@@ -7,9 +7,11 @@ package where the core needs it fails there.
 Which tests need an extra is read from their code, not kept by hand, so the selection cannot shrink silently:
 - a test file that imports an optional module at its top (itself, or through a tests.* module it imports) is out;
 - in the other files, a test is out if it imports one (`pytest.importorskip("x")` counts) in its own body, or in a
-  function or fixture of the tests it uses (followed through calls and fixture arguments, across tests.* modules);
-- EXTRA_TESTS names, with the reason, the few tests whose need the code does not show (a script they run in a
-  subprocess); an entry whose test no longer exists fails the job;
+  function, fixture or constant it uses (followed through names, calls and fixture arguments, across tests.* and
+  benchmarks.* modules), or runs one: a Python program in a string (a script it writes, a -c argument) or an
+  examples/ script it names;
+- EXTRA_TESTS names, with the reason, the few tests whose need the code does not show (a docs page's block, a lazy
+  import inside the library); an entry whose test no longer exists fails the job;
 - everything else runs, and a test skipped because a module could not be imported fails the job.
 The tests left out still run in `make test`, which installs every extra. The run prints how many were left out.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import ast
 import functools
 import pathlib
+import re
 import sys
 from typing import Any
 
@@ -37,7 +40,15 @@ RUNNER = {"pytest", "hypothesis", "pytest-timeout"}
 TOOLING_EXTRAS = {"core-test", "lint"}
 
 # "file::test" (or "file::Class::test") -> why it needs an extra, where its code does not import one.
-EXTRA_TESTS: dict[str, str] = {}
+EXTRA_TESTS: dict[str, str] = {
+    "tests/test_public_api.py::test_workers_imports_ray_only_when_asked": "ray, through workers.RayCollector",
+    "tests/test_readme.py::test_readme_command_line_runs": "tqdm, through `shmbuf bench --help` (benchmarks/run.py)",
+    "tests/test_inference_docs.py::test_the_collector_block_prints_its_batches_and_the_servers_batching":
+        "gymnasium, in docs/inference.md's block",
+    "tests/test_inference_docs.py::test_the_tensordict_block_prints_torchrls_layout":
+        "gymnasium and torchrl, in docs/inference.md's block",
+    "tests/test_storage_files.py::test_docs_block_runs": "gymnasium, in docs/storage.md's blocks",
+}
 
 
 FIRST_PARTY = ("tests", "benchmarks", "examples")  # modules of the checkout a test may import, followed like tests'
@@ -72,6 +83,13 @@ class _File:
                     if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         self.defs[f"{node.name}.{item.name}"] = item
             else:
+                if isinstance(node, (ast.Assign, ast.AnnAssign)):  # a constant the tests name: its scripts count
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    for t in targets:
+                        if isinstance(t, ast.Name):
+                            self.defs[t.id] = node.value if node.value is not None else node
+                    self.top_optional |= _optional_in(node, strings=False)  # torch = pytest.importorskip("torch")
+                    continue
                 self.top_optional |= _optional_in(node)
                 for sub in ast.walk(node):
                     if isinstance(sub, ast.ImportFrom) and sub.level == 0 and sub.module:
@@ -90,14 +108,23 @@ class _File:
                                     self.modules[a.asname] = a.name
 
 
+_READING: set[str] = set()  # modules being read: a script that names itself in a string is not read again
+
+
 @functools.cache
 def _file(module: str) -> _File | None:
     path = _path(module)
-    return _File(module, path) if path else None
+    if path is None or module in _READING:
+        return None
+    _READING.add(module)
+    try:
+        return _File(module, path)
+    finally:
+        _READING.discard(module)
 
 
-def _optional_in(node: ast.AST) -> set[str]:
-    """Optional modules an AST imports anywhere in it, or asks pytest.importorskip for."""
+def _optional_in(node: ast.AST, strings: bool = True) -> set[str]:
+    """Optional modules an AST imports anywhere in it, or asks pytest.importorskip for, or runs in a string."""
     optional = set(OPTIONAL.values())
     found = set()
     for sub in ast.walk(node):
@@ -111,8 +138,25 @@ def _optional_in(node: ast.AST) -> set[str]:
                 names = [sub.args[0].value]
             else:  # importorskip(name) over a loop of names: every optional module spelt in the statement counts
                 names = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+        elif strings and isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+            found |= _optional_in_string(sub.value)
         found |= {n.partition(".")[0] for n in names} & optional
     return found
+
+
+@functools.cache
+def _optional_in_string(text: str) -> frozenset[str]:
+    """What a string runs: a Python program in it (a script a test writes or passes to -c), or an examples/ script."""
+    found: set[str] = set()
+    if "import " in text:
+        try:
+            found |= _optional_in(ast.parse(text))
+        except SyntaxError:
+            pass
+    for script in re.findall(r"(\w+)\.py\b", text):
+        if (ROOT / "examples" / f"{script}.py").exists():
+            found |= file_needs(f"examples.{script}")
+    return frozenset(found)
 
 
 def file_needs(name: str, seen: frozenset[str] = frozenset()) -> set[str]:
