@@ -9,7 +9,7 @@ Which tests need an extra is read from their code, not kept by hand, so the sele
 - in the other files, a test is out if it imports one (`pytest.importorskip("x")` counts) in its own body, or in a
   function, fixture or constant it uses (followed through names, calls and fixture arguments, across tests.* and
   benchmarks.* modules), or runs one: a Python program in a string (a script it writes, a -c argument) or an
-  examples/ script it names;
+  examples/ script it names ("x.py", or a string that is the name of one);
 - EXTRA_TESTS names, with the reason, the few tests whose need the code does not show (a docs page's block, a lazy
   import inside the library); an entry whose test no longer exists fails the job;
 - everything else runs, and a test skipped because a module could not be imported fails the job.
@@ -153,7 +153,8 @@ def _optional_in_string(text: str) -> frozenset[str]:
             found |= _optional_in(ast.parse(text))
         except SyntaxError:
             pass
-    for script in re.findall(r"(\w+)\.py\b", text):
+    named = re.findall(r"(\w+)\.py\b", text) + re.findall(r"\A\w+\Z", text)  # "x.py", or import_example("x")
+    for script in named:
         if (ROOT / "examples" / f"{script}.py").exists():
             found |= file_needs(f"examples.{script}")
     return frozenset(found)
