@@ -39,15 +39,18 @@ OPTIONAL = {
 RUNNER = {"pytest", "hypothesis", "pytest-timeout"}
 TOOLING_EXTRAS = {"core-test", "lint"}
 
-# "file::test" (or "file::Class::test") -> why it needs an extra, where its code does not import one.
+# "file::test" (or "file::Class::test", or one parametrization: "file::test[id]") -> why it needs an extra, where its
+# code does not import one.
 EXTRA_TESTS: dict[str, str] = {
     "tests/test_public_api.py::test_workers_imports_ray_only_when_asked": "ray, through workers.RayCollector",
-    "tests/test_readme.py::test_readme_command_line_runs": "tqdm, through `shmbuf bench --help` (benchmarks/run.py)",
+    "tests/test_readme.py::test_readme_command_line_runs[bench --help]":
+        "tqdm, through `shmbuf bench --help` (benchmarks/run.py)",
     "tests/test_inference_docs.py::test_the_collector_block_prints_its_batches_and_the_servers_batching":
         "gymnasium, in docs/inference.md's block",
     "tests/test_inference_docs.py::test_the_tensordict_block_prints_torchrls_layout":
         "gymnasium and torchrl, in docs/inference.md's block",
-    "tests/test_storage_files.py::test_docs_block_runs": "gymnasium, in docs/storage.md's blocks",
+    "tests/test_storage_files.py::test_docs_block_runs[0]": "gymnasium, in docs/storage.md's first block",
+    "tests/test_storage_files.py::test_docs_block_runs[1]": "gymnasium, in docs/storage.md's second block",
 }
 
 
@@ -242,7 +245,7 @@ def select() -> tuple[list[str], dict[str, set[str]], dict[str, set[str]], list[
                 if need := def_needs(name, qual):
                     tests_out[f"tests/{path.name}::{qual.replace('.', '::')}"] = need
     for node_id, why in EXTRA_TESTS.items():
-        file, _, qual = node_id.partition("::")
+        file, _, qual = node_id.split("[")[0].partition("::")
         f = _file(f"tests.{pathlib.Path(file).stem}")
         if f is None or qual.replace("::", ".") not in f.defs:
             problems.append(f"EXTRA_TESTS names {node_id}, which does not exist: rename or remove the entry")
@@ -261,8 +264,8 @@ class CoreJob:
     def pytest_collection_modifyitems(self, config: Any, items: list[Any]) -> None:
         keep, drop = [], []
         for item in items:
-            base = item.nodeid.split("[")[0]
-            (drop if base in self.tests_out else keep).append(item)
+            out = item.nodeid in self.tests_out or item.nodeid.split("[")[0] in self.tests_out
+            (drop if out else keep).append(item)
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
