@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo demo-ray test test-slow bench bench-quick bench-storage bench-inference bench-ray clean-shm clean
+.PHONY: demo demo-ray test test-slow test-core lint bench bench-quick bench-storage bench-inference bench-ray clean-shm clean
 
 # One stamp per set of extras, refreshed when pyproject.toml changes. The tests also get rsl_rl's own code, the
 # reference for 002's GAE (tests/_rsl_rl.py), with --no-deps: its torch pin would pull a CUDA build of GBs.
@@ -18,6 +18,29 @@ $(VENV)/.stamp-%: pyproject.toml
 	$(if $(filter test,$*),$(PIP) install --quiet --no-deps rsl-rl-lib==5.5.1)
 	@touch $@
 
+# `make lint` and `make test-core` each have a venv of their own, so that neither sees what `make test` installs:
+# .venv-lint holds the core and the pinned linters (the `lint` extra), .venv-core the core and the test runner alone
+# (the `core-test` extra), so that a module that imports an optional package where the core needs it fails there.
+# The '*' .gitignore keeps them out of git, as Python 3.13's venv does by itself.
+CORE_VENV := .venv-core
+LINT_VENV := .venv-lint
+# ruff checks all the Python of the checkout; mypy checks the packages (pyproject's [tool.mypy] files).
+LINT_PATHS := shmbuf workers tests benchmarks examples .ci
+
+define own_venv
+	@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	@echo '*' > $(1)/.gitignore
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	PYTHONWARNINGS="ignore:Editable installation" $(1)/bin/python -m pip install --quiet -e ".[$(2)]"
+	@touch $@
+endef
+
+$(CORE_VENV)/.stamp: pyproject.toml
+	$(call own_venv,$(CORE_VENV),core-test)
+
+$(LINT_VENV)/.stamp: pyproject.toml
+	$(call own_venv,$(LINT_VENV),lint)
+
 demo: $(VENV)/.stamp-demo
 	$(PY) -m shmbuf demo
 
@@ -27,6 +50,21 @@ demo-ray: $(VENV)/.stamp-ray
 
 test: $(VENV)/.stamp-test
 	$(PY) -m pytest -q -m "not slow"
+
+# ruff over the checkout, mypy over the packages, and a reason on every noqa and type: ignore (.ci/lint_reasons.py);
+# all three run, and any failing fails the target.
+lint: $(LINT_VENV)/.stamp
+	@status=0; \
+	$(LINT_VENV)/bin/ruff check $(LINT_PATHS) || status=1; \
+	$(LINT_VENV)/bin/mypy || status=1; \
+	$(LINT_VENV)/bin/python .ci/lint_reasons.py $(LINT_PATHS) || status=1; \
+	exit $$status
+
+# The core alone (no extras): every public module imports, each in a fresh interpreter, and the tests that need no
+# extra pass (.ci/core_tests.py says how they are chosen; the rest run in `make test`).
+test-core: $(CORE_VENV)/.stamp
+	$(CORE_VENV)/bin/python .ci/import_core.py
+	$(CORE_VENV)/bin/python .ci/core_tests.py -q -m "not slow"
 
 test-slow: $(VENV)/.stamp-test
 	$(PY) -m pytest -q -m slow
@@ -55,4 +93,4 @@ clean-shm: $(VENV)/.stamp-demo
 	$(PY) -m shmbuf clean
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CORE_VENV) $(LINT_VENV) .mypy_cache .ruff_cache build *.egg-info
