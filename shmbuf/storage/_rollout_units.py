@@ -1,7 +1,8 @@
 """What a writer hands out (a shmbuf Rollout or Batch, a workers CollectedBatch), read as per-lane units.
 
-:func:`rollout_units` is the Recorder's adapter of a rollout or batch to one unit per rollout of one lane,
-each checked before anything is written.
+:func:`rollout_units` checks what :meth:`Recorder.write <shmbuf.storage.recorder.Recorder.write>` is handed
+(a bad rollout is named by its lane and seq, before anything is written), then reads it through
+:func:`shmbuf.layout.grid`: one unit per rollout of one lane.
 """
 
 from __future__ import annotations
@@ -13,9 +14,14 @@ import numpy as np
 
 from shmbuf._errors import SchemaError, UsageError
 from shmbuf.layout import (
-    ACTION, BOOTSTRAP, END, ENV, EPISODE, FINAL_OBS, LENGTH, OBS, RETURN, REWARD, STEP, TERMINATED, TRUNCATED,
+    ACTION, BOOTSTRAP, COMPLETE_EPISODES, END, ENV, EPISODE, FINAL_OBS, LENGTH, OBS, RETURN, REWARD, STEP,
+    TERMINATED, TRUNCATE_EPISODES, TRUNCATED, Grid, grid,
 )
-from shmbuf.storage._fileformat import flat_leaves, index_leaves, map_leaves
+from shmbuf.storage._fileformat import flat_leaves, map_leaves
+
+WHERE = "Recorder.write"
+EPISODE_FIELDS = (RETURN, LENGTH, TERMINATED, TRUNCATED, ENV, END, FINAL_OBS)
+RECORD_FIELDS = (TERMINATED, TRUNCATED, RETURN, LENGTH)  # what a complete-episodes record needs
 
 
 class Unit(NamedTuple):
@@ -27,16 +33,16 @@ class Unit(NamedTuple):
     n: int
     E: int
     episodes: list[tuple[int, int, bool, bool, float, int, Any]]  # env, end, terminated, truncated, return, length, final
-    bootstrap: Any  # obs tree, leaves (E, ...)
+    bootstrap: Any  # obs tree, leaves (E, ...); None for a complete episode (its successor is its record's final)
     complete: bool  # one whole episode (complete-episodes mode)
 
 
-def _get(tree: Mapping[str, Any], key: str, where: str) -> Any:
+def _get(tree: Mapping[str, Any], key: str) -> Any:
     if not isinstance(tree, Mapping):
-        raise SchemaError(f"{where}: expected a dict holding {key!r} (the workers rollout layout), got "
+        raise SchemaError(f"{WHERE}: expected a dict holding {key!r} (the workers rollout layout), got "
                           f"{type(tree).__name__}")
     if key not in tree:
-        raise SchemaError(f"{where}: the rollout has no {key!r}; expected the workers rollout layout (step leaves "
+        raise SchemaError(f"{WHERE}: the rollout has no {key!r}; expected the workers rollout layout (step leaves "
                           f"obs, action, reward, terminated[, truncated]; an episode table; bootstrap obs), got "
                           f"{sorted(tree)}")
     return tree[key]
@@ -46,101 +52,164 @@ def rollout_units(src: Any) -> list[Unit]:
     """A shmbuf Rollout or Batch, or a workers CollectedBatch (duck-typed: ``.data``, ``.fill``, optional lane/seq).
 
     Every rollout is checked here, before anything is written: a bad one raises :class:`SchemaError`
-    naming the field and the rollout, and nothing of the call is recorded.
+    naming the field and the rollout, and nothing of the call is recorded. The batch mode is the
+    episode table's: with ``end`` it is truncate-episodes.
     """
     data, fill = getattr(src, "data", None), getattr(src, "fill", None)
-    where = "Recorder.write"
     if not isinstance(data, Mapping) or not isinstance(data.get(STEP), Mapping):
-        raise UsageError(f"{where}: expected a shmbuf Rollout or Batch or a workers CollectedBatch (with .data['step'] "
+        raise UsageError(f"{WHERE}: expected a shmbuf Rollout or Batch or a workers CollectedBatch (with .data['step'] "
                          f"and .fill), got {type(src).__name__}")
-    step, ep, boot = data[STEP], _get(data, EPISODE, where), _get(data, BOOTSTRAP, where)
+    step, ep, boot = data[STEP], _get(data, EPISODE), _get(data, BOOTSTRAP)
     for k in (OBS, ACTION, REWARD, TERMINATED):
-        _get(step, k, where)
-    bobs = _get(boot, OBS, where)
-    _get(ep, TERMINATED, where)
-    _arrays(data, where)
+        _get(step, k)
+    _get(boot, OBS)
+    _get(ep, TERMINATED)
+    _arrays(data)
+    _has(step, (REWARD,), "step leaf", WHERE)  # summed into each trajectory's reward_sum
     lanes, seqs = getattr(src, "lane", None), getattr(src, "seq", None)
-    truncate = END in ep
-    if fill is None:  # a complete-episodes CollectedBatch: episodes concatenated, split by lengths
-        lengths = _lengths(src, step, where)
-        _lead_dims(step, (len(np.asarray(step[REWARD])),), STEP, where)
-        _lead_dims({EPISODE: ep, BOOTSTRAP: boot}, (len(lengths),), "", f"{where} (one per episode)")
-        _same_obs(step[OBS], 1, bobs, 1, "bootstrap obs", where)
-        out, o = [], 0
-        for b, n in enumerate(lengths.tolist()):
-            sl = slice(o, o + n)
-            o += n
-            out.append(_complete_unit(map_leaves(step, lambda a, sl=sl: np.asarray(a)[sl][:, None]), n, index_leaves(ep, b),
-                                      index_leaves(bobs, b), _pick(lanes, b, b), _pick(seqs, b, None)))
-        return out
+    if fill is None:
+        return _concatenated(src, data, lanes, seqs)
     if not isinstance(fill, Mapping) or STEP not in fill:
-        raise SchemaError(f"{where}: .fill must be a dict with a 'step' count (the rollout's or batch's fill), got {fill!r}")
+        raise SchemaError(f"{WHERE}: .fill must be a dict with a 'step' count (the rollout's or batch's fill), got {fill!r}")
     batched = np.ndim(fill[STEP]) > 0
     B = len(fill[STEP]) if batched else 1
     for k, v in fill.items():
         if np.shape(v) != ((B,) if batched else ()):
-            raise SchemaError(f"{where}: fill[{k!r}] has shape {np.shape(v)}, fill['step'] {np.shape(fill['step'])}; "
+            raise SchemaError(f"{WHERE}: fill[{k!r}] has shape {np.shape(v)}, fill['step'] {np.shape(fill['step'])}; "
                               "a rollout's counts are scalars, a batch's one per rollout")
-    if batched:
-        _lead_dims(data, (B,), "", f"{where} (a batch of {B})")
-    subs = []
+    ids = [(_pick(lanes, b, b), _pick(seqs, b, None)) if batched else (_pick(lanes, None, 0), _pick(seqs, None, None))
+           for b in range(B)]
+    names = [(f"rollout {b} of the batch" if batched else "the rollout") + f" (lane {lane}, seq {seq})"
+             for b, (lane, seq) in enumerate(ids)]
+    truncate = END in ep
+    cap, rows = _check_shapes(data, B if batched else None, truncate, f"{WHERE}: {'the batch' if batched else names[0]}")
+    for b, name in enumerate(names):
+        f = {k: _count(v[b] if batched else v, f"{WHERE}: {name}: fill[{k!r}]") for k, v in fill.items()}
+        if not 0 <= f[STEP] <= cap:
+            raise SchemaError(f"{WHERE}: {name}: fill['step']={f[STEP]} is outside the step leaves' capacity 0..{cap}")
+        if truncate and not 0 <= f.get(EPISODE, 0) <= rows:
+            raise SchemaError(f"{WHERE}: {name}: fill['episode']={f[EPISODE]} is outside the episode table's capacity "
+                              f"0..{rows}")
+    g = _grid(data, fill, TRUNCATE_EPISODES if truncate else COMPLETE_EPISODES)
+    if not truncate:  # one episode per rollout; its successor is the rollout's bootstrap obs
+        return [_complete(g, ep, (b,), b, 0, int(g.n[b]), ids[b],
+                          map_leaves(g.bootstrap[OBS], lambda a, b=b: g.as_be(a)[b, 0])) for b in range(B)]
+    # the filled rows of the episode table (none without a fill['episode'] count)
+    bb, ii = g.filled_rows(rows) if EPISODE in fill else (np.zeros(0, np.intp), np.zeros(0, np.intp))
+    _check_ends(g, bb, ii, names)
+    units = []
     for b in range(B):
-        lane, seq = (_pick(lanes, b, b), _pick(seqs, b, None)) if batched else (_pick(lanes, None, 0), _pick(seqs, None, None))
-        name = (f"rollout {b} of the batch" if batched else "the rollout") + f" (lane {lane}, seq {seq})"
-        counts = {k: _count(v[b] if batched else v, f"{where}: {name}: fill[{k!r}]") for k, v in fill.items()}
-        subs.append((index_leaves(data, b) if batched else data, counts, lane, seq, name))
-    out = []
-    for d, f, lane, seq, name in subs:
-        n = f[STEP]
-        st = d[STEP]
-        lead = np.shape(st[REWARD])
-        if len(lead) not in (1, 2) or (not truncate and len(lead) != 1):
-            raise SchemaError(f"{where}: {name}: step leaf 'reward' has shape {lead}; expected (steps,) or, in "
-                              "truncate-episodes mode, (steps, envs)")
-        _lead_dims(st, lead, STEP, f"{where}: {name}")
-        cap = lead[0]
-        if not 0 <= n <= cap:
-            raise SchemaError(f"{where}: {name}: fill['step']={n} is outside the step leaves' capacity 0..{cap}")
-        if not truncate:
-            _lead_dims(d[EPISODE], (), EPISODE, f"{where}: {name}", exact=True)
-            _same_obs(st[OBS], 1, d[BOOTSTRAP][OBS], 0, "bootstrap obs", f"{where}: {name}")
-            out.append(_complete_unit(map_leaves(st, lambda a, n=n: np.asarray(a)[:n][:, None]), n, d[EPISODE],
-                                      d[BOOTSTRAP][OBS], lane, seq))
-            continue
-        vector = np.ndim(st[REWARD]) == 2
-        step_v = map_leaves(st, (lambda a, n=n: np.asarray(a)[:n]) if vector else (lambda a, n=n: np.asarray(a)[:n, None]))
-        E = np.shape(st[REWARD])[1] if vector else 1
-        e_tab = d[EPISODE]
-        k = f.get(EPISODE, 0)
-        _check_episodes(e_tab, k, n, E, f"{where}: {name}")
-        _same_obs(st[OBS], len(lead), e_tab[FINAL_OBS], 1, "episode final_obs", f"{where}: {name}")
-        _same_obs(st[OBS], len(lead), d[BOOTSTRAP][OBS], len(lead) - 1, "bootstrap obs", f"{where}: {name}")
-        if vector:
-            _lead_dims(d[BOOTSTRAP][OBS], (E,), "bootstrap obs", f"{where}: {name}")
-        eps = [(int(e_tab[ENV][i]), int(e_tab[END][i]), bool(e_tab[TERMINATED][i]), bool(e_tab[TRUNCATED][i]),
-                float(e_tab[RETURN][i]), int(e_tab[LENGTH][i]), index_leaves(e_tab[FINAL_OBS], i)) for i in range(k)]
-        bo = d[BOOTSTRAP][OBS]
-        out.append(Unit(lane, seq, step_v, n, E, eps, bo if vector else map_leaves(bo, lambda a: np.asarray(a)[None]), False))
-    return out
+        n, mine = int(g.n[b]), bb == b
+        units.append(Unit(*ids[b], _steps(g, b, 0, n), n, g.E, _rows(g, bb[mine], ii[mine]),
+                          map_leaves(g.bootstrap[OBS], lambda a, b=b: g.as_be(a)[b]), False))
+    return units
 
 
-EPISODE_FIELDS = (RETURN, LENGTH, TERMINATED, TRUNCATED, ENV, END, FINAL_OBS)
+def _grid(src: Any, fill: Mapping[str, Any] | None, batch_mode: str) -> Grid:
+    """:func:`shmbuf.layout.grid` of what the Recorder is handed; its errors said as the Recorder's (SchemaError)."""
+    try:
+        return grid(src, fill, batch_mode=batch_mode, ref=REWARD)
+    except (SchemaError, UsageError) as e:
+        raise SchemaError(f"{WHERE}: {e}") from None
 
 
-def _arrays(tree: Any, where: str) -> None:
+def _steps(g: Grid, b: int, t0: int, t1: int) -> Any:
+    """Rollout ``b``'s steps ``[t0, t1)``: every step leaf as ``(t1 - t0, E, ...)`` (views)."""
+    return map_leaves(g.step, lambda a: g.as_bte(a)[b, t0:t1])
+
+
+def _rows(g: Grid, bb: np.ndarray, ii: np.ndarray) -> list[tuple[int, int, bool, bool, float, int, Any]]:
+    """Episode-table rows ``(bb, ii)`` as ``(env, end, terminated, truncated, return, length, final obs)``."""
+    ep = g.episode
+    cols = [g.table(ep[k])[bb, ii].tolist() for k in (ENV, END, TERMINATED, TRUNCATED, RETURN, LENGTH)]
+    finals = [map_leaves(ep[FINAL_OBS], lambda a, b=b, i=i: g.table(a)[b, i]) for b, i in zip(bb.tolist(), ii.tolist())]
+    return [(int(e), int(t), bool(te), bool(tr), float(r), int(n), f) for e, t, te, tr, r, n, f in zip(*cols, finals)]
+
+
+def _complete(g: Grid, ep: Mapping[str, Any], at: tuple[int, ...], b: int, t0: int, t1: int,
+              ids: tuple[int, int | None], final: Any) -> Unit:
+    """Steps ``[t0, t1)`` of rollout ``b``, one whole episode: its record is ``at`` in the episode record leaves
+    ``ep`` (as :meth:`Grid.table` reads them), ``final`` its successor."""
+    term, trunc, ret, length = (g.table(ep[k])[at] for k in RECORD_FIELDS)
+    episode = (0, t1 - t0 - 1, bool(term), bool(trunc), float(ret), int(length), final)
+    return Unit(*ids, _steps(g, b, t0, t1), t1 - t0, 1, [episode], None, True)
+
+
+def _concatenated(src: Any, data: Mapping[str, Any], lanes: Any, seqs: Any) -> list[Unit]:
+    """A complete-episodes CollectedBatch (episodes concatenated, split by ``.lengths``): one unit per episode."""
+    if getattr(src, "lengths", None) is None:
+        raise SchemaError(f"{WHERE}: the rollout has no .fill and no .lengths; expected a shmbuf Rollout or Batch (fill) "
+                          "or a complete-episodes CollectedBatch (lengths)")
+    g = _grid(src, None, COMPLETE_EPISODES)
+    assert g.lengths is not None  # grid read the lengths: fill is None in complete-episodes mode
+    R = len(g.lengths)
+    _lead_dims(data[STEP], (g.T,), STEP, WHERE)
+    _lead_dims({EPISODE: data[EPISODE], BOOTSTRAP: data[BOOTSTRAP]}, (R,), "", f"{WHERE} (one per episode)")
+    _same_obs(data[STEP][OBS], 1, data[BOOTSTRAP][OBS], 1, "bootstrap obs", WHERE)
+    _has(data[EPISODE], RECORD_FIELDS, "episode record field", WHERE)
+    # episode r's steps end at cumsum(lengths)[r] - 1; its successor is row r of the episode table's final_obs
+    ends = np.cumsum(g.lengths)
+    starts = ends - g.lengths
+    return [_complete(g, data[EPISODE], (0, r), 0, int(starts[r]), int(ends[r]), (_pick(lanes, r, r), _pick(seqs, r, None)),
+                      map_leaves(g.episode[FINAL_OBS], lambda a, r=r: g.table(a)[0, r]))
+            for r in range(R)]
+
+
+# -- checks: what grid does not check, each naming the leaf (and the rollout's lane and seq) ------------------
+
+
+def _arrays(tree: Any) -> None:
     """Every leaf of ``tree`` is (or reads as) a numpy array of a plain dtype; SchemaError naming the first that is not."""
     for name, leaf in flat_leaves(tree):
         try:
             a = np.asarray(leaf)
         except Exception as e:  # noqa: BLE001  # whatever __array__ raises (a torch tensor needing grad, ...)
-            raise SchemaError(f"{where}: leaf {name!r} cannot be read as a numpy array ({type(e).__name__}: {e})") from None
+            raise SchemaError(f"{WHERE}: leaf {name!r} cannot be read as a numpy array ({type(e).__name__}: {e})") from None
         if a.dtype.hasobject:
-            raise SchemaError(f"{where}: leaf {name!r} is {type(leaf).__name__} of dtype {a.dtype}; expected an array of "
+            raise SchemaError(f"{WHERE}: leaf {name!r} is {type(leaf).__name__} of dtype {a.dtype}; expected an array of "
                               "numbers or bools (no objects: nothing is pickled)")
 
 
+def _check_shapes(data: Mapping[str, Any], B: int | None, truncate: bool, where: str) -> tuple[int, int]:
+    """The shapes every rollout of a Rollout or Batch (``B`` rollouts; None: one) shares: step leaves ``([B], T, [E],
+    ...)``, an episode table (truncate-episodes) or record, final and bootstrap observations shaped like the step obs.
+    Returns the step capacity T and the episode table's rows (0 in complete-episodes mode)."""
+    batch = () if B is None else (B,)
+    if B is not None:
+        _lead_dims(data, batch, "", where)
+    step, ep, bobs = data[STEP], data[EPISODE], data[BOOTSTRAP][OBS]
+    lead = np.shape(step[REWARD])[len(batch):]
+    if len(lead) not in (1, 2) or (not truncate and len(lead) != 1):
+        raise SchemaError(f"{where}: step leaf 'reward' has shape {lead}; expected (steps,) or, in "
+                          "truncate-episodes mode, (steps, envs)")
+    _lead_dims(step, batch + lead, STEP, where)
+    lead_n = len(batch + lead)
+    rows = 0
+    if truncate:
+        rows = _check_table(ep, len(batch), where)
+        _same_obs(step[OBS], lead_n, ep[FINAL_OBS], len(batch) + 1, "episode final_obs", where)
+    else:
+        _lead_dims(ep, batch, EPISODE, where, exact=True)
+        _has(ep, RECORD_FIELDS, "episode record field", where)
+    _same_obs(step[OBS], lead_n, bobs, lead_n - 1, "bootstrap obs", where)
+    if len(lead) == 2:
+        _lead_dims(bobs, batch + lead[1:], "bootstrap obs", where)
+    return lead[0], rows
+
+
+def _has(tree: Mapping[str, Any], keys: tuple[str, ...], what: str, where: str) -> None:
+    """``tree`` holds an array of numbers or bools (not a subtree) at each of ``keys``."""
+    for key in keys:
+        v = tree.get(key)
+        if v is None or isinstance(v, (Mapping, list, tuple)) or np.asarray(v).dtype.kind not in "biuf":
+            got = "nothing" if v is None else type(v).__name__ if isinstance(v, (Mapping, list, tuple)) else \
+                f"of dtype {np.asarray(v).dtype}"
+            raise SchemaError(f"{where}: {what} {key!r} is {got}; expected an array of numbers or bools")
+
+
 def _lead_dims(tree: Any, lead: tuple[int, ...], prefix: str, where: str, exact: bool = False) -> None:
-    """Every leaf's shape starts with ``lead`` (is exactly ``lead`` with ``exact``); SchemaError naming the first that does not."""
+    """Every leaf's shape starts with ``lead`` (is exactly ``lead`` with ``exact``); SchemaError naming the first that
+    does not."""
     for name, leaf in flat_leaves(tree):
         shape = np.shape(leaf)
         if (shape != lead) if exact else (shape[:len(lead)] != lead):
@@ -157,7 +226,11 @@ def _same_obs(obs: Any, obs_lead: int, other: Any, other_lead: int, what: str, w
 
 
 def _count(v: Any, what: str) -> int:
-    """A fill count: an integral number (a Python or numpy int, or a whole float); SchemaError naming it otherwise."""
+    """A fill count: an integral number (a Python or numpy int, or a whole float); SchemaError naming it otherwise.
+
+    Per rollout, so that the error names it; and before :func:`shmbuf.layout.grid` reads the fill, whose own
+    check of the counts lets numpy warn on an infinite or huge float (a RuntimeWarning, an error under the tests).
+    """
     a = np.asarray(v)
     if a.ndim == 0 and a.dtype.kind in "iu":
         return int(a)
@@ -166,50 +239,42 @@ def _count(v: Any, what: str) -> int:
     raise SchemaError(f"{what}: expected an integer count, got {v!r}")
 
 
-def _lengths(src: Any, step: Any, where: str) -> np.ndarray:
-    """A complete-episodes CollectedBatch's episode lengths, checked to cover its concatenated step leaves."""
-    lengths = getattr(src, "lengths", None)
-    if lengths is None:
-        raise SchemaError(f"{where}: the rollout has no .fill and no .lengths; expected a shmbuf Rollout or Batch (fill) "
-                          "or a complete-episodes CollectedBatch (lengths)")
-    a = np.asarray(lengths)
-    cap = len(np.asarray(step[REWARD]))
-    if a.ndim != 1 or a.dtype.kind not in "iu" or (a < 0).any() or int(a.sum()) > cap:
-        raise SchemaError(f"{where}: .lengths {a.tolist()!r} must be episode lengths >= 0 summing to at most the step "
-                          f"leaves' {cap} rows")
-    return a.astype(np.int64)
-
-
-def _check_episodes(e_tab: Any, k: int, n: int, E: int, where: str) -> None:
-    """The first ``k`` rows of a truncate-episodes episode table fit the rollout: fields present, rows there, ends
-    at stored steps (``0 <= end < n``) of existing envs (``0 <= env < E``)."""
+def _check_table(e_tab: Any, nb: int, where: str) -> int:
+    """A truncate-episodes episode table (``nb`` leading batch dims): fields present, one value per row, ends and envs
+    integers. Returns its rows."""
     if not isinstance(e_tab, Mapping):
         raise SchemaError(f"{where}: data['episode'] must be a dict (the episode table), got {type(e_tab).__name__}")
     for key in EPISODE_FIELDS:
         if key not in e_tab:
             raise SchemaError(f"{where}: the episode table has no {key!r}; the workers truncate-episodes layout has "
                               f"{list(EPISODE_FIELDS)}, got {sorted(e_tab)}")
-        if key != FINAL_OBS and np.ndim(e_tab[key]) != 1:
-            raise SchemaError(f"{where}: episode table field {key!r} has shape {np.shape(e_tab[key])}; expected one "
-                              "value per row (rows,)")
+        if key != FINAL_OBS and np.ndim(e_tab[key]) != nb + 1:
+            raise SchemaError(f"{where}: episode table field {key!r} has shape {np.shape(e_tab[key])[nb:]}; expected "
+                              "one value per row (rows,)")
     for name, leaf in flat_leaves(e_tab[FINAL_OBS]):
-        if np.ndim(leaf) < 1:
-            raise SchemaError(f"{where}: episode table field 'final_obs' leaf {name!r} has shape {np.shape(leaf)}; "
+        if np.ndim(leaf) < nb + 1:
+            raise SchemaError(f"{where}: episode table field 'final_obs' leaf {name!r} has shape {np.shape(leaf)[nb:]}; "
                               "expected (rows, ...)")
-    rows = min(len(np.asarray(x)) if np.ndim(x) else 0 for x in [e_tab[f] for f in EPISODE_FIELDS[:-1]]
+    for key in (END, ENV):
+        dtype = np.asarray(e_tab[key]).dtype
+        if dtype.kind not in "iu":
+            raise SchemaError(f"{where}: episode table field {key!r} has dtype {dtype}; expected integers")
+    return min(np.shape(x)[nb] for x in [e_tab[f] for f in EPISODE_FIELDS[:-1]]
                + [leaf for _, leaf in flat_leaves(e_tab[FINAL_OBS])])
-    if not 0 <= k <= rows:
-        raise SchemaError(f"{where}: fill['episode']={k} is outside the episode table's capacity 0..{rows}")
-    end = np.asarray(e_tab[END])[:k]
-    env = np.asarray(e_tab[ENV])[:k]
-    for field, v, hi in ((END, end, n), (ENV, env, E)):
-        if v.dtype.kind not in "iu":
-            raise SchemaError(f"{where}: episode table field {field!r} has dtype {v.dtype}; expected integers")
+
+
+def _check_ends(g: Grid, bb: np.ndarray, ii: np.ndarray, names: list[str]) -> None:
+    """The filled episode-table rows ``(bb, ii)`` end at stored steps (``0 <= end < n``) of existing envs
+    (``0 <= env < E``); SchemaError naming the first row that does not, and its rollout."""
+    n = g.n[bb]
+    for key, hi in ((END, n), (ENV, np.full(len(bb), g.E))):
+        v = g.table(g.episode[key])[bb, ii]
         bad = np.flatnonzero((v < 0) | (v >= hi))
         if len(bad):
-            i = int(bad[0])
-            what = f"the stored steps 0..{n - 1} (fill['step']={n})" if field == END else f"the envs 0..{E - 1}"
-            raise SchemaError(f"{where}: episode table row {i} has {field}={int(v[i])}, outside {what}")
+            j = int(bad[0])
+            b, nj = int(bb[j]), int(n[j])
+            what = f"the stored steps 0..{nj - 1} (fill['step']={nj})" if key == END else f"the envs 0..{g.E - 1}"
+            raise SchemaError(f"{WHERE}: {names[b]}: episode table row {int(ii[j])} has {key}={int(v[j])}, outside {what}")
 
 
 def _pick(arr: Any, b: int | None, default: Any) -> Any:
@@ -223,11 +288,5 @@ def _pick(arr: Any, b: int | None, default: Any) -> Any:
     except (IndexError, TypeError, ValueError):
         pass
     where = "" if b is None else f"[{b}]"
-    raise SchemaError(f"Recorder.write: the rollout's lane/seq{where} is {arr!r}; expected an int (one per rollout of "
+    raise SchemaError(f"{WHERE}: the rollout's lane/seq{where} is {arr!r}; expected an int (one per rollout of "
                       "a batch), as a shmbuf Rollout, Batch or CollectedBatch gives")
-
-
-def _complete_unit(step: Any, n: int, ep: Any, bobs: Any, lane: int, seq: int | None) -> Unit:
-    episode = (0, n - 1, bool(ep[TERMINATED]), bool(ep[TRUNCATED]), float(ep[RETURN]), int(ep[LENGTH]), bobs)
-    return Unit(lane, seq, step, n, 1, [episode], map_leaves(bobs, lambda a: np.asarray(a)[None]), True)
-

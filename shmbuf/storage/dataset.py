@@ -93,7 +93,11 @@ class _Traj:
             k += 1
 
     def copy_next(self, file: str, a: int, b: int, out: np.ndarray) -> None:
-        """The successors of rows [a, b): rows a+1..b, row ``length`` being the final observation."""
+        """The successors of rows [a, b): rows a+1..b, row ``length`` being the final observation.
+
+        A recorded trajectory read across its chunk files, not :func:`shmbuf.layout.successors`: on disk there is
+        no episode table or bootstrap to scatter, only the trajectory's final observation.
+        """
         stop = min(b + 1, self.length)
         if a + 1 < stop:
             self.copy(file, a + 1, stop, out[: stop - a - 1])

@@ -107,7 +107,11 @@ def play(data_dir: str | os.PathLike[str], pipeline: Any, *, rollout_len: int, n
 
 def _write_rollout(slot: dict[str, Any], out: dict[str, np.ndarray], ds: RolloutDataset,
                    ends: list[tuple[int, int, _Traj]], single: bool, env_steps: int) -> None:
-    """One played rollout into the slot's views (``(T, [E], ...)``); the copy from the batch is the only one."""
+    """One played rollout into the slot's views (``(T, [E], ...)``); the copy from the batch is the only one.
+
+    It builds a rollout from successors the dataset already read (the bootstrap obs is the last step's, the
+    episode table's final_obs each ended trajectory's), so there is no successor to compute here.
+    """
     step = slot[STEP]
     for name, view in flat_leaves(step):
         if name == TRUNCATED and TRUNCATED not in out:

@@ -190,6 +190,12 @@ class Recorder:
         return self.trajectories - before
 
     def _truncated(self, u: Unit) -> None:
+        """Split each sub-env's frames of a truncate-episodes rollout into trajectories at its episode ends.
+
+        A trajectory keeps only its last frame's successor: the ended episode's final_obs, or (still open) the
+        rollout's bootstrap row, each one row of the unit. This is trajectory bookkeeping across rollouts, not
+        :meth:`shmbuf.layout.Grid.successors`, which builds every step's successor.
+        """
         ends: dict[int, list[tuple[int, bool, bool, float, int, Any]]] = {}
         for env, end, term, trunc, ret, length, final in u.episodes:
             ends.setdefault(env, []).append((end, term, trunc, ret, length, final))
