@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shmbuf
+from shmbuf.layout import rollout_example
 from shmbuf.storage.gae import compute_gae
 from shmbuf.storage.rollout import (
     QueueRolloutStorage,
@@ -22,7 +23,6 @@ from shmbuf.storage.rollout import (
     unpad_trajectories,
 )
 from tests import _rsl_rl
-from shmbuf.layout import rollout_example
 
 OBS, ACT = (3,), (2,)
 

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 
 import shmbuf
 from shmbuf import SchemaError, ShmbufError, UsageError
+from shmbuf.layout import rollout_example
 from shmbuf.storage.views import MaskedView, ViewRequirement, build_views
 from tests.helpers import doc_blocks, run_doc_block
 from tests.test_workers_envs import CountingEnv, EchoPolicy
 from workers import ActorLoop, probe
-from shmbuf.layout import rollout_example
 
 VR = ViewRequirement
 ROOT = pathlib.Path(__file__).resolve().parent.parent
