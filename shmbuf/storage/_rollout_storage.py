@@ -139,7 +139,8 @@ class RolloutStorage:
                     {"critic_obs_key": critic_obs_key, "truncated_key": truncated_key, "mu_key": mu_key, "sigma_key": sigma_key})
         if hidden_states_keys is not None:
             if not (isinstance(hidden_states_keys, (tuple, list)) and len(hidden_states_keys) == 2):
-                raise UsageError(f"from_rollout(hidden_states_keys=...): expected (actor key, critic key), got {hidden_states_keys!r:.80}")
+                raise UsageError("from_rollout(hidden_states_keys=...): expected (actor key, critic key), "
+                                 f"got {hidden_states_keys!r:.80}")
             check_keys({"hidden_states_keys[0]": hidden_states_keys[0], "hidden_states_keys[1]": hidden_states_keys[1]}, {})
         src = RolloutSource(rollout_or_batch, reward_key)
         need_v = f"the critic's value of each step's observation (a policy extra, key {value_key!r})"

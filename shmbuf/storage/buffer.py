@@ -109,7 +109,8 @@ def _merge_fields(base: dict[str, Field], extra: Mapping[str, Any] | None) -> di
     if extra is None:
         return out
     if not isinstance(extra, Mapping):
-        raise UsageError(f"RolloutBuffer(fields=...): expected a dict of name -> (shape, dtype[, kind]), got {type(extra).__name__}")
+        raise UsageError("RolloutBuffer(fields=...): expected a dict of name -> (shape, dtype[, kind]), "
+                         f"got {type(extra).__name__}")
     for name, spec in extra.items():
         where = f"RolloutBuffer(fields={{{name!r}: ...}})"
         if not isinstance(name, str) or not name or name.startswith("_") or "/" in name:
@@ -165,7 +166,8 @@ class Layout:
             sizes.add(leaf.shape[:2])
             fields[leaf.path[1]] = Field(leaf.path[1], tuple(leaf.shape[2:]), leaf.dtype, leaf.path[0])
         if len(sizes) != 1:
-            raise SchemaError(f"pipeline {name} is not a RolloutBuffer's: its leaves disagree on [num_envs, T+1]: {sorted(sizes)}")
+            raise SchemaError(f"pipeline {name} is not a RolloutBuffer's: its leaves disagree on [num_envs, T+1]: "
+                              f"{sorted(sizes)}")
         (n, t1), = sizes
         return cls(n, t1 - 1, fields)
 
@@ -355,7 +357,8 @@ class RolloutBufferWriter:
 
     def _copy_in(self, slot: RolloutSlot, rollout: Mapping[str, Any]) -> None:
         if not isinstance(rollout, Mapping):
-            raise SchemaError(f"add(): expected the rollout start_rollout() returned or a dict of fields, got {type(rollout).__name__}")
+            raise SchemaError("add(): expected the rollout start_rollout() returned or a dict of fields, "
+                              f"got {type(rollout).__name__}")
         fields = self.layout.fields
         missing = sorted(set(fields) - set(rollout))
         extra = sorted(set(rollout) - set(fields), key=str)

@@ -69,7 +69,8 @@ def _outputs(out: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], 
     if out is None:
         return np.empty(shape, dtype), np.empty(shape, dtype)
     if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(o, np.ndarray) for o in out)):
-        raise UsageError(f"compute_gae(out=...): expected a tuple (advantages, returns) of numpy arrays, got {type(out).__name__}")
+        raise UsageError("compute_gae(out=...): expected a tuple (advantages, returns) of numpy arrays, "
+                         f"got {type(out).__name__}")
     for name, o in zip(("advantages", "returns"), out):
         if o.shape != shape or not np.can_cast(dtype, o.dtype, "same_kind") or not o.flags.writeable:
             raise UsageError(f"compute_gae(out=...): {name} must be a writable {shape} floating array, "

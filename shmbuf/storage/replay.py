@@ -273,7 +273,8 @@ class ReplayBuffer(Closable):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.num_samples}/{self.buffer_size} rows, step {self.step}"
-        return f"ReplayBuffer({self.name}, {state}; row: {', '.join(f'{n} {dt} {s}' for n, (dt, s) in zip(self._row.names, self._row.out_specs))})"
+        row = ", ".join(f"{n} {dt} {s}" for n, (dt, s) in zip(self._row.names, self._row.out_specs))
+        return f"ReplayBuffer({self.name}, {state}; row: {row})"
 
     def _live_words(self) -> memoryview:
         if self._closed:
@@ -336,7 +337,8 @@ class ReplayBuffer(Closable):
             if time.monotonic() > deadline:
                 raise SlotTimeout(
                     f"replay buffer {self.name}: all {self.max_writers} writer slots are held by live instances "
-                    f"(max_writers={self.max_writers} at ReplayBuffer.create) and none came free within timeout={self.timeout} s; "
+                    f"(max_writers={self.max_writers} at ReplayBuffer.create) and none came free within "
+                    f"timeout={self.timeout} s; "
                     "close() inserting instances you no longer use, or create the buffer with a larger max_writers"
                 )
             time.sleep(0.001)

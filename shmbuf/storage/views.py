@@ -42,7 +42,8 @@ def parse_shift(shift: Any) -> tuple[tuple[int, ...], bool]:
     included (RLlib's meaning), an extra axis of 50.
     """
     if isinstance(shift, (bool, np.bool_)):
-        raise UsageError(f"ViewRequirement(shift=...): expected an int, a list of ints or a range string like '-3:0', got {shift!r}")
+        raise UsageError("ViewRequirement(shift=...): expected an int, a list of ints or a range string like '-3:0', "
+                         f"got {shift!r}")
     if isinstance(shift, (int, np.integer)):
         return (int(shift),), False
     if isinstance(shift, str):
