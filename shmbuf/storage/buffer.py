@@ -163,8 +163,10 @@ class Layout:
             if not ok:
                 raise SchemaError(f"pipeline {name} is not a RolloutBuffer's: leaf {leaf.name} of shape {leaf.shape} is not "
                                   f"'{OBSERVATION}/<field>' or '{TRANSITION}/<field>' of shape [num_envs, T+1, ...]")
+            kind, key = leaf.path
+            assert isinstance(kind, str) and isinstance(key, str)  # `ok` checked both (KINDS are strs)
             sizes.add(leaf.shape[:2])
-            fields[leaf.path[1]] = Field(leaf.path[1], tuple(leaf.shape[2:]), leaf.dtype, leaf.path[0])
+            fields[key] = Field(key, tuple(leaf.shape[2:]), leaf.dtype, kind)
         if len(sizes) != 1:
             raise SchemaError(f"pipeline {name} is not a RolloutBuffer's: its leaves disagree on [num_envs, T+1]: "
                               f"{sorted(sizes)}")

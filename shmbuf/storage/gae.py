@@ -50,7 +50,7 @@ def _check_shape(name: str, a: np.ndarray, want: tuple[int, ...], alt: tuple[int
 
 def check_discount(where: str, setting: str, value: Any) -> float:
     """``value`` as a float if it is a real number in [0, 1] (``gamma``, ``lam``); else UsageError naming ``setting``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real) or not 0.0 <= value <= 1.0:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real) or not 0.0 <= float(value) <= 1.0:
         raise UsageError(f"{where}({setting}=...): expected a real number from 0 to 1, got {value!r:.80}")
     return float(value)
 

@@ -409,8 +409,7 @@ class ReplayBuffer(Closable):
             cand = (a < b) & (a < end - n_rows)
             if not np.count_nonzero(cand):
                 return
-            cand = np.flatnonzero(cand)
-            who = self._live_overlap(fd, cand, first, end)
+            who = self._live_overlap(fd, np.flatnonzero(cand), first, end)
             if who is None:
                 return
             if time.monotonic() > deadline:

@@ -305,6 +305,7 @@ def _from_prev(lanes: _Lanes, key: str, keys: tuple[Any, ...], out: np.ndarray, 
                item: tuple[int, ...], dtype: np.dtype) -> None:
     """Positions before this rollout's first step, of an episode that ran on from ``prev``: read from ``prev``."""
     prev = lanes.prev
+    assert prev is not None  # _gather calls this only when lanes.prev is set
     try:
         p = np.asarray(_walk(prev.g.step, keys))
     except (KeyError, IndexError, TypeError):
