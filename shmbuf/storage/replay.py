@@ -600,8 +600,13 @@ class ReplayBuffer(Closable):
 
 
 def _timeout(value: object) -> float:
-    # Not _validate.timeout_setting's rule: a replay buffer's timeout bounds every wait, so None (for ever) and 0
-    # are refused (tests/test_storage_replay.py::test_bad_settings_and_rows_are_named pins this).
+    # Not _validate.timeout_setting's rule: None (for ever) and 0 are refused, because not every wait this bounds ends
+    # when a holder dies. sample() looks for "no complete row, for good" (its writers died mid-write) only while every
+    # row it drew failed: if a first draw got some complete rows and a writer then dies writing over all the others,
+    # it redraws in a busy loop that only the timeout ends. An insert also waits for an earlier writer whose liveness
+    # the kernel cannot tell (writer_held answers True), and reads any failure of a slot's lock call as "held".
+    # 0 would fail a sample as soon as one row it drew was being written, where a redraw would find a complete one.
+    # (tests/test_storage_replay.py::test_bad_settings_and_rows_are_named pins this.)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
         raise UsageError(f"ReplayBuffer: timeout: expected a number of seconds > 0, got {value!r:.80}")
     return float(value)
