@@ -138,7 +138,8 @@ def test_transition_view_refuses_what_is_not_a_rollout() -> None:
 # -------------------------------------------------------------- the buffer in one process
 
 
-def test_get_flatten_true_is_the_hand_built_transitions_as_copies_and_frees_the_slot(make_buffer: Callable[..., RolloutBuffer]) -> None:
+def test_get_flatten_true_is_the_hand_built_transitions_as_copies_and_frees_the_slot(
+        make_buffer: Callable[..., RolloutBuffer]) -> None:
     n, t = 3, 4
     buf = make_buffer(n, t, 3, 2, slots=2)
     for seq in range(2):
@@ -178,7 +179,8 @@ def test_get_flatten_true_copies_even_where_a_reshape_would_not(make_buffer: Cal
     assert_same(got, want)
 
 
-def test_get_flatten_false_gives_views_of_the_slot_until_the_next_get_or_release(make_buffer: Callable[..., RolloutBuffer]) -> None:
+def test_get_flatten_false_gives_views_of_the_slot_until_the_next_get_or_release(
+        make_buffer: Callable[..., RolloutBuffer]) -> None:
     n, t = 2, 3
     buf = make_buffer(n, t, 3, 2, slots=2)
     written = []

@@ -27,11 +27,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shmbuf
-from tests.conftest import leaked_since
 from shmbuf import _errors, _ofd
 from shmbuf._shm import unlink_object
 from shmbuf.storage import replay as replay_mod
 from shmbuf.storage.replay import ReplayBuffer, ReplayHandle, describe, is_replay
+from tests.conftest import leaked_since
 
 from .conftest import wait_until
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shmbuf
+from shmbuf.layout import rollout_example
 from shmbuf.storage.gae import compute_gae
 from shmbuf.storage.rollout import (
     QueueRolloutStorage,
@@ -22,7 +23,6 @@ from shmbuf.storage.rollout import (
     unpad_trajectories,
 )
 from tests import _rsl_rl
-from shmbuf.layout import rollout_example
 
 OBS, ACT = (3,), (2,)
 
@@ -42,8 +42,8 @@ def filled(T: int = 6, N: int = 4, *, dones: Any = None, time_outs: Any = None, 
     for t in range(T):
         c = code(t, np.arange(N), N).astype(np.float32)
         tr = Transition(observations=np.repeat(c[:, None], 3, 1), actions=np.stack([c, -c], 1), rewards=rng.normal(size=N),
-                        dones=d[t], time_outs=to[t], values=(c / 10)[:, None], actions_log_prob=-c, action_mean=np.stack([c, c], 1),
-                        action_sigma=np.ones((N, 2)))
+                        dones=d[t], time_outs=to[t], values=(c / 10)[:, None], actions_log_prob=-c,
+                        action_mean=np.stack([c, c], 1), action_sigma=np.ones((N, 2)))
         if priv:
             tr.critic_observations = np.repeat(c[:, None], 5, 1) + 0.5
         if hidden:
@@ -385,7 +385,8 @@ def test_from_a_batch_copies_exactly_when_b_and_e_must_merge(make_reader: Any, n
             assert np.shares_memory(a, step[leaf]) == (num_envs is None), field
         assert set(s.copied) == ({"observations", "actions", "rewards", "dones", "time_outs", "values", "actions_log_prob"}
                                  if num_envs else set())
-        np.testing.assert_array_equal(s.bootstrap_observations[:, 0], [500, 501, 502, 1500, 1501, 1502] if num_envs else [500, 1500])
+        np.testing.assert_array_equal(s.bootstrap_observations[:, 0],
+                                      [500, 501, 502, 1500, 1501, 1502] if num_envs else [500, 1500])
         assert np.shares_memory(s.bootstrap_observations, b.data["bootstrap"]["obs"])
         to = s.time_out_observations  # one truncated episode per rollout, env E-1 of each
         assert to.step.tolist() == [3, 3] and to.env.tolist() == ([E_ - 1, 2 * E_ - 1] if num_envs else [0, 1])
@@ -530,7 +531,8 @@ def test_sarsa_from_a_rollout_copies_the_observations_once_and_keeps_the_rest_as
     cb = collected_batch(1, 3)
     s = SarsaRolloutStorage.from_rollout(cb)
     assert s.copied == ("observations",)
-    assert np.shares_memory(s.next_observations, s.all_observations) and not np.shares_memory(s.observations, cb.data["step"]["obs"])
+    assert np.shares_memory(s.next_observations, s.all_observations)
+    assert not np.shares_memory(s.observations, cb.data["step"]["obs"])
     assert np.shares_memory(s.values, cb.data["step"]["value"])
     np.testing.assert_array_equal(s.next_observations[:-1], cb.data["step"]["obs"][0, 1:])
     np.testing.assert_array_equal(s.next_observations[-1], cb.data["bootstrap"]["obs"][0].astype(np.float32))
@@ -619,7 +621,8 @@ def test_shape_and_seed_settings() -> None:
         assert getattr(a, name).shape == getattr(b, name).shape
     assert a.privileged_observations is None and b.privileged_observations is None
     for args, setting in [((2, 3, None, None, (1,)), "obs_shape"), ((2, 3, (2,), None, "x"), "actions_shape"),
-                          ((2, 3, (2,), (-1,), (1,)), "privileged_obs_shape"), ((2, 3, (2,), None, (1,), 2.5), "rnn_hidden_shape")]:
+                          ((2, 3, (2,), (-1,), (1,)), "privileged_obs_shape"),
+                          ((2, 3, (2,), None, (1,), 2.5), "rnn_hidden_shape")]:
         with pytest.raises(shmbuf.UsageError, match=rf"^{setting}: expected a shape"):
             RolloutStorage(*args)
     with pytest.raises(shmbuf.UsageError, match=r"^seed: expected None, an int"):

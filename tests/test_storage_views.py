@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 
 import shmbuf
 from shmbuf import SchemaError, ShmbufError, UsageError
+from shmbuf.layout import rollout_example
 from shmbuf.storage.views import MaskedView, ViewRequirement, build_views
 from tests.helpers import doc_blocks, run_doc_block
 from tests.test_workers_envs import CountingEnv, EchoPolicy
 from workers import ActorLoop, probe
-from shmbuf.layout import rollout_example
 
 VR = ViewRequirement
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -172,7 +172,7 @@ def test_every_shift_form_vector_env():
 def test_batch_of_rollouts_with_padding():
     """Two rollouts (the vector one and one cut short at 2 steps) in a (B, T, E) batch: row by row, as alone."""
     a, b = vector(), vector()
-    for k, v in b["step"].items():
+    for v in b["step"].values():
         v[2:] = 77 if v.dtype != bool else True  # padding: garbage, and episode ends that are not data
     b["episode"]["end"][:] = 1
     b["bootstrap"]["obs"][:] = [[102.0], [205.0]]
@@ -181,8 +181,8 @@ def test_batch_of_rollouts_with_padding():
     reqs = {"pa": VR("action", -1), "no": VR("obs", 1), "w": VR("obs", "-1:1"), "o": VR("obs")}
     out = build_views(batch, reqs, fill=fill)
     alone_a = build_views(a, reqs)
-    alone_b = build_views({"step": {k: v[:2] for k, v in b["step"].items()}, "episode": {k: v[:1] for k, v in b["episode"].items()},
-                           "bootstrap": b["bootstrap"]}, reqs)
+    alone_b = build_views({"step": {k: v[:2] for k, v in b["step"].items()},
+                           "episode": {k: v[:1] for k, v in b["episode"].items()}, "bootstrap": b["bootstrap"]}, reqs)
     for k in reqs:
         np.testing.assert_array_equal(out[k][0], alone_a[k], err_msg=k)
         np.testing.assert_array_equal(out[k][1, :2], alone_b[k], err_msg=k)
@@ -456,8 +456,8 @@ def check_columns(d, Ls, out, reqs, n, reach, vector):
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5), kinds=st.lists(st.integers(1, 3), min_size=1, max_size=3),
-       E=st.integers(1, 3), cuts=st.lists(st.integers(1, 7), min_size=2, max_size=4), shifts=st.lists(SHIFTS, min_size=1, max_size=3),
-       with_prev=st.booleans())
+       E=st.integers(1, 3), cuts=st.lists(st.integers(1, 7), min_size=2, max_size=4),
+       shifts=st.lists(SHIFTS, min_size=1, max_size=3), with_prev=st.booleans())
 def test_hypothesis_synthetic_lanes(lengths, kinds, E, cuts, shifts, with_prev):
     vector = E > 1
     rolls = synth_rollouts(lengths, kinds, E, cuts, vector)

@@ -6,15 +6,23 @@ here imports ``workers``: a Collector batch is read through what it has (``data`
 See docs/storage.md for how each class maps to the systems it learns from.
 """
 
-from shmbuf.storage._torch import to_torch
 from shmbuf._moved import moved
+from shmbuf.storage._torch import to_torch
 from shmbuf.storage.buffer import Field, RolloutBuffer, iterate_minibatches, transition_view
 from shmbuf.storage.files import FileTransition, Recorder, RolloutDataset, play
 from shmbuf.storage.gae import compute_gae, normalize_advantages
 from shmbuf.storage.replay import ReplayBuffer
 from shmbuf.storage.rollout import (
-    MiniBatch, QueueRolloutStorage, RolloutStorage, SarsaMiniBatch, SarsaRolloutStorage, SarsaTransition,
-    TimeOutObservations, Transition, split_and_pad_trajectories, unpad_trajectories,
+    MiniBatch,
+    QueueRolloutStorage,
+    RolloutStorage,
+    SarsaMiniBatch,
+    SarsaRolloutStorage,
+    SarsaTransition,
+    TimeOutObservations,
+    Transition,
+    split_and_pad_trajectories,
+    unpad_trajectories,
 )
 from shmbuf.storage.views import MaskedView, ViewRequirement, build_views
 

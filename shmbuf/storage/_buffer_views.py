@@ -95,6 +95,7 @@ def iterate_minibatches(rollout: Mapping[str, Any], batch_size: int, *, rng: Any
     if bad:
         raise SchemaError(f"iterate_minibatches(): every field must share the leading dim (a flattened rollout: "
                           f"get(flatten=True) or transition_view(..., flatten=True)); got {sizes}")
+    assert m is not None  # a 0-d field (size None) would be in `bad`
     gen = generator(rng, "iterate_minibatches(rng=...)")
     return _minibatches(arrays, m, batch_size, gen, device)
 

@@ -131,7 +131,8 @@ def name_of(target: Any) -> str:
     name = getattr(target, "name", None)
     if isinstance(name, str):
         return check_name(name)
-    raise UsageError(f"ReplayBuffer.attach: expected a replay buffer name, ReplayHandle or ReplayBuffer, got {type(target).__name__}")
+    raise UsageError("ReplayBuffer.attach: expected a replay buffer name, ReplayHandle or ReplayBuffer, "
+                     f"got {type(target).__name__}")
 
 
 

@@ -4,7 +4,7 @@ minibatches; the public module is :mod:`shmbuf.storage.rollout` (its docstring s
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -17,13 +17,17 @@ from shmbuf.storage._trajectories import aliases, flat_getter, pad, ranges, traj
 from shmbuf.storage._transition import (
     REQUIRED,
     TRANSITION_FIELDS,
-    MiniBatch,
+    AnyMiniBatch,
     TimeOutObservations,
-    Transition,
     array_of,
     as_row,
     shape_setting,
 )
+
+# Under other names: inside the class body, Transition and MiniBatch are the class attributes (002's
+# RolloutStorage.Transition), which a type checker does not take as types in the methods' annotations.
+from shmbuf.storage._transition import MiniBatch as _MiniBatch
+from shmbuf.storage._transition import Transition as _Transition
 from shmbuf.storage.gae import check_discount, compute_gae
 from shmbuf.storage.gae import normalize_advantages as _normalize
 
@@ -48,8 +52,15 @@ class RolloutStorage:
     ``"gymnasium"`` to fill with gymnasium's ``terminated``/``truncated`` as they are.
     """
 
-    Transition = Transition
-    MiniBatch = MiniBatch
+    Transition: ClassVar[type[_Transition]] = _Transition
+    MiniBatch: ClassVar[type[AnyMiniBatch]] = _MiniBatch
+
+    # Set in _setup (None) and, when the storage has them, in __init__ or from_rollout.
+    privileged_observations: np.ndarray | None
+    mu: np.ndarray | None
+    sigma: np.ndarray | None
+    hidden_states_actor: np.ndarray | None
+    hidden_states_critic: np.ndarray | None
 
     def __init__(self, num_envs: int, num_transitions_per_env: int, obs_shape: Any, privileged_obs_shape: Any,
                  actions_shape: Any, rnn_hidden_shape: Any = None, *, dtype: Any = np.float32, seed: Any = None):
@@ -87,11 +98,11 @@ class RolloutStorage:
         self.num_envs = N
         self.rng = generator(seed, "seed")
         self.step = 0
-        self.privileged_observations: np.ndarray | None = None
-        self.mu: np.ndarray | None = None
-        self.sigma: np.ndarray | None = None
-        self.hidden_states_actor: np.ndarray | None = None
-        self.hidden_states_critic: np.ndarray | None = None
+        self.privileged_observations = None
+        self.mu = None
+        self.sigma = None
+        self.hidden_states_actor = None
+        self.hidden_states_critic = None
         self.bootstrap_observations: np.ndarray | None = None
         self.bootstrap_critic_observations: np.ndarray | None = None
         self.time_out_observations: TimeOutObservations | None = None
@@ -139,7 +150,8 @@ class RolloutStorage:
                     {"critic_obs_key": critic_obs_key, "truncated_key": truncated_key, "mu_key": mu_key, "sigma_key": sigma_key})
         if hidden_states_keys is not None:
             if not (isinstance(hidden_states_keys, (tuple, list)) and len(hidden_states_keys) == 2):
-                raise UsageError(f"from_rollout(hidden_states_keys=...): expected (actor key, critic key), got {hidden_states_keys!r:.80}")
+                raise UsageError("from_rollout(hidden_states_keys=...): expected (actor key, critic key), "
+                                 f"got {hidden_states_keys!r:.80}")
             check_keys({"hidden_states_keys[0]": hidden_states_keys[0], "hidden_states_keys[1]": hidden_states_keys[1]}, {})
         src = RolloutSource(rollout_or_batch, reward_key)
         need_v = f"the critic's value of each step's observation (a policy extra, key {value_key!r})"
@@ -166,11 +178,13 @@ class RolloutStorage:
         if arrays["time_outs"] is None:  # truncated_key=None: no episode is ever truncated
             arrays["time_outs"] = np.zeros((src.T, src.N), bool)
         for k in ("dones", "time_outs"):
-            if arrays[k].dtype.kind not in "biuf":  # type: ignore[union-attr]
-                raise SchemaError(f"from_rollout: step leaf for {k} has dtype {arrays[k].dtype}: expected bool or numbers "  # type: ignore[union-attr]
+            flags = arrays[k]
+            assert flags is not None  # terminated_key is required (check_keys), time_outs was just filled
+            if flags.dtype.kind not in "biuf":
+                raise SchemaError(f"from_rollout: step leaf for {k} has dtype {flags.dtype}: expected bool or numbers "
                                   "(nonzero meaning true)")
-            if arrays[k].dtype != np.bool_:  # type: ignore[union-attr]
-                arrays[k] = arrays[k] != 0
+            if flags.dtype != np.bool_:
+                arrays[k] = flags != 0
                 if k not in src.copied:
                     src.copied.append(k)
         self = cls.__new__(cls)
@@ -187,13 +201,13 @@ class RolloutStorage:
     def _adopt(self, arrays: dict[str, np.ndarray | None], src: RolloutSource) -> None:
         for k, a in arrays.items():
             setattr(self, k, a)
-        dtype = np.result_type(arrays["values"], arrays["rewards"], np.float32)  # type: ignore[arg-type]
+        dtype = np.result_type(arrays["values"], arrays["rewards"], np.float32)
         self.returns = np.zeros((src.T, src.N), dtype)
         self.advantages = np.zeros((src.T, src.N), dtype)
         self.step = src.T
         self._borrowed = src.name
 
-    def add_transitions(self, transition: Transition) -> None:
+    def add_transitions(self, transition: _Transition) -> None:
         """Copy one step of every env into row ``step`` and advance it.
 
         Raises:
@@ -211,7 +225,7 @@ class RolloutStorage:
         self._write_row(self.step, transition)
         self.step += 1
 
-    def _write_row(self, t: int, tr: Transition) -> None:
+    def _write_row(self, t: int, tr: _Transition) -> None:
         rows = {}
         for name, field in TRANSITION_FIELDS.items():  # check everything before writing anything
             dst = getattr(self, field)
@@ -339,7 +353,7 @@ class RolloutStorage:
         return {"actions": self.actions, "values": self.values, "advantages": self.advantages, "returns": self.returns,
                 "old_actions_log_prob": self.actions_log_prob, "old_mu": self.mu, "old_sigma": self.sigma}
 
-    def mini_batch_generator(self, num_mini_batches: int, num_epochs: int = 8) -> Iterator[MiniBatch]:
+    def mini_batch_generator(self, num_mini_batches: int, num_epochs: int = 8) -> Iterator[AnyMiniBatch]:
         """Shuffled flat minibatches ``[batch, ...]`` of rows ``[0, step)``: each epoch draws a new permutation
         and every transition is in exactly one of its ``num_mini_batches`` minibatches (sizes differ by at most
         one when ``step * num_envs`` does not divide; rsl_rl drops the remainder, and reuses one permutation for
@@ -359,7 +373,7 @@ class RolloutStorage:
                 yield self.MiniBatch(**out, hidden_states=None, masks=None)
 
     def recurrent_mini_batch_generator(self, num_mini_batches: int, num_epochs: int = 8, *, shuffle: bool = False,
-                                       pad_to: str = "longest") -> Iterator[MiniBatch]:
+                                       pad_to: str = "longest") -> Iterator[AnyMiniBatch]:
         """Minibatches of whole envs, their trajectories split at episode ends (``dones`` or ``time_outs``).
 
         Envs are cut into ``num_mini_batches`` groups (contiguous ranges as rsl_rl does, or with

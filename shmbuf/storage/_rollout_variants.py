@@ -11,7 +11,10 @@ import numpy as np
 from shmbuf._errors import SchemaError, UsageError
 from shmbuf.storage._rollout_source import RolloutSource
 from shmbuf.storage._rollout_storage import RolloutStorage
-from shmbuf.storage._transition import STEP_ARRAYS, MiniBatch, SarsaMiniBatch, SarsaTransition, Transition, as_row
+from shmbuf.storage._transition import STEP_ARRAYS, AnyMiniBatch, SarsaMiniBatch, SarsaTransition, as_row
+
+# Under another name: inside SarsaRolloutStorage's body, Transition is the class attribute (see _rollout_storage).
+from shmbuf.storage._transition import Transition as _Transition
 
 
 class QueueRolloutStorage(RolloutStorage):
@@ -57,7 +60,7 @@ class QueueRolloutStorage(RolloutStorage):
         self.num_transitions_per_env += grow
         return grow
 
-    def add_transitions(self, transition: Transition) -> None:
+    def add_transitions(self, transition: _Transition) -> None:
         super().add_transitions(transition)
         if self.step >= self.num_transitions_per_env:
             self.buffer_full = self.buffer_full or self.num_transitions_per_env >= self.max_buffer_length
@@ -108,7 +111,7 @@ class QueueRolloutStorage(RolloutStorage):
         super().compute_returns(last_values, gamma, lam, time_out_values=time_out_values,
                                 normalize_advantages=normalize_advantages)
 
-    def recurrent_mini_batch_generator(self, num_mini_batches: int, num_epochs: int = 8, **kwargs: Any) -> Iterator[MiniBatch]:
+    def recurrent_mini_batch_generator(self, num_mini_batches: int, num_epochs: int = 8, **kwargs: Any) -> Iterator[AnyMiniBatch]:
         self.untie_buffer_loop()
         return super().recurrent_mini_batch_generator(num_mini_batches, num_epochs, **kwargs)
 
@@ -128,6 +131,12 @@ class SarsaRolloutStorage(RolloutStorage):
 
     Transition = SarsaTransition
     MiniBatch = SarsaMiniBatch
+
+    # Made by _link: T+1 rows, and the two views of them (observations itself is the other).
+    all_observations: np.ndarray
+    next_observations: np.ndarray
+    all_privileged_observations: np.ndarray | None
+    next_privileged_observations: np.ndarray | None
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -173,7 +182,7 @@ class SarsaRolloutStorage(RolloutStorage):
         for dst, x in self._bootstrap_rows(observations, critic_observations, self.step):
             np.copyto(dst, x, casting="same_kind")
 
-    def add_transitions(self, transition: Transition) -> None:
+    def add_transitions(self, transition: _Transition) -> None:
         nxt = getattr(transition, "next_observations", None)
         last = self.step + 1 == self.num_transitions_per_env and nxt is not None and self._borrowed is None
         if last:  # checked before the row is written, like every other field

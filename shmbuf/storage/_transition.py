@@ -68,11 +68,11 @@ class _ToTorch:
         return to_torch(self, device)
 
 
-_MB_FIELDS = ["obs", "critic_obs", "actions", "values", "advantages", "returns", "old_actions_log_prob", "old_mu",
-              "old_sigma", "hidden_states", "masks"]
-
-
-class MiniBatch(_ToTorch, namedtuple("MiniBatch", _MB_FIELDS)):
+# The field lists are literals (SarsaMiniBatch's repeats MiniBatch's, then adds two) so that a type checker knows
+# the fields: it cannot read a namedtuple's fields from a variable.
+class MiniBatch(_ToTorch, namedtuple("MiniBatch", ["obs", "critic_obs", "actions", "values", "advantages", "returns",
+                                                   "old_actions_log_prob", "old_mu", "old_sigma", "hidden_states",
+                                                   "masks"])):
     """One minibatch, 002's field names. Flat (:meth:`RolloutStorage.mini_batch_generator`): every array
     ``[batch, ...]``, ``hidden_states`` and ``masks`` None. Recurrent: ``obs``/``critic_obs`` ``[L, traj, ...]``
     padded, ``masks`` ``[L, traj]``, ``hidden_states`` ``(actor, critic)`` ``[traj, *rnn_hidden_shape]`` (or
@@ -83,10 +83,16 @@ class MiniBatch(_ToTorch, namedtuple("MiniBatch", _MB_FIELDS)):
     __slots__ = ()
 
 
-class SarsaMiniBatch(_ToTorch, namedtuple("SarsaMiniBatch", [*_MB_FIELDS, "next_obs", "next_critic_obs"])):
+class SarsaMiniBatch(_ToTorch, namedtuple("SarsaMiniBatch", ["obs", "critic_obs", "actions", "values", "advantages",
+                                                             "returns", "old_actions_log_prob", "old_mu", "old_sigma",
+                                                             "hidden_states", "masks", "next_obs", "next_critic_obs"])):
     """A :class:`MiniBatch` with ``next_obs`` and ``next_critic_obs`` shaped like ``obs``."""
 
     __slots__ = ()
+
+
+# What the generators yield: a MiniBatch, or from a SarsaRolloutStorage a SarsaMiniBatch (not a subclass of it).
+AnyMiniBatch = MiniBatch | SarsaMiniBatch
 
 
 TimeOutObservations = namedtuple("TimeOutObservations", ["step", "env", "obs"])

@@ -109,7 +109,8 @@ def _merge_fields(base: dict[str, Field], extra: Mapping[str, Any] | None) -> di
     if extra is None:
         return out
     if not isinstance(extra, Mapping):
-        raise UsageError(f"RolloutBuffer(fields=...): expected a dict of name -> (shape, dtype[, kind]), got {type(extra).__name__}")
+        raise UsageError("RolloutBuffer(fields=...): expected a dict of name -> (shape, dtype[, kind]), "
+                         f"got {type(extra).__name__}")
     for name, spec in extra.items():
         where = f"RolloutBuffer(fields={{{name!r}: ...}})"
         if not isinstance(name, str) or not name or name.startswith("_") or "/" in name:
@@ -162,10 +163,13 @@ class Layout:
             if not ok:
                 raise SchemaError(f"pipeline {name} is not a RolloutBuffer's: leaf {leaf.name} of shape {leaf.shape} is not "
                                   f"'{OBSERVATION}/<field>' or '{TRANSITION}/<field>' of shape [num_envs, T+1, ...]")
+            kind, key = leaf.path
+            assert isinstance(kind, str) and isinstance(key, str)  # `ok` checked both (KINDS are strs)
             sizes.add(leaf.shape[:2])
-            fields[leaf.path[1]] = Field(leaf.path[1], tuple(leaf.shape[2:]), leaf.dtype, leaf.path[0])
+            fields[key] = Field(key, tuple(leaf.shape[2:]), leaf.dtype, kind)
         if len(sizes) != 1:
-            raise SchemaError(f"pipeline {name} is not a RolloutBuffer's: its leaves disagree on [num_envs, T+1]: {sorted(sizes)}")
+            raise SchemaError(f"pipeline {name} is not a RolloutBuffer's: its leaves disagree on [num_envs, T+1]: "
+                              f"{sorted(sizes)}")
         (n, t1), = sizes
         return cls(n, t1 - 1, fields)
 
@@ -355,7 +359,8 @@ class RolloutBufferWriter:
 
     def _copy_in(self, slot: RolloutSlot, rollout: Mapping[str, Any]) -> None:
         if not isinstance(rollout, Mapping):
-            raise SchemaError(f"add(): expected the rollout start_rollout() returned or a dict of fields, got {type(rollout).__name__}")
+            raise SchemaError("add(): expected the rollout start_rollout() returned or a dict of fields, "
+                              f"got {type(rollout).__name__}")
         fields = self.layout.fields
         missing = sorted(set(fields) - set(rollout))
         extra = sorted(set(rollout) - set(fields), key=str)

@@ -50,7 +50,7 @@ def _check_shape(name: str, a: np.ndarray, want: tuple[int, ...], alt: tuple[int
 
 def check_discount(where: str, setting: str, value: Any) -> float:
     """``value`` as a float if it is a real number in [0, 1] (``gamma``, ``lam``); else UsageError naming ``setting``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real) or not 0.0 <= value <= 1.0:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real) or not 0.0 <= float(value) <= 1.0:
         raise UsageError(f"{where}({setting}=...): expected a real number from 0 to 1, got {value!r:.80}")
     return float(value)
 
@@ -69,7 +69,8 @@ def _outputs(out: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], 
     if out is None:
         return np.empty(shape, dtype), np.empty(shape, dtype)
     if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(o, np.ndarray) for o in out)):
-        raise UsageError(f"compute_gae(out=...): expected a tuple (advantages, returns) of numpy arrays, got {type(out).__name__}")
+        raise UsageError("compute_gae(out=...): expected a tuple (advantages, returns) of numpy arrays, "
+                         f"got {type(out).__name__}")
     for name, o in zip(("advantages", "returns"), out):
         if o.shape != shape or not np.can_cast(dtype, o.dtype, "same_kind") or not o.flags.writeable:
             raise UsageError(f"compute_gae(out=...): {name} must be a writable {shape} floating array, "

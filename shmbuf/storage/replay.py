@@ -273,7 +273,8 @@ class ReplayBuffer(Closable):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.num_samples}/{self.buffer_size} rows, step {self.step}"
-        return f"ReplayBuffer({self.name}, {state}; row: {', '.join(f'{n} {dt} {s}' for n, (dt, s) in zip(self._row.names, self._row.out_specs))})"
+        row = ", ".join(f"{n} {dt} {s}" for n, (dt, s) in zip(self._row.names, self._row.out_specs))
+        return f"ReplayBuffer({self.name}, {state}; row: {row})"
 
     def _live_words(self) -> memoryview:
         if self._closed:
@@ -336,7 +337,8 @@ class ReplayBuffer(Closable):
             if time.monotonic() > deadline:
                 raise SlotTimeout(
                     f"replay buffer {self.name}: all {self.max_writers} writer slots are held by live instances "
-                    f"(max_writers={self.max_writers} at ReplayBuffer.create) and none came free within timeout={self.timeout} s; "
+                    f"(max_writers={self.max_writers} at ReplayBuffer.create) and none came free within "
+                    f"timeout={self.timeout} s; "
                     "close() inserting instances you no longer use, or create the buffer with a larger max_writers"
                 )
             time.sleep(0.001)
@@ -407,8 +409,7 @@ class ReplayBuffer(Closable):
             cand = (a < b) & (a < end - n_rows)
             if not np.count_nonzero(cand):
                 return
-            cand = np.flatnonzero(cand)
-            who = self._live_overlap(fd, cand, first, end)
+            who = self._live_overlap(fd, np.flatnonzero(cand), first, end)
             if who is None:
                 return
             if time.monotonic() > deadline:
@@ -599,8 +600,13 @@ class ReplayBuffer(Closable):
 
 
 def _timeout(value: object) -> float:
-    # Not _validate.timeout_setting's rule: a replay buffer's timeout bounds every wait, so None (for ever) and 0
-    # are refused (tests/test_storage_replay.py::test_bad_settings_and_rows_are_named pins this).
+    # Not _validate.timeout_setting's rule: None (for ever) and 0 are refused, because not every wait this bounds ends
+    # when a holder dies. sample() looks for "no complete row, for good" (its writers died mid-write) only while every
+    # row it drew failed: if a first draw got some complete rows and a writer then dies writing over all the others,
+    # it redraws in a busy loop that only the timeout ends. An insert also waits for an earlier writer whose liveness
+    # the kernel cannot tell (writer_held answers True), and reads any failure of a slot's lock call as "held".
+    # 0 would fail a sample as soon as one row it drew was being written, where a redraw would find a complete one.
+    # (tests/test_storage_replay.py::test_bad_settings_and_rows_are_named pins this.)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
         raise UsageError(f"ReplayBuffer: timeout: expected a number of seconds > 0, got {value!r:.80}")
     return float(value)

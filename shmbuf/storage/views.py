@@ -42,7 +42,8 @@ def parse_shift(shift: Any) -> tuple[tuple[int, ...], bool]:
     included (RLlib's meaning), an extra axis of 50.
     """
     if isinstance(shift, (bool, np.bool_)):
-        raise UsageError(f"ViewRequirement(shift=...): expected an int, a list of ints or a range string like '-3:0', got {shift!r}")
+        raise UsageError("ViewRequirement(shift=...): expected an int, a list of ints or a range string like '-3:0', "
+                         f"got {shift!r}")
     if isinstance(shift, (int, np.integer)):
         return (int(shift),), False
     if isinstance(shift, str):
@@ -304,6 +305,7 @@ def _from_prev(lanes: _Lanes, key: str, keys: tuple[Any, ...], out: np.ndarray, 
                item: tuple[int, ...], dtype: np.dtype) -> None:
     """Positions before this rollout's first step, of an episode that ran on from ``prev``: read from ``prev``."""
     prev = lanes.prev
+    assert prev is not None  # _gather calls this only when lanes.prev is set
     try:
         p = np.asarray(_walk(prev.g.step, keys))
     except (KeyError, IndexError, TypeError):
