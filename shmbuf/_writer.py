@@ -24,7 +24,14 @@ import posix_ipc
 from shmbuf import _control, _fork, _segment
 from shmbuf._coerce import coerce_into
 from shmbuf._errors import (
-    BrokenPipeline, PipelineClosed, SchemaError, SegmentError, TimescaleFull, UnknownTimescale, UsageError, WrongProcess,
+    BrokenPipeline,
+    PipelineClosed,
+    SchemaError,
+    SegmentError,
+    TimescaleFull,
+    UnknownTimescale,
+    UsageError,
+    WrongProcess,
 )
 from shmbuf._fastpath import PreparedTimescale, slot_views
 from shmbuf._handle import Handle, name_of

@@ -38,12 +38,39 @@ import pytest
 import shmbuf
 from shmbuf import ShmbufError, _admin, _segment
 from shmbuf._lane import (
-    L_EPOCH, L_FREE_HEAD, L_FREE_TAIL, L_FREE_WAIT, L_LABEL, L_LABEL_LEN, L_PID, L_READY_HEAD, L_READY_TAIL, L_SEEN, L_START,
-    L_STATE, L_WAKE_AT, LANE_ACTIVE, LANE_FREE, LANE_RETIRED, M_ACK, M_LEN, M_MAGIC, M_POST, MSG_MAGIC, NEVER,
+    L_EPOCH,
+    L_FREE_HEAD,
+    L_FREE_TAIL,
+    L_FREE_WAIT,
+    L_LABEL,
+    L_LABEL_LEN,
+    L_PID,
+    L_READY_HEAD,
+    L_READY_TAIL,
+    L_SEEN,
+    L_START,
+    L_STATE,
+    L_WAKE_AT,
+    LANE_ACTIVE,
+    LANE_FREE,
+    LANE_RETIRED,
+    M_ACK,
+    M_LEN,
+    M_MAGIC,
+    M_POST,
+    MSG_MAGIC,
+    NEVER,
 )
 from shmbuf._proc import PID_MAX
 from shmbuf._segment import (
-    LANE_BYTES, LIVE_BYTES, LIVE_OFF, MAILBOX_BYTES, MAILBOX_PAYLOAD_OFF, W_BAD_MESSAGES, W_CLOSED, W_LANES_RECLAIMED,
+    LANE_BYTES,
+    LIVE_BYTES,
+    LIVE_OFF,
+    MAILBOX_BYTES,
+    MAILBOX_PAYLOAD_OFF,
+    W_BAD_MESSAGES,
+    W_CLOSED,
+    W_LANES_RECLAIMED,
     W_PARTIAL_DROPPED,
 )
 from tests.conftest import small_example

@@ -33,12 +33,23 @@ import posix_ipc
 import pytest
 
 import shmbuf
-from shmbuf import SegmentError, ShmbufError, UsageError
-from shmbuf import _admin, _proc
+from shmbuf import SegmentError, ShmbufError, UsageError, _admin, _proc
 from shmbuf._handle import Handle, name_of
 from shmbuf._segment import (
-    HEADER_BYTES, LIVE_BYTES, MAX_LANES, MAX_SLOTS, PIDNS_OFF, SHM_DIR, WEIGHTS_PREFIX, Segment, check_name,
-    check_semaphore, new_name, open_object, plan, why_untrusted,
+    HEADER_BYTES,
+    LIVE_BYTES,
+    MAX_LANES,
+    MAX_SLOTS,
+    PIDNS_OFF,
+    SHM_DIR,
+    WEIGHTS_PREFIX,
+    Segment,
+    check_name,
+    check_semaphore,
+    new_name,
+    open_object,
+    plan,
+    why_untrusted,
 )
 from shmbuf._weights import WeightPublisher, WeightsHandle, WeightSubscriber
 from tests.conftest import small_example

@@ -7,7 +7,6 @@ import pytest
 
 import shmbuf
 
-
 # Every public tier, pinned: the top levels hold what the README and docs use (issue 20 aims: shmbuf <= 30,
 # workers <= 16 with its Ray names, shmbuf.storage <= 25); the rest sits in a lowlevel tier.
 TIERS = {

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf import SchemaError
-from shmbuf import _coerce, _fastpath
+from shmbuf import SchemaError, _coerce, _fastpath
 
 T = 64
 F32_MAX = float(np.finfo(np.float32).max)
