@@ -487,8 +487,8 @@ class Rig:
     def r_scan(self) -> None:
         self.check_scan()
 
-    OPS = ("w_rollout", "w_rollout", "w_send", "w_partial", "w_report", "w_stats", "w_replace", "r_get", "r_get", "r_batch", "r_batch_use",
-           "r_poll", "r_poll", "r_stats", "r_held", "r_scan")
+    OPS = ("w_rollout", "w_rollout", "w_send", "w_partial", "w_report", "w_stats", "w_replace", "r_get", "r_get", "r_batch",
+           "r_batch_use", "r_poll", "r_poll", "r_stats", "r_held", "r_scan")
 
     # -- a trial ------------------------------------------------------------
 

@@ -414,7 +414,8 @@ def test_why_untrusted_refuses_every_kind_and_every_other_uid() -> None:
         for mode in (0o600, 0o644, 0o000):
             assert why_untrusted(_stat(stat.S_IFREG | mode, other)) == f"owned by uid {other}, not by this user (uid {me})"
     for bits in (0o640, 0o604, 0o660, 0o601, 0o610, 0o777):
-        assert why_untrusted(_stat(stat.S_IFREG | bits, me)) == f"mode {bits:04o}, open to other users (shmbuf makes its objects 0600)"
+        want = f"mode {bits:04o}, open to other users (shmbuf makes its objects 0600)"
+        assert why_untrusted(_stat(stat.S_IFREG | bits, me)) == want
     for kind, why in ((stat.S_IFLNK, WHY["symlink"]), (stat.S_IFDIR, WHY["directory"]), (stat.S_IFIFO, WHY["fifo"])):
         for uid in (me, me + 1):
             assert why_untrusted(_stat(kind | 0o600, uid)) == why

@@ -17,7 +17,8 @@ TIERS = {
         "Writer", "WriterError", "WrongProcess", "__version__", "create",
     ],
     "shmbuf.lowlevel": [
-        "InferenceClient", "InferenceHandle", "InferenceTable", "Leaf", "Timescale", "int_setting", "name_setting", "timeout_setting",
+        "InferenceClient", "InferenceHandle", "InferenceTable", "Leaf", "Timescale", "int_setting", "name_setting",
+        "timeout_setting",
     ],
     "shmbuf.layout": [
         "ACTION", "BATCH_MODES", "BOOTSTRAP", "COMPLETE_EPISODES", "END", "ENV", "ENV_STEPS", "EPISODE", "FINAL_OBS",
