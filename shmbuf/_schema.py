@@ -382,7 +382,7 @@ class Schema:
         """Rebuild a schema from :meth:`to_msgpack` bytes; anything malformed is a :class:`SegmentError`."""
         try:
             obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
-        except Exception as exc:  # msgpack raises several unrelated types on garbage
+        except Exception as exc:  # noqa: BLE001  # msgpack raises several unrelated types on garbage
             raise SegmentError(f"the schema is not valid msgpack ({type(exc).__name__}: {exc})") from None
         if not isinstance(obj, dict) or obj.get("magic") != SCHEMA_MAGIC:
             raise SegmentError("the schema does not start with the shmbuf schema magic")
@@ -422,7 +422,7 @@ class Schema:
                     raise SegmentError(f"schema timescale '{name}' leaf #{j}: malformed path, dtype or shape")
                 try:
                     dtype = np.dtype(dstr)
-                except Exception:  # TypeError mostly, but numpy parses some strings as Python: SyntaxError
+                except Exception:  # noqa: BLE001  # TypeError mostly, but np.dtype parses some strings with ast: SyntaxError
                     raise SegmentError(f"schema leaf {format_path(tuple(path))}: unknown dtype {dstr!r}") from None
                 if dtype.kind not in _DTYPE_KINDS or dtype.fields is not None:
                     raise SegmentError(f"schema leaf {format_path(tuple(path))}: dtype {dstr!r} is not allowed")

@@ -219,7 +219,7 @@ def _param_name(path: tuple[Any, ...]) -> str:
 def _is_arrays(tree: Any) -> bool:
     try:
         return all(isinstance(x, (np.ndarray, np.generic)) for x in optree.tree_leaves(tree))
-    except Exception:
+    except Exception:  # noqa: BLE001  # a tree optree cannot flatten (a registered node's flatten failing, ...) is not arrays
         return False
 
 

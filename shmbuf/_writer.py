@@ -222,8 +222,8 @@ class Writer:
                 if not self._w[W_CLOSED]:
                     lane.post(_control.encode("bye", reason=str(reason)[:200]), 0.2, self._reader_gone)
                     lane.retire()
-            except Exception:
-                pass  # closing must not raise because the reader went first
+            except Exception:  # noqa: BLE001  # closing must not raise because the reader went first
+                pass
         self._teardown()
 
     def _after_fork_in_child(self) -> None:
@@ -254,8 +254,8 @@ class Writer:
                         # where else it went, so that two tracebacks do not read as two failures.
                         exc.add_note(f"(shmbuf: also sent to the learner, which raises it as WriterError from "
                                      f"pipeline {self.name}, lane {self.lane})")
-                except Exception:
-                    pass  # the user's exception is the one that matters
+                except Exception:  # noqa: BLE001  # the user's exception is the one that matters
+                    pass
         finally:
             self.close()
         return isinstance(exc, PipelineClosed) and self._reader_closed
@@ -263,7 +263,7 @@ class Writer:
     def __del__(self) -> None:
         try:
             self.close(reason="garbage collected")
-        except Exception:
+        except Exception:  # noqa: BLE001  # best effort: what __del__ raises would only print as "Exception ignored"
             pass
 
     def __reduce__(self) -> Any:
