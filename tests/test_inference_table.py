@@ -111,7 +111,7 @@ def _call_in_thread(c: shmbuf.lowlevel.InferenceClient, errors: list[BaseExcepti
     def call() -> None:
         try:
             c.call()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001  # reported to the test's thread
             errors.append(exc)
 
     th = threading.Thread(target=call, daemon=True)

@@ -125,7 +125,7 @@ def test_top_level_must_be_a_dict_like_echo() -> None:
 
 def test_reset_aborts_a_partial_rollout(make_reader: Any) -> None:
     reader, writer = pair(make_reader, guide_example())
-    for i in range(10):
+    for _ in range(10):
         writer.add("step", {"obs": np.full(4, -1, np.float32), "reward": -1.0})
     writer.reset()
     for i in range(3):
