@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import optree
@@ -505,10 +505,10 @@ class Writer:
 
     # -- errors, the slow way -----------------------------------------------
 
-    def _unknown(self, timescale: Any) -> None:
+    def _unknown(self, timescale: Any) -> NoReturn:
         raise UnknownTimescale(f"Unknown timescale {timescale!r}. Known: {list(self._ts)}")
 
-    def _full(self, ts: PreparedTimescale, i: int) -> None:
+    def _full(self, ts: PreparedTimescale, i: int) -> NoReturn:
         what = "steps" if ts.buffered else "item (it is single-item)"
         raise TimescaleFull(
             f"Timescale '{ts.spec.name}' is full: it holds {ts.capacity} {what}, and add() was called for index {i}. "
