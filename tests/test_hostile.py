@@ -516,7 +516,7 @@ def test_a_file_of_another_uid_is_refused_seen_from_a_user_namespace(fresh: Call
 def test_check_semaphore_refuses_malformed_names() -> None:
     for bad in ("/shmbuf-0123456789abcdef-x", "/shmbuf-0123456789abcdef-r\0", "/etc/passwd", 3):
         with pytest.raises(UsageError):
-            check_semaphore(bad)  # type: ignore[arg-type]
+            check_semaphore(bad)  # type: ignore[arg-type]  # the int among them is part of the test
 
 
 @pytest.mark.timeout(60)

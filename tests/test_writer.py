@@ -118,7 +118,7 @@ def test_leading_dim_mismatch_is_refused_at_construction_like_echo() -> None:
 
 def test_top_level_must_be_a_dict_like_echo() -> None:
     with pytest.raises(TypeError):
-        TrajectoryAccumulator([np.zeros(3)])  # type: ignore[arg-type]
+        TrajectoryAccumulator([np.zeros(3)])  # type: ignore[arg-type]  # a list at the top is what this refuses
     with pytest.raises(SchemaError, match="must be a dict"):
         shmbuf.create([np.zeros(3)], slots=2)
 

@@ -36,7 +36,7 @@ def base_item() -> dict[str, Any]:
     return {k: (v[0] + 1).astype(v.dtype) for k, v in example()["step"].items()}
 
 
-class General(dict):  # type: ignore[type-arg]
+class General(dict[str, Any]):
     """Not exactly a dict: add() takes the general path for it."""
 
 
