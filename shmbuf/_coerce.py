@@ -136,7 +136,7 @@ def _as_array(leaf: Leaf, x: Any) -> np.ndarray:
     if hasattr(x, "__array__"):
         try:
             return np.asarray(x)
-        except Exception as exc:  # e.g. a torch tensor that requires grad, or lives on a GPU
+        except Exception as exc:  # noqa: BLE001  # whatever __array__ raises (a torch tensor needing grad, on a GPU, ...)
             raise SchemaError(
                 f"leaf {leaf.name}: could not read a {type(x).__name__} as a numpy array ({type(exc).__name__}: {exc}); "
                 "pass a CPU array (for torch: tensor.detach().cpu())"

@@ -33,7 +33,7 @@ from shmbuf._segment import MAILBOX_BYTES, MAILBOX_PAYLOAD_OFF
 
 MAX_PAYLOAD = MAILBOX_BYTES - MAILBOX_PAYLOAD_OFF
 
-_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+_FIELDS: dict[str, dict[str, type]] = {
     "error": {"exc_type": str, "message": str, "traceback": str},
     "stats": {"counters": dict},
     "bye": {"reason": str},

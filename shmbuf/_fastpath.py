@@ -55,8 +55,7 @@ def slot_views(timescales: list[PreparedTimescale], leaf_views: list[list[np.nda
     """One slot's views, per timescale and leaf: the array (``leaf_views[t][j][slot]``), and for a timescale
     with an ItemStore its flat memoryview (None where a memoryview cannot store the leaf's items)."""
     arrays = [[leaf[slot, ...] for leaf in leaves] for leaves in leaf_views]
-    mvs = [[_flat_memoryview(a) for a in leaves] if ts.store is not None else [None] * len(leaves)
-           for ts, leaves in zip(timescales, arrays)]
+    mvs = [[_flat_memoryview(a) if ts.store is not None else None for a in leaves] for ts, leaves in zip(timescales, arrays)]
     return arrays, mvs
 
 
@@ -69,8 +68,8 @@ def _flat_memoryview(a: np.ndarray) -> memoryview | None:
     """A 1-d memoryview of a slot's (C-contiguous) leaf in numpy's own format, for item and row stores."""
     if not _item_format_ok(a.dtype) or a.nbytes == 0:
         return None
-    m = memoryview(a)
-    return m.cast("B").cast(m.format)
+    m = a.data  # memoryview(a), as typed for Python 3.11 (ndarray is a Buffer in numpy's stubs from 3.12 only)
+    return m.cast("B").cast(m.format)  # type: ignore[call-overload]  # the leaf's format, known at run time only
 
 
 class ItemStore:
@@ -142,5 +141,5 @@ class ItemStore:
         body = "\n".join("    " + ln for ln in checks + stores)
         self.source = f"def store(data, i, arrs, mvs):\n{body}\n"
         # exec of our own text: no user input in it (the timescale's name goes only into the file name)
-        exec(compile(self.source, f"<shmbuf add() of timescale {spec.name!r}>", "exec"), ns)  # noqa: S102
+        exec(compile(self.source, f"<shmbuf add() of timescale {spec.name!r}>", "exec"), ns)  # noqa: S102  # our text (above)
         self.fn = ns["store"]

@@ -32,7 +32,7 @@ def _after_fork_in_child() -> None:
     for obj in list(_live):
         try:
             obj._after_fork_in_child()
-        except Exception:  # pragma: no cover - a child must start whatever a copied object does
+        except Exception:  # noqa: BLE001  # pragma: no cover - a child must start whatever a copied object does
             pass
 
 

@@ -131,7 +131,6 @@ class InferenceTable(Closable):
         self.name = new_name(INFERENCE_PREFIX)
         self._pid = os.getpid()
         self._closed = False
-        self._w: memoryview | None = None
         self._fence = fence()
         self._sl_fence = store_load_fence()
         self._sems: list[posix_ipc.Semaphore] = []
@@ -259,7 +258,7 @@ class InferenceTable(Closable):
             w[SLEEP_WORD] = 0
             return True
         try:
-            self.doorbell.acquire(None if timeout is None else max(timeout, 0.0))  # type: ignore[union-attr]
+            self.doorbell.acquire(None if timeout is None else max(timeout, 0.0))  # type: ignore[union-attr]  # None once closed
             woke = True
         except posix_ipc.BusyError:
             woke = False
@@ -364,7 +363,7 @@ class InferenceTable(Closable):
             setattr(self, a, None)
         if getattr(self, "_w", None) is not None:
             self._w.release()
-            self._w = None  # type: ignore[assignment]
+            self._w = None  # type: ignore[assignment]  # closed: close_to_clients checks for None, nothing else runs after close
         unmap(self._mm)  # a caller that still holds a view of the rows keeps it until the view goes
 
 
@@ -445,9 +444,6 @@ class InferenceClient(Closable):
         self.timeout = timeout_setting("InferenceClient(timeout=...)", timeout)
         fd, self._mm = map_object(self.name, readonly=False, min_size=HEADER_BYTES + 64, what="inference table")
         os.close(fd)
-        self._sem: posix_ipc.Semaphore | None = None
-        self._doorbell: posix_ipc.Semaphore | None = None
-        self._watch: ProcessWatch | None = None
         self._held: list[Any] = []  # the semaphores and the watch: what close(), collection or exit releases
         self._lifetime(_close_all, self._held)
         try:
@@ -470,8 +466,8 @@ class InferenceClient(Closable):
         v = lay.views(mm)
         req_rows = [a[i] for a in v["request"]]
         resp_rows = [a[i] for a in v["response"]]
-        self.request = optree.tree_unflatten(schema.timescales[0].treespec, req_rows)
-        self.response = optree.tree_unflatten(schema.timescales[1].treespec, resp_rows)
+        self.request: Any = optree.tree_unflatten(schema.timescales[0].treespec, req_rows)  # the user's tree; None once closed
+        self.response: Any = optree.tree_unflatten(schema.timescales[1].treespec, resp_rows)
         self.request_leaves = req_rows
         self.response_leaves = resp_rows
         for role in ("s", f"c{i}"):
@@ -516,13 +512,13 @@ class InferenceClient(Closable):
         w[wd["req"]] = word
         self._sl_fence()  # our REQ store before our load of SLEEP (docs/design/inference-table.md, "Ordering")
         if w[SLEEP_WORD]:
-            self._doorbell.release()  # type: ignore[union-attr]
+            self._doorbell.release()
         sem = self._sem
         resp = wd["resp"]
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             try:
-                sem.acquire(WAIT_SLICE)  # type: ignore[union-attr]
+                sem.acquire(WAIT_SLICE)
             except posix_ipc.BusyError:
                 if w[resp] == word:  # answered, and the post went to someone else (a retired caller of this slot)
                     break
@@ -541,7 +537,7 @@ class InferenceClient(Closable):
     def _check(self, deadline: float | None) -> None:
         if self._w[CLOSED_WORD]:
             raise PipelineClosed(f"inference table {self.name} was closed by its owner")
-        if not self._watch.alive():  # type: ignore[union-attr]
+        if not self._watch.alive():
             raise BrokenPipeline(f"inference table {self.name}: its owner (pid {self.owner.pid}) died")
         if self._w[self._word["gen"]] & _SEQ_MASK != self._gen:
             raise PipelineClosed(f"inference table {self.name}: client slot {self.index} was given to another client")
@@ -552,13 +548,14 @@ class InferenceClient(Closable):
     def close(self) -> None:
         """Detach (unmap); the table and its other clients go on."""
         super().close()  # the semaphores and the watch
+        # closed: nothing of a client runs after close() (call() fails at its mapping, None by then, before these)
         self._sem = self._doorbell = None
-        self._watch = None
+        self._watch = None  # type: ignore[assignment]  # closed, as the line above
         self.request = self.response = None
         self.request_leaves = self.response_leaves = []
         if getattr(self, "_w", None) is not None:
             self._w.release()
-            self._w = None  # type: ignore[assignment]
+            self._w = None  # type: ignore[assignment]  # closed, as above
         unmap(self._mm)
 
 

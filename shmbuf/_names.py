@@ -86,9 +86,10 @@ def check_name(name: object, kind: str = "pipeline") -> str:
     """Return ``name`` if it is a shmbuf name of that kind, else raise UsageError saying what one looks like.
 
     ``kind``: ``"pipeline"`` (``/shmbuf-`` and 16 lowercase hex digits, what :func:`new_name`
-    makes), ``"weights"`` (``/shmbuf-w`` and 16), ``"inference"`` (``/shmbuf-i`` and 16) or ``"any"``. Every name is checked here before it
-    reaches posix_ipc or the file system: a NUL byte crashes posix_ipc (SIGSEGV), a ``/`` or more
-    than 255 characters is a bare ValueError there, and ``..`` would leave /dev/shm.
+    makes), ``"weights"`` (``/shmbuf-w`` and 16), ``"inference"`` (``/shmbuf-i`` and 16) or ``"any"``.
+    Every name is checked here before it reaches posix_ipc or the file system: a NUL byte crashes
+    posix_ipc (SIGSEGV), a ``/`` or more than 255 characters is a bare ValueError there, and ``..``
+    would leave /dev/shm.
     """
     if isinstance(name, str) and _NAMES[kind].fullmatch(name):
         return name

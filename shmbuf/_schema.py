@@ -133,7 +133,9 @@ def _encode(node: Any, path: Path, out: list[tuple[Path, Any]]) -> Any:
         return ["none"]
     if isinstance(node, Mapping):
         if not isinstance(node, dict):
-            raise SchemaError(f"at {format_path(path)}: expected a dict, list, tuple, namedtuple or numpy array, got {type(node).__name__}")
+            raise SchemaError(
+                f"at {format_path(path)}: expected a dict, list, tuple, namedtuple or numpy array, got {type(node).__name__}"
+            )
         for k in node:
             if not isinstance(k, str):
                 raise SchemaError(f"at {format_path(path)}: dict keys must be str, got {k!r} ({type(k).__name__})")
@@ -261,7 +263,9 @@ def flatten_like(node: Any, data: Any, path: Path, out: list[Any]) -> None:
         if set(data) != set(keys):
             missing = [format_path((*path, k)) for k in keys if k not in data]
             extra = [format_path((*path, k)) for k in data if k not in keys]
-            parts = (["missing " + ", ".join(missing)] if missing else []) + (["unexpected " + ", ".join(map(str, extra))] if extra else [])
+            parts = (["missing " + ", ".join(missing)] if missing else []) + (
+                ["unexpected " + ", ".join(map(str, extra))] if extra else []
+            )
             raise SchemaError(f"at {where}: expected keys {keys}, got {sorted(map(str, data))} ({'; '.join(parts)})")
         for k, child in zip(keys, node[2]):
             flatten_like(child, data[k], (*path, k), out)
@@ -302,7 +306,8 @@ class Schema:
         """Validate ``example`` once and record its structure, dtypes and shapes."""
         if not isinstance(example, dict):
             raise SchemaError(
-                f"the example must be a dict whose keys are timescale names (e.g. 'step', 'episode'), got {type(example).__name__}"
+                "the example must be a dict whose keys are timescale names (e.g. 'step', 'episode'), "
+                f"got {type(example).__name__}"
             )
         if not example:
             raise SchemaError("the example has no timescales: expected a dict such as {'step': {...}, 'episode': {...}}")
@@ -339,7 +344,8 @@ class Schema:
                 detail = ", ".join(f"{format_path(p)}: {a.shape[0]}" for p, a in arrays)
                 raise SchemaError(
                     f"all leaves of buffered timescale '{name}' must share the same leading dimension "
-                    f"(got {detail}); make any leaf 0-d, or give every leaf a leading 1, to mark the timescale single-item instead"
+                    f"(got {detail}); make any leaf 0-d, or give every leaf a leading 1, "
+                    "to mark the timescale single-item instead"
                 )
             capacity = leading[0]
             leaves = [Leaf(p, _native(a.dtype), a.shape, a.shape[1:]) for p, a in arrays]
@@ -376,7 +382,7 @@ class Schema:
         """Rebuild a schema from :meth:`to_msgpack` bytes; anything malformed is a :class:`SegmentError`."""
         try:
             obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
-        except Exception as exc:  # msgpack raises several unrelated types on garbage
+        except Exception as exc:  # noqa: BLE001  # msgpack raises several unrelated types on garbage
             raise SegmentError(f"the schema is not valid msgpack ({type(exc).__name__}: {exc})") from None
         if not isinstance(obj, dict) or obj.get("magic") != SCHEMA_MAGIC:
             raise SegmentError("the schema does not start with the shmbuf schema magic")
@@ -416,7 +422,7 @@ class Schema:
                     raise SegmentError(f"schema timescale '{name}' leaf #{j}: malformed path, dtype or shape")
                 try:
                     dtype = np.dtype(dstr)
-                except Exception:  # TypeError mostly, but numpy parses some strings as Python: SyntaxError
+                except Exception:  # noqa: BLE001  # TypeError mostly, but np.dtype parses some strings with ast: SyntaxError
                     raise SegmentError(f"schema leaf {format_path(tuple(path))}: unknown dtype {dstr!r}") from None
                 if dtype.kind not in _DTYPE_KINDS or dtype.fields is not None:
                     raise SegmentError(f"schema leaf {format_path(tuple(path))}: dtype {dstr!r} is not allowed")
@@ -429,7 +435,8 @@ class Schema:
             if ts.buffered != buffered or ts.capacity != capacity or [lf.path for lf in ts.leaves] != [p for p, _ in arrays]:
                 raise SegmentError(f"schema timescale '{name}': kind, capacity or leaf paths are inconsistent")
             timescales.append(ts)
-        if [t.name for t in timescales] != sorted(t.name for t in timescales) or len(set(t.name for t in timescales)) != len(timescales):
+        names = [t.name for t in timescales]
+        if names != sorted(names) or len(set(names)) != len(names):
             raise SegmentError("schema timescales are not in sorted order or repeat")
         schema = cls(timescales)
         if schema.to_msgpack() != data:

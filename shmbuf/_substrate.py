@@ -40,7 +40,7 @@ from shmbuf._shm import (
 )
 from shmbuf._trust import check_semaphore, open_object, path_problem
 
-__all__ = [  # noqa: RUF022  # grouped by concept, as the table in docs/design/segment.md
+__all__ = [  # grouped by concept, as the table in docs/design/segment.md
     # names (shmbuf._names)
     "PREFIX", "WEIGHTS_PREFIX", "INFERENCE_PREFIX", "SHM_DIR", "new_name", "sem_name", "check_name", "entry_pattern",
     # trust checks (shmbuf._trust)

@@ -172,7 +172,8 @@ class WeightPublisher(Closable):
 
     def _check(self, params: Any) -> list[np.ndarray]:
         leaves = self.schema.leaves
-        got, spec = optree.tree_flatten({"params": params, "version": np.zeros((), np.int64)})
+        tree: Any = {"params": params, "version": np.zeros((), np.int64)}  # Any: optree's PyTree is a class no dict is
+        got, spec = optree.tree_flatten(tree)
         if spec != self._treespec:
             mine = _schema_of(params) if _is_arrays(params) else None
             diff = self.schema.first_difference(mine) if mine is not None else "leaves are not all numpy arrays"
@@ -219,7 +220,7 @@ def _param_name(path: tuple[Any, ...]) -> str:
 def _is_arrays(tree: Any) -> bool:
     try:
         return all(isinstance(x, (np.ndarray, np.generic)) for x in optree.tree_leaves(tree))
-    except Exception:
+    except Exception:  # noqa: BLE001  # a tree optree cannot flatten (a registered node's flatten failing, ...) is not arrays
         return False
 
 
@@ -324,7 +325,7 @@ class WeightSubscriber(Closable):
         """Unmap (detach). Arrays returned by read() are this process's own and stay valid."""
         if getattr(self, "_bufs", None) is None:
             return
-        self._bufs = None  # type: ignore[assignment]
+        self._bufs = None  # type: ignore[assignment]  # closed: None is the mark close() tests for; read() is not for after close
         self._w.release()
         unmap(self._mm)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import optree
@@ -24,7 +24,14 @@ import posix_ipc
 from shmbuf import _control, _fork, _segment
 from shmbuf._coerce import coerce_into
 from shmbuf._errors import (
-    BrokenPipeline, PipelineClosed, SchemaError, SegmentError, TimescaleFull, UnknownTimescale, UsageError, WrongProcess,
+    BrokenPipeline,
+    PipelineClosed,
+    SchemaError,
+    SegmentError,
+    TimescaleFull,
+    UnknownTimescale,
+    UsageError,
+    WrongProcess,
 )
 from shmbuf._fastpath import PreparedTimescale, slot_views
 from shmbuf._handle import Handle, name_of
@@ -215,8 +222,8 @@ class Writer:
                 if not self._w[W_CLOSED]:
                     lane.post(_control.encode("bye", reason=str(reason)[:200]), 0.2, self._reader_gone)
                     lane.retire()
-            except Exception:
-                pass  # closing must not raise because the reader went first
+            except Exception:  # noqa: BLE001  # closing must not raise because the reader went first
+                pass
         self._teardown()
 
     def _after_fork_in_child(self) -> None:
@@ -247,8 +254,8 @@ class Writer:
                         # where else it went, so that two tracebacks do not read as two failures.
                         exc.add_note(f"(shmbuf: also sent to the learner, which raises it as WriterError from "
                                      f"pipeline {self.name}, lane {self.lane})")
-                except Exception:
-                    pass  # the user's exception is the one that matters
+                except Exception:  # noqa: BLE001  # the user's exception is the one that matters
+                    pass
         finally:
             self.close()
         return isinstance(exc, PipelineClosed) and self._reader_closed
@@ -256,7 +263,7 @@ class Writer:
     def __del__(self) -> None:
         try:
             self.close(reason="garbage collected")
-        except Exception:
+        except Exception:  # noqa: BLE001  # best effort: what __del__ raises would only print as "Exception ignored"
             pass
 
     def __reduce__(self) -> Any:
@@ -498,10 +505,10 @@ class Writer:
 
     # -- errors, the slow way -----------------------------------------------
 
-    def _unknown(self, timescale: Any) -> None:
+    def _unknown(self, timescale: Any) -> NoReturn:
         raise UnknownTimescale(f"Unknown timescale {timescale!r}. Known: {list(self._ts)}")
 
-    def _full(self, ts: PreparedTimescale, i: int) -> None:
+    def _full(self, ts: PreparedTimescale, i: int) -> NoReturn:
         what = "steps" if ts.buffered else "item (it is single-item)"
         raise TimescaleFull(
             f"Timescale '{ts.spec.name}' is full: it holds {ts.capacity} {what}, and add() was called for index {i}. "

@@ -136,6 +136,7 @@ def rollout_example(obs: Any, action: Any, *, rollout_len: int, num_envs: int | 
     for k, v in extras.items():
         step[k] = zeros_with_lead(v, T, *env_dims)
     bootstrap = {OBS: zeros_with_lead(obs, *env_dims), ENV_STEPS: np.zeros((), np.int64)}
+    episode: dict[str, np.ndarray]
     if batch_mode == COMPLETE_EPISODES:
         episode = {RETURN: np.zeros((), np.float64), LENGTH: np.zeros((), np.int64),
                    TERMINATED: np.zeros((), bool), TRUNCATED: np.zeros((), bool), ENV: np.zeros((), np.int32)}
@@ -459,6 +460,7 @@ def grid(data: Any, fill: Mapping[str, Any] | None = None, *, batch_mode: str | 
         return Grid(step, episode, boot, batch_mode=batch_mode, batched=False, vector=vector, B=1, T=n, E=E,
                     n=np.array([n]), k=k, capacity=cap)
     B, T = int(x.shape[0]), int(x.shape[1])
+    assert fill is not None  # a batch without its fill was refused above
     n_ = _count(fill[STEP], "fill['step']").reshape(-1)
     if n_.shape != (B,) or (n_ < 0).any() or (n_ > T).any():
         raise UsageError(f"fill['step'] {n_.tolist()} does not fit the batch: expected {B} counts in 0..{T}")

@@ -57,10 +57,10 @@ def import_rsl_rl(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
     pytest.importorskip("rsl_rl", reason="rsl_rl is not installed (pip install --no-deps rsl-rl-lib to check against it)")
     pytest.importorskip("tensordict")
     try:
-        import torch.utils.tensorboard  # noqa: F401
+        import torch.utils.tensorboard  # noqa: F401  # imported only to see whether it imports
     except ImportError:
         stub = types.ModuleType("torch.utils.tensorboard")
-        stub.SummaryWriter = type("SummaryWriter", (), {})  # type: ignore[attr-defined]
+        stub.SummaryWriter = type("SummaryWriter", (), {})  # type: ignore[attr-defined]  # a module made here, empty
         monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", stub)
     from rsl_rl.algorithms.ppo import PPO
     from rsl_rl.storage import RolloutStorage

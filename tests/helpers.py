@@ -19,7 +19,6 @@ import msgpack
 import numpy as np
 
 import shmbuf
-
 from tests.conftest import small_example
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -38,12 +38,39 @@ import pytest
 import shmbuf
 from shmbuf import ShmbufError, _admin, _segment
 from shmbuf._lane import (
-    L_EPOCH, L_FREE_HEAD, L_FREE_TAIL, L_FREE_WAIT, L_LABEL, L_LABEL_LEN, L_PID, L_READY_HEAD, L_READY_TAIL, L_SEEN, L_START,
-    L_STATE, L_WAKE_AT, LANE_ACTIVE, LANE_FREE, LANE_RETIRED, M_ACK, M_LEN, M_MAGIC, M_POST, MSG_MAGIC, NEVER,
+    L_EPOCH,
+    L_FREE_HEAD,
+    L_FREE_TAIL,
+    L_FREE_WAIT,
+    L_LABEL,
+    L_LABEL_LEN,
+    L_PID,
+    L_READY_HEAD,
+    L_READY_TAIL,
+    L_SEEN,
+    L_START,
+    L_STATE,
+    L_WAKE_AT,
+    LANE_ACTIVE,
+    LANE_FREE,
+    LANE_RETIRED,
+    M_ACK,
+    M_LEN,
+    M_MAGIC,
+    M_POST,
+    MSG_MAGIC,
+    NEVER,
 )
 from shmbuf._proc import PID_MAX
 from shmbuf._segment import (
-    LANE_BYTES, LIVE_BYTES, LIVE_OFF, MAILBOX_BYTES, MAILBOX_PAYLOAD_OFF, W_BAD_MESSAGES, W_CLOSED, W_LANES_RECLAIMED,
+    LANE_BYTES,
+    LIVE_BYTES,
+    LIVE_OFF,
+    MAILBOX_BYTES,
+    MAILBOX_PAYLOAD_OFF,
+    W_BAD_MESSAGES,
+    W_CLOSED,
+    W_LANES_RECLAIMED,
     W_PARTIAL_DROPPED,
 )
 from tests.conftest import small_example
@@ -296,7 +323,7 @@ class Rig:
             self.outcomes[f"{what.split('(')[0]}: {type(exc).__name__}"] += 1
         except Unexpected:
             raise  # from a call nested in this one (a with block): already recorded
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # what this fuzzer is for: any other error is a finding
             self.fail(f"{what.split('(')[0]} raised {type(exc).__name__}", f"{what} raised {type(exc).__name__}: {exc}", exc)
         else:
             self.outcomes[f"{what.split('(')[0]}: ok"] += 1
@@ -460,8 +487,8 @@ class Rig:
     def r_scan(self) -> None:
         self.check_scan()
 
-    OPS = ("w_rollout", "w_rollout", "w_send", "w_partial", "w_report", "w_stats", "w_replace", "r_get", "r_get", "r_batch", "r_batch_use",
-           "r_poll", "r_poll", "r_stats", "r_held", "r_scan")
+    OPS = ("w_rollout", "w_rollout", "w_send", "w_partial", "w_report", "w_stats", "w_replace", "r_get", "r_get", "r_batch",
+           "r_batch_use", "r_poll", "r_poll", "r_stats", "r_held", "r_scan")
 
     # -- a trial ------------------------------------------------------------
 
@@ -580,7 +607,7 @@ def settles(what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         return fn(*args, **kw)
     except ShmbufError as exc:
         return exc
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  # what this test is for: any other error is a failure
         pytest.fail(f"{what} raised {type(exc).__name__}: {exc} (expected a result or a ShmbufError)")
 
 

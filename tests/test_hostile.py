@@ -33,12 +33,23 @@ import posix_ipc
 import pytest
 
 import shmbuf
-from shmbuf import SegmentError, ShmbufError, UsageError
-from shmbuf import _admin, _proc
+from shmbuf import SegmentError, ShmbufError, UsageError, _admin, _proc
 from shmbuf._handle import Handle, name_of
 from shmbuf._segment import (
-    HEADER_BYTES, LIVE_BYTES, MAX_LANES, MAX_SLOTS, PIDNS_OFF, SHM_DIR, WEIGHTS_PREFIX, Segment, check_name,
-    check_semaphore, new_name, open_object, plan, why_untrusted,
+    HEADER_BYTES,
+    LIVE_BYTES,
+    MAX_LANES,
+    MAX_SLOTS,
+    PIDNS_OFF,
+    SHM_DIR,
+    WEIGHTS_PREFIX,
+    Segment,
+    check_name,
+    check_semaphore,
+    new_name,
+    open_object,
+    plan,
+    why_untrusted,
 )
 from shmbuf._weights import WeightPublisher, WeightsHandle, WeightSubscriber
 from tests.conftest import small_example
@@ -403,7 +414,8 @@ def test_why_untrusted_refuses_every_kind_and_every_other_uid() -> None:
         for mode in (0o600, 0o644, 0o000):
             assert why_untrusted(_stat(stat.S_IFREG | mode, other)) == f"owned by uid {other}, not by this user (uid {me})"
     for bits in (0o640, 0o604, 0o660, 0o601, 0o610, 0o777):
-        assert why_untrusted(_stat(stat.S_IFREG | bits, me)) == f"mode {bits:04o}, open to other users (shmbuf makes its objects 0600)"
+        want = f"mode {bits:04o}, open to other users (shmbuf makes its objects 0600)"
+        assert why_untrusted(_stat(stat.S_IFREG | bits, me)) == want
     for kind, why in ((stat.S_IFLNK, WHY["symlink"]), (stat.S_IFDIR, WHY["directory"]), (stat.S_IFIFO, WHY["fifo"])):
         for uid in (me, me + 1):
             assert why_untrusted(_stat(kind | 0o600, uid)) == why
@@ -504,7 +516,7 @@ def test_a_file_of_another_uid_is_refused_seen_from_a_user_namespace(fresh: Call
 def test_check_semaphore_refuses_malformed_names() -> None:
     for bad in ("/shmbuf-0123456789abcdef-x", "/shmbuf-0123456789abcdef-r\0", "/etc/passwd", 3):
         with pytest.raises(UsageError):
-            check_semaphore(bad)  # type: ignore[arg-type]
+            check_semaphore(bad)  # type: ignore[arg-type]  # the int among them is part of the test
 
 
 @pytest.mark.timeout(60)

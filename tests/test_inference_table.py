@@ -67,7 +67,8 @@ def client_main(name: str, index: int, n: int) -> None:
 
 
 def test_clients_in_processes_get_exactly_their_own_answers(table: shmbuf.lowlevel.InferenceTable) -> None:
-    stop, sizes = threading.Event(), []  # type: ignore[var-annotated]
+    stop = threading.Event()
+    sizes: list[int] = []
     server = threading.Thread(target=serve, args=(table, stop, sizes), daemon=True)
     server.start()
     ctx = mp.get_context("spawn")
@@ -111,7 +112,7 @@ def _call_in_thread(c: shmbuf.lowlevel.InferenceClient, errors: list[BaseExcepti
     def call() -> None:
         try:
             c.call()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001  # reported to the test's thread
             errors.append(exc)
 
     th = threading.Thread(target=call, daemon=True)
@@ -246,9 +247,10 @@ time.sleep(60)
 
 def test_a_client_waiting_on_a_dead_owner_raises_broken_pipeline_within_2_s() -> None:
     owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None  # stdout=PIPE
     name = None
     try:
-        name = owner.stdout.readline().strip()  # type: ignore[union-attr]
+        name = owner.stdout.readline().strip()
         c = shmbuf.lowlevel.InferenceClient(name, 0)
         err: list[BaseException] = []
         th = _call_in_thread(c, err)
@@ -269,7 +271,7 @@ def test_a_client_waiting_on_a_dead_owner_raises_broken_pipeline_within_2_s() ->
         if owner.poll() is None:
             owner.kill()
             owner.wait(10)
-        owner.stdout.close()  # type: ignore[union-attr]
+        owner.stdout.close()
         if name:
             for f in _admin.scan(name=name):
                 f.owner_alive = False

@@ -190,7 +190,7 @@ def test_after_close_the_rollout_itself_raises_stale_rollout() -> None:
     finally:
         reader.close()
     with pytest.raises(shmbuf.StaleRollout, match="closed"):
-        r.data
+        _ = r.data
     with pytest.raises(shmbuf.StaleRollout, match="closed"):
         r.release()
     assert r.released

@@ -11,8 +11,22 @@ from hypothesis import strategies as st
 
 from shmbuf import SchemaError, UsageError
 from shmbuf.layout import (
-    BOOTSTRAP, COMPLETE_EPISODES, END, ENV, ENV_STEPS, EPISODE, FINAL_OBS, LENGTH, OBS, RETURN, STEP, TERMINATED,
-    TRUNCATE_EPISODES, TRUNCATED, grid, successors,
+    BOOTSTRAP,
+    COMPLETE_EPISODES,
+    END,
+    ENV,
+    ENV_STEPS,
+    EPISODE,
+    FINAL_OBS,
+    LENGTH,
+    OBS,
+    RETURN,
+    STEP,
+    TERMINATED,
+    TRUNCATE_EPISODES,
+    TRUNCATED,
+    grid,
+    successors,
 )
 
 ITEM = (2,)

@@ -7,7 +7,6 @@ import pytest
 
 import shmbuf
 
-
 # Every public tier, pinned: the top levels hold what the README and docs use (issue 20 aims: shmbuf <= 30,
 # workers <= 16 with its Ray names, shmbuf.storage <= 25); the rest sits in a lowlevel tier.
 TIERS = {
@@ -18,7 +17,8 @@ TIERS = {
         "Writer", "WriterError", "WrongProcess", "__version__", "create",
     ],
     "shmbuf.lowlevel": [
-        "InferenceClient", "InferenceHandle", "InferenceTable", "Leaf", "Timescale", "int_setting", "name_setting", "timeout_setting",
+        "InferenceClient", "InferenceHandle", "InferenceTable", "Leaf", "Timescale", "int_setting", "name_setting",
+        "timeout_setting",
     ],
     "shmbuf.layout": [
         "ACTION", "BATCH_MODES", "BOOTSTRAP", "COMPLETE_EPISODES", "END", "ENV", "ENV_STEPS", "EPISODE", "FINAL_OBS",

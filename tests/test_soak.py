@@ -74,8 +74,9 @@ def soak(make_reader: Any, cycles: int, seed: int = 0) -> dict[str, Any]:
         # a writer killed before it took a lane leaves nothing to reclaim; one that committed always does
         had_lane = sum(c.value >= 0 for c in dead.values())
         assert had_lane <= s["lanes_reclaimed"] <= len(dead)
-        return {"cycles": cycles, "kills": len(dead), "had_committed": had_lane, "delivered": delivered, "committed_seen": committed_total,
-                "partial_dropped": s["partial_dropped"], "lanes_reclaimed": s["lanes_reclaimed"], "rss_kib": (rss0, rss1)}
+        return {"cycles": cycles, "kills": len(dead), "had_committed": had_lane, "delivered": delivered,
+                "committed_seen": committed_total, "partial_dropped": s["partial_dropped"],
+                "lanes_reclaimed": s["lanes_reclaimed"], "rss_kib": (rss0, rss1)}
     finally:
         for p, _ in live.values():
             if p.is_alive():

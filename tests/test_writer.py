@@ -118,14 +118,14 @@ def test_leading_dim_mismatch_is_refused_at_construction_like_echo() -> None:
 
 def test_top_level_must_be_a_dict_like_echo() -> None:
     with pytest.raises(TypeError):
-        TrajectoryAccumulator([np.zeros(3)])  # type: ignore[arg-type]
+        TrajectoryAccumulator([np.zeros(3)])  # type: ignore[arg-type]  # a list at the top is what this refuses
     with pytest.raises(SchemaError, match="must be a dict"):
         shmbuf.create([np.zeros(3)], slots=2)
 
 
 def test_reset_aborts_a_partial_rollout(make_reader: Any) -> None:
     reader, writer = pair(make_reader, guide_example())
-    for i in range(10):
+    for _ in range(10):
         writer.add("step", {"obs": np.full(4, -1, np.float32), "reward": -1.0})
     writer.reset()
     for i in range(3):
@@ -168,11 +168,15 @@ def test_same_kind_casting_is_accepted(make_reader: Any) -> None:
 @pytest.mark.parametrize(
     ("ts", "item", "pattern"),
     [
-        ("step", {"obs": np.zeros(4, np.float32), "reward": np.zeros((), np.complex64)}, r"leaf step/reward: expected dtype float32.*got complex64"),
-        ("final_step", {"obs": np.zeros(4, np.float32), "reward": 1.5}, r"leaf final_step/reward: expected dtype int32.*'same_kind'.*got Python float"),
-        ("step", {"obs": np.zeros(5, np.float32), "reward": 0.0}, r"leaf step/obs: expected shape \(4,\) for one add\(\), got \(5,\)"),
+        ("step", {"obs": np.zeros(4, np.float32), "reward": np.zeros((), np.complex64)},
+         r"leaf step/reward: expected dtype float32.*got complex64"),
+        ("final_step", {"obs": np.zeros(4, np.float32), "reward": 1.5},
+         r"leaf final_step/reward: expected dtype int32.*'same_kind'.*got Python float"),
+        ("step", {"obs": np.zeros(5, np.float32), "reward": 0.0},
+         r"leaf step/obs: expected shape \(4,\) for one add\(\), got \(5,\)"),
         ("step", {"obs": np.float32(1), "reward": 0.0}, r"leaf step/obs: expected shape \(4,\).*got \(\)"),
-        ("step", {"obs": [0.0, 1.0, 2.0, 3.0], "reward": 0.0}, r"leaf step/obs: expected a numpy array of float32 with shape \(4,\), got list"),
+        ("step", {"obs": [0.0, 1.0, 2.0, 3.0], "reward": 0.0},
+         r"leaf step/obs: expected a numpy array of float32 with shape \(4,\), got list"),
         ("step", {"obs": np.zeros(4, np.float32)}, r"missing step/reward"),
         ("step", {"obs": np.zeros(4, np.float32), "reward": 0.0, "extra": 1.0}, r"unexpected step/extra"),
         ("step", {"obs": np.zeros(4, np.float32), "rewrd": 0.0}, r"missing step/reward; unexpected step/rewrd"),

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf import SchemaError
-from shmbuf import _coerce, _fastpath
+from shmbuf import SchemaError, _coerce, _fastpath
 
 T = 64
 F32_MAX = float(np.finfo(np.float32).max)
@@ -37,7 +36,7 @@ def base_item() -> dict[str, Any]:
     return {k: (v[0] + 1).astype(v.dtype) for k, v in example()["step"].items()}
 
 
-class General(dict):  # type: ignore[type-arg]
+class General(dict[str, Any]):
     """Not exactly a dict: add() takes the general path for it."""
 
 
