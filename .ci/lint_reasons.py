@@ -30,7 +30,12 @@ def bare(path: pathlib.Path) -> list[str]:
 
 
 def main(roots: list[str]) -> int:
-    found = [b for root in roots for p in sorted(pathlib.Path(root).rglob("*.py")) for b in bare(p)]
+    files = [p for root in map(pathlib.Path, roots) for p in ([root] if root.is_file() else sorted(root.rglob("*.py")))]
+    missing = [r for r in roots if not pathlib.Path(r).exists()]
+    if missing:
+        print(f"lint_reasons: no such file or directory: {missing}")
+        return 2
+    found = [b for p in files for b in bare(p)]
     for b in found:
         print(b)
     if found:
