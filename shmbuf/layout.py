@@ -159,7 +159,8 @@ def _count(v: Any, what: str) -> np.ndarray:
     """Fill counts as int64 (a scalar or one per rollout): integral numbers only, else a UsageError naming them."""
     try:
         a = np.asarray(v)
-        ok = a.dtype.kind in "iu" or (a.dtype.kind == "f" and bool(np.all(np.mod(a, 1) == 0)))
+        with np.errstate(invalid="ignore"):  # inf and NaN are refused below, not warned about
+            ok = a.dtype.kind in "iu" or (a.dtype.kind == "f" and bool(np.all((np.abs(a) < 2.0**62) & (np.mod(a, 1) == 0))))
     except (TypeError, ValueError):
         ok = False
     if not ok:

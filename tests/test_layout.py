@@ -181,3 +181,12 @@ def test_bad_input_is_named():
         successors(data, fill, batch_mode=COMPLETE_EPISODES)
     with pytest.raises(SchemaError, match="no row for it"):
         successors(data, {STEP: 5, EPISODE: 0})
+
+
+@pytest.mark.parametrize("count", [float("inf"), float("nan"), 1e30, 2.5, "5", None])
+def test_a_fill_count_that_is_no_integer_is_a_usage_error_not_a_numpy_warning(count):
+    """Warnings are errors in this suite: inf, NaN or 1e30 must reach the UsageError, not a RuntimeWarning of numpy's."""
+    rng = np.random.default_rng(3)
+    data, fill, _ = simulate(rng, 5, 2, 5, 0.5)
+    with pytest.raises(UsageError, match="expected integer counts"):
+        grid(data, {**fill, STEP: count})
