@@ -19,7 +19,18 @@ from shmbuf._errors import SegmentError, SlotTimeout, UsageError
 from shmbuf._validate import int_setting, timeout_setting
 from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATED
 from shmbuf.storage._fileformat import (
-    CHUNK_DIR, KEYS, METADATA, TRAJ_DIR, TRAJ_INFO, build, checked_info, few, load_npy, map_leaves, read_json, read_metadata,
+    CHUNK_DIR,
+    KEYS,
+    METADATA,
+    TRAJ_DIR,
+    TRAJ_INFO,
+    build,
+    checked_info,
+    few,
+    load_npy,
+    map_leaves,
+    read_json,
+    read_metadata,
 )
 from shmbuf.storage._torch import to_torch
 
