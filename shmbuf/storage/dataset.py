@@ -181,7 +181,8 @@ class RolloutDataset:
         num_envs = int_setting("RolloutDataset(num_envs=...)", num_envs)
         keep_latest_n_trajs = int_setting("RolloutDataset(keep_latest_n_trajs=...)", keep_latest_n_trajs, 0)
         if isinstance(dataset_loops, bool) or not isinstance(dataset_loops, (int, np.integer)):
-            raise UsageError(f"RolloutDataset(dataset_loops=...): expected an int (0 or less: loop for ever), got {dataset_loops!r}")
+            raise UsageError(f"RolloutDataset(dataset_loops=...): expected an int (0 or less: loop for ever), got "
+                             f"{dataset_loops!r}")
         r = tuple(starting_frame_range) if isinstance(starting_frame_range, (Sequence, np.ndarray)) else ()
         if len(r) != 2 or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in r) \
                 or not 0 <= r[0] < r[1]:
@@ -318,7 +319,8 @@ class RolloutDataset:
     # -- handlers ---------------------------------------------------------------------------------------
 
     def reset(self, env_ids: Any = None) -> None:
-        """All envs (None): rescan (waiting for enough trajectories) and give every env a new one. Else refresh those envs only."""
+        """All envs (None): rescan (waiting for enough trajectories) and give every env a new one. Else
+        refresh those envs only."""
         if env_ids is None or not self._initialized:
             self.reset_all()
             return
