@@ -349,8 +349,8 @@ class RolloutDataset:
             if 0 < self.dataset_loops <= self.num_dataset_looped or not self.read_dataset_directory():
                 raise StopIteration
         i = self.unused_trajectory_idxs.pop(0)
-        # metadata is not None here: _scan reads it before it lists any trajectory
-        traj = _Traj(self.all_available_trajectory_dirs[i], self.metadata, self._obs_files)  # type: ignore[arg-type]
+        assert self.metadata is not None, "_scan reads metadata.json before it lists any trajectory"
+        traj = _Traj(self.all_available_trajectory_dirs[i], self.metadata, self._obs_files)
         lo, hi = self.starting_frame_range
         lo = min(lo, traj.length - 1)
         hi = max(lo + 1, min(hi, traj.length))
@@ -428,7 +428,7 @@ class RolloutDataset:
         self._fill(out, n)
         b = self._transition(out)
         if num_transitions_per_env is None:
-            b = FileTransition(*[map_leaves(x, lambda a: a[0]) if x is not None else None for x in b])
+            b = FileTransition._make(map_leaves(x, lambda a: a[0]) if x is not None else None for x in b)
         return b if self.device is None else to_torch(b, self.device)
 
     def _transition(self, out: dict[str, np.ndarray]) -> FileTransition:
