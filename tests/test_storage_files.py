@@ -288,10 +288,12 @@ def test_complete_episode_rollouts_and_a_collector_batch_of_them(tmp_path):
     step = rollouts[0].data["step"]
     eps = expected[0][:3]
     bounds = np.cumsum([0] + [len(t["frames"]) for t in eps])
-    one = lambda i, k: {
-        "terminated": np.bool_(eps[i]["terminated"]), "truncated": np.bool_(eps[i]["truncated"]),
-        "return": np.float64(sum(np.float64(f["reward"]) for f in eps[i]["frames"])),
-        "length": np.int64(len(eps[i]["frames"])), "env": np.int32(0)}
+
+    def one(i, k):
+        return {"terminated": np.bool_(eps[i]["terminated"]), "truncated": np.bool_(eps[i]["truncated"]),
+                "return": np.float64(sum(np.float64(f["reward"]) for f in eps[i]["frames"])),
+                "length": np.int64(len(eps[i]["frames"])), "env": np.int32(0)}
+
     # a complete-episodes Rollout: T = 16 steps of capacity, filled to the episode's length
     with Recorder(tmp_path / "r") as rec:
         for i in range(3):
@@ -578,7 +580,7 @@ def test_a_learner_trains_on_what_a_running_recorder_writes(tmp_path):
                 time.sleep(0.005)
             with Recorder(tmp_path) as rec:
                 rec.write(rollouts[0])
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001  # reported to the test's thread
             errors.append(e)
 
     t = threading.Thread(target=record_once_the_reader_waits)
@@ -732,7 +734,7 @@ def test_playback_delivers_exactly_the_recorded_data(tmp_path, make_reader, num_
             assert same(boot if num_envs else boot[None], want.next_observation[-1])
             k = int(got.fill["episode"][0])
             ep = got.data["episode"]
-            ends = np.argwhere((want.terminated | want.timeout))
+            ends = np.argwhere(want.terminated | want.timeout)
             assert k == len(ends)
             for i, (tt, e) in enumerate(sorted(ends.tolist())):
                 assert ep["end"][0, i] == tt and ep["env"][0, i] == e
@@ -748,14 +750,13 @@ def test_the_same_learner_code_trains_on_played_rollouts(tmp_path, make_reader):
     """RolloutStorage.from_rollout takes a played batch as it takes a Collector's."""
     from shmbuf.storage import RolloutStorage
 
-    workers = pytest.importorskip("workers")
     rollouts, _ = synth(2, 8, 4, [[5], [7]])
     with Recorder(tmp_path) as rec:
         for r in rollouts:
             rec.write(r)
     example = playback_example(tmp_path, rollout_len=4, num_envs=2)
     live = rollout_example(np.zeros(4, np.float32), np.int64(0), rollout_len=4, num_envs=2,
-                                   extras={"value": np.float32(0)})
+                           extras={"value": np.float32(0)})
     assert shmbuf.Schema.from_example(example).fingerprint == shmbuf.Schema.from_example(live).fingerprint
     reader = make_reader(example, slots=8, max_writers=1)
     played: list[int] = []

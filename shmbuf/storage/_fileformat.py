@@ -407,9 +407,12 @@ def _check_metadata_fields(meta: dict[str, Any], path: str) -> None:
         if not isinstance(desc, dict) or len(path) > 64:
             return False
         if desc.get("kind") == "leaf":
-            # arg-type: "file" may be anything here; the return value below fails the walk unless it is a str
-            found.append((desc.get("file"), path))  # type: ignore[arg-type]
-            return isinstance(desc.get("file"), str) and set(desc) == {"kind", "file"}
+            # a leaf that fails here fails the whole walk (every level is an all()), so 'found' is not read then
+            file = desc.get("file")
+            if not isinstance(file, str) or set(desc) != {"kind", "file"}:
+                return False
+            found.append((file, path))
+            return True
         items = desc.get("items")
         if desc.get("kind") == "dict":
             return isinstance(items, list) and all(isinstance(i, list) and len(i) == 2 and isinstance(i[0], str)
@@ -418,7 +421,7 @@ def _check_metadata_fields(meta: dict[str, Any], path: str) -> None:
             walk(d, path + [k]) for k, d in enumerate(items))
 
     fields = meta.get("fields")
-    if not walk(fields, []) or fields.get("kind") != "dict":
+    if not isinstance(fields, dict) or not walk(fields, []) or fields.get("kind") != "dict":
         raise bad("'fields' is missing or does not describe a dict of step leaves (at most 64 levels deep)")
     listed = {lf["file"]: lf["path"] for lf in leaves}
     if len(found) != len(listed) or dict(found) != listed:

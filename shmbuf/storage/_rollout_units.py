@@ -14,8 +14,23 @@ import numpy as np
 
 from shmbuf._errors import SchemaError, UsageError
 from shmbuf.layout import (
-    ACTION, BOOTSTRAP, COMPLETE_EPISODES, END, ENV, EPISODE, FINAL_OBS, LENGTH, OBS, RETURN, REWARD, STEP,
-    TERMINATED, TRUNCATE_EPISODES, TRUNCATED, Grid, grid,
+    ACTION,
+    BOOTSTRAP,
+    COMPLETE_EPISODES,
+    END,
+    ENV,
+    EPISODE,
+    FINAL_OBS,
+    LENGTH,
+    OBS,
+    RETURN,
+    REWARD,
+    STEP,
+    TERMINATED,
+    TRUNCATE_EPISODES,
+    TRUNCATED,
+    Grid,
+    grid,
 )
 from shmbuf.storage._fileformat import flat_leaves, map_leaves
 

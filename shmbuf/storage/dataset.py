@@ -19,7 +19,18 @@ from shmbuf._errors import SegmentError, SlotTimeout, UsageError
 from shmbuf._validate import int_setting, timeout_setting
 from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATED
 from shmbuf.storage._fileformat import (
-    CHUNK_DIR, KEYS, METADATA, TRAJ_DIR, TRAJ_INFO, build, checked_info, few, load_npy, map_leaves, read_json, read_metadata,
+    CHUNK_DIR,
+    KEYS,
+    METADATA,
+    TRAJ_DIR,
+    TRAJ_INFO,
+    build,
+    checked_info,
+    few,
+    load_npy,
+    map_leaves,
+    read_json,
+    read_metadata,
 )
 from shmbuf.storage._torch import to_torch
 
@@ -170,7 +181,8 @@ class RolloutDataset:
         num_envs = int_setting("RolloutDataset(num_envs=...)", num_envs)
         keep_latest_n_trajs = int_setting("RolloutDataset(keep_latest_n_trajs=...)", keep_latest_n_trajs, 0)
         if isinstance(dataset_loops, bool) or not isinstance(dataset_loops, (int, np.integer)):
-            raise UsageError(f"RolloutDataset(dataset_loops=...): expected an int (0 or less: loop for ever), got {dataset_loops!r}")
+            raise UsageError(f"RolloutDataset(dataset_loops=...): expected an int (0 or less: loop for ever), got "
+                             f"{dataset_loops!r}")
         r = tuple(starting_frame_range) if isinstance(starting_frame_range, (Sequence, np.ndarray)) else ()
         if len(r) != 2 or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in r) \
                 or not 0 <= r[0] < r[1]:
@@ -307,7 +319,8 @@ class RolloutDataset:
     # -- handlers ---------------------------------------------------------------------------------------
 
     def reset(self, env_ids: Any = None) -> None:
-        """All envs (None): rescan (waiting for enough trajectories) and give every env a new one. Else refresh those envs only."""
+        """All envs (None): rescan (waiting for enough trajectories) and give every env a new one. Else
+        refresh those envs only."""
         if env_ids is None or not self._initialized:
             self.reset_all()
             return
@@ -336,8 +349,8 @@ class RolloutDataset:
             if 0 < self.dataset_loops <= self.num_dataset_looped or not self.read_dataset_directory():
                 raise StopIteration
         i = self.unused_trajectory_idxs.pop(0)
-        # metadata is not None here: _scan reads it before it lists any trajectory
-        traj = _Traj(self.all_available_trajectory_dirs[i], self.metadata, self._obs_files)  # type: ignore[arg-type]
+        assert self.metadata is not None, "_scan reads metadata.json before it lists any trajectory"
+        traj = _Traj(self.all_available_trajectory_dirs[i], self.metadata, self._obs_files)
         lo, hi = self.starting_frame_range
         lo = min(lo, traj.length - 1)
         hi = max(lo + 1, min(hi, traj.length))
@@ -415,7 +428,7 @@ class RolloutDataset:
         self._fill(out, n)
         b = self._transition(out)
         if num_transitions_per_env is None:
-            b = FileTransition(*[map_leaves(x, lambda a: a[0]) if x is not None else None for x in b])
+            b = FileTransition._make(map_leaves(x, lambda a: a[0]) if x is not None else None for x in b)
         return b if self.device is None else to_torch(b, self.device)
 
     def _transition(self, out: dict[str, np.ndarray]) -> FileTransition:

@@ -6,8 +6,9 @@ The names live in their own modules and are imported here, where they have alway
 
 - :mod:`shmbuf.storage._fileformat`: the on-disk format, the ``.npy`` header parser, the JSON checks and
   the trust checks on opening files; :func:`read_metadata`.
-- :mod:`shmbuf.storage.recorder`: :class:`Recorder` (and :mod:`shmbuf.storage._rollout_units`, which
-  reads what it is given as per-lane units).
+- :mod:`shmbuf.storage.recorder`: :class:`Recorder`, which reads its input through
+  :func:`shmbuf.layout.grid` (in :mod:`shmbuf.storage._rollout_units`, which checks what it is given and
+  cuts it into per-lane units).
 - :mod:`shmbuf.storage.dataset`: :class:`RolloutDataset`, :class:`FileTransition`, :func:`get_frame_range`.
 - :mod:`shmbuf.storage.playback`: :func:`play`, :func:`playback_example`.
 

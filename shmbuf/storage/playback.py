@@ -16,7 +16,18 @@ import numpy as np
 from shmbuf._errors import UsageError
 from shmbuf._validate import int_setting
 from shmbuf.layout import (
-    BOOTSTRAP, END, ENV, ENV_STEPS, EPISODE, FINAL_OBS, LENGTH, OBS, RETURN, STEP, TERMINATED, TRUNCATED,
+    BOOTSTRAP,
+    END,
+    ENV,
+    ENV_STEPS,
+    EPISODE,
+    FINAL_OBS,
+    LENGTH,
+    OBS,
+    RETURN,
+    STEP,
+    TERMINATED,
+    TRUNCATED,
 )
 from shmbuf.storage._fileformat import build, flat_leaves, read_metadata
 from shmbuf.storage.dataset import RolloutDataset, _Traj

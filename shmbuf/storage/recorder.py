@@ -28,8 +28,24 @@ from shmbuf._errors import SchemaError, SegmentError, UsageError
 from shmbuf._validate import int_setting
 from shmbuf.layout import ENV, FINAL_OBS, OBS, REWARD, TERMINATED, TRUNCATED
 from shmbuf.storage._fileformat import (
-    FORMAT, KEYS, LOCK, METADATA, TMP_PREFIX, TRAJ_DIR, TRAJ_INFO, VERSION, describe, flat_leaves, fsync_dir, index_leaves,
-    map_leaves, not_regular, read_metadata, remove_path, write_json, write_npy,
+    FORMAT,
+    KEYS,
+    LOCK,
+    METADATA,
+    TMP_PREFIX,
+    TRAJ_DIR,
+    TRAJ_INFO,
+    VERSION,
+    describe,
+    flat_leaves,
+    fsync_dir,
+    index_leaves,
+    map_leaves,
+    not_regular,
+    read_metadata,
+    remove_path,
+    write_json,
+    write_npy,
 )
 from shmbuf.storage._rollout_units import Unit, rollout_units
 
