@@ -9,11 +9,13 @@ killed and joined; every wait has a deadline.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import multiprocessing as mp
 import os
 import pathlib
+import pickle
 import signal
 import stat
 import threading
@@ -369,6 +371,98 @@ def test_inserters_killed_at_random_times(make_rb: Callable[..., ReplayBuffer], 
         assert decode(rb.sample(256))[1].all()
 
 
+def _paused_over(rb: ReplayBuffer, kids: Callable[..., Any], tag: int, n: int) -> tuple[Any, Any]:
+    """A fork-ed child inserting ``n`` rows at ``rb.step``, stopped half-way through its copy, alive: (process, its go event)."""
+    mid, go = FORK.Event(), FORK.Event()
+    p = kids(_paused_inserter, rb.name, tag, n, mid, go)
+    assert mid.wait(10), "the writer never started copying"
+    return p, go
+
+
+class AfterFirstDraw(ReplayBuffer):
+    """A sampler that calls ``then()`` once a sample's first draw is gathered (which got some rows and missed others),
+    and counts the redraws after it."""
+
+    then: Any = None
+    redraws = 0
+
+    def _gather_into(self, out: list[np.ndarray], todo: np.ndarray | None, idx: np.ndarray) -> np.ndarray:
+        bad = super()._gather_into(out, todo, idx)
+        if todo is None:
+            assert 0 < bad.size < len(idx), f"the first draw missed {bad.size} of {len(idx)} rows: some of each wanted"
+            self.then()
+        else:
+            self.redraws += 1
+        return bad
+
+
+def test_sample_says_its_writers_died_when_they_leave_no_complete_row(make_rb: Callable[..., ReplayBuffer],
+                                                                      kids: Callable[..., Any]) -> None:
+    """A first draw got complete rows, then writers died part-way over all the others: sample looked for "no complete
+    row, for good" only while every row drawn was bad, so it redrew in a busy loop until its timeout and raised
+    SlotTimeout ("every row drawn was being written"). Now a redraw that gets no further makes it look."""
+    n = 8
+    rb = make_rb(n)
+    rb.insert(rows_of(code(0, np.arange(n))))
+    a, _ = _paused_over(rb, kids, 1, 4)  # rows 0..3 odd, rows 4..7 complete
+
+    def the_writers_die_over_the_rest() -> None:
+        b, _ = _paused_over(rb, kids, 2, 4)  # rows 4..7 odd too
+        for p in (a, b):
+            p.kill()
+            p.join(10)
+            assert p.exitcode == -signal.SIGKILL
+
+    sampler = AfterFirstDraw.attach(rb.name, timeout=3.0, seed=1)
+    sampler.then = the_writers_die_over_the_rest
+    try:
+        with pytest.raises(_errors.UsageError, match=r"has no complete row \(its writers died"):
+            sampler.sample(64)
+    finally:
+        sampler.close()
+    assert not rb.snapshot()[1].any()
+
+
+def test_sample_pauses_while_live_writers_are_mid_row(make_rb: Callable[..., ReplayBuffer], kids: Callable[..., Any]) -> None:
+    """The same with the writers alive, stopped mid-row: sample redrew at full CPU (about 24,000 redraws/s) until its
+    timeout. Now it pauses (a yield, growing to 1 ms) between redraws that get no further while a live writer is
+    mid-row; with timeout=None it waits for them and samples their rows."""
+    n = 8
+    rb = make_rb(n)
+    rb.insert(rows_of(code(0, np.arange(n))))
+    writers = [_paused_over(rb, kids, 1, 4)]  # rows 0..3 odd, rows 4..7 complete
+    sampler = AfterFirstDraw.attach(rb.name, timeout=0.5, seed=1)
+    sampler.then = lambda: writers.append(_paused_over(rb, kids, 2, 4))  # rows 4..7 odd too
+    out: list[Any] = []
+    patient: ReplayBuffer | None = None
+    t: threading.Thread | None = None
+    try:
+        with pytest.raises(_errors.SlotTimeout, match=r"timeout=0.5 s"):
+            sampler.sample(64)
+        assert sampler.redraws < 600, f"{sampler.redraws} redraws in the 0.5 s timeout: a busy loop"
+        patient = ReplayBuffer.attach(rb.name, timeout=None, seed=2)
+        t = threading.Thread(target=lambda p=patient: out.append(p.sample(64)), daemon=True)  # a hang must not block exit
+        t.start()
+        assert not out  # every row is mid-write: it waits
+        for _, go in writers:
+            go.set()
+        t.join(30)
+        assert not t.is_alive(), "sample(timeout=None) did not return once the writers finished"
+    finally:
+        for _, go in writers:
+            go.set()
+        if t is not None:
+            t.join(30)
+        sampler.close()
+        if patient is not None:
+            patient.close()
+    for p, _ in writers:
+        p.join(10)
+        assert p.exitcode == 0
+    codes, ok = decode(out[0])
+    assert ok.all() and set(((codes - 1) >> 22).tolist()) <= {1, 2}
+
+
 def _spawned_inserter(buffer: ReplayBuffer, tag: int, n: int) -> None:
     buffer.insert(rows_of(code(tag, np.arange(n))))
     buffer.close()
@@ -551,15 +645,69 @@ def test_a_reservation_held_for_ever_times_out(make_rb: Callable[..., ReplayBuff
     assert rb.insert(rows_of(code(0, np.arange(2, 4)))) == 2
 
 
+def test_a_lock_call_failing_otherwise_than_busy_is_raised(make_rb: Callable[..., ReplayBuffer],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any failure of a writer slot's lock call (ENOLCK, EINVAL, ...) was read as "held by a live instance": the insert
+    waited out its timeout and blamed max_writers. Now the kernel's error is raised at once, naming the buffer, and so
+    is the reservation lock's (which was raised bare)."""
+    rb = make_rb(8, timeout=0.5)
+
+    def no_locks(*args: Any) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(replay_mod, "lock", no_locks)
+    with pytest.raises(OSError, match=f"replay buffer {rb.name}: taking writer slot 0's lock failed") as got:
+        rb.insert(rows_of(code(0, np.arange(2))))
+    assert got.value.errno == errno.ENOLCK and not isinstance(got.value, _errors.SlotTimeout)
+    monkeypatch.undo()
+    real_apply = replay_mod.apply
+
+    def no_reservation(fd: int, flock: bytes) -> None:
+        if flock == replay_mod._RESERVE:
+            no_locks()
+        real_apply(fd, flock)
+
+    monkeypatch.setattr(replay_mod, "apply", no_reservation)
+    with pytest.raises(OSError, match=f"replay buffer {rb.name}: taking the reservation lock failed") as got:
+        rb.insert(rows_of(code(0, np.arange(2))))
+    assert got.value.errno == errno.ENOLCK
+    monkeypatch.undo()
+    assert rb.inserted == 0 and all(a >= b for a, b in zip(rb._firsts, rb._ends))
+    assert rb.insert(rows_of(code(0, np.arange(2)))) == 0
+
+
+def test_a_writer_whose_liveness_the_kernel_cannot_tell_is_not_waited_for(
+        make_rb: Callable[..., ReplayBuffer], kids: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed F_OFD_GETLK made writer_held answer True: an insert lapping that writer waited out its timeout (and would
+    wait for ever with timeout=None). Now it is an OSError naming the buffer."""
+    n = 8
+    rb = make_rb(n, timeout=0.5)
+    rb.insert(rows_of(code(0, np.arange(n))))
+    slow, go = _paused_over(rb, kids, 1, 4)  # alive, mid-row on rows 0..3
+    try:
+        monkeypatch.setattr(replay_mod.layout, "held", lambda fd, byte: None)
+        with pytest.raises(OSError, match=f"replay buffer {rb.name}: the kernel could not say whether writer slot"):
+            rb.insert(rows_of(code(2, np.arange(n))))  # global 12..19: laps the slow writer's rows
+        monkeypatch.undo()
+    finally:
+        go.set()
+    slow.join(10)
+    assert slow.exitcode == 0 and all(a >= b for a, b in zip(rb._firsts, rb._ends))
+
+
 # ------------------------------------------------------------------ bad input
 
 
 def test_bad_settings_and_rows_are_named(make_rb: Callable[..., ReplayBuffer]) -> None:
     for kw, what in [({"buffer_size": 0}, "buffer_size"), ({"buffer_size": True}, "buffer_size"),
-                     ({"buffer_size": 4, "max_writers": 0}, "max_writers"), ({"buffer_size": 4, "timeout": 0}, "timeout"),
-                     ({"buffer_size": 4, "timeout": None}, "timeout")]:
+                     ({"buffer_size": 4, "max_writers": 0}, "max_writers"), ({"buffer_size": 4, "timeout": -1}, "timeout"),
+                     ({"buffer_size": 4, "timeout": float("nan")}, "timeout"), ({"buffer_size": 4, "timeout": True}, "timeout"),
+                     ({"buffer_size": 4, "timeout": "10"}, "timeout")]:
         with pytest.raises(_errors.UsageError, match=what):
             ReplayBuffer.create(example_row(), **kw)
+    for timeout, kept in [(None, None), (float("inf"), None), (0, 0.0), (2, 2.0)]:  # timeout_setting's one rule
+        with ReplayBuffer.create(example_row(), 4, timeout=timeout) as rb:
+            assert rb.timeout == kept
     with pytest.raises(_errors.SchemaError, match="obs: expected a numpy array"):
         ReplayBuffer.create({"obs": 1.0}, 4)
     with pytest.raises(_errors.SchemaError, match="no array leaves"):
@@ -589,6 +737,23 @@ def test_bad_settings_and_rows_are_named(make_rb: Callable[..., ReplayBuffer]) -
     with pytest.raises(_errors.UsageError, match="batch_size"):
         rb.sample(0)
     assert rb.insert(dict(good, obs=good["obs"].astype(np.float64))) == 0  # same_kind casts are fine
+
+
+def test_timeout_none_waits_for_ever_and_an_ordinary_insert_and_sample_work(make_rb: Callable[..., ReplayBuffer]) -> None:
+    """One timeout rule (shmbuf._validate.timeout_setting): None or infinity waits for ever, seconds >= 0 bound."""
+    rb = make_rb(8, timeout=None)
+    assert rb.timeout is None
+    assert rb.insert(rows_of(code(0, np.arange(5)))) == 0
+    codes, ok = decode(rb.sample(32))
+    assert ok.all() and set(codes.tolist()) == set(code(0, np.arange(5)).tolist())
+    other = pickle.loads(pickle.dumps(rb))  # attaches, keeping timeout=None
+    try:
+        assert other.timeout is None and other.insert(rows_of(code(1, np.arange(4)))) == 5
+        assert decode(other.sample(16))[1].all()
+    finally:
+        other.close()
+    with ReplayBuffer.attach(rb.name, timeout=0) as b:  # 0 only looks: nothing here has to wait
+        assert b.insert(rows_of(code(2, np.arange(1)))) == 9 and decode(b.sample(4))[1].all()
 
 
 def test_attach_refuses_what_is_not_a_replay_buffer(make_rb: Callable[..., ReplayBuffer]) -> None:

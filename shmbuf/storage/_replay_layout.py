@@ -56,9 +56,17 @@ def slot_lock(k: int) -> int:
     return LOCK_BASE + 1 + k
 
 
-def writer_held(fd: int, k: int) -> bool:
-    """Does a live instance hold writer slot ``k``? True where the kernel cannot say (then we wait for it)."""
-    return held(fd, slot_lock(k)) is not False
+def writer_held(fd: int, k: int, name: str) -> bool:
+    """Does a live instance hold writer slot ``k``? OSError naming buffer ``name`` where the kernel cannot say.
+
+    Insert and sample wait while this is True, and a dead holder's lock is gone, so no wait is on a dead process;
+    an unanswered question would be waited on for ever (with ``timeout=None``), hence the error.
+    """
+    got = held(fd, slot_lock(k))
+    if got is None:
+        raise OSError(f"replay buffer {name}: the kernel could not say whether writer slot {k}'s lock is held "
+                      "(F_OFD_GETLK failed on the buffer's descriptor)")
+    return got
 
 
 # ------------------------------------------------------------------ schema and layout
@@ -183,7 +191,8 @@ def describe(name: str) -> ReplayInfo:
                 rec = record_word(k)
                 pid = w[rec + F_PID]
                 if pid:
-                    writers.append((k, int(pid), writer_held(fd, k), int(w[rec + F_ROWS])))
+                    alive = held(fd, slot_lock(k)) is not False  # where the kernel cannot say: shown alive
+                    writers.append((k, int(pid), alive, int(w[rec + F_ROWS])))
             summary = ", ".join(f"{format_path(lf.path[1:])} {lf.dtype} {lf.shape[1:]}" for lf in schema.leaves)
             return ReplayInfo(name, owner, len(mm), lay.buffer_size, lay.max_writers, int(w[W_INSERTED]),
                               f"replay x{lay.buffer_size}: {summary}", tuple(writers))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import math
 import os
 import threading
 import time
@@ -45,7 +46,7 @@ from shmbuf._substrate import (
     unmap,
     write_header,
 )
-from shmbuf._validate import int_setting
+from shmbuf._validate import int_setting, timeout_setting
 from shmbuf.storage import _replay_layout as layout
 from shmbuf.storage._replay_layout import ReplayHandle, ReplayInfo, describe, is_replay
 from shmbuf.storage._replay_row import ROW, Row, row_schema
@@ -59,7 +60,7 @@ _RESERVE = packed(fcntl.F_WRLCK, LOCK_BASE)  # packed once: the unlock must not 
 _UNRESERVE = packed(fcntl.F_UNLCK, LOCK_BASE)
 
 
-def _attach_pickled(name: str, timeout: float) -> ReplayBuffer:
+def _attach_pickled(name: str, timeout: float | None) -> ReplayBuffer:
     return ReplayBuffer.attach(name, timeout=timeout)
 
 
@@ -83,7 +84,7 @@ class ReplayBuffer(Closable):
     _kind = "replay buffer"
 
     def __init__(self, name: str, mm: Any, fd: int, schema: Schema, lay: layout.ReplayLayout, owner: bool, creator: Owner,
-                 timeout: float, seed: int | None):
+                 timeout: float | None, seed: int | None):
         self.name = name
         self.schema = schema
         self.buffer_size = lay.buffer_size
@@ -124,7 +125,7 @@ class ReplayBuffer(Closable):
     # -- lifecycle ----------------------------------------------------------
 
     @classmethod
-    def create(cls, example_row: Any, buffer_size: int, *, max_writers: int = 64, timeout: float = 10.0,
+    def create(cls, example_row: Any, buffer_size: int, *, max_writers: int = 64, timeout: float | None = 10.0,
                seed: int | None = None) -> ReplayBuffer:
         """Make a new buffer of ``buffer_size`` rows shaped like ``example_row`` (one row: a pytree of numpy arrays).
 
@@ -132,7 +133,9 @@ class ReplayBuffer(Closable):
         first insert, until it closes, is collected, or its process dies). ``timeout``: the longest
         any insert or sample waits (for a writer slot, for the reservation lock, for a live writer
         still writing rows about to be overwritten, for a complete row to sample) and ``close()``
-        waits for an insert in another thread; past it, SlotTimeout. ``seed``: this instance's
+        waits for an insert in another thread; past it, SlotTimeout. ``None`` waits for ever: every
+        one of these waits is on a live process (a dead one's locks are gone), and what cannot wait
+        raises. ``seed``: this instance's
         sampling generator. Space is reserved now (NoSpace if /dev/shm is too small).
 
         The creator's ``close()`` (or a ``with`` block's end) unlinks the name, and so does the
@@ -142,7 +145,7 @@ class ReplayBuffer(Closable):
         """
         buffer_size = int_setting("ReplayBuffer: buffer_size", buffer_size, 1, layout.MAX_ROWS)
         max_writers = int_setting("ReplayBuffer: max_writers", max_writers, 1, layout.MAX_WRITERS)
-        timeout = _timeout(timeout)
+        timeout = timeout_setting("ReplayBuffer: timeout", timeout)  # one rule; why None is safe: docs/design/replay.md
         schema = row_schema(example_row)
         lay = layout.ReplayLayout.of(schema, buffer_size, max_writers)
         name = new_name()
@@ -160,7 +163,7 @@ class ReplayBuffer(Closable):
             raise
 
     @classmethod
-    def attach(cls, target: Any, *, timeout: float = 10.0, seed: int | None = None) -> ReplayBuffer:
+    def attach(cls, target: Any, *, timeout: float | None = 10.0, seed: int | None = None) -> ReplayBuffer:
         """Attach to an existing buffer by name, :class:`ReplayHandle` or buffer; SegmentError if it is not one.
 
         The object is opened without following links and refused unless it is a 0600 regular
@@ -168,7 +171,7 @@ class ReplayBuffer(Closable):
         any view is made. ``close()`` (or collection) detaches; only the creator unlinks.
         """
         name = layout.name_of(target)
-        timeout = _timeout(timeout)
+        timeout = timeout_setting("ReplayBuffer: timeout", timeout)  # one rule; why None is safe: docs/design/replay.md
         fd, mm = map_object(name, readonly=False, min_size=HEADER_BYTES + 64, what="shmbuf replay buffer")
         try:
             schema, lay, creator = layout.read_layout(mm, name)
@@ -209,7 +212,7 @@ class ReplayBuffer(Closable):
         """
         if self._closed:
             return
-        if not self._insert_lock.acquire(timeout=self.timeout):
+        if not self._insert_lock.acquire(timeout=-1 if self.timeout is None else self.timeout):
             raise SlotTimeout(f"replay buffer {self.name}: close() waited timeout={self.timeout} s for an insert through this "
                               "instance (in another thread) to finish; nothing was closed. Stop inserting, then close")
         try:
@@ -293,14 +296,15 @@ class ReplayBuffer(Closable):
         no writer slot comes free or a live writer still writing the rows we would overwrite does
         not finish within ``timeout``; either way nothing of the batch was written (after the
         second kind its places in the ring were already taken: they are skipped, and ``inserted``
-        counts them).
+        counts them). OSError naming the buffer, nothing written, if a lock call fails otherwise
+        than busy (waiting would not help).
         """
         leaves, n = self._row.check_batch(batch)
         if n == 0:
             return self.inserted
         with self._insert_lock:
             fd = self._descriptor()
-            deadline = time.monotonic() + self.timeout
+            deadline = _deadline(self.timeout)
             self._claim_slot(fd, deadline)
             w, rec = self._w, self._rec
             try:
@@ -326,8 +330,10 @@ class ReplayBuffer(Closable):
             for k in range(self.max_writers):
                 try:
                     lock(fd, layout.slot_lock(k), fcntl.F_WRLCK)
-                except OSError:
-                    continue  # a live instance holds it
+                except OSError as exc:
+                    if exc.errno in BUSY:
+                        continue  # a live instance holds it
+                    raise self._lock_failed(exc, f"writer slot {k}'s lock") from exc
                 rec = layout.record_word(k)
                 w[rec + layout.F_FIRST] = w[rec + layout.F_END]  # one store: whatever a dead holder was writing is no one's now
                 w[rec + layout.F_PID] = os.getpid()
@@ -380,7 +386,7 @@ class ReplayBuffer(Closable):
                 return
             except OSError as exc:
                 if exc.errno not in BUSY:
-                    raise
+                    raise self._lock_failed(exc, "the reservation lock") from exc
             tries += 1
             if tries <= 20:
                 os.sched_yield()
@@ -393,6 +399,11 @@ class ReplayBuffer(Closable):
                 )
             time.sleep(pause)
             pause = min(pause * 2, 0.001)
+
+    def _lock_failed(self, exc: OSError, what: str) -> OSError:
+        """A lock call that failed otherwise than busy: no holder is there to let go, so the kernel's error, naming us."""
+        return OSError(exc.errno, f"replay buffer {self.name}: taking {what} failed ({exc.strerror}), not because another "
+                                  "instance holds it: waiting would not help")
 
     def _wait_for_earlier(self, fd: int, first: int, end: int, deadline: float) -> None:
         """Return once no live writer of an earlier insert is still writing any of our rows; else SlotTimeout.
@@ -431,7 +442,7 @@ class ReplayBuffer(Closable):
             if not a < b:
                 continue  # finished since we looked
             shift = (first - a) % n_rows  # ranges of length <= N share a row iff one starts inside the other, mod N
-            if (shift < b - a or shift + mine > n_rows) and layout.writer_held(fd, k):
+            if (shift < b - a or shift + mine > n_rows) and layout.writer_held(fd, k, self.name):
                 return int(self._w[rec + layout.F_PID])
         return None
 
@@ -475,8 +486,10 @@ class ReplayBuffer(Closable):
         """``batch_size`` rows drawn uniformly with replacement from the complete rows: a tree of fresh arrays (copies).
 
         Rows being written (or left half-written by a writer that died) are never returned: such
-        draws are redrawn. UsageError if the buffer holds no row yet; SlotTimeout if no draw
-        finds a complete row within ``timeout`` (every row in flight).
+        draws are redrawn, at once while redraws find complete rows, else after a pause while live
+        writers are mid-row. UsageError if the buffer holds no row yet, or no complete row and no
+        insert under way (its writers died mid-row); SlotTimeout if redraws find no complete row
+        for the draws still bad within ``timeout``.
         """
         batch_size = _size("sample(batch_size=...)", batch_size)
         return optree.tree_unflatten(self._treespec, self._gather(batch_size))
@@ -498,19 +511,34 @@ class ReplayBuffer(Closable):
         idx = self._draw(n, size)
         out = [np.empty((size, *s), dt) for dt, s in self._row.out_specs]
         bad = self._gather_into(out, None, idx)
-        deadline = time.monotonic() + self.timeout
+        deadline = _deadline(self.timeout)
+        pause = 0.0
         while bad.size:
-            if time.monotonic() > deadline:
-                raise SlotTimeout(f"sample: no complete row of replay buffer {self.name} was found within "
-                                  f"timeout={self.timeout} s: every row drawn was being written")
-            if bad.size == size and not self._any_complete(self.num_samples):
-                if self._none_complete_for_good():
-                    raise UsageError(f"sample: replay buffer {self.name} has no complete row (its writers died while writing "
-                                     "its rows): insert rows before sampling")
-                time.sleep(0.0005)  # every row is being written right now: let the writers finish
-            idx[bad] = self._draw(self.num_samples, bad.size)
+            left = bad.size
+            idx[bad] = self._draw(self.num_samples, left)
             bad = self._gather_into(out, bad, idx)
+            # Fewer bad: redraw the rest at once. None fewer (however many earlier draws were good): find out why.
+            pause = 0.0 if bad.size < left else self._no_progress(bad.size, size, deadline, pause)
         return out
+
+    def _no_progress(self, left: int, size: int, deadline: float, pause: float) -> float:
+        """A redraw found no complete row for any of the ``left`` draws still bad: raise, or pause; the next pause.
+
+        UsageError if nothing is complete and no insert is under way (its writers died mid-row), SlotTimeout past the
+        deadline; a pause (a yield growing to 1 ms) only while a live writer is mid-row. Why: docs/design/replay.md.
+        """
+        writing = self._inserts_in_progress()
+        if not writing and self._none_complete_for_good():
+            raise UsageError(f"sample: replay buffer {self.name} has no complete row (its writers died while writing "
+                             "its rows): insert rows before sampling")
+        if time.monotonic() > deadline:
+            raise SlotTimeout(f"sample: {left} of the {size} rows drawn from replay buffer {self.name} were being written "
+                              f"(or left half-written by writers that died), and no redraw found complete rows in their "
+                              f"place within timeout={self.timeout} s")
+        if not writing:
+            return 0.0
+        time.sleep(pause)
+        return min(max(2 * pause, 0.00005), 0.001)
 
     def _draw(self, n: int, k: int) -> np.ndarray:
         """``k`` indices uniform in [0, n): floor of a 53-bit uniform float times ``n`` (bias below n / 2**53).
@@ -569,12 +597,11 @@ class ReplayBuffer(Closable):
     def _none_complete_for_good(self) -> bool:
         """No row is complete and no insert is under way: seen twice, with the sequence words unchanged in between.
 
-        An insert under way has its record set before it stamps a row, so it shows up either in
-        a record (first or second look) or as a changed sequence word between the two looks.
+        The caller's look at the records (``_inserts_in_progress`` False) is the first look. An insert
+        under way has its record set before it stamps a row, so it shows up either in a record (first
+        or second look) or as a changed sequence word between the two looks.
         """
         n = self.num_samples
-        if self._inserts_in_progress():
-            return False
         before = self._seq[:n].copy()
         if np.any((before > 0) & (before % 2 == 0)) or self._inserts_in_progress():
             return False
@@ -585,13 +612,9 @@ class ReplayBuffer(Closable):
         fd, w = self._descriptor(), self._live_words()
         for k in range(self.max_writers):
             rec = layout.record_word(k)
-            if w[rec + layout.F_FIRST] < w[rec + layout.F_END] and layout.writer_held(fd, k):
+            if w[rec + layout.F_FIRST] < w[rec + layout.F_END] and layout.writer_held(fd, k, self.name):
                 return True
         return False
-
-    def _any_complete(self, n: int) -> bool:
-        s = self._seq[:n]
-        return bool(np.any((s > 0) & (s % 2 == 0)))
 
     # -- torch ------------------------------------------------------------------
 
@@ -599,17 +622,9 @@ class ReplayBuffer(Closable):
 
 
 
-def _timeout(value: object) -> float:
-    # Not _validate.timeout_setting's rule: None (for ever) and 0 are refused, because not every wait this bounds ends
-    # when a holder dies. sample() looks for "no complete row, for good" (its writers died mid-write) only while every
-    # row it drew failed: if a first draw got some complete rows and a writer then dies writing over all the others,
-    # it redraws in a busy loop that only the timeout ends. An insert also waits for an earlier writer whose liveness
-    # the kernel cannot tell (writer_held answers True), and reads any failure of a slot's lock call as "held".
-    # 0 would fail a sample as soon as one row it drew was being written, where a redraw would find a complete one.
-    # (tests/test_storage_replay.py::test_bad_settings_and_rows_are_named pins this.)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise UsageError(f"ReplayBuffer: timeout: expected a number of seconds > 0, got {value!r:.80}")
-    return float(value)
+def _deadline(timeout: float | None) -> float:
+    """The monotonic time a wait bounded by ``timeout`` gives up at (infinity for None: wait for ever)."""
+    return math.inf if timeout is None else time.monotonic() + timeout
 
 
 def _size(setting: str, value: object) -> int:
