@@ -231,8 +231,8 @@ def loop_costs(workloads: tuple[str, ...], rollouts: int) -> dict[str, dict[str,
     """
     import shmbuf
     from benchmarks import ray_envs
-    from workers import ActorLoop, probe
     from shmbuf.layout import rollout_example
+    from workers import ActorLoop, probe
 
     out = {}
     for name in workloads:
