@@ -331,7 +331,7 @@ def run_one(system: str, payload: str, mode: str, actors: int, *, batch: int, de
             record["actor_rows"] = [
                 [[int(x) for x in r[A_PHASES + A_WORDS * p:][:A_WORDS]] for p in range(windows + 2)] for r in rows
             ]
-    except Exception as exc:  # one broken run must not end the sweep: record it
+    except Exception as exc:  # noqa: BLE001  # one broken run must not end the sweep: record it
         record["status"] = "error"
         record["error"] = f"{type(exc).__name__}: {exc}"
     finally:

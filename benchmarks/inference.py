@@ -356,8 +356,10 @@ class ShmbufCollector(Run):
 class TorchRLAsync(Run):
     """TorchRL's ``AsyncBatchedCollector``, the same policy as a ``TensorDictModule``, its default batching settings."""
 
-    VARIANTS: ClassVar[dict[str, str]] = {"threads": "env_backend='threading'", "processes": "env_backend='multiprocessing', transport='driver'",
-                "processes-auto": "env_backend='multiprocessing', transport='auto' (policy process)"}
+    VARIANTS: ClassVar[dict[str, str]] = {
+        "threads": "env_backend='threading'",
+        "processes": "env_backend='multiprocessing', transport='driver'",
+        "processes-auto": "env_backend='multiprocessing', transport='auto' (policy process)"}
 
     def __init__(self, *args: Any):
         super().__init__(*args)
@@ -580,8 +582,8 @@ def analyse(log_dir: str, edges: list[int]) -> dict[str, Any]:
     return {
         "envs_logged": envs,
         "frames_per_s": {"median": float(np.median(rates)), "min": min(rates), "max": max(rates), "windows": rates},
-        "round_trip_us": {"p50": _pct(us["rt"], 50), "p99": _pct(us["rt"], 99), "mean": float(us["rt"].mean()) if len(us["rt"]) else math.nan,
-                          "n": len(us["rt"])},
+        "round_trip_us": {"p50": _pct(us["rt"], 50), "p99": _pct(us["rt"], 99),
+                          "mean": float(us["rt"].mean()) if len(us["rt"]) else math.nan, "n": len(us["rt"])},
         "wait_us": {"p50": _pct(us["wait"], 50), "p99": _pct(us["wait"], 99)},
         "env_step_us": {"p50": _pct(us["step"], 50), "p99": _pct(us["step"], 99)},
         "forward": {
@@ -647,7 +649,7 @@ def run_one(system: str, variant: str, n: int, policy: str, a: argparse.Namespac
         rec["startup_s"] = (arrivals[0][0] - t_start_ns) / 1e9
         edges = [arrivals[0][0] + int((warmup_s + k * window_s) * 1e9) for k in range(windows + 1)]
         cpu = []
-        for k, edge in enumerate((edges[0], edges[-1])):
+        for edge in (edges[0], edges[-1]):
             while time.monotonic_ns() < edge:
                 if done.is_set():
                     raise RuntimeError(failure[0] if failure else "the collector stopped handing out batches")
@@ -831,8 +833,8 @@ def aims(res: dict[str, Any]) -> list[dict[str, Any]]:
 def _row(r: dict[str, Any]) -> str:
     """One table row: the figures of a run."""
     if r["status"] != "ok":
-        return f"| {r['n']} | {_label(r)} | {r['status']}: {r.get('error', '').splitlines()[-1][:120] if r.get('error') else ''} |" \
-            + " |" * 8
+        last = r["error"].splitlines()[-1][:120] if r.get("error") else ""
+        return f"| {r['n']} | {_label(r)} | {r['status']}: {last} |" + " |" * 8
     fps, rt, cpu, f = r["frames_per_s"], r["round_trip_us"], r["cpu_cores"], r["forward"]
     spread = f" ±{(fps['max'] - fps['min']) / 2:,.0f}" if len(fps["windows"]) > 1 else ""
     mark = " ‡" if cpu["outside"] > OUTSIDE_MARK else ""
@@ -846,18 +848,20 @@ def tables(res: dict[str, Any]) -> str:
     c = res["config"]
     lines = [f"# Batched inference benchmark, {res['date']}", "", (f"Machine: {res['machine_line']}; torch {c['torch']}, "
              f"torchrl {c['torchrl']}, tensordict {c['tensordict']}, gymnasium {c['gymnasium']}."), "",
-             (f"Settings: {ENV_ID}; policies {', '.join(f'{k} (4->{POLICIES[k][0]}->{POLICIES[k][1]}->2)' for k in c['policies'])}, "
+             (f"Settings: {ENV_ID}; policies "
+             f"{', '.join(f'{k} (4->{POLICIES[k][0]}->{POLICIES[k][1]}->2)' for k in c['policies'])}, "
              "action sampled by Gumbel-max, the same module and weights in every collector; torch on one thread in every "
              f"thread that runs it; frames_per_batch {c['frames_per_batch']} for all; {c['windows']} windows of "
              f"{c['window_s']} s after {c['warmup_s']} s of warm-up (from the first batch), each figure the median window "
-             "(± half the spread). Both async collectors with TorchRL's batching defaults (max_batch_size 64, min_batch_size 1, "
-             f"server_timeout 0.01 s). The sweep took {res.get('seconds', 0) / 60:.1f} minutes."), "",
+             "(± half the spread). Both async collectors with TorchRL's batching defaults (max_batch_size 64, "
+             f"min_batch_size 1, server_timeout 0.01 s). The sweep took {res.get('seconds', 0) / 60:.1f} minutes."), "",
              ("**frames/s**: env `step()` calls per second, counted by a wrapper inside every env (‡: more than "
              f"{OUTSIDE_MARK} core of load from outside the run). **round trip**: between consecutive `step()` calls of "
              "one env (its step, then the wait for its next action), pooled over the envs; **env step** and **wait** are "
              "its two parts. **forward batch**: rows per forward pass, mean (p10-p90 over forwards; per frame: the batch "
              "the average frame's forward had; the largest). **forward µs/row**: forward wall time per row (a forward "
-             "preempted by other processes counts its wait), and where the forward runs. **CPU µs/frame**: the learner process's CPU and its child processes' CPU per env frame. "
+             "preempted by other processes counts its wait), and where the forward runs. **CPU µs/frame**: the learner "
+             "process's CPU and its child processes' CPU per env frame. "
              "**outside**: cores busy outside the run. **forwards running at once**: summed forward wall time per second "
              "(for one server thread: the share of its time spent in the policy)."), ""]
     for pol in c["policies"]:

@@ -48,7 +48,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # run as a script: make `benchmarks`, `shmbuf` and `workers` importable (and Ray's workers see it)
     sys.path.insert(0, _ROOT)
 
-from benchmarks.ray_report import SYSTEMS, best_peer, build, summarize, write
+from benchmarks.ray_report import SYSTEMS, best_peer, build, summarize, write  # noqa: E402  # after the sys.path line above
 
 ACTORS = 2  # actor processes in all (the machine measured has 2 cores)
 BATCH = 16  # rollouts per batch
@@ -60,7 +60,8 @@ STALL_S = 30.0
 IDLE_S = 1.0  # after a cluster starts: how much CPU its processes take doing nothing
 # Wall time for the estimate: a run's start-up, first batch and shutdown, and a cluster's start and stop (quick runs on
 # the busy 2-core machine, 2026-11-21, rounded up).
-START_S = {"shmbuf": 1.5, "shmbuf_ray": 2.0, "shmbuf_ray_hop": 2.0, "ray_actors": 1.2, "shmbuf_ray_2node": 2.7, "ray_actors_2node": 1.6}
+START_S = {"shmbuf": 1.5, "shmbuf_ray": 2.0, "shmbuf_ray_hop": 2.0, "ray_actors": 1.2, "shmbuf_ray_2node": 2.7,
+           "ray_actors_2node": 1.6}
 CLUSTER_S = {1: 8.0, 2: 7.0}
 STEP_KEYS = ("obs", "action", "reward", "terminated", "truncated", "bootstrap_obs", "episode_returns")
 
@@ -428,7 +429,8 @@ def run_one(system: str, workload: str, *, nodes: list[str] | None, per_call: in
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.on_ray", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short windows, one repeat, small and cartpole only (~1 minute)")
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"), help="where to write (default: benchmarks/results/)")
+    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"),
+                   help="where to write (default: benchmarks/results/)")
     p.add_argument("--workloads", default=None, help="comma-separated subset of small,atari,cartpole")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     p.add_argument("--repeats", type=int, default=None, help="times every system runs (interleaved)")
@@ -464,7 +466,8 @@ def plan(a: argparse.Namespace) -> list[tuple[int, list[dict[str, Any]]]]:
     peers = [{"per_call": k, "in_flight": f} for k in a.per_call for f in a.in_flight]
     phases: list[tuple[int, list[dict[str, Any]]]] = []
     for rep in range(a.repeats):
-        for nodes, systems in ((0, ("shmbuf",)), (1, ("shmbuf_ray", "shmbuf_ray_hop", "ray_actors")), (2, ("shmbuf_ray_2node", "ray_actors_2node"))):
+        for nodes, systems in ((0, ("shmbuf",)), (1, ("shmbuf_ray", "shmbuf_ray_hop", "ray_actors")),
+                               (2, ("shmbuf_ray_2node", "ray_actors_2node"))):
             runs = []
             for wl in a.workloads:
                 for s in systems:
