@@ -429,24 +429,26 @@ def available(system: str) -> str | None:
 
 # ------------------------------------------------------------------ processes and CPU, from /proc
 
-_TICK = os.sysconf("SC_CLK_TCK")
+# shmbuf._proc is imported where it is used, never at the top: TorchRL's workers import this module to unpickle their
+# env makers, and importing shmbuf would add a few hundred ms to their start-up. The learner imports it in its first
+# descendants(), before the run starts.
+_PPID, _UTIME, _STIME = 1, 11, 12  # in shmbuf._proc.stat_fields(): proc(5)'s fields 4, 14 and 15
 
 
 def _proc_table() -> dict[int, tuple[int, float, str]]:
     """pid -> (ppid, CPU seconds, cmdline) of every process visible."""
+    from shmbuf._proc import CLOCK_TICKS, stat_fields
+
     out = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or (fields := stat_fields(entry)) is None:
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        rest = stat[stat.rfind(b")") + 2 :].split()
-        out[int(entry)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / _TICK, cmd)
+        out[int(entry)] = (int(fields[_PPID]), (int(fields[_UTIME]) + int(fields[_STIME])) / CLOCK_TICKS, cmd)
     return out
 
 
@@ -471,37 +473,39 @@ def _helper(cmd: str) -> bool:
 
 def _threads() -> dict[int, tuple[str, float]]:
     """This process's threads: tid -> (name, CPU s); Python threads by their ``threading`` name."""
+    from shmbuf._proc import CLOCK_TICKS, cpu_ticks
+
     names = {t.native_id: t.name for t in threading.enumerate()}
     out = {}
     for tid in os.listdir("/proc/self/task"):
+        ticks = cpu_ticks(f"self/task/{tid}")
         try:
-            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-                stat = f.read()
-            with open(f"/proc/self/task/{tid}/comm") as f:
+            with open(f"/proc/self/task/{tid}/comm") as f:  # gone, as its stat was, once the thread has ended
                 name = f.read().strip()
         except OSError:
             continue
-        rest = stat[stat.rfind(b")") + 2 :].split()
-        out[int(tid)] = (names.get(int(tid), name), (int(rest[11]) + int(rest[12])) / _TICK)
+        out[int(tid)] = (names.get(int(tid), name), ticks / CLOCK_TICKS)
     return out
 
 
 def _machine_busy() -> float:
     """CPU seconds the whole machine has been busy (all cores: everything but idle and iowait)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v[:8]) - v[3] - v[4]) / _TICK
+    from shmbuf._proc import CLOCK_TICKS, machine_ticks
+
+    return machine_ticks()[0] / CLOCK_TICKS
 
 
 def _usage(pid: int) -> tuple[float, float, int]:
     """(user s, kernel s, context switches) of process ``pid``, all its threads."""
+    from shmbuf._proc import CLOCK_TICKS, stat_fields
+
     user = kernel = 0.0
     switches = 0
+    fields = stat_fields(pid)
+    if fields is None:  # gone
+        return user, kernel, switches
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        rest = stat[stat.rfind(b")") + 2 :].split()
-        user, kernel = int(rest[11]) / _TICK, int(rest[12]) / _TICK
+        user, kernel = int(fields[_UTIME]) / CLOCK_TICKS, int(fields[_STIME]) / CLOCK_TICKS
         for tid in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/status") as f:
                 switches += sum(int(line.split()[1]) for line in f if "ctxt_switches:" in line)  # voluntary and not
