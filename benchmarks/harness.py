@@ -48,17 +48,6 @@ def _log_to(path: str | None) -> None:
         os.close(fd)
 
 
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine has spent busy since boot, all cores (from /proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return 0.0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def _tail(path: str, n: int = 1500) -> str:
     try:
         with open(path, "rb") as f:
@@ -251,7 +240,10 @@ def _remove_owned_by(procs: list[Any]) -> list[str]:
 def run_one(system: str, payload: str, mode: str, actors: int, *, batch: int, depth: int, windows: int,
             window_s: float, warmup_s: float, stall_s: float, pace_s: float = 0.0) -> dict[str, Any]:
     """Run one configuration and return its raw record (see :mod:`benchmarks.report` for the summary)."""
+    # Here, in the parent, before any window: importing shmbuf takes a few hundred ms of CPU, and the peers' processes
+    # import this module (actor_main) and must not pay for it.
     from benchmarks import payloads, transports
+    from shmbuf._proc import CLOCK_TICKS, machine_ticks
 
     ctx = mp.get_context("spawn")
     ctl = ctx.RawArray("q", ctl_words(actors, windows))
@@ -298,7 +290,7 @@ def run_one(system: str, payload: str, mode: str, actors: int, *, batch: int, de
         busy0 = None
         while result is None:
             if busy0 is None and c[C_PHASE] >= 1:  # the first window began: start counting the machine's busy time
-                busy0 = (time.monotonic(), machine_busy_s())
+                busy0 = (time.monotonic(), machine_ticks()[0])
             if rx.poll(0.05):
                 try:
                     result = json.loads(rx.recv_bytes())
@@ -320,7 +312,7 @@ def run_one(system: str, payload: str, mode: str, actors: int, *, batch: int, de
             if dead:
                 raise RuntimeError(f"{system} actor {dead[0].name} died (exit code {dead[0].exitcode})")
         if result is not None and busy0 is not None:
-            record["machine_busy_cores"] = (machine_busy_s() - busy0[1]) / (time.monotonic() - busy0[0])
+            record["machine_busy_cores"] = (machine_ticks()[0] - busy0[1]) / CLOCK_TICKS / (time.monotonic() - busy0[0])
         if result is not None:
             # Give the actors a moment to note the stop (their last CPU reading).
             deadline = time.monotonic() + 3.0
@@ -331,7 +323,7 @@ def run_one(system: str, payload: str, mode: str, actors: int, *, batch: int, de
             record["actor_rows"] = [
                 [[int(x) for x in r[A_PHASES + A_WORDS * p:][:A_WORDS]] for p in range(windows + 2)] for r in rows
             ]
-    except Exception as exc:  # one broken run must not end the sweep: record it
+    except Exception as exc:  # noqa: BLE001  # one broken run must not end the sweep: record it
         record["status"] = "error"
         record["error"] = f"{type(exc).__name__}: {exc}"
     finally:

@@ -356,8 +356,10 @@ class ShmbufCollector(Run):
 class TorchRLAsync(Run):
     """TorchRL's ``AsyncBatchedCollector``, the same policy as a ``TensorDictModule``, its default batching settings."""
 
-    VARIANTS: ClassVar[dict[str, str]] = {"threads": "env_backend='threading'", "processes": "env_backend='multiprocessing', transport='driver'",
-                "processes-auto": "env_backend='multiprocessing', transport='auto' (policy process)"}
+    VARIANTS: ClassVar[dict[str, str]] = {
+        "threads": "env_backend='threading'",
+        "processes": "env_backend='multiprocessing', transport='driver'",
+        "processes-auto": "env_backend='multiprocessing', transport='auto' (policy process)"}
 
     def __init__(self, *args: Any):
         super().__init__(*args)
@@ -427,24 +429,26 @@ def available(system: str) -> str | None:
 
 # ------------------------------------------------------------------ processes and CPU, from /proc
 
-_TICK = os.sysconf("SC_CLK_TCK")
+# shmbuf._proc is imported where it is used, never at the top: TorchRL's workers import this module to unpickle their
+# env makers, and importing shmbuf would add a few hundred ms to their start-up. The learner imports it in its first
+# descendants(), before the run starts.
+_PPID, _UTIME, _STIME = 1, 11, 12  # in shmbuf._proc.stat_fields(): proc(5)'s fields 4, 14 and 15
 
 
 def _proc_table() -> dict[int, tuple[int, float, str]]:
     """pid -> (ppid, CPU seconds, cmdline) of every process visible."""
+    from shmbuf._proc import CLOCK_TICKS, stat_fields
+
     out = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or (fields := stat_fields(entry)) is None:
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        rest = stat[stat.rfind(b")") + 2 :].split()
-        out[int(entry)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / _TICK, cmd)
+        out[int(entry)] = (int(fields[_PPID]), (int(fields[_UTIME]) + int(fields[_STIME])) / CLOCK_TICKS, cmd)
     return out
 
 
@@ -469,37 +473,39 @@ def _helper(cmd: str) -> bool:
 
 def _threads() -> dict[int, tuple[str, float]]:
     """This process's threads: tid -> (name, CPU s); Python threads by their ``threading`` name."""
+    from shmbuf._proc import CLOCK_TICKS, cpu_ticks
+
     names = {t.native_id: t.name for t in threading.enumerate()}
     out = {}
     for tid in os.listdir("/proc/self/task"):
+        ticks = cpu_ticks(f"self/task/{tid}")
         try:
-            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-                stat = f.read()
-            with open(f"/proc/self/task/{tid}/comm") as f:
+            with open(f"/proc/self/task/{tid}/comm") as f:  # gone, as its stat was, once the thread has ended
                 name = f.read().strip()
         except OSError:
             continue
-        rest = stat[stat.rfind(b")") + 2 :].split()
-        out[int(tid)] = (names.get(int(tid), name), (int(rest[11]) + int(rest[12])) / _TICK)
+        out[int(tid)] = (names.get(int(tid), name), ticks / CLOCK_TICKS)
     return out
 
 
 def _machine_busy() -> float:
     """CPU seconds the whole machine has been busy (all cores: everything but idle and iowait)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v[:8]) - v[3] - v[4]) / _TICK
+    from shmbuf._proc import CLOCK_TICKS, machine_ticks
+
+    return machine_ticks()[0] / CLOCK_TICKS
 
 
 def _usage(pid: int) -> tuple[float, float, int]:
     """(user s, kernel s, context switches) of process ``pid``, all its threads."""
+    from shmbuf._proc import CLOCK_TICKS, stat_fields
+
     user = kernel = 0.0
     switches = 0
+    fields = stat_fields(pid)
+    if fields is None:  # gone
+        return user, kernel, switches
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        rest = stat[stat.rfind(b")") + 2 :].split()
-        user, kernel = int(rest[11]) / _TICK, int(rest[12]) / _TICK
+        user, kernel = int(fields[_UTIME]) / CLOCK_TICKS, int(fields[_STIME]) / CLOCK_TICKS
         for tid in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/status") as f:
                 switches += sum(int(line.split()[1]) for line in f if "ctxt_switches:" in line)  # voluntary and not
@@ -580,8 +586,8 @@ def analyse(log_dir: str, edges: list[int]) -> dict[str, Any]:
     return {
         "envs_logged": envs,
         "frames_per_s": {"median": float(np.median(rates)), "min": min(rates), "max": max(rates), "windows": rates},
-        "round_trip_us": {"p50": _pct(us["rt"], 50), "p99": _pct(us["rt"], 99), "mean": float(us["rt"].mean()) if len(us["rt"]) else math.nan,
-                          "n": len(us["rt"])},
+        "round_trip_us": {"p50": _pct(us["rt"], 50), "p99": _pct(us["rt"], 99),
+                          "mean": float(us["rt"].mean()) if len(us["rt"]) else math.nan, "n": len(us["rt"])},
         "wait_us": {"p50": _pct(us["wait"], 50), "p99": _pct(us["wait"], 99)},
         "env_step_us": {"p50": _pct(us["step"], 50), "p99": _pct(us["step"], 99)},
         "forward": {
@@ -647,7 +653,7 @@ def run_one(system: str, variant: str, n: int, policy: str, a: argparse.Namespac
         rec["startup_s"] = (arrivals[0][0] - t_start_ns) / 1e9
         edges = [arrivals[0][0] + int((warmup_s + k * window_s) * 1e9) for k in range(windows + 1)]
         cpu = []
-        for k, edge in enumerate((edges[0], edges[-1])):
+        for edge in (edges[0], edges[-1]):
             while time.monotonic_ns() < edge:
                 if done.is_set():
                     raise RuntimeError(failure[0] if failure else "the collector stopped handing out batches")
@@ -831,8 +837,8 @@ def aims(res: dict[str, Any]) -> list[dict[str, Any]]:
 def _row(r: dict[str, Any]) -> str:
     """One table row: the figures of a run."""
     if r["status"] != "ok":
-        return f"| {r['n']} | {_label(r)} | {r['status']}: {r.get('error', '').splitlines()[-1][:120] if r.get('error') else ''} |" \
-            + " |" * 8
+        last = r["error"].splitlines()[-1][:120] if r.get("error") else ""
+        return f"| {r['n']} | {_label(r)} | {r['status']}: {last} |" + " |" * 8
     fps, rt, cpu, f = r["frames_per_s"], r["round_trip_us"], r["cpu_cores"], r["forward"]
     spread = f" ±{(fps['max'] - fps['min']) / 2:,.0f}" if len(fps["windows"]) > 1 else ""
     mark = " ‡" if cpu["outside"] > OUTSIDE_MARK else ""
@@ -846,18 +852,20 @@ def tables(res: dict[str, Any]) -> str:
     c = res["config"]
     lines = [f"# Batched inference benchmark, {res['date']}", "", (f"Machine: {res['machine_line']}; torch {c['torch']}, "
              f"torchrl {c['torchrl']}, tensordict {c['tensordict']}, gymnasium {c['gymnasium']}."), "",
-             (f"Settings: {ENV_ID}; policies {', '.join(f'{k} (4->{POLICIES[k][0]}->{POLICIES[k][1]}->2)' for k in c['policies'])}, "
+             (f"Settings: {ENV_ID}; policies "
+             f"{', '.join(f'{k} (4->{POLICIES[k][0]}->{POLICIES[k][1]}->2)' for k in c['policies'])}, "
              "action sampled by Gumbel-max, the same module and weights in every collector; torch on one thread in every "
              f"thread that runs it; frames_per_batch {c['frames_per_batch']} for all; {c['windows']} windows of "
              f"{c['window_s']} s after {c['warmup_s']} s of warm-up (from the first batch), each figure the median window "
-             "(± half the spread). Both async collectors with TorchRL's batching defaults (max_batch_size 64, min_batch_size 1, "
-             f"server_timeout 0.01 s). The sweep took {res.get('seconds', 0) / 60:.1f} minutes."), "",
+             "(± half the spread). Both async collectors with TorchRL's batching defaults (max_batch_size 64, "
+             f"min_batch_size 1, server_timeout 0.01 s). The sweep took {res.get('seconds', 0) / 60:.1f} minutes."), "",
              ("**frames/s**: env `step()` calls per second, counted by a wrapper inside every env (‡: more than "
              f"{OUTSIDE_MARK} core of load from outside the run). **round trip**: between consecutive `step()` calls of "
              "one env (its step, then the wait for its next action), pooled over the envs; **env step** and **wait** are "
              "its two parts. **forward batch**: rows per forward pass, mean (p10-p90 over forwards; per frame: the batch "
              "the average frame's forward had; the largest). **forward µs/row**: forward wall time per row (a forward "
-             "preempted by other processes counts its wait), and where the forward runs. **CPU µs/frame**: the learner process's CPU and its child processes' CPU per env frame. "
+             "preempted by other processes counts its wait), and where the forward runs. **CPU µs/frame**: the learner "
+             "process's CPU and its child processes' CPU per env frame. "
              "**outside**: cores busy outside the run. **forwards running at once**: summed forward wall time per second "
              "(for one server thread: the share of its time spent in the policy)."), ""]
     for pol in c["policies"]:

@@ -25,11 +25,11 @@ def _cpu_model() -> str:
 
 
 def _version(module: str) -> str:
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
         return version(module)
-    except Exception:
+    except PackageNotFoundError:
         return "not installed"
 
 

@@ -63,9 +63,9 @@ def _stats(windows: list[float]) -> dict[str, Any]:
 
 
 def add_per_step(payload: str, windows: int, window_s: float) -> dict[str, Any]:
-    import shmbuf
     from echo import TrajectoryAccumulator
 
+    import shmbuf
     from benchmarks import payloads
 
     example = payloads.example(payload)

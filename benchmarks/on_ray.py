@@ -48,7 +48,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # run as a script: make `benchmarks`, `shmbuf` and `workers` importable (and Ray's workers see it)
     sys.path.insert(0, _ROOT)
 
-from benchmarks.ray_report import SYSTEMS, best_peer, build, summarize, write
+from benchmarks.ray_report import SYSTEMS, best_peer, build, summarize, write  # noqa: E402  # after the sys.path line above
+from shmbuf._proc import CLOCK_TICKS, cpu_ticks, machine_ticks, stat_fields  # noqa: E402  # after the sys.path line above
 
 ACTORS = 2  # actor processes in all (the machine measured has 2 cores)
 BATCH = 16  # rollouts per batch
@@ -60,7 +61,8 @@ STALL_S = 30.0
 IDLE_S = 1.0  # after a cluster starts: how much CPU its processes take doing nothing
 # Wall time for the estimate: a run's start-up, first batch and shutdown, and a cluster's start and stop (quick runs on
 # the busy 2-core machine, 2026-11-21, rounded up).
-START_S = {"shmbuf": 1.5, "shmbuf_ray": 2.0, "shmbuf_ray_hop": 2.0, "ray_actors": 1.2, "shmbuf_ray_2node": 2.7, "ray_actors_2node": 1.6}
+START_S = {"shmbuf": 1.5, "shmbuf_ray": 2.0, "shmbuf_ray_hop": 2.0, "ray_actors": 1.2, "shmbuf_ray_2node": 2.7,
+           "ray_actors_2node": 1.6}
 CLUSTER_S = {1: 8.0, 2: 7.0}
 STEP_KEYS = ("obs", "action", "reward", "terminated", "truncated", "bootstrap_obs", "episode_returns")
 
@@ -72,30 +74,14 @@ class Stalled(Exception):
 # -- what a window records ---------------------------------------------------------------------------------------------
 
 
-def _jiffies() -> tuple[int, int]:
-    """(busy, all) jiffies of the whole machine so far: /proc/stat's first line; busy is all but idle and iowait."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    return sum(fields) - fields[3] - fields[4], sum(fields)
-
-
 def _ours_jiffies() -> int:
     """CPU jiffies (user + system) so far of this process and every live one below it: the run's own share of the
     machine (Ray's daemons and workers, node owners, actor processes); a process that exits takes its count along."""
-    total = 0
-    for pid in descendants() | {os.getpid()}:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        rest = stat[stat.rfind(b")") + 2:].split()
-        total += int(rest[11]) + int(rest[12])  # utime, stime
-    return total
+    return sum(cpu_ticks(pid) for pid in descendants() | {os.getpid()})
 
 
 def _cut(rollouts: int, frames: int) -> dict[str, Any]:
-    busy, total = _jiffies()
+    busy, total = machine_ticks()  # the whole machine's, busy being all but idle and iowait
     return {"t": time.monotonic(), "rollouts": rollouts, "frames": frames, "busy_jiffies": busy, "all_jiffies": total,
             "ours_jiffies": _ours_jiffies(), "learner_cpu_s": time.process_time()}
 
@@ -231,8 +217,8 @@ def loop_costs(workloads: tuple[str, ...], rollouts: int) -> dict[str, dict[str,
     """
     import shmbuf
     from benchmarks import ray_envs
-    from workers import ActorLoop, probe
     from shmbuf.layout import rollout_example
+    from workers import ActorLoop, probe
 
     out = {}
     for name in workloads:
@@ -280,16 +266,9 @@ def _children() -> dict[int, int]:
     """pid -> ppid of every live process (zombies left out)."""
     out = {}
     for e in os.listdir("/proc"):
-        if not e.isdigit():
-            continue
-        try:
-            with open(f"/proc/{e}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        rest = stat[stat.rfind(b")") + 2:].split()
-        if rest[0] not in (b"Z", b"X"):
-            out[int(e)] = int(rest[1])
+        fields = stat_fields(e) if e.isdigit() else None
+        if fields is not None and fields[0] not in (b"Z", b"X"):  # state, then ppid
+            out[int(e)] = int(fields[1])
     return out
 
 
@@ -354,7 +333,7 @@ def ray_cluster(nodes: int, cores: int, record: dict[str, Any], pids: set[int]) 
         record["start_s"] = round(time.monotonic() - t0, 2)
         j0, t1 = _ours_jiffies(), time.monotonic()  # what Ray's processes cost doing nothing
         time.sleep(IDLE_S)
-        record["idle_cores"] = round((_ours_jiffies() - j0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t1), 3)
+        record["idle_cores"] = round((_ours_jiffies() - j0) / CLOCK_TICKS / (time.monotonic() - t1), 3)
         yield ids
     finally:
         pids |= descendants()
@@ -428,7 +407,8 @@ def run_one(system: str, workload: str, *, nodes: list[str] | None, per_call: in
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.on_ray", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short windows, one repeat, small and cartpole only (~1 minute)")
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"), help="where to write (default: benchmarks/results/)")
+    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"),
+                   help="where to write (default: benchmarks/results/)")
     p.add_argument("--workloads", default=None, help="comma-separated subset of small,atari,cartpole")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     p.add_argument("--repeats", type=int, default=None, help="times every system runs (interleaved)")
@@ -464,7 +444,8 @@ def plan(a: argparse.Namespace) -> list[tuple[int, list[dict[str, Any]]]]:
     peers = [{"per_call": k, "in_flight": f} for k in a.per_call for f in a.in_flight]
     phases: list[tuple[int, list[dict[str, Any]]]] = []
     for rep in range(a.repeats):
-        for nodes, systems in ((0, ("shmbuf",)), (1, ("shmbuf_ray", "shmbuf_ray_hop", "ray_actors")), (2, ("shmbuf_ray_2node", "ray_actors_2node"))):
+        for nodes, systems in ((0, ("shmbuf",)), (1, ("shmbuf_ray", "shmbuf_ray_hop", "ray_actors")),
+                               (2, ("shmbuf_ray_2node", "ray_actors_2node"))):
             runs = []
             for wl in a.workloads:
                 for s in systems:
@@ -551,7 +532,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for r in todo:
                 if r["system"] == "ray_actors_2node":  # the peer's best one-node configuration of the first repeat
                     if r["workload"] not in peer2:
-                        best = best_peer(summarize(runs, os.sysconf("SC_CLK_TCK")), r["workload"])
+                        best = best_peer(summarize(runs, CLOCK_TICKS), r["workload"])
                         peer2[r["workload"]] = (best["per_call"], best["in_flight"]) if best else (BATCH // ACTORS, 2)
                     r = {**r, "per_call": peer2[r["workload"]][0], "in_flight": peer2[r["workload"]][1]}
                 done += 1
@@ -578,7 +559,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": {"workloads": list(a.workloads), "systems": list(a.systems), "actors": ACTORS, "batch": BATCH,
                    "repeats": a.repeats, "windows": a.windows, "window_s": a.window_s, "warmup_s": a.warmup_s,
                    "stall_s": a.stall_s, "per_call": list(a.per_call), "in_flight": list(a.in_flight), "quick": a.quick},
-        "clk_tck": os.sysconf("SC_CLK_TCK"), "wall_s": round(time.monotonic() - t0, 1), "estimate_s": round(est, 1),
+        "clk_tck": CLOCK_TICKS, "wall_s": round(time.monotonic() - t0, 1), "estimate_s": round(est, 1),
         "clusters": clusters, "loop_costs": costs,
         "left_pids": [f"{p}: {_cmdline(p)[:200]}" for p in sorted(alive(pids))], "runs": runs,
     }

@@ -173,7 +173,8 @@ class RolloutActor:
                 action = self.policy(obs)
                 nobs, rew, term, trunc, succ = self.driver.step(action)
                 if single:
-                    obs_b[i, t], act_b[i, t], rew_b[i, t], term_b[i, t], trunc_b[i, t] = obs[0], action[0], rew[0], term[0], trunc[0]
+                    obs_b[i, t], act_b[i, t], rew_b[i, t] = obs[0], action[0], rew[0]
+                    term_b[i, t], trunc_b[i, t] = term[0], trunc[0]
                 else:
                     obs_b[i, t], act_b[i, t], rew_b[i, t], term_b[i, t], trunc_b[i, t] = obs, action, rew, term, trunc
                 self.ep_ret += rew

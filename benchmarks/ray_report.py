@@ -43,8 +43,8 @@ def summarize(runs: list[dict[str, Any]], clk_tck: int) -> list[dict[str, Any]]:
         key = (label(r), r["workload"])
         row = rows.setdefault(key, {"label": key[0], "system": r["system"], "workload": r["workload"], "nodes": r["nodes"],
                                     "per_call": r["per_call"], "in_flight": r["in_flight"], "runs": 0, "ok_runs": 0,
-                                    "errors": [], "_w": {k: [] for k in ("rps", "fps", "mcpu", "ocpu", "lcpu", "busy", "outside")},
-                                    "_start": []})
+                                    "errors": [], "_start": [],
+                                    "_w": {k: [] for k in ("rps", "fps", "mcpu", "ocpu", "lcpu", "busy", "outside")}})
         row["runs"] += 1
         if r["status"] != "ok":
             row["errors"].append(f"repeat {r['repeat']}: {r['status']}: {r.get('error')}")
@@ -196,6 +196,16 @@ def _x(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}x"
 
 
+def _conf(row: dict[str, Any] | None) -> str:
+    """The peer's configuration of a row, to follow its figure."""
+    return "" if row is None else f" ({row['per_call']}/call, {row['in_flight']} in flight)"
+
+
+def _less(cpu: float | None, loop: float) -> float | None:
+    """CPU per rollout beyond the actor loop's own."""
+    return None if cpu is None else cpu - loop
+
+
 def markdown(result: dict[str, Any]) -> str:
     rows, cfg = result["rows"], result["config"]
     wls = cfg["workloads"]
@@ -220,12 +230,11 @@ def markdown(result: dict[str, Any]) -> str:
     for wl in wls:
         b = best_peer(rows, wl)
         b2 = best_peer(rows, wl, "ray_actors_2node")
-        conf = (lambda r: "" if r is None else f" ({r['per_call']}/call, {r['in_flight']} in flight)")
         L.append(f"| {wl} | {_fmt(_med(row_of(rows, 'shmbuf', wl)))} | {_fmt(_med(row_of(rows, 'shmbuf_ray', wl)))} "
                  f"| {_fmt(_med(row_of(rows, 'shmbuf_ray_hop', wl)))} "
-                 f"| {_fmt(_med(b))}{conf(b)} | {_x(rat[wl]['a_over_b'])} | {_x(rat[wl]['a_over_c'])} "
+                 f"| {_fmt(_med(b))}{_conf(b)} | {_x(rat[wl]['a_over_b'])} | {_x(rat[wl]['a_over_c'])} "
                  f"| {_x(rat[wl].get('hop_over_b'))} | {_x(rat[wl].get('hop_over_c'))} "
-                 f"| {_fmt(_med(row_of(rows, 'shmbuf_ray_2node', wl)))} | {_fmt(_med(b2))}{conf(b2)} "
+                 f"| {_fmt(_med(row_of(rows, 'shmbuf_ray_2node', wl)))} | {_fmt(_med(b2))}{_conf(b2)} "
                  f"| {_x(rat[wl]['a2_over_b2'])} |")
     L += ["", "## Aims", "", "| aim | measured | met |", "|---|---:|---|"]
     for a in result["aims"]:
@@ -246,10 +255,9 @@ def markdown(result: dict[str, Any]) -> str:
             if not c:
                 continue
             mc, ma, mb = (_cpu(r) for r in (row_of(rows, "shmbuf", wl), row_of(rows, "shmbuf_ray", wl), best_peer(rows, wl)))
-            less = (lambda m, loop: None if m is None else m - loop)
             L.append(f"| {wl} | {_fmt(c['actor_loop_us'])} | {_fmt(c['peer_loop_us'])} | {_fmt(mc)} "
-                     f"| {_fmt(less(mc, c['actor_loop_us']))} | {_fmt(ma)} | {_fmt(less(ma, c['actor_loop_us']))} "
-                     f"| {_fmt(mb)} | {_fmt(less(mb, c['peer_loop_us']))} |")
+                     f"| {_fmt(_less(mc, c['actor_loop_us']))} | {_fmt(ma)} | {_fmt(_less(ma, c['actor_loop_us']))} "
+                     f"| {_fmt(mb)} | {_fmt(_less(mb, c['peer_loop_us']))} |")
     L += ["", "## Every row", "",
           ("Rollouts/s median [min-max over windows]; CPU per rollout in µs: the whole machine (busy jiffies, "
            "everyone's), the run's own processes (this one and every one below it: Ray's daemons and workers, the "
@@ -288,7 +296,8 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(L)
 
 
-COLORS = {"shmbuf": "C0", "shmbuf_ray": "C2", "shmbuf_ray_hop": "C4", "ray_actors": "C3", "shmbuf_ray_2node": "C8", "ray_actors_2node": "C1"}
+COLORS = {"shmbuf": "C0", "shmbuf_ray": "C2", "shmbuf_ray_hop": "C4", "ray_actors": "C3", "shmbuf_ray_2node": "C8",
+          "ray_actors_2node": "C1"}
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -317,8 +326,9 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.set_title(f"{wl}: (a)/(b) {_x(r['a_over_b'])}, (a)/(c) {_x(r['a_over_c'])}", fontsize=9)
         ax.set_ylabel("rollouts/s")
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"{result['config']['actors']} actors, B={result['config']['batch']}: {result['machine']['cpu_model']}, {result['machine']['cores_usable']} cores"
-                 f"{' (quick)' if result['config']['quick'] else ''}", fontsize=9)
+    cfg, m = result["config"], result["machine"]
+    fig.suptitle(f"{cfg['actors']} actors, B={cfg['batch']}: {m['cpu_model']}, {m['cores_usable']} cores"
+                 f"{' (quick)' if cfg['quick'] else ''}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -14,7 +14,8 @@ import numpy as np
 
 NAMES = {"shmbuf": "shmbuf", "shmbuf_gather": "shmbuf gather", "echo": "echo", "echo1": "echo1",
          "faster_fifo": "faster_fifo", "mp_queue": "mp.Queue"}
-LONG = {"shmbuf": "shmbuf, `get_batch(16)` (default view=True: zero-copy views when the 16 rollouts are one aligned run of slots)",
+LONG = {"shmbuf": "shmbuf, `get_batch(16)` (default view=True: zero-copy views when the 16 rollouts are one aligned run "
+                  "of slots)",
         "shmbuf_gather": "shmbuf, `get_batch(16, view=False)` (always one gather copy into the batch)",
         "echo": "echo 0.2 over TCP, its defaults: `Server(example, 16, transport=TcpTransport(port=0))` "
                 "(8 drainer threads, 8 TCP threads)",

@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None, prog: str = "benchmarks/run.py") -> argpa
 
     p = argparse.ArgumentParser(prog=prog, description=" ".join(__doc__.split("\n\n")[1].split()))
     p.add_argument("--quick", action="store_true", help="CI-sized: 2 actors only, short windows (about 2 minutes)")
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"), help="where to write the results (default: benchmarks/results/)")
+    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"),
+                   help="where to write the results (default: benchmarks/results/)")
     p.add_argument("--systems", type=_csv(str), default=transports.SYSTEMS, help="subset, comma-separated")
     p.add_argument("--payloads", type=_csv(str), default=payloads.NAMES, help="subset, comma-separated")
     p.add_argument("--modes", type=_csv(str), default=MODES, help="subset of transport,step,latency")
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None, prog: str = "benchmarks/run.py") -> dict
         "machine_line": machine.line(m),
         "config": {"systems": list(a.systems), "payloads": list(a.payloads), "modes": list(a.modes),
                    "actors": list(a.actors), "scaling_actors": list(a.scaling_actors),
-                   "scaling_payloads": list(a.scaling_payloads), "target_actors": TARGET_ACTORS, "batch": BATCH, "depth": DEPTH, "windows": a.windows, "window_s": a.window_s,
+                   "scaling_payloads": list(a.scaling_payloads), "target_actors": TARGET_ACTORS, "batch": BATCH,
+                   "depth": DEPTH, "windows": a.windows, "window_s": a.window_s,
                    "warmup_s": a.warmup_s, "stall_s": a.stall_s, "pace_rate": PACE_RATE, "latency_actors": LATENCY_ACTORS,
                    "quick": a.quick},
         "payload_bytes": {p: payloads.nbytes(p) for p in payloads.NAMES},

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -357,7 +358,8 @@ def tables(res: dict[str, Any]) -> str:
     for kind in ROWS:
         mine = {r["procs"]: r["insert_rows_per_s"]["median"] for r in res["processes"] if r["row"] == kind}
         if mine:
-            lines.append(f"| {kind} | " + " | ".join(_fmt(mine[p]) for p in procs) + f" | {mine[procs[-1]] / mine[procs[0]]:.2f}x |")
+            lines.append(f"| {kind} | " + " | ".join(_fmt(mine[p]) for p in procs)
+                         + f" | {mine[procs[-1]] / mine[procs[0]]:.2f}x |")
     lines += ["", f"## GAE, {NUM_ENVS} envs, float32 (ms, median)", "",
               "| T | shmbuf compute_gae (numpy) | per-step torch loop (rsl_rl's) | loop / compute_gae | max abs diff |",
               "|---:|---:|---:|---:|---:|"]
@@ -505,8 +507,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for system in SYSTEMS:
             if system == "torchrl" and not have_torchrl:
                 continue
-            r = best_of_threads(torch_threads, lambda: replay_one_process(kind, system, buffers[kind], a)) \
-                if system == "torchrl" else replay_one_process(kind, system, buffers[kind], a)
+            run = functools.partial(replay_one_process, kind, system, buffers[kind], a)
+            r = best_of_threads(torch_threads, run) if system == "torchrl" else run()
             res["replay"].append(r)
             print(f"replay {kind:6s} {system:10s} insert {_fmt(r['insert_rows_per_s']['median'])} rows/s, "
                   f"sample {_fmt(r['sample_rows_per_s']['median'])} rows/s", flush=True)
@@ -517,7 +519,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"inserters {kind:6s} x{procs}: {_fmt(r['insert_rows_per_s']['median'])} rows/s", flush=True)
     if have_torch:
         for t_len in a.gae_t:
-            g = best_of_threads(torch_threads, lambda: gae(t_len, a))
+            g = best_of_threads(torch_threads, functools.partial(gae, t_len, a))
             res["gae"].append(g)
             print(f"gae T={t_len}: compute_gae {g['compute_gae_s']['median'] * 1e3:.2f} ms, torch loop "
                   f"{g['torch_loop_s']['median'] * 1e3:.2f} ms", flush=True)

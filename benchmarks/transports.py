@@ -60,8 +60,8 @@ def _has_view_arg(reader: Any) -> bool:
 
 class ShmbufLearner:
     """``get_batch(B)`` with its default ``view=True``: zero-copy views when the B rollouts are one aligned run
-    of slots (and in every lane's commit order), gathered otherwise. Each batch (``copy=False``) stays valid until the next ``get_batch``, which
-    releases it: the harness touches it before asking for the next."""
+    of slots (and in every lane's commit order), gathered otherwise. Each batch (``copy=False``) stays valid
+    until the next ``get_batch``, which releases it: the harness touches it before asking for the next."""
 
     VIEW = True
 

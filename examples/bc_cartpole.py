@@ -36,8 +36,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from shmbuf.storage.files import Recorder, RolloutDataset  # noqa: E402
-from workers import Collector  # noqa: E402
+from shmbuf.storage.files import Recorder, RolloutDataset
+from workers import Collector
 
 
 class Expert:

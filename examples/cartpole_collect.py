@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from workers import Collector  # noqa: E402
+from workers import Collector
 
 
 def actor_seed(seed: int, first_obs: np.ndarray) -> list[int]:

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-import shmbuf  # noqa: E402
+import shmbuf
 
 T = 64
 EXAMPLE = {  # one example for both: echo's rules are shmbuf's rules

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-import shmbuf  # noqa: E402
+import shmbuf
 
 T = 128
 EXAMPLE = {

@@ -46,8 +46,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from shmbuf.storage import RolloutStorage  # noqa: E402
-from workers import AsyncBatchedCollector  # noqa: E402
+from shmbuf.storage import RolloutStorage
+from workers import AsyncBatchedCollector
 
 SERVER_STATS = ("forwards", "requests", "mean_batch", "batch_sizes", "lingered_out", "dropped", "forward_s",
                 "busy_s", "policy_version")

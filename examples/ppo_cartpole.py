@@ -4,10 +4,11 @@ Two actor processes each step a vector of CartPole envs with a copy of the actor
 thread each) and write every step straight into shared memory (truncate-episodes mode: T steps of
 every sub-env per rollout), together with the value and log-probability their policy computed. The
 learner wraps each batch of rollouts in a :class:`shmbuf.storage.RolloutStorage` (no per-step
-loop; views where the layout allows, one gather per leaf where it does not), computes GAE (bootstrapping through time-outs from the value of the episode's
-final observation, and not through terminations), takes a few epochs of clipped PPO over shuffled
-minibatches, and broadcasts the new weights. It stops when the mean return of the last 100
-episodes reaches ``--target`` (475 by default: CartPole-v1's own threshold).
+loop; views where the layout allows, one gather per leaf where it does not), computes GAE
+(bootstrapping through time-outs from the value of the episode's final observation, and not
+through terminations), takes a few epochs of clipped PPO over shuffled minibatches, and
+broadcasts the new weights. It stops when the mean return of the last 100 episodes reaches
+``--target`` (475 by default: CartPole-v1's own threshold).
 
     python examples/ppo_cartpole.py                  # the full run
     python examples/ppo_cartpole.py --max-updates 3 --json     # a smoke test
@@ -33,8 +34,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from shmbuf.storage import RolloutStorage  # noqa: E402
-from workers import Collector  # noqa: E402
+from shmbuf.storage import RolloutStorage
+from workers import Collector
 
 
 class ActorCritic(nn.Module):

@@ -33,11 +33,10 @@ from collections import defaultdict
 import numpy as np
 import ray
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout: shmbuf and workers
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout: shmbuf and workers
 
-import cartpole_collect  # noqa: E402
-from cartpole_collect import LinearPolicy, make_env  # noqa: E402
+import cartpole_collect
+from cartpole_collect import LinearPolicy, make_env
 
 NODE_COLUMNS = ("node", "node_id", "host", "state", "batches", "frames", "frames_per_s", "policy_lag_mean",
                 "lost_batches")

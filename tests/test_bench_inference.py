@@ -25,13 +25,12 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import leaked_since, shm_objects
+from tests.conftest import leaked_since, live_processes, shm_objects
 
 for _module in ("torch", "torchrl", "tensordict", "gymnasium", "tqdm"):
     pytest.importorskip(_module)
 
-from benchmarks import inference  # after the skips: it imports torch and gymnasium
-from tests.conftest import live_processes
+from benchmarks import inference  # noqa: E402  # after the skips: it imports torch and gymnasium
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

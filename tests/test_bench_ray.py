@@ -22,12 +22,11 @@ import time
 
 import pytest
 
+from benchmarks import ray_report  # numpy only: importable without the skipped extras
 from tests.conftest import leaked_since, live_processes, shm_objects
 
 for _module in ("ray", "gymnasium"):
     pytest.importorskip(_module)
-
-from benchmarks import ray_report
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

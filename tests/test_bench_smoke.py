@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("tqdm")
 pytest.importorskip("echo")
 
-from benchmarks import harness, run  # noqa: E402  (after the skips: the bench extras may be missing)
+from benchmarks import harness, run  # after the skips: the bench extras may be missing
 
 
 def _left_of(name: str) -> list[str]:

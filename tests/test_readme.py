@@ -80,7 +80,7 @@ def test_readme_learner_and_actor_blocks_run() -> None:
             ns["actor"](handle)
         except shmbuf.PipelineClosed:
             pass  # the quiet end is test_readme_actors_exit_cleanly_when_the_learner_closes's to check
-        except BaseException as exc:  # reported below
+        except BaseException as exc:  # noqa: BLE001  # whatever the actor raises: reported below
             errors.append(exc)
 
     def start_actors(handle: Any) -> None:
@@ -90,8 +90,8 @@ def test_readme_learner_and_actor_blocks_run() -> None:
 
     ns: dict[str, Any] = {"env": EpisodicEnv(), "policy": lambda obs: 0, "train": lambda obs: trained.append(obs.copy()),
                           "start_actors": start_actors, "__name__": "__main__"}  # run as the script, past its guard
-    exec(actor, ns)  # defines actor(handle)
-    exec(learner, ns)  # creates the pipeline, trains on 64 batches of 16 rollouts, prints its batch counts, closes
+    exec(actor, ns)  # noqa: S102  # the README's own block, run as written: defines actor(handle)
+    exec(learner, ns)  # noqa: S102  # the README's block: creates the pipeline, trains on 64 batches of 16 rollouts, closes
     for t in threads:
         t.join(10)
         assert not t.is_alive()
@@ -216,7 +216,7 @@ def test_readme_actors_exit_cleanly_when_the_learner_closes(tmp_path: pathlib.Pa
 
     ns: dict[str, Any] = {"start_actors": start_actors, "train": lambda obs: trained.append(obs.copy()),
                           "__name__": "__main__"}
-    exec(python_block("shmbuf.create("), ns)
+    exec(python_block("shmbuf.create("), ns)  # noqa: S102  # the README's learner block, run as written
     assert len(trained) == 64 * 16
     assert all(1 <= len(obs) <= 64 for obs in trained) and any(len(obs) < 64 for obs in trained)  # episodes ended
     assert all((np.abs(obs[0]) <= 0.05).all() for obs in trained)  # each rollout starts at a reset observation
@@ -229,7 +229,7 @@ def test_readme_single_item_timescale_rule(make_reader: Any) -> None:
     """What the README says of `episode`: capacity 1, one add writes the whole leaf, a second add
     raises TimescaleFull (an IndexError) until commit() or reset() clears it."""
     ns: dict[str, Any] = {}
-    exec(python_block("shmbuf.create(").split("if __name__")[0], ns)  # T and the example
+    exec(python_block("shmbuf.create(").split("if __name__")[0], ns)  # noqa: S102  # the README's block: T and the example
     assert "one `add` writes the whole leaf" in README and "raises\n`TimescaleFull`" in README
     reader = make_reader(ns["example"], slots=2)
     with shmbuf.Writer(reader.handle, timeout=10) as writer:
