@@ -42,9 +42,8 @@ class Lender:
         self.read_cursor = 0
 
     def batch_size(self, size: int) -> None:
-        """``get_batch(size)`` with views: lend runs of this size from here on."""
-        if size != self.run:
-            self.run, self.open_end = size, 0
+        """``get_batch(size)`` with views, a size other than ``run``: lend runs of this size from here on."""
+        self.run, self.open_end = size, 0
 
     def chunk(self) -> int:
         """Slots are lent in chunks of this many (or all that are needed before the reader waits).

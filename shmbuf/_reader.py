@@ -218,7 +218,7 @@ class Reader:
             raise UsageError(f"get_batch(view=...): expected True (views where the rollouts sit in a run of slots) "
                              f"or False (always gathered), got {view!r}")
         timeout = timeout_setting("get_batch(timeout=...)", timeout)
-        if view:
+        if view and batch_size != self._lender.run:
             self._lender.batch_size(batch_size)  # lend runs of this size from here on
         self._end_batch()
         first = self._await(batch_size, view, None if timeout is None else time.monotonic() + timeout, timeout)
@@ -257,7 +257,7 @@ class Reader:
         if copy:
             books.held += size
             books.release_run(first, size)
-            self._feed()
+            self._roster.feed()
             return Batch(data, meta, lanes, pids, self.schema, None, 0, False)
         books.hold_run(first, size)
         self._held_run = (first, size)
@@ -283,7 +283,7 @@ class Reader:
         self._batches["gathered"] += 1
         self._gathered_why[self._why] = self._gathered_why.get(self._why, 0) + 1
         self._delivered_batch(meta)
-        self._feed()  # once for the batch: one wake-up per waiting writer, not one per slot
+        self._roster.feed()  # once for the batch: one wake-up per waiting writer, not one per slot
         if copy:
             return Batch(data, meta, lanes, pids, self.schema, None, 0, False)
         return Batch(data, meta, lanes, pids, self.schema, self, self._batch_token, False)
@@ -300,7 +300,7 @@ class Reader:
         if run is not None:
             self._held_run = None
             self._books.release_run(*run)
-            self._feed()
+            self._roster.feed()
 
     def _check_batch(self, b: Batch) -> None:
         """Raise unless ``b`` is the batch handed out last and still held (``_check_live``'s twin for batches)."""
@@ -374,7 +374,7 @@ class Reader:
                                   f"{self._why_nothing()}")
             if patience_end is not None:
                 wait = max(0.0, min(wait, patience_end - now))
-            self._feed(need=want)  # about to wait: make sure the writers hold enough slots to send it
+            roster.feed(need=want)  # about to wait: make sure the writers hold enough slots to send it
             if roster.arm(want):
                 roster.disarm()
                 continue  # something came in while we armed: take it in before sleeping
@@ -427,7 +427,7 @@ class Reader:
         self._guard()
         self._next_scan = 0.0
         self._poll()
-        self._feed()
+        self._roster.feed()
         return self._books.n_ready
 
     def _poll(self) -> None:
@@ -440,10 +440,6 @@ class Reader:
             self._roster.scan()
             self._next_scan = now + SCAN_INTERVAL
         self._roster.take_in()
-
-    def _feed(self, need: int = 0) -> None:
-        """Lend pool slots to the lanes, so that they never wait on the reader while it has slots to give."""
-        self._roster.feed(need)
 
     def _deliver(self, slot: int) -> Rollout:
         w = self._w
@@ -479,7 +475,7 @@ class Reader:
         self._check_live(r)
         self._books.release_run(r.slot, 1)  # stale handles to this slot fail to match from now on
         if self._books.pool() >= self._lender.chunk():
-            self._feed()
+            self._roster.feed()
 
     # -- views and buffers --------------------------------------------------
 

@@ -36,7 +36,8 @@ class Roster:
                  sl_fence: Fence):
         self._seg = seg
         self._w = seg.words
-        self._wn: np.ndarray | None = np.ndarray((seg.plan.total // 8,), np.int64, buffer=seg.base)  # the words, for bulk ring work
+        # The words as an int64 array, for bulk ring work (None once the reader closed).
+        self._wn: np.ndarray | None = np.ndarray((seg.plan.total // 8,), np.int64, buffer=seg.base)
         self._books = books
         self._mail = mail
         self._lane_sems = lane_sems
@@ -126,6 +127,7 @@ class Roster:
     def take_in(self) -> None:
         """Every lane's commits (ready from now on) and mail; a lane whose counters are scribbled over is taken back."""
         corrupt = None
+        books = self._books
         for lane in self.lanes.values():
             try:
                 slots = lane.take_commits()
@@ -133,7 +135,9 @@ class Roster:
                 corrupt = [lane] if corrupt is None else [*corrupt, lane]
                 continue
             if slots is not None:
-                self._accept(lane, slots)
+                refused = books.accept(lane, slots)  # _accept, inline: this runs on every get and get_batch
+                if refused:
+                    self._mail.bad(refused)
             if lane.has_mail():
                 self._mail.read(lane)
         if corrupt is not None:  # its counters are scribbled over: take the lane back, slots and all
