@@ -11,7 +11,7 @@ knows exactly what that was.
 the slot books (:mod:`shmbuf._books`), the lender and run search (:mod:`shmbuf._lending`), the
 roster of lanes (:mod:`shmbuf._roster`, on :mod:`shmbuf._lane`'s protocol), the mail
 (:mod:`shmbuf._mail`) and the latency window (:mod:`shmbuf._latency`). What it hands out,
-:class:`Rollout` and :class:`Batch`, is in :mod:`shmbuf._handles`.
+:class:`Rollout` and :class:`Batch`, is in :mod:`shmbuf._rollout`.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from shmbuf import _fork
 from shmbuf._books import SLOT_LENT, SLOT_READY, SlotBooks
 from shmbuf._errors import PipelineClosed, SlotTimeout, StaleRollout, UsageError, WriterError, WrongProcess
 from shmbuf._handle import Handle
-from shmbuf._handles import Batch, Rollout
 from shmbuf._lane import WAIT_SLICE
 from shmbuf._latency import LatencyWindow
 from shmbuf._lending import Lender
 from shmbuf._mail import Mail
 from shmbuf._ring import store_load_fence
+from shmbuf._rollout import Batch, Rollout
 from shmbuf._roster import Roster
 from shmbuf._schema import Schema
 from shmbuf._segment import (
