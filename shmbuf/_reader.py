@@ -107,7 +107,7 @@ class Reader:
         self._sl_fence = store_load_fence()
         self._sems: list[posix_ipc.Semaphore] = []
         self._doorbell = self._make_sem("r")
-        self._lane_sems = [self._make_sem(f"f{i}") for i in range(self.max_writers)]
+        lane_sems = [self._make_sem(f"f{i}") for i in range(self.max_writers)]
         # Stop the pipeline at collection or exit if the user never closes: the owner's duty, in the owner's process only.
         self._finalizer = weakref.finalize(self, _stop, seg.words, list(self._sems), self.name, self.max_writers, self._pid)
         n = self.slots
@@ -116,7 +116,7 @@ class Reader:
         self._books = SlotBooks(n)
         self._mail = Mail(seg.words, seg.mm, self.errors)
         self._lender = Lender(self._books, self._sl_fence)
-        self._roster = Roster(seg, self._books, self._mail, self._lender, self._lane_sems, self._sl_fence)
+        self._roster = Roster(seg, self._books, self._mail, self._lender, lane_sems, self._sl_fence)
         self._latency = LatencyWindow()
         self._next_scan = 0.0
         # The batch handed out last: its token (a Batch is live while it matches), and the run of slots it holds.
