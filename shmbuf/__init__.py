@@ -35,8 +35,7 @@ from shmbuf._errors import (
 )
 from shmbuf._handle import Handle
 from shmbuf._inference import InferenceClient, InferenceTable
-from shmbuf._reader import Reader, create
-from shmbuf._rollout import Batch, Rollout
+from shmbuf._reader import Batch, Reader, Rollout, create
 from shmbuf._schema import Leaf, Schema, Timescale
 from shmbuf._weights import WeightPublisher, WeightsHandle, WeightSubscriber
 from shmbuf._writer import Writer
