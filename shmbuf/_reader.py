@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import optree
 import posix_ipc
 
 from shmbuf import _fork
@@ -39,8 +38,20 @@ from shmbuf._rollout import Batch, Rollout
 from shmbuf._roster import Roster
 from shmbuf._schema import Schema
 from shmbuf._segment import (
-    S_COMMIT_NS, S_EPOCH, S_FILL, S_POLICY, S_SEQ, W_CLOSED, W_DELIVERED, W_NEWCOMER, W_POOL, Segment, sem_name, unlink_all,
+    S_COMMIT_NS,
+    S_EPOCH,
+    S_FILL,
+    S_POLICY,
+    S_SEQ,
+    W_CLOSED,
+    W_DELIVERED,
+    W_NEWCOMER,
+    W_POOL,
+    Segment,
+    sem_name,
+    unlink_all,
 )
+from shmbuf._trees import Trees
 from shmbuf._validate import timeout_setting
 
 # How often the reader looks at the lane table for writers that came, left or died.
@@ -133,14 +144,7 @@ class Reader:
         self._slot_leaves: dict[int, list[np.ndarray]] = {}  # views of one slot's leaves; never the containers
         self._batch_bufs: dict[int, list[np.ndarray]] = {}
         self._ts_names = [ts.name for ts in self.schema.timescales]
-        self._shapes = []  # per timescale: (name, treespec, first leaf, (key, leaf index) pairs for a plain dict)
-        first = 0
-        for ts in self.schema.timescales:
-            n = len(ts.leaves)
-            template = optree.tree_unflatten(ts.treespec, list(range(first, first + n)))
-            plain = type(template) is dict and all(type(v) is int for v in template.values())
-            self._shapes.append((ts.name, ts.treespec, first, tuple(template.items()) if plain else None))
-            first += n
+        self._trees = Trees(self.schema)  # the example's containers, new each time, around leaf views
         self._rollout_bytes = sum(lf.nbytes for lf in self.schema.leaves)
         self._w[W_POOL] = self.slots  # every slot starts in the pool (`shmbuf ls` reads this)
         _fork.track(self)
@@ -248,7 +252,7 @@ class Reader:
             leaves = [np.array(leaf) for leaf in leaves]
         meta = self._slot_table[run].copy()
         lanes, pids = books.lane_of[run].copy(), books.pid_of[run].copy()
-        data = self._unflatten(leaves)
+        data = self._trees.unflatten(leaves)
         # Everything that can fail is done: the slots change hands.
         books.take_run(first, size)
         self._lender.read_cursor = first + size if first + size < self.slots else 0
@@ -277,7 +281,7 @@ class Reader:
                 leaf_all.take(idx, axis=0, out=out, mode="clip")
         meta = self._slot_table.take(idx, axis=0, mode="clip")
         lanes, pids = books.lane_of[idx], books.pid_of[idx]
-        data = self._unflatten(leaves)
+        data = self._trees.unflatten(leaves)
         # The data is in the batch: the slots go back.
         books.release_ready(idx)
         self._batches["gathered"] += 1
@@ -484,17 +488,7 @@ class Reader:
         leaves = self._slot_leaves.get(slot)
         if leaves is None:
             leaves = self._slot_leaves[slot] = [leaf_all[slot, ...] for leaf_all in self._leaf_all]
-        return self._unflatten(leaves)
-
-    def _unflatten(self, leaves: list[np.ndarray]) -> dict[str, Any]:
-        """New containers, shaped like the example, around ``leaves`` (every leaf of every timescale, in order)."""
-        out = {}
-        for name, spec, first, keys in self._shapes:
-            if keys is not None:  # a plain dict of leaves: its keys, in the example's order, and their leaves
-                out[name] = {key: leaves[i] for key, i in keys}
-            else:
-                out[name] = optree.tree_unflatten(spec, leaves[first : first + spec.num_leaves])
-        return out
+        return self._trees.unflatten(leaves)
 
     def _batch_buffer(self, b: int) -> list[np.ndarray]:
         bufs = self._batch_bufs.get(b)

@@ -8,7 +8,7 @@ for a batch), for their trees (``_tree``), and to give their slots back (``_rele
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import optree
@@ -79,7 +79,7 @@ class Rollout:
 
     def copy(self) -> dict[str, Any]:
         """An independent copy of :meth:`filled`, safe to keep after release."""
-        return optree.tree_map(np.array, self.filled())
+        return cast("dict[str, Any]", optree.tree_map(np.array, cast(Any, self.filled())))  # optree types a tree as PyTree
 
     def release(self) -> None:
         """Give the slot back to the writers. Releasing twice raises :class:`StaleRollout`."""
@@ -101,7 +101,7 @@ class Rollout:
             return
         try:  # the body's exception is the one to see; a failed release must not replace it
             self.release()
-        except Exception:
+        except Exception:  # noqa: BLE001 - whatever the release raised, the body's exception goes on
             pass
 
     def __repr__(self) -> str:

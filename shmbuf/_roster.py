@@ -36,8 +36,8 @@ class Roster:
                  sl_fence: Fence):
         self._seg = seg
         self._w = seg.words
-        # The words as an int64 array, for bulk ring work (None once the reader closed).
-        self._wn: np.ndarray | None = np.ndarray((seg.plan.total // 8,), np.int64, buffer=seg.base)
+        # The words as an int64 array, for bulk ring work (deleted when the reader closes).
+        self._wn = np.ndarray((seg.plan.total // 8,), np.int64, buffer=seg.base)
         self._books = books
         self._mail = mail
         self._lane_sems = lane_sems
@@ -194,5 +194,5 @@ class Roster:
     def close(self) -> None:
         """Drop every view of the segment's words (the reader is closing)."""
         for lane in self.lanes.values():
-            lane.wn = None
-        self._wn = None
+            lane.wn = None  # type: ignore[assignment]  # closed: no lane is lent to again
+        del self._wn
