@@ -71,7 +71,7 @@ class Lender:
         lanes = self.lanes
         if not lanes:
             return []
-        pool = self.books.pool()
+        pool = self.books.where.count(SLOT_POOL)  # books.pool(), inline: this runs at every batch
         if not pool:
             return []
         fed: list[ReaderLane] = []
