@@ -75,7 +75,6 @@ from workers._envs import EnvDriver, tree_copy, tree_index
 from workers._views import ActorViews, check_view_requirements
 
 
-
 def split_policy_output(out: Any) -> tuple[Any, dict[str, Any]]:
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
         return out[0], out[1]
@@ -530,7 +529,7 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         if writers and not isinstance(exc, quiet):
             try:
                 writers[0].report_error(exc)
-            except Exception:  # noqa: BLE001, S110  # whatever a gone pipeline raises: the pool's channel still carries the error
+            except Exception:  # noqa: BLE001  # whatever a gone pipeline raises: the pool's channel still carries the error
                 pass
         raise
     finally:

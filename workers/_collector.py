@@ -472,5 +472,5 @@ class Collector:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001  # a finalizer must not raise (it may run at interpreter exit)
             pass

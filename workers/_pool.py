@@ -62,7 +62,7 @@ def _decode(data: bytes) -> dict[str, Any] | None:
     try:
         msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0, max_array_len=16,
                               max_map_len=16)
-    except Exception:  # msgpack raises several unrelated types on garbage
+    except Exception:  # noqa: BLE001  # msgpack raises several unrelated types on garbage
         return None
     if not isinstance(msg, dict):
         return None
@@ -205,7 +205,7 @@ def _child_main(target: Callable[..., Any], index: int, incarnation: int, conn: 
         os._exit(EXIT_ORPHANED)
     except SystemExit:
         raise
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001  # whatever the actor raised goes to the learner, then the exit code says so
         if ctx.stop_requested and isinstance(exc, (BrokenPipeError, EOFError)):
             return
         ctx.send_error(exc)

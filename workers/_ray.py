@@ -574,7 +574,7 @@ class RayCollector:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001  # a finalizer must not raise (it may run at interpreter exit)
             pass
 
 

@@ -72,7 +72,7 @@ def unpack_header(raw: Any, what: str) -> dict[str, Any]:
         raise shmbuf.SchemaError(f"{what}: expected msgpack bytes, got {type(raw).__name__}")
     try:
         obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
+    except Exception as exc:  # noqa: BLE001  # msgpack raises several unrelated types on garbage
         raise shmbuf.SchemaError(f"{what}: not valid msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(obj, dict) or obj.get("magic") != WIRE_MAGIC:
         raise shmbuf.SchemaError(f"{what}: expected a {WIRE_MAGIC!r} header, got {str(obj)[:80]!r}")

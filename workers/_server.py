@@ -131,7 +131,7 @@ class InferenceServer(threading.Thread):
                 self.busy_s += time.perf_counter() - t0
         except shmbuf.PipelineClosed:
             pass
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001  # the thread's end: the learner raises it as the server's error
             if not self._stop_requested:
                 # the traceback first: the learner's thread reads ``error`` as the signal, then the traceback
                 self.error_traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -147,7 +147,7 @@ class InferenceServer(threading.Thread):
         self._stop_requested = True
         try:
             self.table.interrupt()  # out of take() at once, even while it lingers for min_batch_size
-        except Exception:
+        except Exception:  # noqa: BLE001  # best effort: a table already closed must not stop the join below
             pass
         if self.is_alive():
             self.join(timeout)

@@ -87,7 +87,7 @@ class ThreadActorPool:
             self.target(ctx, *self.args)
         except (shmbuf.PipelineClosed, shmbuf.BrokenPipeline):
             pass  # the collector closed the pipeline or the table: told to stop
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001  # the thread's end: kept as the worker's ActorError for check()
             if ctx.stop_requested:
                 return
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
