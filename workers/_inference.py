@@ -117,9 +117,13 @@ class AsyncBatchedCollector(Collector):
     @property
     def server(self) -> InferenceServer | None:
         """The inference server thread (None until started)."""
-        return self._placement.server  # type: ignore[attr-defined, no-any-return]  # a ServedPolicy's
+        placement = self._placement
+        assert isinstance(placement, ServedPolicy)  # given to Collector.__init__ above
+        return placement.server
 
     @property
     def table(self) -> shmbuf.lowlevel.InferenceTable | None:
         """The inference table the env workers ask through (None until started)."""
-        return self._placement.table  # type: ignore[attr-defined, no-any-return]  # a ServedPolicy's
+        placement = self._placement
+        assert isinstance(placement, ServedPolicy)  # given to Collector.__init__ above
+        return placement.table

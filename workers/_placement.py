@@ -164,7 +164,7 @@ class ServedPolicy:
     """
 
     policy_travels = False
-    publisher = None  # no weight broadcast: the one copy of the policy is here
+    publisher: shmbuf.WeightPublisher | None = None  # no weight broadcast: the one copy of the policy is here
     awaited_weights = None
 
     def __init__(self, policy: Any, *, env_backend: str = "multiprocessing", max_batch_size: int = 64,

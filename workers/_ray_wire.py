@@ -43,7 +43,8 @@ class WireBatch(NamedTuple):
 
 def pack_batch(schema: shmbuf.Schema, b: CollectedBatch) -> tuple[bytes, list[np.ndarray]]:
     """A node's ``CollectedBatch`` as it crosses to the learner: (msgpack header, arrays)."""
-    arrays = [leaf for ts in schema.timescales for leaf in ts.treespec.flatten_up_to(b.data[ts.name])]
+    # list[Any]: arrays all, but optree's flatten_up_to is typed as giving PyTree nodes
+    arrays: list[Any] = [leaf for ts in schema.timescales for leaf in ts.treespec.flatten_up_to(b.data[ts.name])]
     if b.fill is not None:
         arrays += [np.asarray(b.fill[ts.name]) for ts in schema.timescales]
     arrays += [np.asarray(getattr(b, k)) for k in META + EPISODES]

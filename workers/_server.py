@@ -117,11 +117,14 @@ class InferenceServer(threading.Thread):
                     got = self.forward(obs)
                     version = self.version
                     self.forward_s += time.perf_counter() - t1
+                out: list[Any]
                 if type(got) is np.ndarray:
                     out = [got]
                 else:
                     action, extras = split_policy_output(got)
-                    out = optree.tree_leaves({ACTION: action, **({"extras": extras} if extras else {})})
+                    # Any: optree's annotations take a dict as an opaque PyTree, not as the dict it is
+                    response: Any = {ACTION: action, **({"extras": extras} if extras else {})}
+                    out = optree.tree_leaves(response)
                 table.respond(idx, [np.asarray(x).reshape(n, E, *np.shape(x)[1:]) for x in out], version)
                 self.forwards += 1
                 self.requests += n
