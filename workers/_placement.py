@@ -218,7 +218,8 @@ class ServedPolicy:
             self.table.retire(index)
 
     def started(self) -> None:
-        self.server.start()  # type: ignore[union-attr]  # start() made it
+        assert self.server is not None  # start() made it: the collector calls started() after start()
+        self.server.start()
 
     def check(self) -> None:
         s = self.server
