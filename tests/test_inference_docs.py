@@ -11,8 +11,6 @@ import ast
 import pathlib
 import re
 
-import pytest
-
 from tests.helpers import doc_blocks, run_doc_block_under_each_start_method
 
 BLOCKS = doc_blocks("inference.md")

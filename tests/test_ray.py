@@ -12,6 +12,7 @@ repository root, where pytest runs) on its workers' path, so the node owners imp
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -20,8 +21,6 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import multiprocessing as mp
-
 import gymnasium as gym
 import msgpack
 import numpy as np
@@ -29,14 +28,13 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the `ray` extra (make test installs it)")
 
-import shmbuf  # noqa: E402
-from tests.conftest import child_pids, shm_objects, wait_until  # noqa: E402
-from workers import ActorError, CollectedBatch, RayCollector  # noqa: E402
-from workers import _ray, _ray_wire  # noqa: E402  # after the importorskip: they import ray
+import shmbuf  # noqa: E402  (after the importorskip above)
+from tests.conftest import child_pids, shm_objects, wait_until  # noqa: E402  (after the importorskip above)
+from workers import ActorError, CollectedBatch, RayCollector, _ray, _ray_wire  # noqa: E402  # after the importorskip: they import ray
 
 T, E = 8, 2
 FRAMES = 4 * T * E  # four rollouts a batch
-def W(version: int) -> float:  # noqa: N802
+def W(version: int) -> float:
     """The action every step takes under weights ``version``."""
     return 7.0 * version - 0.5 * version**2
 
@@ -47,7 +45,7 @@ class CountEnv(gym.Env):
     Episodes last ``length`` steps. ``fail_flag``: once that file exists, ``step`` raises.
     """
 
-    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012
+    metadata: dict[str, Any] = {"render_modes": []}
 
     def __init__(self, length: int = 5, step_sleep: float = 0.0005, fail_flag: str | None = None,
                  slow_start: float = 0.0):
@@ -128,7 +126,7 @@ def collector(**kw: Any) -> RayCollector:
 
 def described(rc: RayCollector) -> list[dict[str, Any]]:
     """What each node's owner said about itself at start: pids, names."""
-    return [n.info for n in rc.nodes]  # type: ignore[misc]
+    return [n.info for n in rc.nodes]  # type: ignore[misc]  # info is set once a node has described itself, as each has by now
 
 
 def pids_of(info: list[dict[str, Any]]) -> list[int]:
@@ -253,8 +251,8 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
     with pytest.raises(shmbuf.SchemaError, match=f"wire version 99, expected {_ray_wire.WIRE_VERSION}"):
         _ray_wire.unpack_header(msgpack.packb({"magic": _ray_wire.WIRE_MAGIC, "version": 99}), "a batch from node 0")
     # _unpack against a real schema, without a cluster: a collector shell with the schema of CountEnv's rollouts
-    from workers import probe
     from shmbuf.layout import rollout_example
+    from workers import probe
 
     env = make_count_env()
     try:
@@ -481,7 +479,7 @@ def test_the_learner_dying_stops_every_node(cluster: Any) -> None:
     code = LEARNER.format(path=sys.path, address=cluster.address)
     learner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        line = learner.stdout.readline()  # type: ignore[union-attr]
+        line = learner.stdout.readline()  # type: ignore[union-attr]  # stdout=PIPE: never None
         assert line, "the learner did not start"
         import json
 
@@ -495,7 +493,7 @@ def test_the_learner_dying_stops_every_node(cluster: Any) -> None:
         if learner.poll() is None:
             learner.kill()
         learner.wait(10)
-        learner.stdout.close()  # type: ignore[union-attr]
+        learner.stdout.close()  # type: ignore[union-attr]  # stdout=PIPE: never None
 
 
 def test_weights_that_do_not_fit_a_node_are_raised_in_the_learner(cluster: Any) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 import shmbuf
 from shmbuf import WeightPublisher, WeightSubscriber
+from shmbuf.layout import rollout_example, successors
 from tests.test_workers_envs import (
     LENGTHS,
     CountingEnv,
@@ -27,7 +28,6 @@ from tests.test_workers_envs import (
     make_vector,
 )
 from workers import ActorLoop, probe
-from shmbuf.layout import rollout_example, successors
 
 MODES = ["NextStep", "SameStep", "Disabled"]
 
@@ -67,7 +67,7 @@ def collect(make_env, *, T, n_rollouts, batch_mode="truncate_episodes", max_epis
             loop.run(n_rollouts)
             if sub is not None:
                 sub.close()
-        except BaseException as exc:  # surfaced by the main thread
+        except BaseException as exc:  # noqa: BLE001  # anything the loop raises is surfaced by the main thread
             errors.append(exc)
         finally:
             for w in writers:

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from shmbuf import UsageError
+from shmbuf.layout import successors
 from tests.test_workers_envs import LENGTHS, CountingEnv, EchoPolicy, expected_stream, make_counting
 from tests.test_workers_views import collect, make_vector
 from workers import ActorLoop, Collector
-from shmbuf.layout import successors
 
 
 def columns(rollouts, n_envs, vector):

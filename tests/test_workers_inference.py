@@ -255,7 +255,7 @@ def gone(pid: int) -> bool:
 
 
 def names_of(c: AsyncBatchedCollector) -> list[str]:
-    return [c.table.name, c.reader.name]  # type: ignore[union-attr]
+    return [c.table.name, c.reader.name]  # type: ignore[union-attr]  # set while the collector runs
 
 
 def collect_until(it: Iterator[Any], into: list[Any], done: Any, timeout: float, what: str) -> None:
@@ -308,7 +308,7 @@ def test_every_stored_action_answers_its_own_observation(min_batch_size: int, st
 
 
 def recent_sizes(c: AsyncBatchedCollector) -> list[tuple[int, bool]]:
-    return list(c.server.recent)  # type: ignore[union-attr]
+    return list(c.server.recent)  # type: ignore[union-attr]  # set while the collector runs
 
 
 def test_min_batch_size_is_honoured_while_workers_are_alive() -> None:
@@ -575,8 +575,8 @@ def drop_what_is_ready(c: AsyncBatchedCollector) -> bool:
     Tests that stop reading and wait for each worker to reach a flag in its env need this: the reader lends
     slots only when called, and a worker that has filled what it was lent never steps again.
     """
-    for _ in range(c.reader.poll()):  # type: ignore[union-attr]
-        c.reader.get(timeout=0).release()  # type: ignore[union-attr]
+    for _ in range(c.reader.poll()):  # type: ignore[union-attr]  # set while the collector runs
+        c.reader.get(timeout=0).release()  # type: ignore[union-attr]  # set while the collector runs
     return True
 
 
@@ -624,12 +624,12 @@ def test_shutdown_keeps_its_deadline_while_the_server_lingers_for_a_hung_worker(
         open(flag, "w").close()
         wait_until(lambda: drop_what_is_ready(c) and os.path.exists(f"{flag}.0"), 20, "worker 0 to hang")
         # The reader lends slots only when called: poll, so that the two others wait on the server, not for a slot.
-        wait_until(lambda: c.reader.poll() >= 0 and len(c.table.pending()) == 2, 20,  # type: ignore[union-attr]
+        wait_until(lambda: c.reader.poll() >= 0 and len(c.table.pending()) == 2, 20,  # type: ignore[union-attr]  # set while the collector runs
                    "the other two workers' requests")
         t0 = time.monotonic()
         c.shutdown(timeout=1.5)
         took = time.monotonic() - t0
-        server_alive = c.server.is_alive()  # type: ignore[union-attr]
+        server_alive = c.server.is_alive()  # type: ignore[union-attr]  # set while the collector runs
     assert took < 1.5 + 3.5, f"shutdown(timeout=1.5) took {took:.2f} s"
     assert not server_alive, "shutdown returned with the server thread still running"
     assert all(gone(p) for p in pids)

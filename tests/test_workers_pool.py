@@ -28,8 +28,8 @@ from tests.test_workers_envs import (
     target_segfault,
 )
 from workers import ActorError, ActorPool, ActorSpec, run_actor
-from workers.lowlevel import default_start_method
 from workers._pool import LearnerWatch
+from workers.lowlevel import default_start_method
 
 
 @pytest.fixture
@@ -132,8 +132,8 @@ def _learner(conn, method: str) -> None:
     import numpy as np
 
     import shmbuf
-    from workers import probe
     from shmbuf.layout import rollout_example
+    from workers import probe
 
     p = probe(make_counting(), EchoPolicy())
     example = rollout_example(p["obs"], p["action"], rollout_len=4, extras=p["extras"])
@@ -182,9 +182,9 @@ def test_no_orphans_after_the_learner_is_killed(method):
 def test_run_actor_error_also_reaches_a_bare_reader_as_writer_error(pools):
     """A learner that only reads (no pool.check) still hears of an actor's exception, with its traceback."""
     import shmbuf
+    from shmbuf.layout import rollout_example
     from tests.test_workers_collector import WrongPolicy
     from workers import probe
-    from shmbuf.layout import rollout_example
 
     p = probe(make_counting(), EchoPolicy())
     example = rollout_example(p["obs"], p["action"], rollout_len=4, extras=p["extras"])

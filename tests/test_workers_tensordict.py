@@ -16,12 +16,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="to_tensordict needs torch (pip install torch==2.13.0)")
 pytest.importorskip("tensordict", reason="to_tensordict needs tensordict (pip install tensordict)")
 
-from torch import nn
+from torch import nn  # noqa: E402  (after the importorskip above)
 
-import shmbuf
-from workers import CollectedBatch, Collector
-from shmbuf.layout import successors
-from workers._tensordict import to_tensordict
+import shmbuf  # noqa: E402  (after the importorskip above)
+from shmbuf.layout import successors  # noqa: E402  (after the importorskip above)
+from workers import CollectedBatch, Collector  # noqa: E402  (after the importorskip above)
+from workers._tensordict import to_tensordict  # noqa: E402  (after the importorskip above)
 
 F32 = np.float32
 
@@ -103,7 +103,9 @@ def test_single_env_every_key_and_the_views():
     td = to_tensordict(batch)
     assert td.batch_size == (2, 5)
     assert set(td.keys(True, True)) == ROOT_KEYS | {("collector", "mask")}
-    o = lambda *v: [v[0], -v[0]] if len(v) == 1 else v
+    def o(*v):
+        return [v[0], -v[0]] if len(v) == 1 else v
+
     want_next = np.array([[o(1), o(901), o(3), o(903), o(150)],
                           [o(101), o(102), o(103), o(104), o(914)]], F32)
     assert np.array_equal(td["next", "observation"].numpy(), want_next)
@@ -294,7 +296,9 @@ def test_dict_observations_and_rename():
     batch = single_env_batch()
     d = batch.data
     pos = d["step"]["obs"]
-    px = lambda a: (np.abs(a) % 256).astype(np.uint8)
+    def px(a):
+        return (np.abs(a) % 256).astype(np.uint8)
+
     d["step"]["obs"] = {"pos": pos, "cam": {"px": px(pos)}}
     d["bootstrap"]["obs"] = {"pos": d["bootstrap"]["obs"], "cam": {"px": px(d["bootstrap"]["obs"])}}
     d["episode"]["final_obs"] = {"pos": d["episode"]["final_obs"], "cam": {"px": px(d["episode"]["final_obs"])}}

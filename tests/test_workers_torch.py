@@ -12,13 +12,13 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch policies need torch (pip install torch==2.13.0)")
 
 import numpy as np  # noqa: E402  (after the importorskip above)
-from torch import nn  # noqa: E402
+from torch import nn  # noqa: E402  (after the importorskip above)
 
-import shmbuf  # noqa: E402
-from tests.test_workers_actor import check_truncated, collect  # noqa: E402
-from tests.test_workers_collector import per_lane  # noqa: E402
-from tests.test_workers_envs import EchoPolicy, make_counting, make_vector  # noqa: E402
-from workers import Collector  # noqa: E402
+import shmbuf  # noqa: E402  (after the importorskip above)
+from tests.test_workers_actor import check_truncated, collect  # noqa: E402  (after the importorskip above)
+from tests.test_workers_collector import per_lane  # noqa: E402  (after the importorskip above)
+from tests.test_workers_envs import EchoPolicy, make_counting, make_vector  # noqa: E402  (after the importorskip above)
+from workers import Collector  # noqa: E402  (after the importorskip above)
 
 
 class TorchEcho(nn.Module):

@@ -32,7 +32,6 @@ from tests.test_workers_envs import CountingEnv, expected_stream
 from workers import ActorLoop, Collector
 from workers.lowlevel import ActorViews
 
-
 REQS = {
     "obs": VR(shift=0),
     "prev_actions": VR("action", shift=-1),

@@ -75,7 +75,6 @@ from workers._envs import EnvDriver, tree_copy, tree_index
 from workers._views import ActorViews, check_view_requirements
 
 
-
 def split_policy_output(out: Any) -> tuple[Any, dict[str, Any]]:
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
         return out[0], out[1]
@@ -413,7 +412,7 @@ class ActorLoop:
             done = term | trunc
             if not done.any():
                 continue
-            for e in np.flatnonzero(done):
+            for e in np.flatnonzero(done).tolist():
                 w = self.writers[e]
                 w.add(EPISODE, {RETURN: self.ep_ret[e], LENGTH: self.ep_len[e], TERMINATED: term[e], TRUNCATED: trunc[e],
                                 ENV: np.int32(e)})
@@ -500,8 +499,12 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
             from workers._remote import RemotePolicy
 
             policy = RemotePolicy(spec.inference, ctx.index)
-        else:
-            policy = spec.policy if spec.policy is not None else spec.policy_factory()  # type: ignore[misc]
+        elif spec.policy is not None:
+            policy = spec.policy
+        elif spec.policy_factory is not None:
+            policy = spec.policy_factory()
+        else:  # a TypeError, as calling the missing factory was
+            raise shmbuf.UsageError("ActorSpec: expected a policy, a policy_factory or an inference table, got none")
         torch_threads(spec.torch_threads)
         n_writers = EnvDriver(env).num_envs if spec.batch_mode == COMPLETE_EPISODES else 1
         for k in range(n_writers):
@@ -530,7 +533,7 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         if writers and not isinstance(exc, quiet):
             try:
                 writers[0].report_error(exc)
-            except Exception:  # noqa: BLE001, S110  # whatever a gone pipeline raises: the pool's channel still carries the error
+            except Exception:  # noqa: BLE001  # whatever a gone pipeline raises: the pool's channel still carries the error
                 pass
         raise
     finally:

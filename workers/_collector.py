@@ -151,6 +151,19 @@ class CollectedBatch:
 
     __slots__ = ("data", "fill", "policy_version", "policy_lag", "lane", "epoch", "seq", "frames", "episode_returns",
                  "episode_lengths", "lengths", "batch_mode")
+    # What the collectors set (a field left out of the keywords is None: tests build partial batches).
+    data: dict[str, Any]
+    fill: dict[str, np.ndarray] | None  # None for complete-episodes batches
+    policy_version: np.ndarray
+    policy_lag: np.ndarray
+    lane: np.ndarray
+    epoch: np.ndarray
+    seq: np.ndarray
+    frames: int
+    episode_returns: np.ndarray
+    episode_lengths: np.ndarray
+    lengths: np.ndarray
+    batch_mode: str
 
     def __init__(self, **kw: Any):
         for k in self.__slots__:
@@ -346,7 +359,7 @@ class Collector:
             self._returns.extend(batch.episode_returns.tolist())
             if self._bar is not None:
                 self._bar.update(batch.frames)
-                post = {"lag": int(batch.policy_lag.max())}
+                post: dict[str, int | str] = {"lag": int(batch.policy_lag.max())}
                 if self._returns:
                     post[RETURN] = f"{np.mean(self._returns):.1f}"
                 self._bar.set_postfix(post, refresh=False)
@@ -472,5 +485,5 @@ class Collector:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001  # a finalizer must not raise (it may run at interpreter exit)
             pass

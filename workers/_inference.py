@@ -102,7 +102,11 @@ class AsyncBatchedCollector(Collector):
         n_workers = num_envs if num_envs is not None else len(env_fns)
         if create_env_kwargs is not None and not isinstance(create_env_kwargs, dict) and len(env_fns) == 1:
             n_workers = len(list(create_env_kwargs))
-        server_policy = policy if policy is not None else policy_factory()  # type: ignore[misc]  # one is given
+        if policy is not None:
+            server_policy = policy
+        else:
+            assert policy_factory is not None  # exactly one of the two is given: checked first thing above
+            server_policy = policy_factory()
         served = ServedPolicy(server_policy, env_backend=env_backend, max_batch_size=max_batch_size,
                               min_batch_size=min_batch_size, server_timeout=float(server_timeout), device=device,
                               server_threads=server_threads)
@@ -117,9 +121,13 @@ class AsyncBatchedCollector(Collector):
     @property
     def server(self) -> InferenceServer | None:
         """The inference server thread (None until started)."""
-        return self._placement.server  # type: ignore[attr-defined, no-any-return]  # a ServedPolicy's
+        placement = self._placement
+        assert isinstance(placement, ServedPolicy)  # given to Collector.__init__ above
+        return placement.server
 
     @property
     def table(self) -> shmbuf.lowlevel.InferenceTable | None:
         """The inference table the env workers ask through (None until started)."""
-        return self._placement.table  # type: ignore[attr-defined, no-any-return]  # a ServedPolicy's
+        placement = self._placement
+        assert isinstance(placement, ServedPolicy)  # given to Collector.__init__ above
+        return placement.table

@@ -164,7 +164,7 @@ class ServedPolicy:
     """
 
     policy_travels = False
-    publisher = None  # no weight broadcast: the one copy of the policy is here
+    publisher: shmbuf.WeightPublisher | None = None  # no weight broadcast: the one copy of the policy is here
     awaited_weights = None
 
     def __init__(self, policy: Any, *, env_backend: str = "multiprocessing", max_batch_size: int = 64,
@@ -218,7 +218,8 @@ class ServedPolicy:
             self.table.retire(index)
 
     def started(self) -> None:
-        self.server.start()  # type: ignore[union-attr]  # start() made it
+        assert self.server is not None  # start() made it: the collector calls started() after start()
+        self.server.start()
 
     def check(self) -> None:
         s = self.server

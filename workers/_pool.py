@@ -36,13 +36,16 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgpack
 
 import shmbuf
 from shmbuf import ActorError
 from shmbuf.lowlevel import int_setting
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 
 EXIT_ERROR = 1
 EXIT_ORPHANED = 75
@@ -62,11 +65,12 @@ def _decode(data: bytes) -> dict[str, Any] | None:
     try:
         msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0, max_array_len=16,
                               max_map_len=16)
-    except Exception:  # msgpack raises several unrelated types on garbage
+    except Exception:  # noqa: BLE001  # msgpack raises several unrelated types on garbage
         return None
     if not isinstance(msg, dict):
         return None
-    fields = _MSG_FIELDS.get(msg.get("kind"))  # type: ignore[arg-type]
+    kind = msg.get("kind")
+    fields = _MSG_FIELDS.get(kind) if isinstance(kind, str) else None  # an unhashable kind (a list) is garbage too
     if fields is None or set(msg) != fields | {"kind"} or not all(isinstance(msg[f], str) for f in fields):
         return None
     return msg
@@ -205,7 +209,7 @@ def _child_main(target: Callable[..., Any], index: int, incarnation: int, conn: 
         os._exit(EXIT_ORPHANED)
     except SystemExit:
         raise
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001  # whatever the actor raised goes to the learner, then the exit code says so
         if ctx.stop_requested and isinstance(exc, (BrokenPipeError, EOFError)):
             return
         ctx.send_error(exc)
@@ -286,7 +290,8 @@ class ActorPool:
         self.name = name
         self.on_failure = on_failure
         self.failures: list[ActorError] = []
-        self._ctx = mp.get_context(method)
+        # cast: typeshed's get_context(str) is a BaseContext, which has no Process; method is one of these three
+        self._ctx = cast("ForkContext | ForkServerContext | SpawnContext", mp.get_context(method))
         self._pid = os.getpid()
         self._actors = [_Actor(i) for i in range(num_actors)]
         self._started = False

@@ -76,6 +76,9 @@ class RayBatch(CollectedBatch):
     """
 
     __slots__ = ("node", "node_id", "incarnation")
+    node: int
+    node_id: str
+    incarnation: int
 
     def __init__(self, **kw: Any):
         for k in CollectedBatch.__slots__ + RayBatch.__slots__:
@@ -285,9 +288,9 @@ class RayCollector:
         new = self.policy_version + 1 if version is None else int(version)
         if new <= self.policy_version:
             raise shmbuf.UsageError(f"version: expected more than the current {self.policy_version}, got {new}")
-        local = [n for n in self.nodes if n.local is not None and n.state == "running"]
-        for n in local:  # here: published now, and what it raises is raised now
-            n.local.set_weights(params, new)  # type: ignore[union-attr]
+        local = [n.local for n in self.nodes if n.local is not None and n.state == "running"]
+        for node in local:  # here: published now, and what it raises is raised now
+            node.set_weights(params, new)
         self.policy_version = new
         if len(local) < len(self.nodes):
             self._weights_ref = ray.put(params)
@@ -368,7 +371,8 @@ class RayCollector:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         local = next((n for n in self.nodes if n.local is not None and n.state == "running"), None)
         if local is not None:
-            local.local.give_back()  # type: ignore[union-attr]  # the learner asks for more: its last batch is done
+            assert local.local is not None  # chosen for it above (a node's local is set once, at start)
+            local.local.give_back()  # the learner asks for more: its last batch is done
         while True:
             self._look_at_restarting()
             self._check_acks()
@@ -385,8 +389,9 @@ class RayCollector:
                         return batch
                     continue
             if local is not None:
+                assert local.local is not None  # chosen for it above (a node's local is set once, at start)
                 try:
-                    got = local.local.take(LOCAL_SLICE if self._pending else WAIT_SLICE)  # type: ignore[union-attr]
+                    got = local.local.take(LOCAL_SLICE if self._pending else WAIT_SLICE)
                 except Exception as exc:  # noqa: BLE001 - what its collector raised is that node's failure
                     self._failed(local, exc)
                     continue
@@ -537,7 +542,7 @@ class RayCollector:
         if self._bar is not None:
             self._bar.close()
         timeout = self.stop_timeout if timeout is None else timeout
-        stops = {ref: None for ref in self._stopping}
+        stops: dict[Any, _Node | None] = {ref: None for ref in self._stopping}
         for n in self.nodes:
             if n.owner is not None and n.state in ("starting", "running", "restarting"):
                 stops[self._stop_owner(n, timeout)] = n
@@ -574,7 +579,7 @@ class RayCollector:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001  # a finalizer must not raise (it may run at interpreter exit)
             pass
 
 

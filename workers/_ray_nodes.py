@@ -170,7 +170,7 @@ class LocalNode(_NodeCollector):
                 while not self._given_back.acquire(timeout=OWNER_SLICE):  # the learner still uses it
                     if self._stop.is_set():
                         return
-        except BaseException as exc:  # the learner reports it as this node's failure
+        except BaseException as exc:  # noqa: BLE001  # the learner reports it as this node's failure
             self._ready.put(exc)
 
     def take(self, timeout: float) -> CollectedBatch | None:

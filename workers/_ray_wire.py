@@ -43,7 +43,8 @@ class WireBatch(NamedTuple):
 
 def pack_batch(schema: shmbuf.Schema, b: CollectedBatch) -> tuple[bytes, list[np.ndarray]]:
     """A node's ``CollectedBatch`` as it crosses to the learner: (msgpack header, arrays)."""
-    arrays = [leaf for ts in schema.timescales for leaf in ts.treespec.flatten_up_to(b.data[ts.name])]
+    # list[Any]: arrays all, but optree's flatten_up_to is typed as giving PyTree nodes
+    arrays: list[Any] = [leaf for ts in schema.timescales for leaf in ts.treespec.flatten_up_to(b.data[ts.name])]
     if b.fill is not None:
         arrays += [np.asarray(b.fill[ts.name]) for ts in schema.timescales]
     arrays += [np.asarray(getattr(b, k)) for k in META + EPISODES]
@@ -72,7 +73,7 @@ def unpack_header(raw: Any, what: str) -> dict[str, Any]:
         raise shmbuf.SchemaError(f"{what}: expected msgpack bytes, got {type(raw).__name__}")
     try:
         obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
+    except Exception as exc:  # noqa: BLE001  # msgpack raises several unrelated types on garbage
         raise shmbuf.SchemaError(f"{what}: not valid msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(obj, dict) or obj.get("magic") != WIRE_MAGIC:
         raise shmbuf.SchemaError(f"{what}: expected a {WIRE_MAGIC!r} header, got {str(obj)[:80]!r}")

@@ -39,7 +39,8 @@ class RemotePolicy:
         self.client = c = shmbuf.lowlevel.InferenceClient(table, index, timeout=timeout)
         self._req = c.request_leaves
         self._single = len(self._req) == 1
-        resp = c.response
+        # Any: a dict, {ACTION: ..., "extras": {...}} as workers lays it out, which optree types as an opaque PyTree
+        resp: Any = c.response
         self._action = resp[ACTION]
         num_envs = len(optree.tree_leaves(self._action)[0])
         self._version = np.zeros(num_envs, np.int64)

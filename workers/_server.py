@@ -117,11 +117,14 @@ class InferenceServer(threading.Thread):
                     got = self.forward(obs)
                     version = self.version
                     self.forward_s += time.perf_counter() - t1
+                out: list[Any]
                 if type(got) is np.ndarray:
                     out = [got]
                 else:
                     action, extras = split_policy_output(got)
-                    out = optree.tree_leaves({ACTION: action, **({"extras": extras} if extras else {})})
+                    # Any: optree's annotations take a dict as an opaque PyTree, not as the dict it is
+                    response: Any = {ACTION: action, **({"extras": extras} if extras else {})}
+                    out = optree.tree_leaves(response)
                 table.respond(idx, [np.asarray(x).reshape(n, E, *np.shape(x)[1:]) for x in out], version)
                 self.forwards += 1
                 self.requests += n
@@ -131,7 +134,7 @@ class InferenceServer(threading.Thread):
                 self.busy_s += time.perf_counter() - t0
         except shmbuf.PipelineClosed:
             pass
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001  # the thread's end: the learner raises it as the server's error
             if not self._stop_requested:
                 # the traceback first: the learner's thread reads ``error`` as the signal, then the traceback
                 self.error_traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -147,7 +150,7 @@ class InferenceServer(threading.Thread):
         self._stop_requested = True
         try:
             self.table.interrupt()  # out of take() at once, even while it lingers for min_batch_size
-        except Exception:
+        except Exception:  # noqa: BLE001  # best effort: a table already closed must not stop the join below
             pass
         if self.is_alive():
             self.join(timeout)

@@ -173,6 +173,9 @@ def _truncated(batch: Any, g: Grid, term: np.ndarray, trunc: np.ndarray) -> _Par
 def _complete(batch: Any, g: Grid, term: np.ndarray, trunc: np.ndarray) -> _Parts:
     """A complete-episodes batch: steps concatenated, ``(N, ...)``, one episode per ``batch.lengths`` entry."""
     lengths = g.lengths
+    if lengths is None:  # grid() reads them only from a complete-episodes batch with no fill
+        raise UsageError("a complete-episodes batch needs batch.lengths (each episode's length) and no fill, got "
+                         f"lengths=None, fill={getattr(batch, 'fill', None)!r:.80}")
     R, N = len(lengths), g.T
     version = None
     if batch.policy_version is not None:

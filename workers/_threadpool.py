@@ -87,7 +87,7 @@ class ThreadActorPool:
             self.target(ctx, *self.args)
         except (shmbuf.PipelineClosed, shmbuf.BrokenPipeline):
             pass  # the collector closed the pipeline or the table: told to stop
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001  # the thread's end: kept as the worker's ActorError for check()
             if ctx.stop_requested:
                 return
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -124,7 +124,8 @@ class ThreadActorPool:
             if all(w.ctx is not None and w.ctx.is_ready for w in self._workers if w.state == "running"):
                 return
             if time.monotonic() > deadline:
-                waiting = [w.index for w in self._workers if w.state == "running" and not w.ctx.is_ready]  # type: ignore[union-attr]
+                waiting = [w.index for w in self._workers
+                           if w.state == "running" and not (w.ctx is not None and w.ctx.is_ready)]
                 # not SlotTimeout (no ShmbufError fits yet): a node owner's batch loop in workers._ray takes a
                 # SlotTimeout as 'nothing yet, ask again', and a start that never comes must not be retried so
                 raise TimeoutError(f"env worker threads {waiting} were not ready within {timeout} s")

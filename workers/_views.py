@@ -144,6 +144,8 @@ class ActorViews:
         if col == OBS:
             leaves, spec = optree.tree_flatten(obs)
             return spec, [_Ring(E, depth + 1, np.shape(a)[1:], np.asarray(a).dtype, 0) for a in leaves]
+        shape: tuple[int, ...]
+        dtype: np.dtype[Any]
         if col == REWARD:
             shape, dtype = (), np.dtype(np.float32)
         elif col in FLAG_KEYS:
@@ -155,7 +157,8 @@ class ActorViews:
                              "Space or np.zeros((), np.float32))")
         else:
             shape, dtype = _item_template(space, f"view column {col!r}")
-        _, spec = optree.tree_flatten(np.zeros(()))
+        leaf: Any = np.zeros(())  # Any: optree's PyTree annotation does not take an ndarray, though a leaf is one
+        _, spec = optree.tree_flatten(leaf)
         return spec, [_Ring(E, depth, shape, dtype, -1)]
 
     def _check_fill(self, key: str, vr: Any) -> None:
@@ -173,7 +176,7 @@ class ActorViews:
 
     def inputs(self) -> dict[str, Any]:
         """The policy's input at the current step (see the class doc for shapes and lifetime)."""
-        out = {}
+        out: dict[str, Any] = {}
         for key, views in self.views.items():
             spec = self.rings[self.requirements[key].column(key)][0]
             if len(views) == 1 and spec.num_leaves == 1 and spec.num_nodes == 1:
