@@ -14,9 +14,9 @@ import numpy as np
 
 NAMES = {"shmbuf": "shmbuf", "shmbuf_gather": "shmbuf gather", "echo": "echo", "echo1": "echo1",
          "faster_fifo": "faster_fifo", "mp_queue": "mp.Queue"}
-LONG = {"shmbuf": "shmbuf, `get_batch(16)` (default view=True: zero-copy views when the 16 rollouts are one aligned run "
+LONG = {"shmbuf": "shmbuf, `get_batch(16)` (default zero_copy=True: zero-copy views when the 16 rollouts are one aligned run "
                   "of slots)",
-        "shmbuf_gather": "shmbuf, `get_batch(16, view=False)` (always one gather copy into the batch)",
+        "shmbuf_gather": "shmbuf, `get_batch(16, zero_copy=False)` (always one gather copy into the batch)",
         "echo": "echo 0.2 over TCP, its defaults: `Server(example, 16, transport=TcpTransport(port=0))` "
                 "(8 drainer threads, 8 TCP threads)",
         "echo1": "echo over TCP, `Server(..., transport=TcpTransport(port=0, num_threads=1), num_drainers=1)`",

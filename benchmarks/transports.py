@@ -1,7 +1,7 @@
 """The systems behind one small interface, so that the harness runs them all the same way.
 
 Six systems, four transports: shmbuf twice (``shmbuf``: ``get_batch``'s default, zero-copy views
-when the batch's rollouts sit in consecutive slots; ``shmbuf_gather``: ``get_batch(view=False)``,
+when the batch's rollouts sit in consecutive slots; ``shmbuf_gather``: ``get_batch(zero_copy=False)``,
 always gathered), echo twice (``echo``: its defaults; ``echo1``: one drainer thread and one TCP
 thread, which beat its defaults on a 2-core machine), faster_fifo and multiprocessing.Queue.
 
@@ -51,15 +51,17 @@ def _now() -> np.ndarray:
 # -- shmbuf -----------------------------------------------------------------
 
 
-def _has_view_arg(reader: Any) -> bool:
-    """Whether this shmbuf's ``get_batch`` takes ``view=`` (zero-copy batches)."""
+def _zero_copy_arg(reader: Any) -> str | None:
+    """The name of this shmbuf's ``get_batch`` argument for zero-copy batches: ``zero_copy``, ``view`` (its name
+    before the renames of issue 20), or None (a shmbuf from before zero-copy batches)."""
     import inspect
 
-    return "view" in inspect.signature(reader.get_batch).parameters
+    params = inspect.signature(reader.get_batch).parameters
+    return next((name for name in ("zero_copy", "view") if name in params), None)
 
 
 class ShmbufLearner:
-    """``get_batch(B)`` with its default ``view=True``: zero-copy views when the B rollouts are one aligned run
+    """``get_batch(B)`` with its default ``zero_copy=True``: zero-copy views when the B rollouts are one aligned run
     of slots (and in every lane's commit order), gathered otherwise. Each batch (``copy=False``) stays valid
     until the next ``get_batch``, which releases it: the harness touches it before asking for the next."""
 
@@ -72,9 +74,10 @@ class ShmbufLearner:
         self.reader = shmbuf.create(example, slots=depth, max_writers=max(8, n_actors))
         self.address = self.reader.name
         self.batch = batch
-        # A shmbuf from before zero-copy batches has no view= and always gathers; extra() then says so.
-        self.view_api = _has_view_arg(self.reader)
-        self._kw = {"view": self.VIEW} if self.view_api else {}
+        # A shmbuf from before zero-copy batches has no such argument and always gathers; extra() then says so.
+        arg = _zero_copy_arg(self.reader)
+        self.view_api = arg is not None
+        self._kw = {arg: self.VIEW} if arg is not None else {}
 
     def next_batch(self, timeout: float) -> Any:
         try:
@@ -96,7 +99,7 @@ class ShmbufLearner:
 
 
 class ShmbufGatherLearner(ShmbufLearner):
-    """``get_batch(B, view=False)``: always one gather copy into the batch (the slots are released at once)."""
+    """``get_batch(B, zero_copy=False)``: always one gather copy into the batch (the slots are released at once)."""
 
     VIEW = False
 

@@ -28,6 +28,12 @@ works for bad input and ``except TimeoutError`` for a wait that ran out.
   does not have.
 - :class:`ActorError` (RuntimeError): an actor process of a ``workers``
   pool or collector raised (its traceback as text) or died.
+- :class:`StartTimeout` (TimeoutError): processes or threads an object
+  started did not come up within its ``ready_timeout``. Not a
+  :class:`SlotTimeout`: asking again will not help.
+- :class:`StateError` (RuntimeError): a call the object cannot take as it
+  is (a pool started twice, weights sent to a collector made without a
+  weight broadcast, weights every node refused).
 - :class:`BufferFull` (RuntimeError) and :class:`BufferEmpty` (SlotTimeout,
   RuntimeError): ``shmbuf.storage.RolloutBuffer`` has no room, or nothing
   stored and no wait asked for (embodichain's RuntimeErrors).
@@ -130,6 +136,16 @@ class WrongProcess(ShmbufError, RuntimeError):
 def _actor_error(message: str, index: int, pid: int | None, kind: str, exitcode: int | None,
                  remote_traceback: str) -> ActorError:
     return ActorError(message, index=index, pid=pid, kind=kind, exitcode=exitcode, remote_traceback=remote_traceback)
+
+
+class StartTimeout(ShmbufError, TimeoutError):
+    """Processes or threads an object started did not come up within its ``ready_timeout`` (not a SlotTimeout:
+    asking again will not help)."""
+
+
+class StateError(ShmbufError, RuntimeError):
+    """A call the object cannot take as it is: a pool started twice, weights sent to a collector made without a
+    weight broadcast, weights that every node refused."""
 
 
 class ActorError(ShmbufError, RuntimeError):

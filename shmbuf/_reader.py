@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -196,17 +197,18 @@ class Reader:
             yield self.get()
 
     def get_batch(self, batch_size: int, timeout: float | None = None, *, copy: bool = False,
-                  view: bool = True) -> Batch:
+                  zero_copy: bool = True, view: bool | None = None) -> Batch:
         """``batch_size`` rollouts, each leaf ``(batch_size, ...)``: zero-copy where they sit in consecutive slots.
 
         Args:
             batch_size: from 1 to ``slots``.
             timeout: seconds to wait for the batch (None: for ever); :class:`SlotTimeout` after that.
             copy: give the batch arrays of its own (one copy), never stale; its slots go back at once.
-            view: True (the default): views of shared memory when ``batch_size`` ready rollouts fill
+            zero_copy: True (the default): views of shared memory when ``batch_size`` ready rollouts fill
                 one aligned run of slots (``k * batch_size`` to ``k * batch_size + batch_size - 1``)
                 and handing them out keeps every lane's commit order; else gathered with one copy per
                 byte (``batch.zero_copy`` says which). False: always gathered.
+            view: the old name of ``zero_copy`` (deprecated: "view" names numpy views and trajectory views).
 
         The batch this reader handed out before is released first (see :class:`Batch` for the
         lifetime). Rollouts from :meth:`get` that are not released still hold their slots: if they
@@ -218,24 +220,28 @@ class Reader:
         # Not _validate.int_setting: this message names the bound as slots=N, and callers match on it.
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= self.slots:
             raise UsageError(f"get_batch(batch_size=...): expected an int from 1 to slots={self.slots}, got {batch_size!r}")
-        if view is not True and view is not False:
-            raise UsageError(f"get_batch(view=...): expected True (views where the rollouts sit in a run of slots) "
-                             f"or False (always gathered), got {view!r}")
+        if view is not None:
+            warnings.warn("get_batch(view=...) is now get_batch(zero_copy=...) (CHANGELOG.md)", DeprecationWarning,
+                          stacklevel=2)
+            zero_copy = view
+        if zero_copy is not True and zero_copy is not False:
+            raise UsageError(f"get_batch(zero_copy=...): expected True (views where the rollouts sit in a run of slots) "
+                             f"or False (always gathered), got {zero_copy!r}")
         timeout = timeout_setting("get_batch(timeout=...)", timeout)
-        if view and batch_size != self._lender.run:
+        if zero_copy and batch_size != self._lender.run:
             self._lender.batch_size(batch_size)  # lend runs of this size from here on
         self._end_batch()
-        first = self._await(batch_size, view, None if timeout is None else time.monotonic() + timeout, timeout)
+        first = self._await(batch_size, zero_copy, None if timeout is None else time.monotonic() + timeout, timeout)
         # From here to the return nothing waits or calls out: the slots change hands in one piece.
         if first >= 0:
             return self._view_batch(first, batch_size, copy)
         return self._gather_batch(batch_size, copy)
 
     def batches(self, batch_size: int, *, timeout: float | None = None, copy: bool = False,
-                view: bool = True) -> Iterator[Batch]:
+                zero_copy: bool = True) -> Iterator[Batch]:
         """Batches for ever (until closed); each is released when the next is taken (see :class:`Batch`)."""
         while not self._closed:
-            yield self.get_batch(batch_size, timeout, copy=copy, view=view)
+            yield self.get_batch(batch_size, timeout, copy=copy, zero_copy=zero_copy)
 
     def dataset_iter(self, batch_size: int, *, copy: bool = False) -> Iterator[Batch]:
         """echo-style name for :meth:`batches`: for users of ``Server.dataset_iter(copy=False)``."""
@@ -322,11 +328,11 @@ class Reader:
 
     # -- the wait behind get and get_batch ------------------------------------
 
-    def _await(self, size: int, view: bool, deadline: float | None, timeout: float | None) -> int:
+    def _await(self, size: int, zero_copy: bool, deadline: float | None, timeout: float | None) -> int:
         """Serve the writers and sleep until ``size`` rollouts can be handed out.
 
         Returns the first slot of a run of ``size`` ready slots to hand out as views, or -1 to
-        gather the ``size`` oldest. ``view``: as in :meth:`get_batch` (``get`` passes False).
+        gather the ``size`` oldest. ``zero_copy``: as in :meth:`get_batch` (``get`` passes False).
         With enough rollouts ready but no run complete (or none that keeps every lane's order),
         it waits for one for as long as the batch took to arrive (at least ``RUN_PATIENCE``), then
         gathers: a slow or hung writer delays a batch at most that much.
@@ -346,8 +352,8 @@ class Reader:
             want = size - books.n_ready
             now = None
             if want <= 0:
-                if not view:
-                    self._why = "view=False"
+                if not zero_copy:
+                    self._why = "zero_copy=False"
                     return -1
                 first = lender.full_run(size)
                 if first >= 0:

@@ -115,7 +115,7 @@ class Batch:
     ``zero_copy`` says which. True: the rollouts sat in one aligned run of ``size`` consecutive
     slots (slots ``k*size .. k*size + size - 1``), so each leaf is a view of shared memory and
     nothing was copied. False: they were gathered leaf by leaf into a buffer (one copy per byte),
-    and their slots were released at once. ``Reader.get_batch(view=False)`` always gathers.
+    and their slots were released at once. ``Reader.get_batch(zero_copy=False)`` always gathers.
 
     Lifetime (``copy=False``): a batch lasts until :meth:`release`, the end of its ``with`` block,
     or the reader's next ``get_batch`` (or ``batches`` step), which releases it. A zero-copy batch

@@ -47,6 +47,15 @@ def fill(reader: shmbuf.Reader, w: shmbuf.Writer, first: int, n: int = 4) -> Non
         send(w, 0, k)
 
 
+def test_the_old_name_view_still_works_with_a_warning(one_writer: Any) -> None:
+    """``get_batch(view=...)`` was renamed ``zero_copy=`` (CHANGELOG.md); the old keyword keeps its meaning for now."""
+    reader, w = one_writer
+    fill(reader, w, 0)
+    with pytest.warns(DeprecationWarning, match=r"get_batch\(view=\.\.\.\) is now get_batch\(zero_copy=\.\.\.\)"):
+        b = reader.get_batch(4, timeout=5, view=False)
+    assert not b.zero_copy and check_rows(b) == [(0, 0), (0, 1), (0, 2), (0, 3)]
+
+
 def _is_view_of_the_segment(reader: shmbuf.Reader, a: np.ndarray) -> bool:
     return any(np.shares_memory(a, leaf) for leaf in reader._leaf_all)
 
@@ -59,7 +68,7 @@ def test_a_run_of_consecutive_slots_is_handed_out_as_views(one_writer: Any) -> N
     assert check_rows(b) == [(0, 0), (0, 1), (0, 2), (0, 3)] and b.seq.tolist() == [0, 1, 2, 3]
     assert reader.stats()["slots"]["held"] == 4 and reader.stats()["batches"] == {"views": 1, "gathered": 0}
     fill(reader, w, 4)
-    g = reader.get_batch(4, timeout=5, view=False)
+    g = reader.get_batch(4, timeout=5, zero_copy=False)
     assert not g.zero_copy and not _is_view_of_the_segment(reader, g.data["step"]["x"])
     assert check_rows(g) == [(0, 4), (0, 5), (0, 6), (0, 7)] and reader.stats()["slots"]["held"] == 0
     fill(reader, w, 8)
@@ -77,7 +86,7 @@ def test_a_released_batch_raises_on_access_and_on_a_second_release(one_writer: A
         assert b.zero_copy and not b.released
     assert b.released and reader.stats()["slots"]["held"] == 0  # the with block gave the slots back
     with pytest.raises(StaleRollout, match="batch of 4 was released"):
-        b.data
+        _ = b.data
     with pytest.raises(StaleRollout):
         b["step"]
     with pytest.raises(StaleRollout):
@@ -86,20 +95,20 @@ def test_a_released_batch_raises_on_access_and_on_a_second_release(one_writer: A
     # The next get_batch releases the batch before it, views and gathered alike.
     for view in (True, False):
         fill(reader, w, 10)
-        first = reader.get_batch(4, timeout=5, view=view)
-        first.data
+        first = reader.get_batch(4, timeout=5, zero_copy=view)
+        _ = first.data
         fill(reader, w, 20)
-        reader.get_batch(4, timeout=5, view=view).release()
+        reader.get_batch(4, timeout=5, zero_copy=view).release()
         assert first.released
         with pytest.raises(StaleRollout):
-            first.data
+            _ = first.data
     fill(reader, w, 30)
     last = reader.get_batch(4, timeout=5)
     w.close()
     reader.close()
     assert last.released
     with pytest.raises(StaleRollout, match="closed"):
-        last.data
+        _ = last.data
 
 
 def test_a_timed_out_get_batch_has_still_released_the_batch_before_it(one_writer: Any) -> None:
@@ -127,7 +136,7 @@ def test_every_rollout_is_delivered_exactly_once_and_intact(make_reader: Any, pr
     deadline = time.monotonic() + 60
     while len(seen) < n * writers:
         assert time.monotonic() < deadline, f"only {len(seen)} of {n * writers} rollouts in 60 s"
-        b = reader.get_batch(size, timeout=10, view=view)
+        b = reader.get_batch(size, timeout=10, zero_copy=view)
         if not view:
             assert not b.zero_copy
         seen += check_rows(b)
@@ -238,8 +247,8 @@ def test_held_rollouts_in_every_run_mean_a_gather_at_once(make_reader: Any) -> N
         assert not g.zero_copy and [k for _, k in check_rows(g)] == [3, 4]  # gathered, oldest first
         a.release()
         c.release()
-    with pytest.raises(shmbuf.UsageError, match="view"):
-        reader.get_batch(2, view=None)
+    with pytest.raises(shmbuf.UsageError, match="zero_copy"):
+        reader.get_batch(2, zero_copy=None)  # type: ignore[arg-type]  # the wrong type is the test
 
 
 def test_an_idle_writer_does_not_stall_the_others(make_reader: Any, procs: Any) -> None:
@@ -341,7 +350,7 @@ def test_stats_say_why_each_gathered_batch_was_gathered(one_writer: Any) -> None
     fill(reader, w, 0)
     assert reader.get_batch(4, timeout=5).zero_copy
     fill(reader, w, 4)
-    assert not reader.get_batch(4, timeout=5, view=False).zero_copy  # asked for
+    assert not reader.get_batch(4, timeout=5, zero_copy=False).zero_copy  # asked for
     fill(reader, w, 8)  # one run
     kept = [reader.get(timeout=5)]  # rollout 8 held in that run
     for _ in range(3):
@@ -353,5 +362,5 @@ def test_stats_say_why_each_gathered_batch_was_gathered(one_writer: Any) -> None
     assert not b.zero_copy and [k for _, k in check_rows(b)] == [13, 14, 15, 16]
     for r in kept:
         r.release()
-    assert reader.stats()["gathered_why"] == {"view=False": 1, "every run held a rollout taken with get()": 1}
+    assert reader.stats()["gathered_why"] == {"zero_copy=False": 1, "every run held a rollout taken with get()": 1}
     assert reader.stats()["batches"] == {"views": 1, "gathered": 2}

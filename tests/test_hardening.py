@@ -61,13 +61,13 @@ def test_batch_data_gives_every_batch_its_own_containers(pair: Any) -> None:
     reader, writer = pair
     write(writer, 1.0)
     write(writer, 2.0)
-    b = reader.get_batch(2, timeout=5, view=False)
+    b = reader.get_batch(2, timeout=5, zero_copy=False)
     obs = b.data["step"]["obs"]
     b.data["step"]["obs"] = "replaced"
     b.data["step"]["mine"] = 1
     write(writer, 3.0)
     write(writer, 4.0)
-    b2 = reader.get_batch(2, timeout=5, view=False)
+    b2 = reader.get_batch(2, timeout=5, zero_copy=False)
     assert b2.data["step"]["obs"] is obs  # the same preallocated array, refilled (copy=False)...
     assert "mine" not in b2.data["step"] and b2.data["step"]["obs"][:, 0, 0].tolist() == [3.0, 4.0]  # ...in new dicts
 
@@ -108,7 +108,7 @@ def test_a_failure_during_get_batch_puts_every_taken_slot_back(pair: Any, monkey
     monkeypatch.setattr(reader, "_leaf_all", [_Exploding(v) for v in reader._leaf_all])
     for view in (False, True):  # a gather, and a run of views (whose leaf views are made from _leaf_all)
         with pytest.raises(MemoryError):
-            reader.get_batch(3, timeout=5, view=view)
+            reader.get_batch(3, timeout=5, zero_copy=view)
     monkeypatch.undo()
     assert bufs is reader._batch_buffer(3)
     assert reader.stats()["slots"]["ready"] == 3

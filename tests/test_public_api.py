@@ -12,7 +12,8 @@ import shmbuf
 TIERS = {
     "shmbuf": [
         "ActorError", "Batch", "BrokenPipeline", "BufferEmpty", "BufferFull", "Handle", "NoSpace", "PipelineClosed",
-        "Reader", "Rollout", "Schema", "SchemaError", "SegmentError", "ShmbufError", "SlotTimeout", "StaleRollout",
+        "Reader", "Rollout", "Schema", "SchemaError", "SegmentError", "ShmbufError", "SlotTimeout", "StartTimeout",
+        "StaleRollout", "StateError",
         "TimescaleFull", "UnknownTimescale", "UsageError", "WeightPublisher", "WeightSubscriber", "WeightsHandle",
         "Writer", "WriterError", "WrongProcess", "__version__", "create",
     ],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import pickle
 import threading
 import time
@@ -44,7 +45,7 @@ def test_released_rollout_raises_stale_instead_of_reading_recycled_data(pair: An
     kept = r.copy()
     r.release()
     with pytest.raises(StaleRollout, match="was released; its slot .* now belongs to another rollout"):
-        r.data
+        _ = r.data
     with pytest.raises(StaleRollout):
         r.release()
     assert r.released
@@ -97,7 +98,7 @@ def test_batches_gather_rollouts_and_release_their_slots(pair: Any) -> None:
     for k in range(3):
         write(writer, float(k), length=T - k)
     reader.poll()
-    batch = reader.get_batch(3, timeout=5, view=False)
+    batch = reader.get_batch(3, timeout=5, zero_copy=False)
     assert not batch.zero_copy
     assert batch.data["step"]["obs"].shape == (3, T, 4)
     assert batch.data["step"]["obs"][:, 0, 0].tolist() == [0.0, 1.0, 2.0]
@@ -107,11 +108,11 @@ def test_batches_gather_rollouts_and_release_their_slots(pair: Any) -> None:
     first = batch.data["step"]["obs"]
     for k in range(3):
         write(writer, 10.0 + k)
-    again = reader.get_batch(3, timeout=5, view=False)
+    again = reader.get_batch(3, timeout=5, zero_copy=False)
     assert again.data["step"]["obs"] is first  # copy=False: the same preallocated buffer, refilled
     for k in range(3):
         write(writer, 20.0 + k)
-    mine = reader.get_batch(3, timeout=5, copy=True, view=False)
+    mine = reader.get_batch(3, timeout=5, copy=True, zero_copy=False)
     assert mine.data["step"]["obs"] is not first and mine.data["step"]["obs"][:, 0, 0].tolist() == [20.0, 21.0, 22.0]
 
 
@@ -227,11 +228,11 @@ def test_mixed_gets_and_batches_with_held_rollouts_never_starve_in_silence(make_
             held = len(kept) + (batch.size if batch is not None and batch.zero_copy and not batch.released else 0)
             if rng.random() < 0.5:
                 size = 1
-                call = lambda: reader.get(timeout=5)  # noqa: E731
+                call: Any = functools.partial(reader.get, timeout=5)
             else:
                 size = int(rng.integers(1, 9))
                 held -= batch.size if batch is not None and batch.zero_copy and not batch.released else 0  # released first
-                call = lambda: reader.get_batch(size, timeout=5)  # noqa: E731 - size is bound at call time below
+                call = functools.partial(reader.get_batch, size, timeout=5)
             if 8 - held < size:
                 with pytest.raises(shmbuf.UsageError, match="can never be served"):
                     call()
@@ -308,7 +309,7 @@ def test_writer_threads_in_the_reader_process(make_reader: Any) -> None:
             with shmbuf.Writer(reader.handle, timeout=10) as w:
                 for seq in range(n):
                     write(w, float(tag * 10000 + seq), length=2)
-        except BaseException as exc:  # reported below, not lost in the thread
+        except BaseException as exc:  # noqa: BLE001  # reported below, not lost in the thread
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]

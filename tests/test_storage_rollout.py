@@ -371,9 +371,9 @@ def test_from_a_batch_copies_exactly_when_b_and_e_must_merge(make_reader: Any, n
     try:
         for k in range(2):
             write_rollout(writer, k, num_envs)
-        # gathered (view=False): contiguous (B, ...) buffers, so which fields are views is the storage's
+        # gathered (zero_copy=False): contiguous (B, ...) buffers, so which fields are views is the storage's
         # choice alone; a zero-copy batch's slot stride can make a merge copy too
-        b = reader.get_batch(2, timeout=5, view=False)
+        b = reader.get_batch(2, timeout=5, zero_copy=False)
         s = RolloutStorage.from_rollout(b)
         step = b.data["step"]
         N = 2 * (num_envs or 1)

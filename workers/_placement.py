@@ -137,7 +137,8 @@ class LocalPolicy:
     def update_weights(self, policy_or_weights: Any, version: int | None) -> int:
         if self.publisher is None:
             # no ShmbufError fits: a RuntimeError (callers catch it so), and not a bad argument of this call
-            raise RuntimeError("this Collector has no weight broadcast: pass weights=... (or a torch policy) at construction")
+            raise shmbuf.StateError(
+                "this Collector has no weight broadcast: pass weights=... (or a torch policy) at construction")
         new = self.publisher.publish(weights_of(policy_or_weights, self.policy), version)
         self.awaited_weights = None  # the actors have weights to start from now
         return new

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 import msgpack
 
 import shmbuf
-from shmbuf import ActorError
+from shmbuf import ActorError, StartTimeout, StateError
 from shmbuf.lowlevel import int_setting
 
 if TYPE_CHECKING:
@@ -304,7 +304,7 @@ class ActorPool:
     def start(self) -> ActorPool:
         if self._started:
             # no ShmbufError fits: it must stay a RuntimeError, and UsageError is a ValueError
-            raise RuntimeError("this ActorPool was already started")
+            raise StateError("this ActorPool was already started")
         self._started = True
         try:
             for a in self._actors:
@@ -400,7 +400,7 @@ class ActorPool:
                 waiting = [a.index for a in self._actors if a.state == "running" and not a.ready]
                 # not SlotTimeout (no ShmbufError fits yet): a node owner's batch loop in workers._ray takes a
                 # SlotTimeout as 'nothing yet, ask again', and a start that never comes must not be retried so
-                raise TimeoutError(f"actors {waiting} were not ready within {timeout} s")
+                raise StartTimeout(f"actors {waiting} were not ready within {timeout} s")
             self.check(timeout=min(left, 0.1))
 
     def _close_actor(self, a: _Actor) -> None:

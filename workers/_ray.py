@@ -282,7 +282,8 @@ class RayCollector:
         The learner does not wait: an owner that has failed is skipped, one that restarts gets them again.
         """
         if not self._broadcast:
-            raise RuntimeError("this RayCollector has no weight broadcast: pass weights=... (or a torch policy) at construction")
+            raise shmbuf.StateError(
+                "this RayCollector has no weight broadcast: pass weights=... (or a torch policy) at construction")
         self._check_acks()
         params = weights_of(policy_or_weights, self._policy)
         new = self.policy_version + 1 if version is None else int(version)
@@ -332,8 +333,8 @@ class RayCollector:
         self._weight_acks = [a for a in pending if a[3] != version] + [a for a, _ in refused if a[3] != version]
         mine = sorted(((a[1].index, exc) for a, exc in refused if a[3] == version), key=lambda x: x[0])
         if len(mine) == 1:
-            raise RuntimeError(f"node {mine[0][0]} could not take weights version {version}: {mine[0][1]}") from mine[0][1]
-        raise RuntimeError(f"nodes {', '.join(str(i) for i, _ in mine)} could not take weights version {version}: "
+            raise shmbuf.StateError(f"node {mine[0][0]} could not take weights version {version}: {mine[0][1]}") from mine[0][1]
+        raise shmbuf.StateError(f"nodes {', '.join(str(i) for i, _ in mine)} could not take weights version {version}: "
                            + "; ".join(f"node {i}: {exc}" for i, exc in mine)) from mine[0][1]
 
     # -- iteration ----------------------------------------------------------

@@ -128,7 +128,7 @@ class ThreadActorPool:
                            if w.state == "running" and not (w.ctx is not None and w.ctx.is_ready)]
                 # not SlotTimeout (no ShmbufError fits yet): a node owner's batch loop in workers._ray takes a
                 # SlotTimeout as 'nothing yet, ask again', and a start that never comes must not be retried so
-                raise TimeoutError(f"env worker threads {waiting} were not ready within {timeout} s")
+                raise shmbuf.StartTimeout(f"env worker threads {waiting} were not ready within {timeout} s")
             time.sleep(0.005)
 
     def close(self, timeout: float = 5.0) -> dict[int, int | None]:

@@ -220,7 +220,7 @@ class ReplayBuffer(Closable):
                 return
             self._closed = True
             self._rows = []
-            self._seq = self._recs = self._firsts = self._ends = None  # type: ignore[assignment]
+            self._seq = self._recs = self._firsts = self._ends = None  # type: ignore[assignment]  # closed: the views go, so that no array of ours keeps the mapping
             self._w.release()
             unmap(self._mm)  # we hand out no views; were there one, the mapping would go with it (pinned)
             super().close()  # closes the file (dropping our writer slot's lock); the creator's process unlinks
