@@ -453,7 +453,7 @@ class Rig:
     def r_batch(self) -> None:
         size = self.rng.randint(1, 2) if self.rng.random() < 0.7 else self.rng.randint(1, SLOTS)
         b = self.call("get_batch()", self.reader.get_batch, size, self.rng.choice(READER_TIMEOUTS),
-                      copy=self.rng.random() < 0.5, view=self.rng.random() < 0.7)
+                      copy=self.rng.random() < 0.5, zero_copy=self.rng.random() < 0.7)
         if not isinstance(b, BaseException):
             self.batch = b
             self.call("batch repr()", repr, b)
