@@ -16,10 +16,10 @@ roster of lanes (:mod:`shmbuf._roster`, on :mod:`shmbuf._lane`'s protocol), the 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +28,7 @@ import posix_ipc
 
 from shmbuf import _fork
 from shmbuf._books import SLOT_LENT, SLOT_READY, SlotBooks
+from shmbuf._closable import Closable
 from shmbuf._errors import PipelineClosed, SlotTimeout, StaleRollout, UsageError, WriterError, WrongProcess
 from shmbuf._handle import Handle
 from shmbuf._lane import WAIT_SLICE
@@ -89,7 +90,7 @@ def create(example: Any, slots: int, *, max_writers: int = 16, raise_writer_erro
         raise
 
 
-class Reader:
+class Reader(Closable):
     """The receiving end of a pipeline; made by :func:`create`, owner of the segment.
 
     Use it from one thread. Pickling it (e.g. passing it to a child process)
@@ -97,8 +98,12 @@ class Reader:
     ``close()`` stops the pipeline: every writer's next call raises
     :class:`PipelineClosed`, and the segment and its semaphores are unlinked.
     A Reader that is garbage-collected (or still open at exit) without
-    ``close()`` stops the pipeline the same way.
+    ``close()`` stops the pipeline the same way (the one lifetime mechanism of
+    :class:`shmbuf._closable.Closable`). ``unlink()`` removes the names alone,
+    at once: writers attached keep going, new ones cannot attach.
     """
+
+    _kind = "pipeline"
 
     def __init__(self, seg: Segment, *, raise_writer_errors: bool = True):
         self._seg = seg
@@ -121,7 +126,8 @@ class Reader:
         self._doorbell = self._make_sem("r")
         lane_sems = [self._make_sem(f"f{i}") for i in range(self.max_writers)]
         # Stop the pipeline at collection or exit if the user never closes: the owner's duty, in the owner's process only.
-        self._finalizer = weakref.finalize(self, _stop, seg.words, list(self._sems), self.name, self.max_writers, self._pid)
+        self._lifetime(_stop, seg.words, list(self._sems), self.name, self.max_writers, self._pid,
+                       unlink=functools.partial(unlink_all, self.name, self.max_writers))
         n = self.slots
         # The parts (see "Where it lives" in docs/design/reader.md): where each slot is; the mail; the lanes
         # and what comes in from them; lending and the run search; the latency of what was delivered.
@@ -548,7 +554,7 @@ class Reader:
         self._closed = True
         if self._foreign:  # a forked copy: the pipeline is not ours to stop
             return
-        self._finalizer()  # stop, wake every writer, unlink names: new attaches fail, current mappings stay valid
+        super().close()  # stop, wake every writer, unlink names: new attaches fail, current mappings stay valid
         for sem in self._sems:
             sem.close()
         self._sems = []
@@ -563,12 +569,6 @@ class Reader:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def __enter__(self) -> Reader:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._roster.lanes)} writers"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import pickle
 import threading
 import time
@@ -341,3 +342,30 @@ def test_shmbuf_ls_counts_every_slot_of_a_new_pipeline_in_the_pool(make_reader: 
     reader = make_reader(small_example(), slots=8, max_writers=2)  # 3 timescales; 'final' has 2 leaves
     found = [f for f in _admin.scan() if f.name == reader.name]
     assert len(found) == 1 and found[0].pool == 8
+
+
+def test_unlink_removes_the_names_at_once_and_the_writers_attached_keep_going(pair: Any) -> None:
+    """Reader.unlink() (the owned-object base's destroy verb): new writers cannot attach, attached ones keep writing;
+    close() after it is still the full stop. Only the creating process may unlink."""
+    reader, writer = pair
+    reader.unlink()
+    assert not os.path.exists("/dev/shm" + reader.name)
+    with pytest.raises(shmbuf.SegmentError):
+        shmbuf.Writer(reader.handle, timeout=1)
+    write(writer, 3.0)
+    with reader.get(timeout=5) as r:
+        assert r.data["step"]["reward"][0] == 3.0
+    pid = os.fork()
+    if pid == 0:  # the child: not the creator
+        try:
+            reader.unlink()
+            os._exit(1)
+        except shmbuf.UsageError:
+            os._exit(0)
+        except BaseException:  # noqa: BLE001  # any other outcome is the failure the exit status reports
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    reader.close()
+    with pytest.raises(shmbuf.PipelineClosed):
+        write(writer, 4.0)
