@@ -22,6 +22,7 @@ import optree
 import posix_ipc
 
 from shmbuf import _control, _fork, _segment
+from shmbuf._closable import Closable
 from shmbuf._coerce import coerce_into
 from shmbuf._errors import (
     BrokenPipeline,
@@ -47,7 +48,68 @@ LIVENESS_INTERVAL = 0.25
 _now = time.monotonic
 
 
-class Writer:
+class _Hold:
+    """What a Writer holds and its release lets go of, shared by the Writer and its finalizer.
+
+    It never refers to the Writer (the finalizer keeps it alive until it runs). Filled in as the
+    Writer acquires each piece; ``reason`` is the bye's text: close()'s, else "garbage collected"
+    (a Writer dropped, or still open at exit), None for a Writer() that failed after its claim.
+    """
+
+    __slots__ = ("lane", "lock_fd", "pid", "reason", "seg", "sems", "watch", "words")
+
+    def __init__(self, seg: Segment):
+        self.seg = seg
+        self.words = seg.words
+        self.pid = os.getpid()
+        self.reason: str | None = "garbage collected"
+        self.sems: list[posix_ipc.Semaphore] = []
+        self.lock_fd = -1
+        self.watch: ProcessWatch | None = None
+        self.lane: WriterLane | None = None
+
+    def reader_gone(self) -> bool:
+        """The reader closed the pipeline or its process died (what a post gives up on)."""
+        watch = self.watch
+        return bool(self.words[W_CLOSED]) or (watch is not None and not watch.alive())
+
+
+def _let_go(hold: _Hold) -> None:
+    """A Writer's release (Closable._lifetime): at close(), at its collection, or at exit if never closed.
+
+    Says bye and gives the lane back (unless the pipeline is closed), then closes the reader watch,
+    the semaphores, the lane lock's descriptor (which drops the lock) and the segment. Bounded, so
+    exit cannot hang on it: the bye waits at most 0.2 s for the reader to take an earlier message
+    (less once ``reader_gone``), and nothing else waits. In a forked child it does nothing: the
+    lane, its lock and its semaphores are the parent's (see Writer._after_fork_in_child).
+    """
+    if os.getpid() != hold.pid:
+        return
+    lane, hold.lane = hold.lane, None
+    if lane is not None:
+        try:
+            if hold.reason is None:  # claimed, then Writer() failed: hand the lane back for the reader to reclaim
+                lane.retire()
+            elif not hold.words[W_CLOSED]:
+                lane.post(_control.encode("bye", reason=hold.reason[:200]), 0.2, hold.reader_gone)
+                lane.retire()
+        except Exception:  # noqa: BLE001  # closing must not raise because the reader went first
+            pass
+    if hold.watch is not None:
+        hold.watch.close()
+    for sem in hold.sems:
+        try:
+            sem.close()
+        except posix_ipc.Error:
+            pass
+    hold.sems = []
+    if hold.lock_fd >= 0:
+        os.close(hold.lock_fd)  # drops the lane lock
+        hold.lock_fd = -1
+    hold.seg.close()  # arrays on the slots that still live keep the mapping until they go
+
+
+class Writer(Closable):
     """Fills shared slots of a pipeline, one rollout at a time.
 
     Args:
@@ -88,7 +150,15 @@ class Writer:
     A Writer belongs to the process and thread that made it; it is not
     picklable (pass the handle and make a Writer in the child), and a copy
     inherited through ``fork`` raises :class:`WrongProcess`.
+
+    Lifetime (:class:`shmbuf._closable.Closable`'s one mechanism): a Writer
+    dropped without ``close()``, or still open at interpreter exit, gives its
+    lane back as ``close(reason="garbage collected")`` would. That cannot hang
+    exit: the bye message waits at most 0.2 s for the reader, nothing else waits.
+    A forked child's copy never gives back the parent's lane.
     """
+
+    _kind = "pipeline"
 
     def __init__(self, pipeline: Handle | str | Any, example: Any = None, *, timeout: float | None = 30.0,
                  label: str = ""):
@@ -98,19 +168,18 @@ class Writer:
         self._closed = False
         self._foreign = False
         self._reader_closed = False
-        self._seg: Segment | None = None
         self._lane: WriterLane | None = None
-        self._sems: list[posix_ipc.Semaphore] = []
         self._slot = -1
         self.lane = -1
         self.epoch = 0
-        seg = self._seg = Segment.attach(self.name)
+        seg = Segment.attach(self.name)
+        self._seg: Segment | None = seg
+        self._hold = _Hold(seg)
+        self._lifetime(_let_go, self._hold)
         try:
             self._setup(seg, example, label)
         except BaseException:
-            if self._lane is not None:  # claimed, then failed: hand the lane back for the reader to reclaim
-                self._lane.retire()
-            self._teardown()
+            self._close(None)  # no bye; a lane claimed goes back for the reader to reclaim
             raise
         _fork.track(self)
 
@@ -128,14 +197,16 @@ class Writer:
         self._ts_list = list(self._ts.values())
         self._w = seg.words
         self._plan = p = seg.plan
-        self._reader_watch = ProcessWatch(seg.creator)
+        hold = self._hold
+        self._reader_watch = hold.watch = ProcessWatch(seg.creator)
         self._next_check = 0.0
         doorbell = self._open_sem("r")
         if self._w[W_CLOSED]:
             raise PipelineClosed(f"pipeline {self.name} is closed")
-        self._lock_fd = self._open_lock_fd(seg)
-        self._lane = WriterLane.claim(self.name, p, self._w, seg.mm, self._lock_fd, doorbell,
-                                      lambda i: self._open_sem(f"f{i}"), label, self.timeout, self._check_reader)
+        hold.lock_fd = self._open_lock_fd(seg)
+        self._lane = hold.lane = WriterLane.claim(self.name, p, self._w, seg.mm, hold.lock_fd, doorbell,
+                                                  lambda i: self._open_sem(f"f{i}"), label, self.timeout,
+                                                  self._check_reader)
         self.lane = self._lane.rec.index
         self.epoch = self._lane.epoch
         # Per timescale, each leaf's view of every slot (the schema lists leaves timescale by timescale).
@@ -184,67 +255,49 @@ class Writer:
             raise PipelineClosed(f"pipeline {self.name} is closed (its semaphores are gone)") from None
         except (posix_ipc.Error, OSError, ValueError) as exc:
             raise SegmentError(f"pipeline {self.name}: semaphore {name} cannot be opened: {exc}") from None
-        self._sems.append(sem)
+        self._hold.sems.append(sem)
         return sem
 
-    def _teardown(self) -> None:
-        watch = getattr(self, "_reader_watch", None)
-        if watch is not None:
-            watch.close()
-        for sem in self._sems:
-            try:
-                sem.close()
-            except posix_ipc.Error:
-                pass
-        self._sems = []
-        self._lane = None
-        if getattr(self, "_lock_fd", -1) >= 0:
-            os.close(self._lock_fd)  # drops the lane lock
-            self._lock_fd = -1
-        if self._seg is not None:
-            self._forget_views()
-            self._slot_views = {}
-            self._leaf_views = []
-            self._seg.close()
-            self._seg = None
-
     def close(self, reason: str = "closed") -> None:
-        """Give the lane back. A rollout that was started and not committed is dropped."""
+        """Give the lane back, telling the reader ``reason`` (a "bye"). A rollout started and not committed is dropped."""
+        self._close(str(reason))
+
+    def _close(self, reason: str | None) -> None:
+        """close(), and a Writer() that failed (``reason`` None: no bye): drop the views, then run the release."""
         if self._closed:
             return
         self._closed = True
         self._slot = -1
         if self._foreign:
             return  # the lane, its lock and its semaphores are the parent's (see _after_fork_in_child)
-        lane = self._lane
-        if lane is not None:
-            try:
-                if not self._w[W_CLOSED]:
-                    lane.post(_control.encode("bye", reason=str(reason)[:200]), 0.2, self._reader_gone)
-                    lane.retire()
-            except Exception:  # noqa: BLE001  # closing must not raise because the reader went first
-                pass
-        self._teardown()
+        self._hold.reason = reason
+        self._lane = None
+        # Before the release, not after as Closable's subclasses drop views: the release closes the segment,
+        # and it is unmapped at once only if no view of it lives (else it goes with the last view).
+        self._forget_views()
+        self._slot_views = {}
+        self._leaf_views = []
+        super().close()  # _let_go: bye, retire, then everything held
+        self._seg = None
 
     def _after_fork_in_child(self) -> None:
         """In a child that inherited this Writer by fork: let go of what is the parent's."""
         self._foreign = True
         self._slot = -1
         self._forget_views()
-        watch = getattr(self, "_reader_watch", None)
-        if watch is not None:
-            watch.close()
-        if getattr(self, "_lock_fd", -1) >= 0:
+        hold = self._hold
+        if hold.watch is not None:
+            hold.watch.close()
+        if hold.lock_fd >= 0:
             try:
-                os.close(self._lock_fd)  # our copy: while it is open, the lane's lock outlives the parent's writer
+                os.close(hold.lock_fd)  # our copy: while it is open, the lane's lock outlives the parent's writer
             except OSError:
                 pass
-            self._lock_fd = -1
+            hold.lock_fd = -1
 
-    def __enter__(self) -> Writer:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(  # type: ignore[override]  # a bool, not Closable's None: it ends the block quietly on a reader's close
+        self, exc_type: Any, exc: BaseException | None, tb: Any
+    ) -> bool:
         """Close; report an exception to the reader; swallow PipelineClosed raised because the reader closed."""
         try:
             if exc is not None and not isinstance(exc, (PipelineClosed, BrokenPipeline, WrongProcess, KeyboardInterrupt)):
@@ -259,12 +312,6 @@ class Writer:
         finally:
             self.close()
         return isinstance(exc, PipelineClosed) and self._reader_closed
-
-    def __del__(self) -> None:
-        try:
-            self.close(reason="garbage collected")
-        except Exception:  # noqa: BLE001  # best effort: what __del__ raises would only print as "Exception ignored"
-            pass
 
     def __reduce__(self) -> Any:
         raise UsageError(
@@ -466,9 +513,6 @@ class Writer:
         if not self._reader_watch.alive():
             raise BrokenPipeline(f"pipeline {self.name}: the reader's process (pid {self._reader_watch.owner.pid}) died")
 
-    def _reader_gone(self) -> bool:
-        return bool(self._w[W_CLOSED]) or not self._reader_watch.alive()
-
     def _timeout_message(self) -> str:
         where = f"pipeline {self.name}: no free slot within Writer(timeout={self.timeout})"
         if self._lane is not None and not self._lane.served():
@@ -486,11 +530,11 @@ class Writer:
         Waits up to ``timeout`` seconds for the reader to take a message still in the mailbox (it
         does at its next get, get_batch or poll). False if it did not, closed the pipeline, or died.
         """
-        if self._closed or self._foreign or self._lane is None or self._reader_gone():
+        if self._closed or self._foreign or self._lane is None or self._hold.reader_gone():
             return False  # (a closed pipeline's mailbox would take the message, and nobody would read it)
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         msg = _control.encode("error", exc_type=type(exc).__name__, message=str(exc), traceback=tb)
-        return self._lane.post(msg, timeout, self._reader_gone)
+        return self._lane.post(msg, timeout, self._hold.reader_gone)
 
     def stats(self) -> dict[str, float]:
         """This writer's counters, a copy: ``commits``, ``waits`` (for a free slot) and ``wait_s`` (seconds spent so).
@@ -501,7 +545,7 @@ class Writer:
         """Send this writer's counters to the reader (shown in ``reader.stats()``)."""
         if self._closed or self._foreign or self._lane is None:
             return False
-        return self._lane.post(_control.encode("stats", counters=self.stats()), 0.0, self._reader_gone)
+        return self._lane.post(_control.encode("stats", counters=self.stats()), 0.0, self._hold.reader_gone)
 
     # -- errors, the slow way -----------------------------------------------
 
