@@ -1,13 +1,19 @@
-"""Writer: echo TrajectoryAccumulator parity, casting and shape rules, no allocation per add."""
+"""Writer: echo TrajectoryAccumulator parity, casting and shape rules, no allocation per add, lifetime."""
 
 from __future__ import annotations
 
 import collections
 import gc
+import multiprocessing as mp
+import os
+import pathlib
 import pickle
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
+import weakref
 from typing import Any
 
 import numpy as np
@@ -15,9 +21,11 @@ import pytest
 from echo import TrajectoryAccumulator
 
 import shmbuf
-from shmbuf import PipelineClosed, SchemaError, SlotTimeout
+from shmbuf import PipelineClosed, SchemaError, SlotTimeout, _control, _lane
+from shmbuf._segment import MAILBOX_PAYLOAD_OFF
 
 T = 64
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def guide_example() -> dict[str, Any]:
@@ -539,3 +547,89 @@ def test_an_exception_not_delivered_gets_no_note(make_reader: Any) -> None:
     with pytest.raises(ValueError) as err, writer:
         raise ValueError("boom")
     assert not getattr(err.value, "__notes__", [])
+
+
+# ------------------------------------------------------------- lifetime
+
+
+def mail_of(reader: shmbuf.Reader, lane: int) -> dict[str, Any]:
+    """The message a writer left in ``lane``'s mailbox, decoded as the reader decodes it (read before the reader takes it)."""
+    seg = reader._seg
+    off = seg.plan.mbox_off_of(lane)
+    return _control.decode(seg.bytes_at(off + MAILBOX_PAYLOAD_OFF, seg.words[off // 8 + _lane.M_LEN]))
+
+
+def lane_state(reader: shmbuf.Reader, lane: int) -> int:
+    return reader._seg.words[_lane.Record(reader._seg.plan, lane).state]
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_writer_closed_or_dropped_gives_its_lane_back_with_a_bye(make_reader: Any, how: str) -> None:
+    """A Writer dropped without close() (del, then gc) does what close() does, saying "garbage collected"."""
+    reader = make_reader(guide_example(), slots=4, max_writers=1)
+    writer = shmbuf.Writer(reader.handle, timeout=2.0)
+    reader.poll()
+    writer.add("step", {"obs": np.zeros(4, np.float32), "reward": 0.0})  # started, never committed: dropped
+    lane = writer.lane
+    if how == "close":
+        writer.close(reason="done for today")
+    else:
+        del writer
+        gc.collect()
+    reason = "done for today" if how == "close" else "garbage collected"
+    assert mail_of(reader, lane) == {"type": "bye", "reason": reason}
+    assert lane_state(reader, lane) == _lane.LANE_RETIRED
+    reader.poll()  # takes the lane back
+    assert reader.stats()["writers"] == 0
+    with shmbuf.Writer(reader.handle, timeout=2.0) as again:  # the one lane is free
+        assert again.lane == lane
+
+
+def test_a_writer_is_not_kept_alive_by_its_own_finalizer(make_reader: Any) -> None:
+    """The release registered with Closable._lifetime holds what the Writer holds, never the Writer
+    (weakref.finalize keeps its arguments alive: a bound method would keep the Writer for ever)."""
+    reader = make_reader(guide_example(), slots=4, max_writers=1)
+    writer = shmbuf.Writer(reader.handle, timeout=2.0)
+    ref, finalizer = weakref.ref(writer), writer._finalizer
+    assert finalizer is not None and finalizer.alive
+    del writer
+    gc.collect()
+    assert ref() is None
+    assert not finalizer.alive  # it ran, once
+
+
+def test_a_forked_copys_release_gives_back_nothing_of_the_parents(make_reader: Any) -> None:
+    """The child's copy of the finalizer (what its collection or exit would run) and its close() leave the parent's lane."""
+    reader = make_reader(guide_example(), slots=4, max_writers=1)
+    writer = shmbuf.Writer(reader.handle, timeout=2.0)
+    reader.poll()
+    release = writer._finalizer
+    assert release is not None
+
+    def child() -> None:
+        release()
+        writer.close()
+        os._exit(0)
+
+    p = mp.get_context("fork").Process(target=child, daemon=True)
+    p.start()
+    p.join(10)
+    assert p.exitcode == 0
+    assert lane_state(reader, writer.lane) == _lane.LANE_ACTIVE
+    writer.add("step", {"obs": np.ones(4, np.float32), "reward": 1.0})
+    writer.commit()
+    with reader.get(timeout=5) as r:
+        assert r.data["step"]["reward"][0] == 1.0
+    writer.close()
+
+
+def test_a_writer_still_open_at_exit_gives_its_lane_back(make_reader: Any) -> None:
+    """weakref.finalize runs at exit: a Writer never closed says bye and retires its lane there, quietly and at once."""
+    reader = make_reader(guide_example(), slots=4, max_writers=1)
+    code = f"import shmbuf\nw = shmbuf.Writer({reader.name!r}, timeout=10)\nprint(w.lane)\n"  # ends with w open
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    lane = int(proc.stdout)
+    assert mail_of(reader, lane) == {"type": "bye", "reason": "garbage collected"}
+    assert lane_state(reader, lane) == _lane.LANE_RETIRED
