@@ -30,7 +30,7 @@ ray = pytest.importorskip("ray", reason="the `ray` extra (make test installs it)
 
 import shmbuf  # noqa: E402  (after the importorskip above)
 from tests.conftest import child_pids, shm_objects, wait_until  # noqa: E402  (after the importorskip above)
-from workers import ActorError, CollectedBatch, RayCollector, _ray, _ray_wire  # noqa: E402  # after the importorskip: they import ray
+from workers import ActorError, CollectedBatch, RayCollector, _ray, _ray_weights, _ray_wire  # noqa: E402  # after the importorskip: they import ray
 
 T, E = 8, 2
 FRAMES = 4 * T * E  # four rollouts a batch
@@ -542,7 +542,7 @@ def test_weights_refused_by_two_nodes_are_raised_once(monkeypatch: Any, second_a
 
     monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(ray, "wait", wait)
-    monkeypatch.setattr(_ray, "_done", lambda ref: ref.done)
+    monkeypatch.setattr(_ray_weights, "done", lambda ref: ref.done)
     rc = RayCollector.__new__(RayCollector)
     rc._closed = True  # a shell: nothing to shut down
     nodes = [_ray._Node(k, f"n{k}", state="running", incarnation=0) for k in range(3)]

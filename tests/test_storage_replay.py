@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 import shmbuf
 from shmbuf import _errors, _ofd
 from shmbuf._shm import unlink_object
+from shmbuf.storage import _replay_writers as writers_mod
 from shmbuf.storage import replay as replay_mod
 from shmbuf.storage.replay import ReplayBuffer, ReplayHandle, describe, is_replay
 from tests.conftest import leaked_since
@@ -601,12 +602,12 @@ def test_an_interrupt_inside_the_reservation_leaves_no_insert_in_progress(make_r
     victim = ReplayBuffer.attach(rb.name, timeout=0.3)
     victim.insert(rows_of(code(1, np.arange(1))))  # its writer slot, claimed: the victim stays alive and holds it
     words = victim._w
-    victim._w = _StoreBoom(words)  # type: ignore[assignment]  # a stand-in whose store raises, to interrupt the insert there
+    victim._writers._w = _StoreBoom(words)  # type: ignore[assignment]  # a stand-in whose store raises, to interrupt the insert there
     with pytest.raises(KeyboardInterrupt):
         victim.insert(rows_of(code(1, np.arange(1, 5))))
-    victim._w = words
+    victim._writers._w = words
     assert rb.inserted == 9
-    assert all(a >= b for a, b in zip(rb._firsts, rb._ends))  # no record reads "in progress"
+    assert all(a >= b for a, b in zip(rb._writers._firsts, rb._writers._ends))  # no record reads "in progress"
     other = ReplayBuffer.attach(rb.name, timeout=0.3)
     assert other.insert(rows_of(code(2, np.arange(12)))) == 9  # laps the victim's reserved-looking rows: no wait
     assert victim.insert(rows_of(code(1, np.arange(5, 7)))) == 21
@@ -632,7 +633,7 @@ def test_a_reservation_held_for_ever_times_out(make_rb: Callable[..., ReplayBuff
 
     t = threading.Thread(target=insert)
     try:
-        lock = _ofd.packed(fcntl.F_WRLCK, replay_mod.LOCK_BASE)
+        lock = _ofd.packed(fcntl.F_WRLCK, writers_mod.LOCK_BASE)
         fcntl.fcntl(holder, _ofd.SETLK, lock)
         t.start()
         wait_until(lambda: bool(out), 10, "the insert to give up on the reservation lock")
@@ -641,7 +642,7 @@ def test_a_reservation_held_for_ever_times_out(make_rb: Callable[..., ReplayBuff
         if t.ident is not None:
             t.join(30)
     assert isinstance(out[0], _errors.SlotTimeout) and "reservation lock" in str(out[0]), out
-    assert rb.inserted == 2 and all(a >= b for a, b in zip(rb._firsts, rb._ends))
+    assert rb.inserted == 2 and all(a >= b for a, b in zip(rb._writers._firsts, rb._writers._ends))
     assert rb.insert(rows_of(code(0, np.arange(2, 4)))) == 2
 
 
@@ -655,24 +656,24 @@ def test_a_lock_call_failing_otherwise_than_busy_is_raised(make_rb: Callable[...
     def no_locks(*args: Any) -> None:
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(replay_mod, "lock", no_locks)
+    monkeypatch.setattr(writers_mod, "lock", no_locks)
     with pytest.raises(OSError, match=f"replay buffer {rb.name}: taking writer slot 0's lock failed") as got:
         rb.insert(rows_of(code(0, np.arange(2))))
     assert got.value.errno == errno.ENOLCK and not isinstance(got.value, _errors.SlotTimeout)
     monkeypatch.undo()
-    real_apply = replay_mod.apply
+    real_apply = writers_mod.apply
 
     def no_reservation(fd: int, flock: bytes) -> None:
-        if flock == replay_mod._RESERVE:
+        if flock == writers_mod._RESERVE:
             no_locks()
         real_apply(fd, flock)
 
-    monkeypatch.setattr(replay_mod, "apply", no_reservation)
+    monkeypatch.setattr(writers_mod, "apply", no_reservation)
     with pytest.raises(OSError, match=f"replay buffer {rb.name}: taking the reservation lock failed") as got:
         rb.insert(rows_of(code(0, np.arange(2))))
     assert got.value.errno == errno.ENOLCK
     monkeypatch.undo()
-    assert rb.inserted == 0 and all(a >= b for a, b in zip(rb._firsts, rb._ends))
+    assert rb.inserted == 0 and all(a >= b for a, b in zip(rb._writers._firsts, rb._writers._ends))
     assert rb.insert(rows_of(code(0, np.arange(2)))) == 0
 
 
@@ -692,7 +693,7 @@ def test_a_writer_whose_liveness_the_kernel_cannot_tell_is_not_waited_for(
     finally:
         go.set()
     slow.join(10)
-    assert slow.exitcode == 0 and all(a >= b for a, b in zip(rb._firsts, rb._ends))
+    assert slow.exitcode == 0 and all(a >= b for a, b in zip(rb._writers._firsts, rb._writers._ends))
 
 
 # ------------------------------------------------------------------ bad input

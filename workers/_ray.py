@@ -22,7 +22,8 @@ What crosses between nodes, per batch: one Ray object, a msgpack header and
 the batch's arrays as out-of-band buffers (``ray.get`` on the learner's node
 maps them without a copy); once per weights version, one ``ray.put`` object.
 The format and its checks are in workers._ray_wire; the node side (owners,
-the learner's node, janitors) in workers._ray_nodes.
+the learner's node, janitors) in workers._ray_nodes; the owners' answers to
+new weights in workers._ray_weights.
 
 Exactly once: each ``next_batch`` call returns a batch that no other call
 returns, so a batch reaches the learner once or, when its node's owner dies
@@ -48,6 +49,7 @@ import shmbuf
 from workers._collector import CollectedBatch, checked_sources, progress, weights_of
 from workers._pool import default_start_method
 from workers._ray_nodes import OWNER_SLICE, LocalNode, NodeOwner  # NodeOwner: workers.NodeOwner comes from here
+from workers._ray_weights import Ack, check_acks, done, send_weights
 from workers._ray_wire import unpack_batch, unpack_header
 
 logger = logging.getLogger(__name__)
@@ -55,8 +57,6 @@ logger = logging.getLogger(__name__)
 WAIT_SLICE = 0.1
 # How long the learner waits on its own node's batches before it looks at the other nodes' again.
 LOCAL_SLICE = 0.002
-# How long a refused weights version waits for the other nodes' answers to it, to raise them as one error.
-ACK_WAIT = 5.0
 
 
 class RayBatch(CollectedBatch):
@@ -200,7 +200,7 @@ class RayCollector:
         self.schema: shmbuf.Schema | None = None
         self._policy = policy
         self._weights_ref: Any = None  # the latest version's object, sent again to an owner that restarts
-        self._weight_acks: list[tuple[Any, _Node, int, int]] = []  # (ref, node, its incarnation, version)
+        self._weight_acks: list[Ack] = []  # the owners' set_weights calls, followed (workers._ray_weights)
         self._stopping: list[Any] = []  # shutdown calls to owners whose collector raised
         self._pending: dict[Any, _Node] = {}
         self._lags: deque[int] = deque(maxlen=10_000)
@@ -301,41 +301,11 @@ class RayCollector:
         return new
 
     def _send_weights(self, n: _Node) -> None:
-        ref = n.owner.set_weights.options(concurrency_group="control").remote(self._weights_ref, self.policy_version)
-        self._weight_acks.append((ref, n, n.incarnation, self.policy_version))
+        self._weight_acks.append(send_weights(n, self._weights_ref, self.policy_version))
 
     def _check_acks(self) -> None:
-        """Raise here what the owners' ``set_weights`` raised (weights that do not fit their broadcast, say).
-
-        One error per refused version, naming every node that refused it: the other nodes'
-        answers to that version are awaited (up to ACK_WAIT) and then dropped, answered or not,
-        so that no later call raises the same refusal again. (Every node refuses weights that do
-        not fit, each at its own moment: the first answer used to be raised and a later one raised
-        again at the learner's next call.) A refusal of a later version waits for the next call.
-        An owner that died, failed or restarted meanwhile is not an error of the weights: its
-        next_batch reports it, and a restarted one is sent the latest version again.
-        """
-        pending: list[tuple[Any, _Node, int, int]] = []
-        refused: list[tuple[tuple[Any, _Node, int, int], BaseException]] = []
-        for a in self._weight_acks:
-            if not _done(a[0]):
-                pending.append(a)
-            elif (exc := _refusal(a)) is not None:
-                refused.append((a, exc))
-        if not refused:
-            self._weight_acks = pending
-            return
-        version = min(a[3] for a, _ in refused)
-        same = [a for a in pending if a[3] == version]
-        if same:
-            ray.wait([a[0] for a in same], num_returns=len(same), timeout=ACK_WAIT)
-            refused += [(a, exc) for a in same if _done(a[0]) and (exc := _refusal(a)) is not None]
-        self._weight_acks = [a for a in pending if a[3] != version] + [a for a, _ in refused if a[3] != version]
-        mine = sorted(((a[1].index, exc) for a, exc in refused if a[3] == version), key=lambda x: x[0])
-        if len(mine) == 1:
-            raise shmbuf.StateError(f"node {mine[0][0]} could not take weights version {version}: {mine[0][1]}") from mine[0][1]
-        raise shmbuf.StateError(f"nodes {', '.join(str(i) for i, _ in mine)} could not take weights version {version}: "
-                           + "; ".join(f"node {i}: {exc}" for i, exc in mine)) from mine[0][1]
+        """Raise here what the owners' ``set_weights`` raised, once per refused version (see ``check_acks``)."""
+        check_acks(self._weight_acks)
 
     # -- iteration ----------------------------------------------------------
 
@@ -467,7 +437,7 @@ class RayCollector:
 
     def _look_at_restarting(self) -> None:
         for n in self.nodes:
-            if n.state != "restarting" or not _done(n.describe_ref):
+            if n.state != "restarting" or not done(n.describe_ref):
                 continue
             try:
                 self._took_description(n, ray.get(n.describe_ref))
@@ -582,24 +552,6 @@ class RayCollector:
             self.close()
         except Exception:  # noqa: BLE001  # a finalizer must not raise (it may run at interpreter exit)
             pass
-
-
-def _done(ref: Any) -> bool:
-    ready, _ = ray.wait([ref], timeout=0)
-    return bool(ready)
-
-
-def _refusal(ack: tuple[Any, _Node, int, int]) -> BaseException | None:
-    """What a finished ``set_weights`` call raised, if it is the weights' fault: None when it succeeded, or when
-    its owner died, failed or restarted since (not an error of the weights; see ``_check_acks``)."""
-    ref, n, incarnation, _version = ack
-    try:
-        ray.get(ref)
-    except Exception as exc:  # noqa: BLE001 - sorted here
-        if n.state != "running" or n.incarnation != incarnation or isinstance(exc, ray.exceptions.RayActorError):
-            return None
-        return exc
-    return None
 
 
 def _rate(n: _Node) -> float:

@@ -4,12 +4,12 @@ A ring of ``buffer_size`` rows (any pytree of numpy arrays), made by :meth:`Repl
 and attached to by name from any process of the same user. Inserts reserve rows under a lock and
 stamp each row's sequence word odd, then even; samples keep only rows whose stamp was even and
 unchanged around the copy. The protocol and why it never returns a torn row: docs/design/replay.md;
-the object's layout and header: :mod:`shmbuf.storage._replay_layout`.
+the object's layout and header: :mod:`shmbuf.storage._replay_layout`; the writers' slots, reservation
+and waits: :mod:`shmbuf.storage._replay_writers`.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import math
 import os
@@ -24,20 +24,15 @@ import optree
 from shmbuf._errors import SegmentError, SlotTimeout, UsageError
 from shmbuf._schema import Schema
 from shmbuf._substrate import (
-    BUSY,
     HEADER_BYTES,
-    LOCK_BASE,
     Closable,
     Owner,
-    apply,
     create_object,
     fence,
     fmt_bytes,
-    lock,
     map_object,
     new_name,
     open_object,
-    packed,
     pinned,
     populated,
     this_process,
@@ -50,14 +45,13 @@ from shmbuf._validate import int_setting, timeout_setting
 from shmbuf.storage import _replay_layout as layout
 from shmbuf.storage._replay_layout import ReplayHandle, ReplayInfo, describe, is_replay
 from shmbuf.storage._replay_row import ROW, Row, row_schema
+from shmbuf.storage._replay_writers import Writers
 from shmbuf.storage._torch import to_torch
 
 __all__ = ["ReplayBuffer", "ReplayHandle", "ReplayInfo", "describe", "is_replay"]
 
 _SIGN_OR_ODD = np.int64(-(2**63) + 1)  # 0x8000000000000001
 _NONE = np.zeros(0, np.intp)
-_RESERVE = packed(fcntl.F_WRLCK, LOCK_BASE)  # packed once: the unlock must not fail half-way
-_UNRESERVE = packed(fcntl.F_UNLCK, LOCK_BASE)
 
 
 def _attach_pickled(name: str, timeout: float | None) -> ReplayBuffer:
@@ -108,10 +102,7 @@ class ReplayBuffer(Closable):
         self._treespec = ts.treespec
         self._rows = [np.ndarray((lay.buffer_size, *lf.shape[1:]), lf.dtype, buffer=pin, offset=off)
                       for lf, off in zip(ts.leaves, lay.leaf_offs)]
-        self._slot: int | None = None  # our writer slot, claimed at the first insert
-        self._rec = -1  # its record's first word
-        self._recs = np.ndarray((lay.max_writers, layout.RECORD_BYTES // 8), np.int64, buffer=pin, offset=layout.WRITERS_OFF)
-        self._firsts, self._ends = self._recs[:, layout.F_FIRST], self._recs[:, layout.F_END]  # views: every writer's record
+        self._writers = Writers(name, self._w, pin, lay, timeout)  # our writer slot (claimed at the first insert), the records
         self._stamps = np.zeros(0, np.int64)  # 2 * arange(m), grown to the largest batch: stamps are this + 2*first + 1
         self._insert_lock = threading.Lock()
         self._fence = fence()
@@ -220,7 +211,8 @@ class ReplayBuffer(Closable):
                 return
             self._closed = True
             self._rows = []
-            self._seq = self._recs = self._firsts = self._ends = None  # type: ignore[assignment]  # closed: the views go, so that no array of ours keeps the mapping
+            self._seq = None  # type: ignore[assignment]  # closed: the views go, so that no array of ours keeps the mapping
+            self._writers.close()
             self._w.release()
             unmap(self._mm)  # we hand out no views; were there one, the mapping would go with it (pinned)
             super().close()  # closes the file (dropping our writer slot's lock); the creator's process unlinks
@@ -235,7 +227,7 @@ class ReplayBuffer(Closable):
             except OSError:
                 pass
         self._fd = -1
-        self._slot, self._rec = None, -1
+        self._writers.forget()
         self._owner = False
         self._insert_lock = threading.Lock()  # the parent's may have been held by one of its threads
         if self._seed is None:
@@ -305,11 +297,11 @@ class ReplayBuffer(Closable):
         with self._insert_lock:
             fd = self._descriptor()
             deadline = _deadline(self.timeout)
-            self._claim_slot(fd, deadline)
-            w, rec = self._w, self._rec
+            writers = self._writers
+            writers.claim(fd, deadline)
             try:
-                first, end = self._reserve(fd, n, deadline)
-                self._wait_for_earlier(fd, first, end, deadline)
+                first, end = writers.reserve(fd, n, deadline)
+                writers.wait_for_earlier(fd, first, end, deadline)
                 self._write(leaves, n, first, end)
             finally:
                 # Whatever happened (done, SlotTimeout, a KeyboardInterrupt anywhere from the reservation on):
@@ -318,133 +310,8 @@ class ReplayBuffer(Closable):
                     if self._fence:  # the stamps before the record says we are done
                         self._fence()
                 finally:
-                    w[rec + layout.F_FIRST] = w[rec + layout.F_END]  # one store (END is ours alone): the record reads empty
+                    writers.finish()  # one store (END is ours alone): the record reads empty
             return end - n
-
-    def _claim_slot(self, fd: int, deadline: float) -> int:
-        """Our writer slot (claimed once, held until close or death): a lock on its byte, then its record cleared."""
-        if self._slot is not None:
-            return self._slot
-        w = self._live_words()
-        while True:
-            for k in range(self.max_writers):
-                try:
-                    lock(fd, layout.slot_lock(k), fcntl.F_WRLCK)
-                except OSError as exc:
-                    if exc.errno in BUSY:
-                        continue  # a live instance holds it
-                    raise self._lock_failed(exc, f"writer slot {k}'s lock") from exc
-                rec = layout.record_word(k)
-                w[rec + layout.F_FIRST] = w[rec + layout.F_END]  # one store: whatever a dead holder was writing is no one's now
-                w[rec + layout.F_PID] = os.getpid()
-                w[rec + layout.F_ROWS] = 0
-                self._slot, self._rec = k, rec
-                return k
-            if time.monotonic() > deadline:
-                raise SlotTimeout(
-                    f"replay buffer {self.name}: all {self.max_writers} writer slots are held by live instances "
-                    f"(max_writers={self.max_writers} at ReplayBuffer.create) and none came free within "
-                    f"timeout={self.timeout} s; "
-                    "close() inserting instances you no longer use, or create the buffer with a larger max_writers"
-                )
-            time.sleep(0.001)
-
-    def _reserve(self, fd: int, n: int, deadline: float) -> tuple[int, int]:
-        """Under the reservation lock: take global indices [g, g+n), of which [first, end) are written; record them.
-
-        FIRST is stored before END, so that between the two stores the record reads as empty
-        (FIRST >= the old END), never as a range wider than the one being reserved. An exception
-        anywhere in here (a KeyboardInterrupt too) leaves the lock released (the unlock is one C
-        call on bytes packed in advance) and the record for ``insert`` to clear.
-        """
-        w = self._w
-        rec = self._rec
-        try:
-            self._take_reservation(fd, deadline)
-            g = w[layout.W_INSERTED]
-            end = g + n
-            first = max(g, end - self.buffer_size)
-            w[rec + layout.F_FIRST] = first
-            w[rec + layout.F_END] = end
-            w[layout.W_INSERTED] = end
-        finally:
-            apply(fd, _UNRESERVE)  # a no-op if we never got it
-        return first, end
-
-    def _take_reservation(self, fd: int, deadline: float) -> None:
-        """The reservation lock, waited for up to the deadline (then SlotTimeout, nothing reserved).
-
-        Not ``F_OFD_SETLKW``, which cannot be bounded: a holder that is stopped (SIGSTOP, a
-        debugger) would stall every inserter past ``timeout``. Its holders keep it for three
-        stores, so a busy lock is retried at once a few times (yielding the CPU), then with
-        sleeps growing to 1 ms.
-        """
-        tries, pause = 0, 0.00005
-        while True:
-            try:
-                apply(fd, _RESERVE)
-                return
-            except OSError as exc:
-                if exc.errno not in BUSY:
-                    raise self._lock_failed(exc, "the reservation lock") from exc
-            tries += 1
-            if tries <= 20:
-                os.sched_yield()
-                continue
-            if time.monotonic() > deadline:
-                raise SlotTimeout(
-                    f"replay buffer {self.name}: the reservation lock (held by another inserting instance for a few "
-                    f"stores at a time) was not free within timeout={self.timeout} s; nothing of this batch was written "
-                    "and nothing was reserved. Is an inserting process stopped (SIGSTOP, a debugger)?"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.001)
-
-    def _lock_failed(self, exc: OSError, what: str) -> OSError:
-        """A lock call that failed otherwise than busy: no holder is there to let go, so the kernel's error, naming us."""
-        return OSError(exc.errno, f"replay buffer {self.name}: taking {what} failed ({exc.strerror}), not because another "
-                                  "instance holds it: waiting would not help")
-
-    def _wait_for_earlier(self, fd: int, first: int, end: int, deadline: float) -> None:
-        """Return once no live writer of an earlier insert is still writing any of our rows; else SlotTimeout.
-
-        Every earlier insert's record was stored before our reservation (under the lock), so it
-        is visible here; a record only ever goes from "in progress" to empty after that. An
-        earlier insert can share a row with ours only if it started more than a ring before our
-        end (FIRST < end - N): the cheap test that leaves nothing to check in the usual case.
-        """
-        n_rows = self.buffer_size
-        pause = 0.0001
-        while True:
-            a, b = self._firsts, self._ends
-            cand = (a < b) & (a < end - n_rows)
-            if not np.count_nonzero(cand):
-                return
-            who = self._live_overlap(fd, np.flatnonzero(cand), first, end)
-            if who is None:
-                return
-            if time.monotonic() > deadline:
-                raise SlotTimeout(
-                    f"replay buffer {self.name}: process {who} is still writing rows that this insert would overwrite "
-                    f"(a full ring of {n_rows} rows was inserted meanwhile) and did not finish within timeout={self.timeout} s; "
-                    "nothing of this batch was written (its places in the ring are skipped). Use a larger buffer_size, "
-                    "or find out why that process stalls"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.005)
-
-    def _live_overlap(self, fd: int, cand: np.ndarray, first: int, end: int) -> int | None:
-        """The pid of a live writer among slots ``cand`` whose insert in progress shares a row with [first, end), or None."""
-        n_rows, mine = self.buffer_size, end - first
-        for k in cand.tolist():
-            rec = layout.record_word(k)
-            a, b = self._w[rec + layout.F_FIRST], self._w[rec + layout.F_END]
-            if not a < b:
-                continue  # finished since we looked
-            shift = (first - a) % n_rows  # ranges of length <= N share a row iff one starts inside the other, mod N
-            if (shift < b - a or shift + mine > n_rows) and layout.writer_held(fd, k, self.name):
-                return int(self._w[rec + layout.F_PID])
-        return None
 
     def _write(self, leaves: list[np.ndarray], n: int, first: int, end: int) -> None:
         """Stamp odd, copy (two slices where the rows wrap), stamp even: the writer half of docs/design/replay.md."""
@@ -470,7 +337,7 @@ class ReplayBuffer(Closable):
         seq[start : start + part] = stamps[:part]
         if m > part:
             seq[: m - part] = stamps[part:]
-        self._w[self._rec + layout.F_ROWS] += n
+        self._writers.wrote(n)
 
     def _copy_rows(self, leaves: list[np.ndarray], start: int, part: int, skip: int) -> None:
         """Copy the batch (less its first ``skip`` rows) to rows ``start, ...``: ``part`` rows to the end, the rest from row 0."""
@@ -609,12 +476,8 @@ class ReplayBuffer(Closable):
 
     def _inserts_in_progress(self) -> bool:
         """Is any live writer (another instance) in the middle of an insert?"""
-        fd, w = self._descriptor(), self._live_words()
-        for k in range(self.max_writers):
-            rec = layout.record_word(k)
-            if w[rec + layout.F_FIRST] < w[rec + layout.F_END] and layout.writer_held(fd, k, self.name):
-                return True
-        return False
+        fd = self._descriptor()
+        return self._writers.in_progress(fd)
 
     # -- torch ------------------------------------------------------------------
 
