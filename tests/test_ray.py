@@ -360,6 +360,12 @@ def test_rollout_keys_stay_unique_when_each_node_restarts_a_killed_actor(cluster
         it = iter(rc)
         for _ in range(4):
             ledger.take(next(it))
+        # Kill only once each node's actor has delivered: a replacement of an actor that had committed nothing
+        # repeats no seq, and the loop below would wait out its deadline (a loaded machine's slow node did so).
+        deadline = time.monotonic() + 60
+        while {node for node, *_ in ledger.seqs} != {0, 1}:
+            assert time.monotonic() < deadline, f"a node delivered nothing in 60 s: {rc.stats()}"
+            ledger.take(next(it))
         for i in info:
             os.kill(i["actor_pids"][0], signal.SIGKILL)
 
