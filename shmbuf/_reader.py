@@ -229,6 +229,9 @@ class Reader(Closable):
         if view is not None:
             warnings.warn("get_batch(view=...) is now get_batch(zero_copy=...) (CHANGELOG.md)", DeprecationWarning,
                           stacklevel=2)
+            if zero_copy is not True and zero_copy != view:  # zero_copy=False given beside view=True: say so
+                raise UsageError(f"get_batch: zero_copy={zero_copy!r} and its old name view={view!r} disagree; "
+                                 "pass zero_copy= alone")
             zero_copy = view
         if zero_copy is not True and zero_copy is not False:
             raise UsageError(f"get_batch(zero_copy=...): expected True (views where the rollouts sit in a run of slots) "

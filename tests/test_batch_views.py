@@ -54,6 +54,8 @@ def test_the_old_name_view_still_works_with_a_warning(one_writer: Any) -> None:
     with pytest.warns(DeprecationWarning, match=r"get_batch\(view=\.\.\.\) is now get_batch\(zero_copy=\.\.\.\)"):
         b = reader.get_batch(4, timeout=5, view=False)
     assert not b.zero_copy and check_rows(b) == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    with pytest.warns(DeprecationWarning), pytest.raises(shmbuf.UsageError, match="disagree"):
+        reader.get_batch(4, timeout=5, zero_copy=False, view=True)  # not a silent override of zero_copy=False
 
 
 def _is_view_of_the_segment(reader: shmbuf.Reader, a: np.ndarray) -> bool:
