@@ -35,6 +35,7 @@ from shmbuf.layout import (
     RETURN,
     STEP,
     TRUNCATE_EPISODES,
+    check_batch_mode,
     rollout_example,
 )
 from shmbuf.lowlevel import int_setting, timeout_setting
@@ -42,7 +43,7 @@ from workers._actor import ActorSpec, check_horizon, probe
 from workers._placement import LocalPolicy, Placement, weights_of
 from workers._plan import BatchPlan, default_num_actors, plan_batches
 from workers._pool import default_start_method
-from workers._settings import batch_mode_setting, checked_sources
+from workers._settings import checked_sources
 from workers._views import check_view_requirements
 
 # checked_sources, progress and weights_of: workers._ray imports them from here
@@ -82,7 +83,7 @@ def check_settings(create_env_fn: Any, create_env_kwargs: Any, policy: Any, poli
     Raises:
         shmbuf.UsageError: the first bad setting, named.
     """
-    batch_mode_setting(batch_mode)
+    check_batch_mode(batch_mode)
     check_horizon(batch_mode, horizon, soft_horizon, no_done_at_end)
     if view_requirements is not None:
         check_view_requirements(view_requirements)

@@ -17,9 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shmbuf import UsageError
-from shmbuf.layout import COMPLETE_EPISODES, TRUNCATE_EPISODES
+from shmbuf.layout import COMPLETE_EPISODES, TRUNCATE_EPISODES, check_batch_mode
 from shmbuf.lowlevel import int_setting
-from workers._settings import batch_mode_setting
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ def plan_batches(*, batch_mode: str = TRUNCATE_EPISODES, frames_per_batch: int, 
         shmbuf.UsageError: a setting out of range, ``frames_per_batch`` not a multiple of ``T * E``
             (truncate-episodes; the message suggests the nearest that is), or no T to be had.
     """
-    batch_mode = batch_mode_setting(batch_mode)
+    check_batch_mode(batch_mode)
     frames_per_batch = int_setting("frames_per_batch", frames_per_batch)
     num_actors = int_setting("num_actors", num_actors)
     E = int_setting("num_envs", num_envs)

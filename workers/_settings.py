@@ -1,8 +1,8 @@
-"""The collectors' settings checks: ints, waits, batch modes, and the env factories and policy they hand to actors.
+"""The collectors' settings checks of the env factories and policy they hand to actors.
 
 Every check raises :class:`shmbuf.UsageError` (a ValueError and a TypeError) naming the setting, before
-any env, pipeline or process is made. Ints and waits go through shmbuf's validators
-(:mod:`shmbuf.lowlevel`: one rule and one message for every entry point).
+any env, pipeline or process is made. Ints and waits go through shmbuf's validators (:mod:`shmbuf.lowlevel`)
+and the batch mode through :func:`shmbuf.layout.check_batch_mode`: one rule and one message everywhere.
 """
 
 from __future__ import annotations
@@ -13,13 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shmbuf import UsageError
-from shmbuf.layout import check_batch_mode
-
-
-def batch_mode_setting(batch_mode: Any) -> str:
-    """One of :data:`shmbuf.layout.BATCH_MODES`; UsageError otherwise."""
-    check_batch_mode(batch_mode)
-    return batch_mode
 
 
 def with_kwargs(env_fns: tuple[Callable[[], Any], ...], kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None
