@@ -257,6 +257,20 @@ class Lender:
             arrived[run] = saved
         return True
 
+    def stranded(self, slot: int, size: int) -> bool:
+        """Can the ready rollout in ``slot`` never go out as part of a view? True when it sits past the last
+        aligned run (``slots`` not a multiple of ``size``), or when its run is complete and out of order.
+
+        A complete run stays as it is while it is ready, so ``in_order`` stays False for it; and when
+        ``slot`` holds the oldest ready rollout, every other run holding a newer rollout of its lane fails
+        ``in_order`` too, for as long as that one is ready. Those lanes' rollouts would then wait for ever
+        while other lanes' runs go out, and their writers starve once the ready ones fill the slots.
+        """
+        first = slot - slot % size
+        if first + size > self.slots - self.slots % size:
+            return True
+        return self.books.where[first : first + size] == self.books.fill[SLOT_READY][:size] and not self.in_order(first, size)
+
     def run_possible(self, size: int) -> bool:
         """Can an aligned run of ``size`` slots still fill? Not if each holds a rollout taken with get()."""
         held = self.books.fill[SLOT_HELD][:1]

@@ -61,6 +61,9 @@ SCAN_INTERVAL = 0.05
 # get_batch() with enough rollouts ready but no run of consecutive slots complete (and in order) waits
 # for one at least this long (longer if the batch itself took longer to arrive), then gathers.
 RUN_PATIENCE = 0.02
+# The oldest ready rollout, passed over by runs that go out before it (its own run waits on a writer that
+# went quiet), waits at most this long; then get_batch gathers the oldest. See "Nothing waits for ever".
+OVERTAKE_PATIENCE = 0.25
 
 
 
@@ -143,6 +146,7 @@ class Reader(Closable):
         self._batches = {"views": 0, "gathered": 0}
         self._why = ""  # why _await chose to gather: stats()["gathered_why"] counts each reason
         self._gathered_why: dict[str, int] = {}
+        self._head: tuple[int, float] | None = None  # the oldest ready rollout's arrival, and since when runs pass it over
         # Kept here and only stored to shared memory (for `shmbuf ls`): a word another process scribbled
         # over can neither overflow it nor make stats() lie.
         self._delivered = 0
@@ -366,6 +370,8 @@ class Reader(Closable):
                     return -1
                 first = lender.full_run(size)
                 if first >= 0:
+                    if books.n_ready > size and self._passed_over(first, size):
+                        return -1
                     return first
                 if not lender.run_possible(size):
                     self._why = "every run held a rollout taken with get()"
@@ -404,6 +410,29 @@ class Reader(Closable):
                     self._next_scan = 0.0  # quiet for a while: look for dead writers now
             finally:
                 roster.disarm()
+
+    def _passed_over(self, first: int, size: int) -> bool:
+        """Should the oldest ready rollout go out now, gathered, rather than the run at ``first``?
+
+        Yes when its own run can never go out in order (``Lender.stranded``: then its lane's later runs
+        cannot either, and its writer starves once they fill the slots), and when it has been passed
+        over for ``OVERTAKE_PATIENCE`` (its run waits on a writer that went quiet).
+        """
+        books = self._books
+        oldest = int(books.arrived.argmin())
+        if first <= oldest < first + size:
+            return False
+        if self._lender.stranded(oldest, size):
+            self._why = "the oldest ready rollout could never go out in a run in order"
+            return True
+        arrival, now = int(books.arrived[oldest]), time.monotonic()
+        if self._head is None or self._head[0] != arrival:
+            self._head = (arrival, now)  # passed over from now on: the clock starts
+            return False
+        if now - self._head[1] < OVERTAKE_PATIENCE:
+            return False
+        self._why = "the oldest ready rollout was passed over for longer than the patience"
+        return True
 
     @staticmethod
     def _asked(size: int) -> str:

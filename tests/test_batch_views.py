@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import shmbuf
 from shmbuf import StaleRollout
@@ -366,3 +368,94 @@ def test_stats_say_why_each_gathered_batch_was_gathered(one_writer: Any) -> None
         r.release()
     assert reader.stats()["gathered_why"] == {"zero_copy=False": 1, "every run held a rollout taken with get()": 1}
     assert reader.stats()["batches"] == {"views": 1, "gathered": 2}
+
+
+_STEPS = st.lists(st.sampled_from(["poll", "A", "B", "batch", "get"]), min_size=1, max_size=40)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=_STEPS)
+def test_a_quiet_writers_committed_rollouts_are_delivered_while_another_keeps_the_learner_busy(steps: list[str]) -> None:
+    """Writer A sends, B sends, the learner polls, gets and gets batches of 2, in any order; then A goes quiet and
+    B keeps the learner busy. Every rollout A committed still comes out, once, in A's order.
+
+    Before, A's rollouts could wait for ever: its own run waiting on A's next commit, or two runs of A's each
+    holding a rollout older than one in the other (out of order for views, for good) while B's runs kept going
+    out, so the patience never came. A SIGKILLed actor's replacement starved so: A's rollouts filled the slots.
+    """
+    reader = shmbuf.create(EX, slots=8, max_writers=2)
+    sent, got = {0: 0, 1: 0}, []
+    writers: list[shmbuf.Writer] = []
+    try:
+        writers += [shmbuf.Writer(reader, timeout=0.001), shmbuf.Writer(reader, timeout=0.001)]
+
+        def try_send(i: int) -> bool:
+            try:
+                send(writers[i], i, sent[i])
+            except shmbuf.SlotTimeout:  # no slot lent to it now
+                return False
+            sent[i] += 1
+            return True
+
+        def take(timeout: float) -> None:
+            try:
+                got.extend(check_rows(reader.get_batch(2, timeout=timeout, copy=True)))
+            except shmbuf.SlotTimeout:
+                pass
+
+        for step in steps:
+            if step == "poll":
+                reader.poll()
+            elif step in ("A", "B"):
+                try_send("AB".index(step))
+            elif step == "get":
+                try:
+                    with reader.get(timeout=0) as r:
+                        got.append((int(r.data["tag"]["writer"]), int(r.data["tag"]["k"])))
+                except shmbuf.SlotTimeout:
+                    pass
+            else:
+                take(0)
+        deadline = time.monotonic() + 10
+        while sorted(k for wr, k in got if wr == 0) != list(range(sent[0])):
+            assert time.monotonic() < deadline, (
+                f"A committed {sent[0]}, {sum(wr == 0 for wr, _ in got)} came out in 10 s: {reader.stats()['slots']}")
+            reader.poll()
+            while try_send(1):
+                pass
+            take(0.05)
+        for i in (0, 1):
+            ks = [k for wr, k in got if wr == i]
+            assert ks == sorted(set(ks)), f"writer {i}'s rollouts came out of order or twice: {ks}"
+    finally:
+        for w in writers:
+            w.close()
+        reader.close()
+        reader.unlink()
+
+
+def test_runs_that_each_hold_a_rollout_older_than_one_in_the_other_are_stranded() -> None:
+    """The slot books a fresh-clone CI run stopped in (8 slots, runs of 2): lane 0's six ready rollouts sit in three
+    runs, each with a rollout newer than one of lane 0's outside it, so none can go out as views in lane 0's order;
+    lane 1's run kept going out instead, and lane 0's restarted writer never got a slot. The oldest is stranded
+    (and get_batch gathers it at once)."""
+    from shmbuf._books import NOT_READY, SLOT_LENT, SLOT_READY, SlotBooks
+    from shmbuf._lending import Lender
+
+    books = SlotBooks(8)
+    books.where[:] = bytes([SLOT_READY, SLOT_READY, SLOT_LENT, SLOT_LENT, SLOT_READY, SLOT_READY, SLOT_READY, SLOT_READY])
+    books.arrived[:] = [22, 25, NOT_READY, NOT_READY, 3, 20, 15, 18]
+    books.lane_of[:] = [0, 0, 1, 1, 0, 0, 0, 0]
+    for slot, cycle in enumerate([14, 14, 1898, 1898, 3, 12, 10, 10]):
+        books.lent_in[4 * slot : 4 * slot + 4] = cycle.to_bytes(4, "little")
+    books.n_ready = 6
+    lender = Lender(books, lambda: None)
+    lender.run = 2
+    assert lender.full_run(2) < 0, "a run of lane 0's went out of its order"
+    assert [lender.in_order(first, 2) for first in (0, 4, 6)] == [False, False, False]
+    assert lender.stranded(4, 2), "the oldest ready rollout (slot 4) was not found stranded"
+    books.where[6] = SLOT_LENT  # slot 6 not ready: the oldest's run is (4, 5), whole; slot 6's is not
+    books.arrived[6] = NOT_READY
+    assert not lender.stranded(7, 2), "a run a writer may still complete was called stranded"
+    lender_5 = Lender(SlotBooks(5), lambda: None)
+    assert lender_5.stranded(4, 2), "slot 4 of 5 is in no run of 2, but was not called stranded"
