@@ -13,6 +13,7 @@ from functools import partial
 
 import gymnasium as gym
 import numpy as np
+import optree
 import pytest
 
 import shmbuf
@@ -33,7 +34,7 @@ MODES = ["NextStep", "SameStep", "Disabled"]
 
 
 def collect(make_env, *, T, n_rollouts, batch_mode="truncate_episodes", max_episodes=None, weights=None, policy=None,
-            probe_policy=None, **loop_kw):
+            probe_policy=None, general=False, **loop_kw):
     """Run an ActorLoop in a thread until it committed ``n_rollouts``; return them (copied) in commit order.
 
     ``probe_policy`` answers the probe call (default: ``policy``), so a policy that records its inputs sees only
@@ -64,6 +65,8 @@ def collect(make_env, *, T, n_rollouts, batch_mode="truncate_episodes", max_epis
             loop = ActorLoop(env, policy, writers, rollout_len=T, batch_mode=batch_mode, max_episodes=max_episodes,
                              weights=sub, **loop_kw)
             loop_box.append(loop)
+            if general:
+                loop._direct = False  # the general path (Writer.add per step), as pytree observations take it
             loop.run(n_rollouts)
             if sub is not None:
                 sub.close()
@@ -155,6 +158,66 @@ def test_truncate_vector_env_every_autoreset_mode(mode):
     check_truncated(rollouts, [0, 1, 2], 5)
     assert rollouts[0]["data"]["step"]["obs"].shape == (5, 3, 3)
     assert rollouts[0]["data"]["bootstrap"]["env_steps"] == 15
+
+
+LOOP_SETTINGS = {
+    "plain": {},
+    "horizon": {"horizon": 3},
+    "soft-horizon": {"horizon": 3, "soft_horizon": True},
+    "no-done-at-end": {"no_done_at_end": True, "horizon": 4},
+    "reset-each-rollout": {"reset_each_rollout": True},
+    "small-episode-table": {"max_episodes": 3},
+}
+
+
+@pytest.mark.parametrize(("kind", "setting"), [(k, s) for k in ("single", "sync-next", "sync-same", "reusing")
+                                               for s in LOOP_SETTINGS] + [("async-next", "plain"), ("async-next", "horizon")])
+def test_rollouts_written_into_the_slot_equal_the_general_paths_bit_for_bit(kind, setting):
+    """The hot path (workers._truncate: rows written straight into the slot, sub-envs stepped by the driver) against
+    the general one (Writer.add per step, the vector env's own step and masked resets), on every setting that
+    changes flags, cuts, episode records or where a rollout ends: every leaf, fill, seq and version equal."""
+    make = {"single": lambda: CountingEnv(1), "sync-next": lambda: make_vector(3, "NextStep"),
+            "sync-same": lambda: make_vector(3, "SameStep"), "async-next": lambda: make_async_vector(2, "NextStep"),
+            "reusing": lambda: make_vector(3, "NextStep", copy=False)}[kind]
+    kw = dict(LOOP_SETTINGS[setting], T=5, n_rollouts=6)
+    fast, fast_loop = collect(make, **kw)
+    slow, slow_loop = collect(make, general=True, **kw)
+    assert type(fast_loop._direct).__name__ == "SlotRollouts" and slow_loop._direct is False
+    assert len(fast) == len(slow) == 6
+    for a, b in zip(fast, slow, strict=True):
+        assert (a["seq"], a["fill"], a["version"]) == (b["seq"], b["fill"], b["version"])
+        fa, fb = optree.tree_leaves(a["data"]), optree.tree_leaves(b["data"])
+        n_step, n_ep = a["fill"]["step"], a["fill"]["episode"]
+        paths = optree.tree_paths(a["data"])
+        for path, x, y in zip(paths, fa, fb, strict=True):
+            n = n_step if path[0] == "step" else n_ep if path[0] == "episode" else None
+            if n is not None:
+                x, y = x[:n], y[:n]
+            assert np.array_equal(x, y), (path, x, y)
+    assert (fast_loop.episodes, fast_loop.cut_episodes, fast_loop.soft_horizons, fast_loop.env_steps) == (
+        slow_loop.episodes, slow_loop.cut_episodes, slow_loop.soft_horizons, slow_loop.env_steps)
+
+
+class DictObsEnv(CountingEnv):
+    """CountingEnv with its observation under a dict key: a pytree observation."""
+
+    def __init__(self, env_id: int = 0):
+        super().__init__(env_id)
+        self.observation_space = gym.spaces.Dict({"pos": gym.spaces.Box(0, 1e9, (3,), np.float64)})
+
+    def _obs(self):
+        return {"pos": super()._obs()}
+
+
+def _dict_echo(obs):
+    return EchoPolicy()(obs["pos"])
+
+
+def test_pytree_observations_take_the_general_path():
+    rollouts, loop = collect(lambda: DictObsEnv(), T=4, n_rollouts=2, policy=_dict_echo)
+    assert loop._direct is False
+    assert rollouts[0]["data"]["step"]["obs"]["pos"].shape == (4, 3)
+    assert rollouts[1]["data"]["step"]["obs"]["pos"][0].tolist() == [0, 1, 1]  # step 4: episode 0 lasted 3 steps
 
 
 def test_truncate_async_vector_env_next_step():

@@ -72,6 +72,7 @@ from shmbuf.layout import (
     successors,  # noqa: F401  # re-exported: workers.successors is shmbuf.layout's
 )
 from workers._envs import EnvDriver, tree_copy, tree_index
+from workers._truncate import SlotRollouts, usable
 from workers._views import ActorViews, check_view_requirements
 
 
@@ -251,6 +252,9 @@ class ActorLoop:
         self.ep_ret = np.zeros(self.E, np.float64)
         self.ep_len = np.zeros(self.E, np.int64)
         self.ep_version = np.zeros(self.E, np.int64)
+        # Truncate-episodes rollouts written straight into the slot (see workers._truncate), decided at the first
+        # rollout: None until then, False for the general path (pytree observations or actions, view requirements).
+        self._direct: SlotRollouts | bool | None = None
         self.update_weights()
 
     def update_weights(self) -> bool:
@@ -315,8 +319,13 @@ class ActorLoop:
         """Collect until ``max_rollouts`` more rollouts were committed (None: until stopped); return how many."""
         start = self.rollouts
         if self.mode == TRUNCATE_EPISODES:
+            if self._direct is None:
+                w = self.writers[0]
+                self._direct = SlotRollouts(self) if usable(self, w.slot()) else False
+                w.reset()  # the slot stays claimed for the first rollout; nothing was written
+            rollout = self._direct.rollout if isinstance(self._direct, SlotRollouts) else self._truncate_rollout
             while max_rollouts is None or self.rollouts - start < max_rollouts:
-                if not self._truncate_rollout():
+                if not rollout():
                     break
         else:
             self._complete(None if max_rollouts is None else start + max_rollouts)
@@ -346,10 +355,10 @@ class ActorLoop:
             # (this step may end up to E episodes). With reset_each_rollout, every episode still running ends here.
             last = t == self.T - 1 or (self.reset_each_rollout and n_ep + 2 * E > M)
             if self.reset_each_rollout and last:
-                last = ~(term | trunc)
-                if last.any():
-                    trunc = trunc | last
-                    cut = last if cut is None else cut | last
+                running = ~(term | trunc)
+                if running.any():
+                    trunc = trunc | running
+                    cut = running if cut is None else cut | running
             rew32 = rew.astype(np.float32)
             # Exact dtypes and shapes take the Writer's fast path (no per-leaf coercion).
             step = {OBS: row(obs), ACTION: row(action), REWARD: row(rew32), TERMINATED: row(term), TRUNCATED: row(trunc)}

@@ -133,6 +133,17 @@ class EnvDriver:
         self.mode = autoreset_mode(env) if self.vector else "manual"
         self._bufs: list[Any] = [None, None]
         self._flip = 0
+        # Sub-envs this driver steps and resets itself, one call each (a plain env; the sub-envs of an unwrapped
+        # SyncVectorEnv): None where the vector env must do it (see "Stepping sub-envs" in docs/design/actor.md).
+        self.sub_envs: list[Any] | None = None
+        if not self.vector:
+            self.sub_envs = [env]
+        elif _steps_in_python(env):
+            self.sub_envs = list(env.envs)
+        E = self.num_envs
+        self._rew = np.zeros(E, np.float64)
+        self._term = np.zeros(E, bool)
+        self._trunc = np.zeros(E, bool)
 
     def _own(self, o: Any) -> Any:
         """Copy ``o`` (batched) into the next of the driver's two buffers, and return that buffer."""
@@ -190,5 +201,94 @@ class EnvDriver:
         nobs, _ = self.env.reset(options={"reset_mask": np.asarray(mask, bool)})
         return self._own(nobs)
 
+    # -- writing into the caller's buffer: the actor loop's hot path ---------------------------------------------
+
+    def reset_into(self, out: np.ndarray, seed: int | None = None) -> None:
+        """Reset every sub-env (the vector env's own reset: its seeding) and write the observations into ``out``."""
+        obs, _ = self.env.reset(seed=seed)
+        out[...] = obs if self.vector else np.asarray(obs)[None]
+
+    def step_into(self, action: Any, out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Step every sub-env and write what each returns into ``out`` (``(E, ...)``): one copy per observation byte.
+
+        Returns ``(reward, terminated, truncated, ended, finals)``: ``ended`` the sub-envs whose episode
+        ended (indices, ascending), already reset, their rows of ``out`` the first observation of the new
+        episode; ``finals`` their final observations (``(len(ended), ...)``, the caller's). The three
+        arrays of flags and rewards are the driver's, overwritten at the next call.
+        Observations must be arrays (not dicts or tuples): :meth:`step` takes any observation.
+        """
+        envs = self.sub_envs
+        if envs is None:
+            return self._step_vector_into(action, out)
+        rew, term, trunc = self._rew, self._term, self._trunc
+        if len(envs) == 1 and not self.vector:
+            o, r, te, tr, _ = envs[0].step(action[0])
+            out[0] = o
+            rew[0], term[0], trunc[0] = r, te, tr
+        else:
+            # The actions as SyncVectorEnv.step passes them (iterating the batched array); its per-step info merge,
+            # concatenation and copy are skipped: each observation goes straight to its row.
+            for i, (env, a) in enumerate(zip(envs, action, strict=True)):
+                o, r, te, tr, _ = env.step(a)
+                out[i] = o
+                rew[i], term[i], trunc[i] = r, te, tr
+        done = term | trunc
+        if not done.any():
+            return rew, term, trunc, _NONE, _NONE
+        ended = np.flatnonzero(done)
+        finals = out[ended]  # a copy (fancy indexing): the rows are overwritten by the resets below
+        for i in ended.tolist():
+            o, _ = envs[i].reset()
+            out[i] = o
+        return rew, term, trunc, ended, finals
+
+    def _step_vector_into(self, action: Any, out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                                             np.ndarray]:
+        """:meth:`step_into` through the vector env's own step and masked reset (an AsyncVectorEnv, a wrapped one)."""
+        o, r, te, tr, info = self.env.step(action)
+        rew, term, trunc = self._rew, self._term, self._trunc
+        rew[:], term[:], trunc[:] = r, te, tr
+        done = term | trunc
+        if not done.any():
+            out[...] = o
+            return rew, term, trunc, _NONE, _NONE
+        ended = np.flatnonzero(done)
+        if self.mode == "same_step":
+            final = info["final_obs"]  # gymnasium's info key (same-step autoreset), not shmbuf.layout.FINAL_OBS
+            finals = np.stack([np.asarray(final[i]) for i in ended.tolist()]).astype(out.dtype, copy=False)
+            out[...] = o
+            return rew, term, trunc, ended, finals
+        finals = np.array(o[ended], dtype=out.dtype)  # the reset below may write into the env's own observation
+        nobs, _ = self.env.reset(options={"reset_mask": done})
+        out[...] = nobs
+        return rew, term, trunc, ended, finals
+
+    def reset_rows_into(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """Reset the sub-envs ``rows`` (indices: episodes the actor cut) and write their new observations into ``out``."""
+        envs = self.sub_envs
+        if envs is not None:
+            for i in rows.tolist():
+                o, _ = envs[i].reset()
+                out[i] = o
+            return
+        mask = np.zeros(self.num_envs, bool)
+        mask[rows] = True
+        nobs, _ = self.env.reset(options={"reset_mask": mask})
+        out[rows] = np.asarray(nobs)[rows]
+
     def close(self) -> None:
         self.env.close()
+
+
+_NONE = np.zeros(0, np.int64)  # no sub-env ended: an empty index array (never written)
+
+
+def _steps_in_python(env: Any) -> bool:
+    """Can the driver step ``env``'s sub-envs itself, with the same transitions? An unwrapped ``SyncVectorEnv``:
+    it steps them one by one in this process, and the driver does just that, minus the info merge and the copies.
+
+    A subclass or a vector wrapper may change what a step does, and an AsyncVectorEnv steps in its workers: those
+    are stepped through their own ``step``."""
+    import gymnasium
+
+    return type(env) is gymnasium.vector.SyncVectorEnv and isinstance(getattr(env, "envs", None), list)

@@ -1,0 +1,174 @@
+"""Truncate-episodes rollouts written straight into the writer's slot: the actor loop's hot path.
+
+:class:`SlotRollouts` serves :class:`workers.ActorLoop` when the observations and actions are arrays
+(the common case; a dict or tuple observation, or view requirements, take the loop's general path
+through ``Writer.add``). Per step it makes one copy of each observation byte, from what the env
+returns into the slot row the policy reads next (``EnvDriver.step_into``), and a few row stores:
+the action, each extra, the reward and the flags. Episodes that end are written to the episode table
+in one store per leaf, however many end. Nothing between steps is looked up again: the slot's views are
+taken once per rollout. What it costs and what was measured: docs/design/actor.md.
+
+The transitions are the general path's, bit for bit: the same flags (``ActorLoop._flags``), the same
+episode records in the same order, the same bootstrap (the successor of the last step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shmbuf import SchemaError
+from shmbuf.layout import (
+    ACTION,
+    BOOTSTRAP,
+    END,
+    ENV,
+    ENV_STEPS,
+    EPISODE,
+    FINAL_OBS,
+    LENGTH,
+    OBS,
+    RETURN,
+    REWARD,
+    STEP,
+    TERMINATED,
+    TRUNCATED,
+)
+
+
+def usable(loop: Any, slot: dict[str, Any]) -> bool:
+    """Can ``loop`` write its rollouts through :class:`SlotRollouts`? Array observations and actions, no view
+    requirements (the policy then gets the bare observation, a row of the slot)."""
+    step = slot[STEP]
+    return (loop.views is None and type(loop.obs) is np.ndarray and type(step[OBS]) is np.ndarray
+            and type(step[ACTION]) is np.ndarray)
+
+
+class SlotRollouts:
+    """Writes ``loop``'s truncate-episodes rollouts into its writer's slots (see the module doc).
+
+    ``carry``: the observation the next rollout starts from, ``(E, ...)``, the loop's own buffer (the
+    slot it was read into is the reader's once committed).
+    """
+
+    def __init__(self, loop: Any):
+        self.loop = loop
+        self.E = loop.E
+        self.carry = np.array(loop.obs)  # (E, ...): the driver's reset observation, batched
+        self.obs_shape = self.carry.shape
+        self._act_ok: set[Any] = set()  # dtypes of actions (and extras) checked against the slot's
+
+    def _rows(self, a: np.ndarray, lead: int) -> np.ndarray:
+        """A slot leaf as ``(lead, E, ...)``: a single env's leaves have no env dim; add one (a view)."""
+        return a.reshape((lead, 1, *a.shape[1:])) if self.loop.single else a
+
+    def _check(self, name: str, got: Any, dst: np.ndarray) -> np.ndarray:
+        """``got`` as an array that ``dst`` (one step's row) takes as it is: same shape, a dtype it may be cast
+        to (``same_kind``); else SchemaError naming the leaf, what was expected and what came."""
+        a = got if type(got) is np.ndarray else np.asarray(got)
+        if a.shape != dst.shape:
+            raise SchemaError(f"policy output '{name}': expected shape {dst.shape} (one row per sub-env), got {a.shape}")
+        key = (name, a.dtype)
+        if key not in self._act_ok:
+            if not np.can_cast(a.dtype, dst.dtype, "same_kind"):
+                raise SchemaError(f"policy output '{name}': expected dtype {dst.dtype} (or one that casts to it "
+                                  f"safely), got {a.dtype}")
+            self._act_ok.add(key)
+        return a
+
+    def rollout(self) -> bool:
+        """One rollout into the writer's slot, committed; False if the loop was asked to stop (nothing committed)."""
+        loop = self.loop
+        loop.update_weights()
+        w = loop.writers[0]
+        driver = loop.driver
+        T, E, M = loop.T, self.E, loop.max_episodes
+        view = w.slot()
+        st, ep, bs = view[STEP], view[EPISODE], view[BOOTSTRAP]
+        obs_s = self._rows(st[OBS], T)
+        act_s, rew_s = self._rows(st[ACTION], T), self._rows(st[REWARD], T)
+        term_s, trunc_s = self._rows(st[TERMINATED], T), self._rows(st[TRUNCATED], T)
+        extra_s = {k: self._rows(v, T) for k, v in st.items() if k not in (OBS, ACTION, REWARD, TERMINATED, TRUNCATED)}
+        e_ret, e_len, e_term, e_trunc = ep[RETURN], ep[LENGTH], ep[TERMINATED], ep[TRUNCATED]
+        e_env, e_end, e_final = ep[ENV], ep[END], ep[FINAL_OBS]
+        carry = self.carry
+        obs_s[0] = carry
+        ep_ret, ep_len = loop.ep_ret, loop.ep_len
+        n_ep = 0
+        last_ends: np.ndarray | None = None  # the sub-envs whose episode ended at the rollout's last step
+        t = 0
+        for t in range(T):
+            if loop.should_stop():
+                w.reset()
+                return False
+            action, extras = loop._act(obs_s[t])
+            act_s[t] = self._check(ACTION, action, act_s[t])
+            if extras or extra_s:
+                if extras.keys() != extra_s.keys():
+                    raise SchemaError(f"policy extras: expected {sorted(extra_s)} (the pipeline's step leaves), "
+                                      f"got {sorted(extras)}")
+                for k, dst in extra_s.items():
+                    dst[t] = self._check(k, extras[k], dst[t])
+            nxt = obs_s[t + 1] if t + 1 < T else carry
+            rew, term, trunc, ended, finals = driver.step_into(action, nxt)
+            ep_ret += rew
+            ep_len += 1
+            loop.env_steps += E
+            term, trunc, cut, soft = loop._flags(term, trunc)
+            last = t == T - 1 or (loop.reset_each_rollout and n_ep + 2 * E > M)
+            if loop.reset_each_rollout and last:
+                running = ~(term | trunc)
+                if running.any():
+                    trunc = trunc | running
+                    cut = running if cut is None else cut | running
+            rew_s[t] = rew
+            term_s[t] = term
+            trunc_s[t] = trunc
+            done = term | trunc
+            ends = done if soft is None else done | soft
+            last_ends = None
+            if ends.any():
+                idx = np.flatnonzero(ends)
+                k = len(idx)
+                rows = slice(n_ep, n_ep + k)
+                e_ret[rows] = ep_ret[idx]
+                e_len[rows] = ep_len[idx]
+                e_term[rows] = term[idx]
+                e_trunc[rows] = trunc[idx]
+                e_env[rows] = idx
+                e_end[rows] = t
+                # Final observations: the env's, for the episodes it ended (those rows of `nxt` are reset already);
+                # the rows of `nxt` for the episodes the actor ends (cut: reset below) or marks (soft: not reset).
+                if len(ended) == k:
+                    e_final[rows] = finals
+                else:
+                    e_final[rows] = nxt[idx]
+                    if len(ended):
+                        e_final[n_ep + np.searchsorted(idx, ended)] = finals
+                last_ends = idx
+                n_ep += k
+                loop.episodes += k
+                ep_ret[ends] = 0.0
+                ep_len[ends] = 0
+            if soft is not None:
+                loop.soft_horizons += int(soft.sum())
+            if cut is not None:
+                driver.reset_rows_into(np.flatnonzero(cut), nxt)
+                loop.cut_episodes += int(cut.sum())
+            if (last or n_ep + E > M) and t < T - 1:
+                break  # the next step could overflow the episode table: commit short
+        # The bootstrap: the successor of the last step (an ended episode's final observation), and the next
+        # rollout starts from the observation after it.
+        nxt = obs_s[t + 1] if t + 1 < T else carry
+        boot = bs[OBS].reshape(self.obs_shape)
+        boot[...] = nxt
+        if last_ends is not None:
+            k = len(last_ends)
+            boot[last_ends] = e_final[n_ep - k : n_ep]
+        if nxt is not carry:
+            carry[...] = nxt
+        bs[ENV_STEPS][...] = loop.env_steps
+        w.commit(loop.version, fill={STEP: t + 1, EPISODE: n_ep})
+        loop.rollouts += 1
+        return True
