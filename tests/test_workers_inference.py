@@ -304,6 +304,30 @@ def test_every_stored_action_answers_its_own_observation(min_batch_size: int, st
         assert sum(s < min_batch_size for s in sizes) <= lingered
 
 
+def test_num_workers_splits_the_envs_into_vector_workers_that_ask_for_all_their_envs_at_once() -> None:
+    """Six envs, num_workers=2: two processes, each stepping three envs and asking the server once per step for all
+    three; every action still answers its own observation, and each env's rollouts tile its steps."""
+    policy = TagPolicy()
+    with AsyncBatchedCollector(make_tag_env, policy=policy, create_env_kwargs=workers(6), num_workers=2,
+                               frames_per_batch=96, rollout_len=8, total_frames=1500, copy=True, timeout=30) as c:
+        batches = list(c)
+        assert len(c.pool.pids) == 2
+    server = c.stats()["server"]
+    spans = []
+    for r in rollouts_of(batches):
+        assert r["step"]["obs"].shape[1] == 3, "a rollout of a vector worker holds its 3 envs"
+        for e in range(3):
+            spans.append(check_rollout({k: v[:, e] for k, v in r["step"].items()}))
+    steps = check_streams(spans)
+    assert len(steps) == 6, "one env instance per factory"
+    # a request holds a worker's 3 envs: every forward pass's batch is a multiple of 3 observations
+    assert all(len(w) % 3 == 0 for w in policy.calls[1:])
+    assert server["requests"] == sum(len(w) // 3 for w in policy.calls[1:])
+    with pytest.raises(shmbuf.UsageError, match="num_workers=4: the 6 envs must split evenly"):
+        AsyncBatchedCollector(make_tag_env, policy=policy, create_env_kwargs=workers(6), num_workers=4,
+                              frames_per_batch=96)
+
+
 # -- 2. batching -------------------------------------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ since reward and flags come from the step and a Writer row is added whole).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -278,6 +279,22 @@ class EnvDriver:
 
     def close(self) -> None:
         self.env.close()
+
+
+class SyncVectorOf:
+    """A picklable env factory: a gymnasium ``SyncVectorEnv`` of the envs ``fns`` make (next-step autoreset, which
+    the driver takes over: it steps an unwrapped SyncVectorEnv's sub-envs itself)."""
+
+    def __init__(self, fns: tuple[Callable[[], Any], ...]):
+        self.fns = fns
+
+    def __call__(self) -> Any:
+        import gymnasium
+
+        return gymnasium.vector.SyncVectorEnv(list(self.fns), autoreset_mode=gymnasium.vector.AutoresetMode.NEXT_STEP)
+
+    def __repr__(self) -> str:
+        return f"SyncVectorOf({len(self.fns)} envs)"
 
 
 _NONE = np.zeros(0, np.int64)  # no sub-env ended: an empty index array (never written)

@@ -31,7 +31,9 @@ from shmbuf.layout import COMPLETE_EPISODES, TRUNCATE_EPISODES
 from shmbuf.lowlevel import int_setting
 from workers._collector import Collector
 from workers._placement import ENV_BACKENDS, ServedPolicy
+from workers._envs import SyncVectorOf
 from workers._server import InferenceServer
+from workers._settings import with_kwargs
 
 __all__ = ["AsyncBatchedCollector", "InferenceServer"]  # InferenceServer: its home was this module
 
@@ -58,7 +60,12 @@ class AsyncBatchedCollector(Collector):
         reset_at_each_iter, postproc, create_env_kwargs: as :class:`workers.Collector`.
         yield_completed_trajectories: yield whole episodes as they finish
             (``batch_mode="complete_episodes"``; ``frames_per_batch`` is then a minimum).
-        num_envs: env workers when ``create_env_fn`` is a single factory.
+        num_envs: env workers when ``create_env_fn`` is a single factory (with ``num_workers``: envs).
+        num_workers: split the envs (one per factory, or ``num_envs`` of a single one) among this many
+            env workers, each stepping its share as a gymnasium ``SyncVectorEnv`` and asking the server
+            for all of them in one request (PufferLib's and EnvPool's shape: fewer, larger forward passes,
+            a process per core rather than per env). The envs must split evenly. None (the default): one
+            worker per env, TorchRL's shape.
         server_threads: torch's intra-op threads in the server thread (default 1: on a CPU, the
             env workers want the other cores; raise it for a large policy on many cores; None:
             torch's default, whose idle OpenMP threads spin between forward passes).
@@ -77,7 +84,8 @@ class AsyncBatchedCollector(Collector):
                  env_backend: str = "multiprocessing", reset_at_each_iter: bool = False,
                  postproc: Callable[[Any], Any] | None = None, yield_completed_trajectories: bool = False,
                  create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
-                 num_envs: int | None = None, server_threads: int | None = 1, **kwargs: Any):
+                 num_envs: int | None = None, num_workers: int | None = None, server_threads: int | None = 1,
+                 **kwargs: Any):
         if (policy is None) == (policy_factory is None):
             raise shmbuf.UsageError("give exactly one of policy and policy_factory")
         if env_backend not in ENV_BACKENDS:
@@ -102,6 +110,9 @@ class AsyncBatchedCollector(Collector):
         n_workers = num_envs if num_envs is not None else len(env_fns)
         if create_env_kwargs is not None and not isinstance(create_env_kwargs, dict) and len(env_fns) == 1:
             n_workers = len(list(create_env_kwargs))
+        if num_workers is not None:
+            create_env_fn = vector_workers(env_fns, create_env_kwargs, n_workers, num_workers)
+            create_env_kwargs, n_workers = None, num_workers
         if policy is not None:
             server_policy = policy
         else:
@@ -131,3 +142,18 @@ class AsyncBatchedCollector(Collector):
         placement = self._placement
         assert isinstance(placement, ServedPolicy)  # given to Collector.__init__ above
         return placement.table
+
+
+def vector_workers(env_fns: tuple[Callable[[], Any], ...], create_env_kwargs: Any, n_envs: int,
+                   num_workers: Any) -> list[SyncVectorOf]:
+    """``n_envs`` env factories (``env_fns`` repeated, ``create_env_kwargs`` bound) in ``num_workers`` even shares,
+    each a factory of one ``SyncVectorEnv``; UsageError when they do not split evenly."""
+    int_setting("num_workers", num_workers)
+    if n_envs % num_workers:
+        raise shmbuf.UsageError(f"num_workers={num_workers}: the {n_envs} envs must split evenly among the workers "
+                                f"(each worker's rollouts hold the same number of envs); give a divisor of {n_envs}")
+    fns = with_kwargs(env_fns, create_env_kwargs)
+    if len(fns) == 1:
+        fns = fns * n_envs
+    k = n_envs // num_workers
+    return [SyncVectorOf(tuple(fns[i * k : (i + 1) * k])) for i in range(num_workers)]
