@@ -246,9 +246,9 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {kind} | {b:.1f} | {h:.1f} | {a:.1f} | {a / b:.2f} | {a / h:.2f} |")
     c = r["copies_per_obs_byte"]
     lines += ["", f"Copies per observation byte (84x84x4, from the difference with a 4-byte observation, in units of "
-                  f"one np.copyto of {n} observations into a buffer row = {r['copy_us_per_step']:.1f} us; the env's step makes one "
-                  f"in each loop): bare {c['bare']:.2f}, bare by "
-                  f"hand {c['bare_by_hand']:.2f}, ActorLoop {c['actor_loop']:.2f}.", "",
+                  f"one np.copyto of {n} observations into a buffer row = {r['copy_us_per_step']:.1f} us; the env's "
+                  f"step makes one in each loop): bare {c['bare']:.2f}, bare by hand {c['bare_by_hand']:.2f}, "
+                  f"ActorLoop {c['actor_loop']:.2f}.", "",
               f"Aim (issue 21): ActorLoop within 15 % of the bare loop on CartPole: "
               f"{'met' if r['aim']['actor_loop_within_15pct_of_bare_cartpole'] else 'not met'} "
               f"({r['ratio_actor_loop_to_bare']['cartpole']:.2f}x)."]

@@ -30,8 +30,8 @@ import shmbuf.lowlevel
 from shmbuf.layout import COMPLETE_EPISODES, TRUNCATE_EPISODES
 from shmbuf.lowlevel import int_setting
 from workers._collector import Collector
-from workers._placement import ENV_BACKENDS, ServedPolicy
 from workers._envs import SyncVectorOf
+from workers._placement import ENV_BACKENDS, ServedPolicy
 from workers._server import InferenceServer
 from workers._settings import with_kwargs
 
