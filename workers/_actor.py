@@ -297,7 +297,7 @@ class ActorLoop:
         cut = soft = None
         if self.limit is not None:
             at = self.ep_len >= self.limit
-            if at.any():
+            if np.count_nonzero(at):
                 at &= ~(term | trunc)  # an episode the env ended on this very step ended by itself (RLlib's hit_horizon)
                 if at.any():
                     if self.soft_horizon:
@@ -305,7 +305,7 @@ class ActorLoop:
                     else:
                         cut = at
                         trunc = trunc | cut
-        if self.no_done_at_end and term.any():
+        if self.no_done_at_end and np.count_nonzero(term):
             trunc = trunc | term
             term = np.zeros_like(term)
         return term, trunc, cut, soft

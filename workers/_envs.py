@@ -228,13 +228,16 @@ class EnvDriver:
             rew[0], term[0], trunc[0] = r, te, tr
         else:
             # The actions as SyncVectorEnv.step passes them (iterating the batched array); its per-step info merge,
-            # concatenation and copy are skipped: each observation goes straight to its row.
-            for i, (env, a) in enumerate(zip(envs, action, strict=True)):
-                o, r, te, tr, _ = env.step(a)
-                out[i] = o
-                rew[i], term[i], trunc[i] = r, te, tr
+            # concatenation and copy are skipped: each observation goes straight to its row. Rewards and flags go in
+            # one store each (measured: half the overhead of three item stores per sub-env).
+            res = [env.step(a) for env, a in zip(envs, action, strict=True)]
+            for i, step in enumerate(res):
+                out[i] = step[0]
+            rew[:] = [step[1] for step in res]
+            term[:] = [step[2] for step in res]
+            trunc[:] = [step[3] for step in res]
         done = term | trunc
-        if not done.any():
+        if not np.count_nonzero(done):  # a C call; ndarray.any() goes through Python (numpy's _methods)
             return rew, term, trunc, _NONE, _NONE
         ended = np.flatnonzero(done)
         finals = out[ended]  # a copy (fancy indexing): the rows are overwritten by the resets below

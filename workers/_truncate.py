@@ -37,6 +37,9 @@ from shmbuf.layout import (
 )
 
 
+count = np.count_nonzero
+
+
 def usable(loop: Any, slot: dict[str, Any]) -> bool:
     """Can ``loop`` write its rollouts through :class:`SlotRollouts`? Array observations and actions, no view
     requirements (the policy then gets the bare observation, a row of the slot)."""
@@ -128,7 +131,7 @@ class SlotRollouts:
             done = term | trunc
             ends = done if soft is None else done | soft
             last_ends = None
-            if ends.any():
+            if count(ends):  # np.count_nonzero: a C call; ndarray.any() goes through Python (_methods)
                 idx = np.flatnonzero(ends)
                 k = len(idx)
                 rows = slice(n_ep, n_ep + k)
