@@ -36,7 +36,6 @@ from shmbuf.layout import (
     TRUNCATED,
 )
 
-
 count = np.count_nonzero
 
 
