@@ -59,6 +59,24 @@ def test_vector_env_next_step_autoreset_through_processes():
         check_truncated(rs, [0, 1, 2], 5)
 
 
+def test_more_env_factories_than_actors_split_evenly_into_vector_envs():
+    """Four factories, num_actors=2: two actors of two envs each (env ids 0,1 and 2,3), every transition exact; and
+    a split that is not even is refused, naming num_actors."""
+    fns = [partial(make_counting, i) for i in range(4)]
+    with Collector(fns, EchoPolicy(), num_actors=2, frames_per_batch=40, total_frames=200, rollout_len=5, copy=True,
+                   start_method="fork", timeout=30, seed=None) as c:
+        batches = list(c)
+        assert c.stats()["shmbuf"]["writers"] == 2
+    assert batches[0].data["step"]["obs"].shape[2:] == (2, 3)
+    lanes = per_lane(batches)
+    envs = sorted(tuple(int(x) for x in rs[0]["data"]["step"]["obs"][0, :, 0]) for rs in lanes.values())
+    assert envs == [(0, 1), (2, 3)], "each actor steps its own share of the factories, in order"
+    for rs in lanes.values():
+        check_truncated(rs, [int(x) for x in rs[0]["data"]["step"]["obs"][0, :, 0]], 5)
+    with pytest.raises(shmbuf.UsageError, match="num_actors=3: the 4 env factories must split evenly"):
+        Collector(fns, EchoPolicy(), num_actors=3, frames_per_batch=40)
+
+
 def test_complete_episodes_batches():
     with Collector([make_counting], EchoPolicy(), num_actors=2, frames_per_batch=20, total_frames=60,
                    rollout_len=8, batch_mode="complete_episodes", start_method="fork", timeout=30, seed=None) as c:

@@ -40,6 +40,7 @@ from shmbuf.layout import (
 )
 from shmbuf.lowlevel import int_setting, timeout_setting
 from workers._actor import ActorSpec, check_horizon, probe
+from workers._envs import split_among
 from workers._placement import LocalPolicy, Placement, weights_of
 from workers._plan import BatchPlan, default_num_actors, plan_batches
 from workers._pool import default_start_method
@@ -200,7 +201,9 @@ class Collector:
             of ``rollout_len * E``. Complete-episodes: a minimum; whole
             episodes are added until it is reached.
         total_frames: stop after this many frames (-1: never).
-        num_actors: actor processes (default: the number of env factories, or 2).
+        num_actors: actor processes (default: the number of env factories, or 2). Fewer actors than env
+            factories: the factories split evenly among the actors, each stepping its share as one gymnasium
+            ``SyncVectorEnv`` (16 factories, ``num_actors=2``: 2 actors of 8 envs).
         rollout_len: T. Default: one rollout per actor per batch in
             truncate-episodes mode; the env's ``max_episode_steps`` in
             complete-episodes mode.
@@ -251,6 +254,8 @@ class Collector:
                                  num_actors=num_actors, horizon=horizon, soft_horizon=soft_horizon,
                                  no_done_at_end=no_done_at_end, view_requirements=view_requirements,
                                  reset_at_each_iter=reset_at_each_iter, postproc=postproc)
+        if num_actors is not None and 1 < len(env_fns) and num_actors < len(env_fns):
+            env_fns = split_among(env_fns, num_actors, "num_actors")  # each actor steps its share as one vector env
         self.timeout = timeout_setting("timeout", timeout)
         self.total_frames = total_frames
         self.copy = copy

@@ -300,6 +300,16 @@ class SyncVectorOf:
         return f"SyncVectorOf({len(self.fns)} envs)"
 
 
+def split_among(env_fns: tuple[Callable[[], Any], ...], n: int, setting: str) -> tuple[SyncVectorOf, ...]:
+    """``env_fns`` in ``n`` even shares, in order, each a factory of one ``SyncVectorEnv``; UsageError naming
+    ``setting`` when they do not split evenly (every actor's rollouts hold the same number of envs)."""
+    if len(env_fns) % n:
+        raise UsageError(f"{setting}={n}: the {len(env_fns)} env factories must split evenly among the {n} processes "
+                         f"(each one's rollouts hold the same number of envs); give a divisor of {len(env_fns)}")
+    k = len(env_fns) // n
+    return tuple(SyncVectorOf(tuple(env_fns[i * k : (i + 1) * k])) for i in range(n))
+
+
 _NONE = np.zeros(0, np.int64)  # no sub-env ended: an empty index array (never written)
 
 

@@ -30,10 +30,8 @@ import shmbuf.lowlevel
 from shmbuf.layout import COMPLETE_EPISODES, TRUNCATE_EPISODES
 from shmbuf.lowlevel import int_setting
 from workers._collector import Collector
-from workers._envs import SyncVectorOf
 from workers._placement import ENV_BACKENDS, ServedPolicy
 from workers._server import InferenceServer
-from workers._settings import with_kwargs
 
 __all__ = ["AsyncBatchedCollector", "InferenceServer"]  # InferenceServer: its home was this module
 
@@ -110,9 +108,15 @@ class AsyncBatchedCollector(Collector):
         n_workers = num_envs if num_envs is not None else len(env_fns)
         if create_env_kwargs is not None and not isinstance(create_env_kwargs, dict) and len(env_fns) == 1:
             n_workers = len(list(create_env_kwargs))
-        if num_workers is not None:
-            create_env_fn = vector_workers(env_fns, create_env_kwargs, n_workers, num_workers)
-            create_env_kwargs, n_workers = None, num_workers
+        if num_workers is not None:  # n_workers envs, split among num_workers (Collector splits them: fewer actors)
+            int_setting("num_workers", num_workers)
+            if n_workers % num_workers:
+                raise shmbuf.UsageError(f"num_workers={num_workers}: the {n_workers} envs must split evenly among the "
+                                        f"workers (each worker's rollouts hold the same number of envs); give a "
+                                        f"divisor of {n_workers}")
+            if len(env_fns) == 1 and (create_env_kwargs is None or isinstance(create_env_kwargs, dict)):
+                create_env_fn = list(env_fns) * n_workers
+            n_workers = num_workers
         if policy is not None:
             server_policy = policy
         else:
@@ -143,17 +147,3 @@ class AsyncBatchedCollector(Collector):
         assert isinstance(placement, ServedPolicy)  # given to Collector.__init__ above
         return placement.table
 
-
-def vector_workers(env_fns: tuple[Callable[[], Any], ...], create_env_kwargs: Any, n_envs: int,
-                   num_workers: Any) -> list[SyncVectorOf]:
-    """``n_envs`` env factories (``env_fns`` repeated, ``create_env_kwargs`` bound) in ``num_workers`` even shares,
-    each a factory of one ``SyncVectorEnv``; UsageError when they do not split evenly."""
-    int_setting("num_workers", num_workers)
-    if n_envs % num_workers:
-        raise shmbuf.UsageError(f"num_workers={num_workers}: the {n_envs} envs must split evenly among the workers "
-                                f"(each worker's rollouts hold the same number of envs); give a divisor of {n_envs}")
-    fns = with_kwargs(env_fns, create_env_kwargs)
-    if len(fns) == 1:
-        fns = fns * n_envs
-    k = n_envs // num_workers
-    return [SyncVectorOf(tuple(fns[i * k : (i + 1) * k])) for i in range(num_workers)]
