@@ -17,7 +17,7 @@ BLOCKS = doc_blocks("inference.md")
 
 
 def test_the_page_has_its_blocks() -> None:
-    assert len(BLOCKS) == 2
+    assert len(BLOCKS) == 3
 
 
 def test_the_collector_block_prints_its_batches_and_the_servers_batching(tmp_path: pathlib.Path) -> None:
@@ -45,7 +45,7 @@ def check_collector_block_output(method: str, lines: list[str]) -> None:
 
 
 def test_the_tensordict_block_prints_torchrls_layout(tmp_path: pathlib.Path) -> None:
-    for method, out in run_doc_block_under_each_start_method("inference.md", 1, tmp_path).items():
+    for method, out in run_doc_block_under_each_start_method("inference.md", 2, tmp_path).items():
         size, keys = out.strip().split(" [", 1)
         keys = "[" + keys
         assert size == "torch.Size([2, 64])", method  # 2 envs x T = 64: the 128 frames asked for
@@ -53,3 +53,15 @@ def test_the_tensordict_block_prints_torchrls_layout(tmp_path: pathlib.Path) -> 
             "('collector', 'mask')", "('collector', 'traj_ids')", "('next', 'done')", "('next', 'observation')",
             "('next', 'reward')", "('next', 'terminated')", "('next', 'truncated')", "action", "observation",
             "policy_version"], method
+
+
+def test_the_num_workers_block_prints_vector_rollouts_and_requests_of_four_envs(tmp_path: pathlib.Path) -> None:
+    """8 envs in 2 workers: every rollout holds a worker's 4 envs, and a forward pass holds at most both workers'
+    requests (each request 4 observations)."""
+    for method, out in run_doc_block_under_each_start_method("inference.md", 1, tmp_path).items():
+        lines = out.splitlines()
+        assert lines[:-1] and all(line == "(2, 64, 4, 4)" for line in lines[:-1]), (method, lines)
+        assert len(lines[:-1]) == 4, (method, lines)  # 2048 frames in batches of 512
+        m = re.fullmatch(r"(\d+) forward passes, ([\d.]+) requests each", lines[-1])
+        assert m and 1.0 <= float(m[2]) <= 2.0, (method, lines[-1])  # 2 workers: at most 2 requests a forward
+        assert int(m[1]) * 2 >= 2048 // 4, (method, lines[-1])  # a request per worker step, 4 frames each
