@@ -159,6 +159,11 @@ def tables(res: dict[str, Any]) -> str:
     if c["quick"]:
         lines += ["**Quick run**: each system's first configuration only, short windows: a look, not a measurement.", ""]
     rows = res.get("rows", [])
+    outside = [r["cpu_cores"]["outside"] for r in res["runs"] if r["status"] == "ok"]
+    if outside and float(np.median(outside)) > OUTSIDE_MARK:
+        lines += [(f"**Load from outside the run**: median {float(np.median(outside)):.2f} core, at most {max(outside):.2f}, "
+                   f"over the runs: the machine was shared, so these figures are noisy (compare the ± spreads); a quiet "
+                   "machine gives the figures to quote."), ""]
     for env in c["envs"]:
         for pol in c["policies"]:
             shown = [r for r in rows if r["env"] == env and r["policy"] == pol and r["shown"]]
@@ -184,6 +189,7 @@ def tables(res: dict[str, Any]) -> str:
             lines.append(f"| {m['aim']} | {m['env']} | {m['policy']} | {m['against']} | {m['value']:.2f}x | {m['goal']}x | "
                          f"{'yes' if m['met'] else '**no**'} |")
         lines.append("")
+    lines += _where_the_time_goes(res)
     lines += ["## Every configuration (the fastest of each system, in bold, is its row above)", "",
               "| env | policy | system | configuration | frames/s | CPU µs/frame learner / children | start-up s | runs |",
               "|---|---|---|---|---:|---:|---:|---:|"]
@@ -203,6 +209,31 @@ def tables(res: dict[str, Any]) -> str:
         lines += [f"- {c['labels'].get(s, s)}: {why}" for s, why in res.get("skipped", {}).items()]
         lines.append("")
     return "\n".join(lines)
+
+
+def _where_the_time_goes(res: dict[str, Any]) -> list[str]:
+    """Per env and policy: the Collector's CPU per frame against the floor's, the rate 2 cores allow at that cost, and the
+    cost the frames/s aim would allow."""
+    cores = res["machine"].get("cores_usable") or res["machine"].get("cores") or 2
+    best = {(r["env"], r["policy"], r["system"]): r for r in res.get("rows", []) if r["shown"]}
+    out = []
+    for (env, pol, system), col in best.items():
+        floor = best.get((env, pol, "floor_vec"))
+        if system != "collector" or floor is None:
+            continue
+        goal = {"linear": 1.7}.get(pol, 1.0)
+        cpu, f_cpu = col["cpu_us_per_frame"], floor["cpu_us_per_frame"]["total"]
+        out.append(f"| {env} | {pol} | {f_cpu:.1f} | {cpu['children']:.1f} / {cpu['learner']:.1f} | "
+                   f"{_n(cores / cpu['total'] * 1e6)} | {_n(col['fps']['median'])} | {goal}x: {_n(goal * floor['fps']['median'])}"
+                   f" | {cores / (goal * floor['fps']['median']) * 1e6:.1f} |")
+    if not out:
+        return []
+    return ["## Where the Collector's time goes (from the rows above)", "",
+            (f"CPU per frame against the one-process loop's (SyncVectorEnv row), the rate {cores} cores allow at the "
+             "Collector's cost if both were busy all the time, and the cost per frame at which they would allow the aim's "
+             "rate. Frames/s below the bound: the cores were not all the run's (outside load) or waited."), "",
+            ("| env | policy | floor CPU µs/frame | Collector actors / learner µs/frame | bound frames/s | measured | aim "
+             "frames/s | µs/frame the aim allows |"), "|---|---|---:|---:|---:|---:|---:|---:|"] + out + [""]
 
 
 # ------------------------------------------------------------------ plot
