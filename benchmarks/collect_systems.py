@@ -230,6 +230,13 @@ def _vec_factories(env: str, workers: int, autoreset: str = "SameStep") -> list[
     return [functools.partial(ce.make_vec, env, NUM_ENVS // workers, autoreset)] * workers
 
 
+def check_envs(collector: Any) -> None:
+    """Raise unless a shmbuf collector steps :data:`NUM_ENVS` envs in all (its plan: actors x sub-envs)."""
+    plan = collector.plan
+    if plan.num_actors * plan.num_envs != NUM_ENVS:
+        raise RuntimeError(f"expected {NUM_ENVS} envs in all, got {plan.num_actors} actors x {plan.num_envs} envs")
+
+
 class ShmbufCollector(Run):
     """``workers.Collector``: a policy copy in each actor process (one torch thread each)."""
 
@@ -244,7 +251,10 @@ class ShmbufCollector(Run):
 
         workers = 1 if self.variant == "1x16" else 2
         envs = _vec_factories(self.env, workers, "NextStep" if self.variant.endswith("-next") else "SameStep")
-        self.c = Collector(envs, ce.make_policy(self.env, self.policy), frames_per_batch=self.fpb, torch_threads=1)
+        # num_actors given: a single factory would otherwise get the default of 2 actors (32 envs)
+        self.c = Collector(envs, ce.make_policy(self.env, self.policy), frames_per_batch=self.fpb, torch_threads=1,
+                           num_actors=workers)
+        check_envs(self.c)
         for b in self.c:
             yield int(b.frames)
 
@@ -265,6 +275,7 @@ class ShmbufAsync(Run):
         workers = {"2xvec8": 2, "4xvec4": 4, "16x1": 16}[self.variant]
         self.c = AsyncBatchedCollector(_vec_factories(self.env, workers), policy=ce.make_policy(self.env, self.policy),
                                        frames_per_batch=self.fpb)
+        check_envs(self.c)
         for b in self.c:
             yield int(b.frames)
 
