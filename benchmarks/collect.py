@@ -38,8 +38,9 @@ How each figure is taken, the same way for every system:
   from ``/proc``, between the first and last window edges, divided by the frames/s; and the machine's busy time from
   ``/proc/stat``, whose part not in the run is the outside load (the machine is shared).
 - **alternation**: ``--passes`` passes over the plan; in each, for each env and policy, the systems one after the
-  other (the second pass in reverse order, and with only each system's fastest configuration of the first pass);
-  a row's windows are pooled over the passes before the median.
+  other (every other pass in reverse order). The first pass runs every configuration, the later ones each system's
+  two fastest of the first pass again; a configuration's windows are pooled over its passes before the median, and
+  a system's row is its fastest configuration among those measured in every pass.
 
 Torch runs on one thread in every process and every thread that calls it (benchmarks/inference.py says why); the
 process pools start from the standard library's forkserver with torch, gymnasium and torchrl preloaded (set in
@@ -71,6 +72,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAMES_PER_BATCH = 1024
 LARGE_POLICY = "mlp512"  # only the floors and shmbuf's two collectors run with it, on CartPole
 LARGE_SYSTEMS = ("floor_vec", "floor_hand", "collector", "async_batched")
+AGAIN = 2  # configurations of each system measured again in every later pass: the first pass's fastest two
 # Seconds a run takes besides its windows (start-up, first delivery, shutdown), for the estimate printed at the start.
 OVERHEAD_S = {"floor_vec": 0.5, "floor_hand": 0.5, "gym_async": 2.5, "puffer": 2.0, "torchrl_multisync": 6.0,
               "collector": 2.5, "async_batched": 3.0}
@@ -216,18 +218,20 @@ def variants(system: str, a: argparse.Namespace) -> list[str]:
     return names[:1] if a.quick else names
 
 
-def plan(a: argparse.Namespace) -> list[tuple[int, str, str, str, str | None]]:
-    """(pass, env, policy, system, variant or None: the fastest of the first pass) in the order run."""
-    out: list[tuple[int, str, str, str, str | None]] = []
+def plan(a: argparse.Namespace) -> list[tuple[int, str, str, str, str | int]]:
+    """(pass, env, policy, system, variant) in the order run; in the later passes the variant is a rank: the system's
+    configurations of the first pass, fastest first, of which the first :data:`AGAIN` run again."""
+    out: list[tuple[int, str, str, str, str | int]] = []
     for p in range(a.passes):
         for env, pol, systems in combos(a):
             order = systems if p % 2 == 0 else systems[::-1]
             for s in order:
-                out += [(p, env, pol, s, v) for v in variants(s, a)] if p == 0 else [(p, env, pol, s, None)]
+                vs = variants(s, a)
+                out += [(p, env, pol, s, v) for v in vs] if p == 0 else [(p, env, pol, s, k) for k in range(min(AGAIN, len(vs)))]
     return out
 
 
-def estimate_s(steps: list[tuple[int, str, str, str, str | None]], a: argparse.Namespace) -> float:
+def estimate_s(steps: list[tuple[int, str, str, str, str | int]], a: argparse.Namespace) -> float:
     per_run = a.warmup_s + a.windows * a.window_s * 1.1
     return sum(per_run + OVERHEAD_S[s] for _, _, _, s, _ in steps)
 
@@ -239,25 +243,21 @@ def sweep(a: argparse.Namespace, res: dict[str, Any]) -> None:
     est = estimate_s(steps, a)
     print(f"collect bench: {len(steps)} runs, about {est / 60:.1f} minutes "
           f"({len(combos(a))} env x policy, {a.passes} pass(es))", file=sys.stderr, flush=True)
-    chosen: dict[tuple[str, str, str], str] = {}
     bar = tqdm(total=len(steps), unit="run", desc="collect bench", dynamic_ncols=True)
     try:
         for p, env, pol, s, v in steps:
-            if v is None:
-                v = chosen.get((env, pol, s))
-                if v is None:
+            if isinstance(v, int):  # a later pass: the first pass's v-th fastest configuration
+                ranked = report.ranked_variants([r for r in res["runs"] if r["pass"] == 0], env, pol, s)
+                if v >= len(ranked):
                     bar.update(1)
                     continue
+                v = ranked[v]
             bar.set_postfix_str(f"{env} {pol} {s} [{v}]")
             r = run_one(s, v, env, pol, a)
             r["pass"] = p
             res["runs"].append(r)
             bar.update(1)
             bar.write(report.line(r))
-            if p == 0:
-                chosen_row = report.best_variant(res["runs"], env, pol, s)
-                if chosen_row is not None:
-                    chosen[(env, pol, s)] = chosen_row
     finally:
         bar.close()
 
