@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo demo-ray test test-slow test-core lint bench bench-quick bench-storage bench-inference bench-ray clean-shm clean
+.PHONY: demo demo-ray test test-slow test-core lint bench bench-quick bench-storage bench-inference bench-collect bench-ray clean-shm clean
 
 # One stamp per set of extras, refreshed when pyproject.toml changes. The tests also get rsl_rl's own code, the
 # reference for 002's GAE (tests/_rsl_rl.py), with --no-deps: its torch pin would pull a CUDA build of GBs.
@@ -83,6 +83,15 @@ bench-storage: $(VENV)/.stamp-bench
 # MultiSyncCollector, 4/8/16 envs, two MLPs): about 10 minutes. The demo stamp brings gymnasium, which `bench` lacks.
 bench-inference: $(VENV)/.stamp-bench
 	$(PY) -m benchmarks.inference
+
+# Multi-core collection from 16 envs (CartPole and an Atari-shaped env; a numpy linear policy, torch MLPs): the
+# one-process loops (the floors), gymnasium's AsyncVectorEnv, PufferLib, TorchRL's MultiSyncCollector, Collector and
+# AsyncBatchedCollector, each in its best configuration: about 13 minutes (--quick: about 1). pufferlib-core is installed
+# here with --no-deps: it pins torch==2.9.0, which would replace the CPU build of the pinned torch.
+# Results in benchmarks/results/<date>-<host>-collect.*
+bench-collect: $(VENV)/.stamp-bench
+	$(PIP) install --quiet --no-deps pufferlib-core==3.0.23
+	$(PY) -m benchmarks.collect
 
 # shmbuf on Ray (workers.RayCollector, one and two local nodes) against plain Ray actors and shmbuf alone: small, atari,
 # CartPole; about 12 minutes (--quick: under 1). Results in benchmarks/results/<date>-<host>-ray.*
