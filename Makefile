@@ -86,12 +86,14 @@ bench-inference: $(VENV)/.stamp-bench
 
 # Multi-core collection from 16 envs (CartPole and an Atari-shaped env; a numpy linear policy, torch MLPs): the
 # one-process loops (the floors), gymnasium's AsyncVectorEnv, PufferLib, TorchRL's MultiSyncCollector, Collector and
-# AsyncBatchedCollector, each in its best configuration: about 13 minutes (--quick: about 1). pufferlib-core is installed
+# AsyncBatchedCollector, each in its best configuration: about 13 minutes (--quick: about 1); then ActorLoop against the
+# bare loop in one process (benchmarks/actor_loop.py, about 2 minutes). pufferlib-core is installed
 # here with --no-deps: it pins torch==2.9.0, which would replace the CPU build of the pinned torch.
 # Results in benchmarks/results/<date>-<host>-collect.*
 bench-collect: $(VENV)/.stamp-bench
 	$(PIP) install --quiet --no-deps pufferlib-core==3.0.23
 	$(PY) -m benchmarks.collect
+	$(PY) -m benchmarks.actor_loop
 
 # shmbuf on Ray (workers.RayCollector, one and two local nodes) against plain Ray actors and shmbuf alone: small, atari,
 # CartPole; about 12 minutes (--quick: under 1). Results in benchmarks/results/<date>-<host>-ray.*
