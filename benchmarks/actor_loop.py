@@ -18,6 +18,10 @@ CPU time (``time.process_time``) per vector step; the median window is reported:
 - **bare, sub-envs by hand**: the bare loop stepping the 16 gymnasium envs in a Python loop, as
   ActorLoop's driver does with an unwrapped ``SyncVectorEnv`` (no info merge, no concatenation).
 
+Two at once: the bare loop alone in a child process, and in each of two child processes running together
+(CartPole), alternated: how much more CPU per step any process pays when two share this machine, which
+bounds what two actors can gain over one process whatever they run.
+
 Envs: ``CartPole-v1`` and :class:`AtariLike` (84x84x4 uint8 observations, a cheap step). Copies per
 observation byte: each loop is run twice on :class:`AtariLike`, once with its observation and once with a
 4-byte one; the difference in CPU per frame, divided by the CPU of one ``np.copyto`` of an observation,
@@ -194,6 +198,41 @@ def measure(systems: dict[str, Any], steps: int, windows: int) -> dict[str, list
     return out
 
 
+def _bare_cpu(kind: str, n: int, steps: int, out: Any, i: int) -> None:
+    """In a child: the bare loop's CPU microseconds per vector step, written to ``out[i]``."""
+    b = Bare(kind, n)
+    b.steps(T)
+    t0 = time.process_time()
+    b.steps(steps)
+    out[i] = (time.process_time() - t0) / steps * 1e6
+    b.close()
+
+
+def side_by_side(kind: str, n: int, steps: int, rounds: int) -> dict[str, Any]:
+    """The bare loop's CPU per vector step alone in a process, and in each of two processes running at once (what
+    two actors on two cores pay for sharing the machine: caches, memory bandwidth, the hypervisor); median over
+    ``rounds`` rounds of each, alternated."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    solo: list[float] = []
+    pair: list[float] = []
+    for _ in range(rounds):
+        for k in (1, 2):
+            out = ctx.Array("d", k)
+            procs = [ctx.Process(target=_bare_cpu, args=(kind, n, steps, out, i)) for i in range(k)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(120)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            (solo if k == 1 else pair).extend(out[:])
+    return {"solo_us_per_step": statistics.median(solo), "pair_us_per_step": statistics.median(pair),
+            "pair_over_solo": statistics.median(pair) / statistics.median(solo), "solo": solo, "pair": pair}
+
+
 def paired(env: dict[str, Any], a: str, b: str) -> float:
     """The median over rounds of ``a``'s CPU per step over ``b``'s in the same round."""
     return statistics.median(x / y for x, y in zip(env[a]["windows"], env[b]["windows"], strict=True))
@@ -224,6 +263,8 @@ def run(n: int, steps: int, windows: int, progress: Callable[[str], None] = prin
             for s in systems.values():
                 s.close()
         results["envs"][kind] = {name: {"us_per_step": statistics.median(v), "windows": v} for name, v in w.items()}
+    progress("cartpole: the bare loop alone in a process, and two at once in two processes")
+    results["side_by_side"] = side_by_side("cartpole", n, steps * 4, max(3, windows // 3))
     copy_us = copy_cost_us((84, 84, 4), n)
     results["copy_us_per_step"] = copy_us
     big, small = results["envs"]["atari"], results["envs"]["atari-small"]
@@ -256,6 +297,9 @@ def markdown(r: dict[str, Any]) -> str:
                   f"one np.copyto of {n} observations into a buffer row = {r['copy_us_per_step']:.1f} us; the env's "
                   f"step makes one in each loop): bare {c['bare']:.2f}, bare by hand {c['bare_by_hand']:.2f}, "
                   f"ActorLoop {c['actor_loop']:.2f}.", "",
+              f"Two processes at once (CartPole, the bare loop in each): {r['side_by_side']['pair_us_per_step']:.1f} us "
+              f"of CPU per vector step each, against {r['side_by_side']['solo_us_per_step']:.1f} alone: "
+              f"{r['side_by_side']['pair_over_solo']:.2f}x, what sharing this machine costs any two processes.", "",
               f"Aim (issue 21): ActorLoop within 15 % of the bare loop on CartPole: "
               f"{'met' if r['aim']['actor_loop_within_15pct_of_bare_cartpole'] else 'not met'} "
               f"({r['ratio_actor_loop_to_bare']['cartpole']:.2f}x)."]

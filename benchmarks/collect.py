@@ -66,7 +66,7 @@ from benchmarks import collect_envs as ce
 from benchmarks import collect_report as report
 from benchmarks import machine
 from benchmarks.collect_systems import FLOORS, SYSTEMS
-from benchmarks.inference import _helper, _kill_new, cpu_between, cpu_sample, descendants
+from benchmarks.inference import cpu_between, cpu_sample, descendants, reap_new
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAMES_PER_BATCH = 1024
@@ -182,12 +182,7 @@ def run_one(system: str, variant: str, env: str, policy: str, a: argparse.Namesp
                 run.close()
         except Exception as exc:  # noqa: BLE001  # recorded; what is left of the run is killed below
             rec.setdefault("error", f"shutdown: {exc!r}"[-3000:])
-        deadline = time.monotonic() + 5.0
-        while any(p not in before and not _helper(c) for p, (_, c) in descendants().items()) and time.monotonic() < deadline:
-            for p in mp.active_children():
-                p.join(0)
-            time.sleep(0.05)
-        rec["killed_pids"] = _kill_new(before)
+        rec["killed_pids"] = reap_new(before)
         rec["seconds"] = (time.monotonic_ns() - t_start) / 1e9
     return rec
 

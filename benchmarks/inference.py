@@ -601,6 +601,17 @@ def analyse(log_dir: str, edges: list[int]) -> dict[str, Any]:
     }
 
 
+def reap_new(before: Any, grace: float = 5.0) -> list[int]:
+    """Give the run's processes (descendants not in ``before``, helpers aside) ``grace`` seconds to leave, joining
+    finished children meanwhile; then kill what is left and return those pids (see :func:`_kill_new`)."""
+    deadline = time.monotonic() + grace
+    while any(p not in before and not _helper(c) for p, (_, c) in descendants().items()) and time.monotonic() < deadline:
+        for p in mp.active_children():
+            p.join(0)
+        time.sleep(0.05)
+    return _kill_new(before)
+
+
 def _kill_new(before: set[int]) -> list[int]:
     """SIGKILL the processes this run started that are still alive (by pid; never multiprocessing's helpers)."""
     killed = []
@@ -686,12 +697,7 @@ def run_one(system: str, variant: str, n: int, policy: str, a: argparse.Namespac
                 rec.setdefault("error", f"shutdown: {exc!r}")
         else:
             rec.setdefault("error", "the collector did not return from its iterator; its processes were killed")
-        deadline = time.monotonic() + 5.0
-        while any(p not in before and not _helper(c) for p, (_, c) in descendants().items()) and time.monotonic() < deadline:
-            for p in mp.active_children():
-                p.join(0)
-            time.sleep(0.05)
-        rec["killed_pids"] = _kill_new(before)
+        rec["killed_pids"] = reap_new(before)
         del run
         rec["seconds"] = time.monotonic() - t_start
         if "edges_ns" in rec:

@@ -303,3 +303,38 @@ def verify(r: shmbuf.Rollout) -> tuple[int, int]:
     assert checksum(d, r.fill["step"]) == crc, f"tag {tag} seq {seq}: data does not match its checksum"
     assert d["episode"]["return"][0] == seq and d["episode"]["length"][0] == r.fill["step"]
     return tag, seq
+
+
+def run_bench(cmd: list[str], cwd: pathlib.Path, *, timeout: float = 240, grace: float = 5.0,
+              others: Callable[[int], list[Any]] | None = None) -> tuple[int, str, list[int], list[Any]]:
+    """Run a benchmark command in a session of its own; return ``(returncode, output, left, others_left)``.
+
+    ``left``: processes of its process group still alive ``grace`` seconds after it returned (a forkserver leaves
+    when it sees the run's end of its pipe); ``others(pid)``: more processes to wait for and report (Ray's). Every
+    process of the group is SIGKILLed before returning, whatever happened, so that a failing test leaves none.
+    """
+    from tests.conftest import live_processes
+
+    def group(pgid: int) -> list[int]:
+        return [pid for pid, _, g, _ in live_processes() if g == pgid]
+
+    extra = others or (lambda _pid: [])
+    proc = subprocess.Popen(cmd, cwd=cwd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    out, left, others_left = "", [], []
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        deadline = time.monotonic() + grace
+        while (group(proc.pid) or extra(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left, others_left = group(proc.pid), extra(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            out = out or proc.communicate()[0] or ""
+        for pid in group(proc.pid):  # every process the run started, by pid (its session's process group)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return proc.returncode, out, left, others_left

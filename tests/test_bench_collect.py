@@ -13,16 +13,13 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import pathlib
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.conftest import leaked_since, live_processes, shm_objects
+from tests.conftest import leaked_since, shm_objects
+from tests.helpers import run_bench
 
 for _module in ("torch", "gymnasium", "tqdm", "matplotlib"):
     pytest.importorskip(_module)
@@ -31,11 +28,6 @@ from benchmarks import collect_report  # noqa: E402  # after the skips, as the o
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SYSTEMS = ("floor_vec", "floor_hand", "gym_async", "collector")
-
-
-def _group(pgid: int) -> list[int]:
-    """Live processes of process group ``pgid``."""
-    return [pid for pid, _, group, _ in live_processes() if group == pgid]
 
 
 def _finite_positive(x: object) -> bool:
@@ -47,25 +39,8 @@ def test_quick_run_writes_every_figure_computes_the_aims_and_leaves_nothing(tmp_
     cmd = [sys.executable, "-m", "benchmarks.collect", "--quick", "--systems", ",".join(SYSTEMS), "--envs", "cartpole",
            "--policies", "linear", "--out", str(tmp_path), "--windows", "2", "--window-s", "0.25", "--warmup-s", "0.25",
            "--stall-s", "60"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    left: list[int] = []
-    try:
-        out, _ = proc.communicate(timeout=240)
-        deadline = time.monotonic() + 5.0  # the forkserver leaves when it sees the run's end of its pipe
-        while _group(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = _group(proc.pid)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        for pid in _group(proc.pid):  # every process the run started, by pid (its session's process group)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    assert proc.returncode == 0, out[-5000:]
+    code, out, left, _ = run_bench(cmd, ROOT)
+    assert code == 0, out[-5000:]
     assert left == [], f"processes of the run outlived it: {left}"
     leaked = leaked_since(before)
     assert leaked == [], f"the run left shmbuf objects in /dev/shm: {[f.name for f in leaked]}"

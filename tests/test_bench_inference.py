@@ -14,18 +14,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import pathlib
 import re
-import signal
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
-from tests.conftest import leaked_since, live_processes, shm_objects
+from tests.conftest import leaked_since, shm_objects
+from tests.helpers import run_bench
 
 for _module in ("torch", "torchrl", "tensordict", "gymnasium", "tqdm"):
     pytest.importorskip(_module)
@@ -33,11 +30,6 @@ for _module in ("torch", "torchrl", "tensordict", "gymnasium", "tqdm"):
 from benchmarks import inference  # noqa: E402  # after the skips: it imports torch and gymnasium
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _group(pgid: int) -> list[int]:
-    """Live processes of process group ``pgid``."""
-    return [pid for pid, _, group, _ in live_processes() if group == pgid]
 
 
 def _finite_positive(x: float) -> bool:
@@ -50,25 +42,8 @@ def test_quick_sweep_writes_every_figure_and_leaves_nothing(tmp_path: pathlib.Pa
     before = shm_objects()
     cmd = [sys.executable, "-m", "benchmarks.inference", "--quick", "--out", str(tmp_path), "--tmp", str(logs),
            "--windows", "2", "--window-s", "0.25", "--warmup-s", "0.25", "--stall-s", "30", "--start-timeout", "90"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    left: list[int] = []
-    try:
-        out, _ = proc.communicate(timeout=240)
-        deadline = time.monotonic() + 5.0  # the forkserver leaves when it sees the sweep's end of its pipe
-        while _group(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = _group(proc.pid)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        for pid in _group(proc.pid):  # every process the sweep started, by pid (its session's process group)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    assert proc.returncode == 0, out[-5000:]
+    code, out, left, _ = run_bench(cmd, ROOT)
+    assert code == 0, out[-5000:]
     assert left == [], f"processes of the sweep outlived it: {left}"
     assert list(logs.iterdir()) == [], "the event-log directory was left behind"
     leaked = leaked_since(before)

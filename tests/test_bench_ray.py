@@ -12,27 +12,21 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from benchmarks import ray_report  # numpy only: importable without the skipped extras
 from tests.conftest import leaked_since, live_processes, shm_objects
+from tests.helpers import run_bench
 
 for _module in ("ray", "gymnasium"):
     pytest.importorskip(_module)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _group(pgid: int) -> list[int]:
-    return [pid for pid, _, group, _ in live_processes() if group == pgid]
 
 
 def _ray_session_processes(driver: int) -> list[tuple[int, bytes]]:
@@ -50,26 +44,8 @@ def test_quick_run_has_every_row_computes_ratios_and_leaves_nothing(tmp_path: pa
     plot = importlib.util.find_spec("matplotlib") is not None  # the bench extra; `make test` has it too
     cmd = [sys.executable, "-m", "benchmarks.on_ray", "--quick", "--workloads", "small", "--out", str(tmp_path),
            "--stall-s", "30"] + ([] if plot else ["--no-plot"])
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    left: list[int] = []
-    ray_left: list[tuple[int, bytes]] = []
-    try:
-        out, _ = proc.communicate(timeout=240)
-        deadline = time.monotonic() + 10.0  # Ray's workers leave when their raylet has gone
-        while (_group(proc.pid) or _ray_session_processes(proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left, ray_left = _group(proc.pid), _ray_session_processes(proc.pid)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        for pid in _group(proc.pid):  # every process the run started, by pid (its session's process group)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    assert proc.returncode == 0, out[-5000:]
+    code, out, left, ray_left = run_bench(cmd, ROOT, grace=10.0, others=_ray_session_processes)
+    assert code == 0, out[-5000:]
     assert left == [], f"processes of the run outlived it: {left}"
     assert ray_left == [], f"Ray processes of the run outlived it: {ray_left}"
     leaked = leaked_since(before)
