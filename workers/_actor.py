@@ -320,6 +320,8 @@ class ActorLoop:
         start = self.rollouts
         if self.mode == TRUNCATE_EPISODES:
             if self._direct is None:
+                if self.should_stop():
+                    return 0
                 w = self.writers[0]
                 self._direct = SlotRollouts(self) if usable(self, w.slot()) else False
                 w.reset()  # the slot stays claimed for the first rollout; nothing was written

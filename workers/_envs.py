@@ -33,6 +33,10 @@ next ``step()``. The driver copies every observation it returns into one of
 two preallocated buffers it alternates between: one ``np.copyto`` per step
 (the cheapest correct option; writing the step before stepping cannot work,
 since reward and flags come from the step and a Writer row is added whole).
+
+The actor loop's hot path uses :meth:`EnvDriver.step_into` instead: it writes each observation into a
+buffer the caller gives (a row of the slot), and steps the sub-envs of an unwrapped ``SyncVectorEnv``
+itself (docs/design/actor.md).
 """
 
 from __future__ import annotations
@@ -203,11 +207,6 @@ class EnvDriver:
         return self._own(nobs)
 
     # -- writing into the caller's buffer: the actor loop's hot path ---------------------------------------------
-
-    def reset_into(self, out: np.ndarray, seed: int | None = None) -> None:
-        """Reset every sub-env (the vector env's own reset: its seeding) and write the observations into ``out``."""
-        obs, _ = self.env.reset(seed=seed)
-        out[...] = obs if self.vector else np.asarray(obs)[None]
 
     def step_into(self, action: Any, out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Step every sub-env and write what each returns into ``out`` (``(E, ...)``): one copy per observation byte.

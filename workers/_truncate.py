@@ -82,6 +82,8 @@ class SlotRollouts:
     def rollout(self) -> bool:
         """One rollout into the writer's slot, committed; False if the loop was asked to stop (nothing committed)."""
         loop = self.loop
+        if loop.should_stop():  # before waiting for a slot: a stop asked meanwhile is not kept waiting
+            return False
         loop.update_weights()
         w = loop.writers[0]
         driver = loop.driver
