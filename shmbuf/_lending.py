@@ -258,18 +258,36 @@ class Lender:
         return True
 
     def stranded(self, slot: int, size: int) -> bool:
-        """Can the ready rollout in ``slot`` never go out as part of a view? True when it sits past the last
-        aligned run (``slots`` not a multiple of ``size``), or when its run is complete and out of order.
+        """Can the oldest ready rollout, in ``slot``, never go out as part of a view? True when it sits past the
+        last aligned run (``slots`` not a multiple of ``size``), or when its run is complete and out of order for
+        good: a lane's rollouts in it out of their arrival order, or a rollout of the oldest's own lane outside it
+        older than one of that lane inside.
 
-        A complete run stays as it is while it is ready, so ``in_order`` stays False for it; and when
-        ``slot`` holds the oldest ready rollout, every other run holding a newer rollout of its lane fails
-        ``in_order`` too, for as long as that one is ready. Those lanes' rollouts would then wait for ever
-        while other lanes' runs go out, and their writers starve once the ready ones fill the slots.
+        A complete run stays as it is while it is ready. In the second case, the rollout outside sits in a run
+        that holds a rollout of the lane newer than the oldest (itself), so that run fails ``in_order`` for as long
+        as this one is ready, and the other way round: neither can ever go out in order, and that lane's writer
+        starves once its ready rollouts fill the slots. A run out of order only for another lane's older rollout
+        outside it may come right once that one goes out: the patience decides for it.
         """
+        n = self.slots
         first = slot - slot % size
-        if first + size > self.slots - self.slots % size:
+        if first + size > n - n % size:
             return True
-        return self.books.where[first : first + size] == self.books.fill[SLOT_READY][:size] and not self.in_order(first, size)
+        books = self.books
+        if books.where[first : first + size] != books.fill[SLOT_READY][:size]:
+            return False
+        run = slice(first, first + size)
+        arrived, lanes = books.arrived, books.lane_of
+        inner, inner_lanes = arrived[run], lanes[run]
+        order = inner_lanes.argsort(kind="stable")
+        a, ln = inner[order], inner_lanes[order]
+        if bool(((ln[1:] == ln[:-1]) & (a[1:] < a[:-1])).any()):
+            return True  # a lane's rollouts in the run out of their arrival order
+        lane = lanes[slot]
+        newest = int(inner[inner_lanes == lane].max())
+        theirs = lanes == lane
+        theirs[run] = False
+        return bool(theirs.any()) and int(arrived[theirs].min()) < newest
 
     def run_possible(self, size: int) -> bool:
         """Can an aligned run of ``size`` slots still fill? Not if each holds a rollout taken with get()."""

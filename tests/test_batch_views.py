@@ -439,7 +439,7 @@ def test_runs_that_each_hold_a_rollout_older_than_one_in_the_other_are_stranded(
     runs, each with a rollout newer than one of lane 0's outside it, so none can go out as views in lane 0's order;
     lane 1's run kept going out instead, and lane 0's restarted writer never got a slot. The oldest is stranded
     (and get_batch gathers it at once)."""
-    from shmbuf._books import NOT_READY, SLOT_LENT, SLOT_READY, SlotBooks
+    from shmbuf._books import NOT_READY, SLOT_LENT, SLOT_POOL, SLOT_READY, SlotBooks
     from shmbuf._lending import Lender
 
     books = SlotBooks(8)
@@ -459,3 +459,18 @@ def test_runs_that_each_hold_a_rollout_older_than_one_in_the_other_are_stranded(
     assert not lender.stranded(7, 2), "a run a writer may still complete was called stranded"
     lender_5 = Lender(SlotBooks(5), lambda: None)
     assert lender_5.stranded(4, 2), "slot 4 of 5 is in no run of 2, but was not called stranded"
+    # Out of order only for another lane: the oldest (slot 0, lane 0) shares its run with lane 1's rollout 5, and
+    # lane 1's older rollout 3 waits in slot 2 for slot 3 (lent). Once that run goes out, this one is in order.
+    books = SlotBooks(4)
+    books.where[:] = bytes([SLOT_READY, SLOT_READY, SLOT_READY, SLOT_LENT])
+    books.arrived[:] = [1, 5, 3, NOT_READY]
+    books.lane_of[:] = [0, 1, 1, -1]
+    books.n_ready = 3
+    lender = Lender(books, lambda: None)
+    assert not lender.in_order(0, 2)
+    assert not lender.stranded(0, 2), "a run another lane's older rollout holds back was called stranded"
+    books.arrived[:] = [5, 1, NOT_READY, NOT_READY]  # one lane, its run in slot order against arrival order
+    books.lane_of[:] = [0, 0, -1, -1]
+    books.where[:] = bytes([SLOT_READY, SLOT_READY, SLOT_POOL, SLOT_POOL])
+    books.n_ready = 2
+    assert lender.stranded(1, 2), "a lane's rollouts in a run against their arrival order were not called stranded"
