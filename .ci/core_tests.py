@@ -33,7 +33,7 @@ TESTS = ROOT / "tests"
 OPTIONAL = {
     "gymnasium": "gymnasium", "tqdm": "tqdm", "id-echo": "echo", "torch": "torch", "matplotlib": "matplotlib",
     "faster-fifo": "faster_fifo", "torchrl": "torchrl", "tensordict": "tensordict", "ray": "ray",
-    "rsl-rl-lib": "rsl_rl",
+    "rsl-rl-lib": "rsl_rl", "psutil": "psutil",
 }
 # The test runner (in `test` and in `core-test`): needed by every test, not an optional part of the library.
 RUNNER = {"pytest", "hypothesis", "pytest-timeout"}
@@ -50,6 +50,8 @@ EXTRA_TESTS: dict[str, str] = {
         "tqdm, through `shmbuf bench --help` (benchmarks/run.py)",
     "tests/test_inference_docs.py::test_the_collector_block_prints_its_batches_and_the_servers_batching":
         "gymnasium, in docs/inference.md's block",
+    "tests/test_inference_docs.py::test_the_num_workers_block_prints_vector_rollouts_and_requests_of_four_envs":
+        "gymnasium, in docs/inference.md's second block",
     "tests/test_inference_docs.py::test_the_tensordict_block_prints_torchrls_layout":
         "gymnasium and torchrl, in docs/inference.md's block",
     "tests/test_storage_files.py::test_docs_block_runs[0]": "gymnasium, in docs/storage.md's first block",
