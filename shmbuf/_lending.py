@@ -13,6 +13,8 @@ for the reader to take back.
 
 from __future__ import annotations
 
+import numpy as np
+
 from shmbuf._books import NOT_READY, SLOT_HELD, SLOT_POOL, SLOT_READY, SlotBooks
 from shmbuf._errors import SegmentError
 from shmbuf._lane import ReaderLane, wake_waiting
@@ -230,12 +232,8 @@ class Lender:
         lent_in = books.lent_in[4 * first : 4 * (first + size)]
         # Lent in one turn of the cursor: in slot order, so each lane took them, and committed them, in slot order.
         # Otherwise look at the arrival order, per lane.
-        if lent_in != lent_in[:4] * size:
-            lanes = books.lane_of[run]
-            order = lanes.argsort(kind="stable")
-            a, ln = inner[order], lanes[order]
-            if bool(((ln[1:] == ln[:-1]) & (a[1:] < a[:-1])).any()):
-                return False
+        if lent_in != lent_in[:4] * size and _against_arrival(inner, books.lane_of[run]):
+            return False
         if books.n_ready == size:
             return True  # nothing ready outside the run
         arrived, top = books.arrived, int(inner.max())
@@ -279,10 +277,8 @@ class Lender:
         run = slice(first, first + size)
         arrived, lanes = books.arrived, books.lane_of
         inner, inner_lanes = arrived[run], lanes[run]
-        order = inner_lanes.argsort(kind="stable")
-        a, ln = inner[order], inner_lanes[order]
-        if bool(((ln[1:] == ln[:-1]) & (a[1:] < a[:-1])).any()):
-            return True  # a lane's rollouts in the run out of their arrival order
+        if _against_arrival(inner, inner_lanes):
+            return True
         lane = lanes[slot]
         newest = int(inner[inner_lanes == lane].max())
         theirs = lanes == lane
@@ -294,6 +290,14 @@ class Lender:
         held = self.books.fill[SLOT_HELD][:1]
         where = self.books.where
         return any(held not in where[k : k + size] for k in range(0, self.slots - size + 1, size))
+
+
+def _against_arrival(arrived: np.ndarray, lanes: np.ndarray) -> bool:
+    """Does a run (its slots' arrival numbers and lanes, in slot order) hold some lane's rollouts out of their
+    arrival order? Views hand a run out in slot order, so that lane would see them reordered."""
+    order = lanes.argsort(kind="stable")
+    a, ln = arrived[order], lanes[order]
+    return bool(((ln[1:] == ln[:-1]) & (a[1:] < a[:-1])).any())
 
 
 def _given(lane: ReaderLane) -> int:
