@@ -310,6 +310,24 @@ class ActorLoop:
             term = np.zeros_like(term)
         return term, trunc, cut, soft
 
+    def _truncate_flags(self, t: int, n_ep: int, term: np.ndarray, trunc: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray, Any, Any, bool]:
+        """:meth:`_flags` for step ``t`` of a truncate-episodes rollout holding ``n_ep`` episodes so far, and whether
+        it is the rollout's last step: ``(terminated, truncated, cut, soft, last)``.
+
+        The last step is ``T - 1``, or earlier with ``reset_each_rollout`` when the episode table could
+        overflow at the next step (this step may end up to E episodes); with ``reset_each_rollout``, every
+        episode still running at the last step is cut there.
+        """
+        term, trunc, cut, soft = self._flags(term, trunc)
+        last = t == self.T - 1 or (self.reset_each_rollout and n_ep + 2 * self.E > self.max_episodes)
+        if self.reset_each_rollout and last:
+            running = ~(term | trunc)
+            if running.any():
+                trunc = trunc | running
+                cut = running if cut is None else cut | running
+        return term, trunc, cut, soft, last
+
     def _advance_views(self, action: Any, extras: dict[str, Any], rew32: np.ndarray, term: np.ndarray,
                        trunc: np.ndarray, nobs: Any) -> None:
         if self.views is not None:
@@ -352,15 +370,7 @@ class ActorLoop:
             self.ep_ret += rew
             self.ep_len += 1
             self.env_steps += E
-            term, trunc, cut, soft = self._flags(term, trunc)
-            # The rollout's last step: T - 1, or earlier when the episode table could overflow at the next step
-            # (this step may end up to E episodes). With reset_each_rollout, every episode still running ends here.
-            last = t == self.T - 1 or (self.reset_each_rollout and n_ep + 2 * E > M)
-            if self.reset_each_rollout and last:
-                running = ~(term | trunc)
-                if running.any():
-                    trunc = trunc | running
-                    cut = running if cut is None else cut | running
+            term, trunc, cut, soft, last = self._truncate_flags(t, n_ep, term, trunc)
             rew32 = rew.astype(np.float32)
             # Exact dtypes and shapes take the Writer's fast path (no per-leaf coercion).
             step = {OBS: row(obs), ACTION: row(action), REWARD: row(rew32), TERMINATED: row(term), TRUNCATED: row(trunc)}

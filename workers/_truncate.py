@@ -8,7 +8,7 @@ the action, each extra, the reward and the flags. Episodes that end are written 
 in one store per leaf, however many end. Nothing between steps is looked up again: the slot's views are
 taken once per rollout. What it costs and what was measured: docs/design/actor.md.
 
-The transitions are the general path's, bit for bit: the same flags (``ActorLoop._flags``), the same
+The transitions are the general path's, bit for bit: the same flags (``ActorLoop._truncate_flags``), the same
 episode records in the same order, the same bootstrap (the successor of the last step).
 """
 
@@ -35,8 +35,6 @@ from shmbuf.layout import (
     TERMINATED,
     TRUNCATED,
 )
-
-count = np.count_nonzero
 
 
 def usable(loop: Any, slot: dict[str, Any]) -> bool:
@@ -119,20 +117,14 @@ class SlotRollouts:
             ep_ret += rew
             ep_len += 1
             loop.env_steps += E
-            term, trunc, cut, soft = loop._flags(term, trunc)
-            last = t == T - 1 or (loop.reset_each_rollout and n_ep + 2 * E > M)
-            if loop.reset_each_rollout and last:
-                running = ~(term | trunc)
-                if running.any():
-                    trunc = trunc | running
-                    cut = running if cut is None else cut | running
+            term, trunc, cut, soft, last = loop._truncate_flags(t, n_ep, term, trunc)
             rew_s[t] = rew
             term_s[t] = term
             trunc_s[t] = trunc
             done = term | trunc
             ends = done if soft is None else done | soft
             last_ends = None
-            if count(ends):  # np.count_nonzero: a C call; ndarray.any() goes through Python (_methods)
+            if np.count_nonzero(ends):  # a C call; ndarray.any() goes through Python (numpy's _methods)
                 idx = np.flatnonzero(ends)
                 k = len(idx)
                 rows = slice(n_ep, n_ep + k)
