@@ -71,6 +71,7 @@ from shmbuf.layout import (
     rollout_example,  # noqa: F401  # re-exported: workers.rollout_example is shmbuf.layout's
     successors,  # noqa: F401  # re-exported: workers.successors is shmbuf.layout's
 )
+from workers._complete import SlotEpisodes
 from workers._envs import EnvDriver, tree_copy, tree_index
 from workers._truncate import SlotRollouts, usable
 from workers._views import ActorViews, check_view_requirements
@@ -252,9 +253,9 @@ class ActorLoop:
         self.ep_ret = np.zeros(self.E, np.float64)
         self.ep_len = np.zeros(self.E, np.int64)
         self.ep_version = np.zeros(self.E, np.int64)
-        # Truncate-episodes rollouts written straight into the slot (see workers._truncate), decided at the first
+        # Rollouts written straight into the slot (workers._truncate, workers._complete), decided at the first
         # rollout: None until then, False for the general path (pytree observations or actions, view requirements).
-        self._direct: SlotRollouts | bool | None = None
+        self._direct: SlotRollouts | SlotEpisodes | bool | None = None
         self.update_weights()
 
     def update_weights(self) -> bool:
@@ -336,19 +337,24 @@ class ActorLoop:
     def run(self, max_rollouts: int | None = None) -> int:
         """Collect until ``max_rollouts`` more rollouts were committed (None: until stopped); return how many."""
         start = self.rollouts
+        if self._direct is None:
+            if self.should_stop():
+                return 0
+            w = self.writers[0]
+            fast = usable(self, w.slot())
+            w.reset()  # the slot stays claimed for the first rollout; nothing was written
+            self._direct = (SlotRollouts(self) if self.mode == TRUNCATE_EPISODES else SlotEpisodes(self)) if fast else False
         if self.mode == TRUNCATE_EPISODES:
-            if self._direct is None:
-                if self.should_stop():
-                    return 0
-                w = self.writers[0]
-                self._direct = SlotRollouts(self) if usable(self, w.slot()) else False
-                w.reset()  # the slot stays claimed for the first rollout; nothing was written
             rollout = self._direct.rollout if isinstance(self._direct, SlotRollouts) else self._truncate_rollout
             while max_rollouts is None or self.rollouts - start < max_rollouts:
                 if not rollout():
                     break
         else:
-            self._complete(None if max_rollouts is None else start + max_rollouts)
+            until = None if max_rollouts is None else start + max_rollouts
+            if isinstance(self._direct, SlotEpisodes):
+                self._direct.run(until)
+            else:
+                self._complete(until)
         return self.rollouts - start
 
     # -- truncate-episodes: T steps of every sub-env per rollout -------------
