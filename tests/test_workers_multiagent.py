@@ -426,3 +426,15 @@ def test_the_docs_block_prints_each_policys_rows_and_both_counts(tmp_path):
     batch = ["chaser (2, 50, 6, 26) 600 agent steps", "runner (2, 50, 2, 24) 200 agent steps",
              "100 env steps, 800 agent steps"]
     assert lines == batch * 2 + ["[(0, 'agent_0'), (0, 'agent_1')]"]
+
+
+@pytest.mark.parametrize(("kw", "says"), [({}, "give exactly one of policies"),
+                                          ({"policies": POLICIES, "policy_factories": {"red": Scaled}},
+                                           "give exactly one of policies"),
+                                          ({"policy_factories": {"red": Scaled, "blue": 3}},
+                                           r"policy_factories: expected zero-argument callables, got none for \['blue'\]")])
+def test_the_collector_takes_policies_or_their_factories_and_says_which_is_wrong(kw, says):
+    from workers import MultiAgentCollector
+
+    with pytest.raises(shmbuf.UsageError, match=says):
+        MultiAgentCollector(partial(JoinLeaveEnv, 0), policy_mapping_fn=mapping, frames_per_batch=16, **kw)

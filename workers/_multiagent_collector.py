@@ -44,7 +44,8 @@ class MultiAgentSpec:
 
     pipelines: dict[Any, str]
     env_fns: tuple[Callable[[], Any], ...]
-    policies: dict[Any, Any]
+    policies: dict[Any, Any] | None
+    policy_factories: dict[Any, Callable[[], Any]] | None
     policy_mapping_fn: Callable[..., Any] | None
     rollout_len: int
     count_steps_by: str = ENV_STEPS_COUNT
@@ -72,7 +73,9 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
         if ready is not None:
             ready()
         seed = None if spec.seed is None else spec.seed + 10_000 * ctx.index + 1_000_000 * ctx.incarnation
-        loop = MultiAgentLoop(envs, spec.policies, writers, rollout_len=spec.rollout_len,
+        policies = spec.policies if spec.policies is not None else {
+            pid: make() for pid, make in (spec.policy_factories or {}).items()}
+        loop = MultiAgentLoop(envs, policies, writers, rollout_len=spec.rollout_len,
                               policy_mapping_fn=spec.policy_mapping_fn, count_steps_by=spec.count_steps_by, seed=seed,
                               weights=subs, should_stop=lambda: ctx.stop_requested)
         loop.run()
@@ -119,6 +122,10 @@ class MultiAgentCollector:
             or a list of factories (one per actor).
         policies: ``{policy_id: policy}`` (RLlib's ``multiagent.policies``), each a picklable callable or torch
             module (see :class:`workers.ActorLoop`), called in the actors on its live agents' observations.
+            None with ``policy_factories``.
+        policy_factories: ``{policy_id: zero-argument picklable callable}`` returning the policy, called once in
+            each actor and once here (to lay the rollouts out): for policies that cannot be pickled, or that
+            hold torch modules (which would otherwise travel as shared tensors).
         policy_mapping_fn: agent id -> policy id (RLlib's; called with ``(agent_id, None)`` when it takes an
             episode too); None: every agent to ``"default_policy"``.
         frames_per_batch: steps per batch, counted as ``count_steps_by`` says; a multiple of one round's
@@ -132,7 +139,8 @@ class MultiAgentCollector:
         stop_timeout, ready_timeout, total_frames: as :class:`workers.Collector`'s.
     """
 
-    def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policies: dict[Any, Any], *,
+    def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]],
+                 policies: dict[Any, Any] | None = None, *, policy_factories: dict[Any, Callable[[], Any]] | None = None,
                  policy_mapping_fn: Callable[..., Any] | None = None, frames_per_batch: int, total_frames: int = -1,
                  count_steps_by: str = ENV_STEPS_COUNT, num_actors: int | None = None, rollout_len: int | None = None,
                  weights: dict[Any, Any] | None = None, slots: int | None = None, start_method: str | None = None,
@@ -145,8 +153,17 @@ class MultiAgentCollector:
         self.pool: ActorPool | None = None
         if count_steps_by not in COUNT_STEPS_BY:
             raise shmbuf.UsageError(f"count_steps_by: expected one of {COUNT_STEPS_BY}, got {count_steps_by!r}")
-        if not isinstance(policies, dict) or not policies:
-            raise shmbuf.UsageError(f"policies: expected {{policy_id: policy}}, got {policies!r:.80}")
+        if (policies is None) == (policy_factories is None):
+            raise shmbuf.UsageError("give exactly one of policies={policy_id: policy} and policy_factories="
+                                    "{policy_id: factory}")
+        given = policies if policies is not None else policy_factories
+        if not isinstance(given, dict) or not given:
+            name = "policies" if policies is not None else "policy_factories"
+            raise shmbuf.UsageError(f"{name}: expected a non-empty dict keyed by policy id, got {given!r:.80}")
+        if policy_factories is not None:
+            bad = sorted(str(pid) for pid, f in policy_factories.items() if not callable(f))
+            if bad:
+                raise shmbuf.UsageError(f"policy_factories: expected zero-argument callables, got none for {bad}")
         env_fns = tuple(create_env_fn) if isinstance(create_env_fn, Sequence) else (create_env_fn,)
         if not env_fns or not all(callable(f) for f in env_fns):
             raise shmbuf.UsageError(f"create_env_fn: expected an env factory or a list of them, got {create_env_fn!r:.80}")
@@ -159,7 +176,7 @@ class MultiAgentCollector:
         self.copy = copy
         self.stop_timeout = stop_timeout
         self.ready_timeout = ready_timeout
-        self.policies = policies
+        self.policies = policies if policies is not None else {pid: make() for pid, make in given.items()}
         envs = _envs_of(env_fns[0])
         try:
             num_envs = len(envs)
@@ -174,7 +191,7 @@ class MultiAgentCollector:
                 raise shmbuf.UsageError(f"frames_per_batch={frames_per_batch}: expected a multiple of one round's "
                                         f"{T * per_round} {count_steps_by} (rollout_len={T} x {per_round})")
             self.rounds_per_batch = frames_per_batch // (T * per_round)
-            examples, self.rows = multiagent_examples(envs, policies, policy_mapping_fn, rollout_len=T, seed=seed)
+            examples, self.rows = multiagent_examples(envs, self.policies, policy_mapping_fn, rollout_len=T, seed=seed)
         finally:
             for env in envs:
                 env.close()
@@ -183,7 +200,7 @@ class MultiAgentCollector:
         if slots is None:
             slots = -(-max(3 * B, 2 * B + 2 * n_actors) // B) * B  # two batches and two per writer, whole batches
         self.frames = self.batches = self.env_steps = self.agent_steps = 0
-        self.policy_versions = dict.fromkeys(policies, 0)
+        self.policy_versions = dict.fromkeys(self.policies, 0)
         self._lags: deque[int] = deque(maxlen=10_000)
         self._returns: deque[float] = deque(maxlen=100)
         self._t0: float | None = None
@@ -191,7 +208,7 @@ class MultiAgentCollector:
         try:
             for pid, ex in examples.items():
                 self.readers[pid] = shmbuf.create(ex, slots, max_writers=n_actors, raise_writer_errors=False)
-            for pid, policy in policies.items():
+            for pid, policy in self.policies.items():
                 w = (weights or {}).get(pid)
                 if w is None and hasattr(policy, "state_dict"):
                     w = weights_of(policy, None)
@@ -199,7 +216,8 @@ class MultiAgentCollector:
                     self.publishers[pid] = shmbuf.WeightPublisher(w)
                     self.publishers[pid].publish(w, version=0)  # what the actors start from
             spec = MultiAgentSpec(pipelines={pid: r.name for pid, r in self.readers.items()}, env_fns=env_fns,
-                                  policies=policies, policy_mapping_fn=policy_mapping_fn, rollout_len=T,
+                                  policies=policies, policy_factories=policy_factories,
+                                  policy_mapping_fn=policy_mapping_fn, rollout_len=T,
                                   count_steps_by=count_steps_by,
                                   weights={pid: p.name for pid, p in self.publishers.items()} or None, seed=seed,
                                   torch_threads=torch_threads)
