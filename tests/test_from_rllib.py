@@ -291,3 +291,55 @@ def test_rewards_and_dones_are_kept_as_rllib_keeps_them() -> None:
     np.testing.assert_array_equal(cols["done"], r["step"]["terminated"] | r["step"]["truncated"])
     # not asked to: as before, only what the requirements name
     assert sorted(build_views(r, {"obs": VR()})) == ["obs"]
+
+
+# -- through the Collector (actor processes), and the docs page --------------------------------------------
+
+
+def make_counting() -> CountingEnv:
+    return CountingEnv(0)
+
+
+def test_the_collector_runs_the_policys_postprocess_trajectory_in_its_actors() -> None:
+    from workers import Collector
+
+    T = 6
+    with Collector([make_counting], PostprocessingPolicy(), frames_per_batch=2 * T, total_frames=4 * T, rollout_len=T,
+                   timeout=60) as collector:
+        batches = [b for b in collector]
+    assert batches
+    for b in batches:
+        st = b.data["step"]
+        for i in range(st["obs"].shape[0]):
+            n = b.fill["step"][i]
+            done = st["terminated"][i, :n] | st["truncated"][i, :n]
+            t0 = 0
+            for t in [*np.flatnonzero(done).tolist(), n - 1]:
+                if t < t0:
+                    continue
+                r = st["reward"][i, t0:t + 1]
+                np.testing.assert_array_equal(st["advantages"][i, t0:t + 1], np.cumsum(r[::-1])[::-1].astype(np.float32))
+                assert len(set(st["obs"][i, t0:t + 1, 1])) == 1
+                t0 = t + 1
+
+
+def test_postprocess_setting_is_checked_before_anything_starts() -> None:
+    from workers import Collector
+
+    with pytest.raises(UsageError, match="postprocess: expected"):
+        Collector([make_counting], EchoPolicy(), frames_per_batch=12, rollout_len=6, postprocess="yes")
+    with pytest.raises(UsageError, match="postprocess=True.*no postprocess_trajectory"):
+        Collector([make_counting], EchoPolicy(), frames_per_batch=12, rollout_len=6, postprocess=True)
+
+
+def test_docs_page_first_block_runs_as_written_under_each_start_method(tmp_path) -> None:
+    import pathlib
+
+    from tests.helpers import doc_blocks, run_doc_block_under_each_start_method
+
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "from-rllib.md").read_text()
+    prints = page.split("It prints:\n\n```\n", 1)[1].split("```", 1)[0]
+    block = doc_blocks("from-rllib.md")[0]
+    assert "from shmbuf.storage import ViewRequirement, build_views" in block and 'if __name__ == "__main__":' in block
+    for method, out in run_doc_block_under_each_start_method("from-rllib.md", 0, tmp_path).items():
+        assert out == prints, method

@@ -81,6 +81,8 @@ class ViewRequirement:
             view at the piece's steps 0, k, 2k, ...; a piece restarts at every episode start and at
             the rollout's first step), instead of one row per step. 1 (the default): every step. The
             actor side builds every step's input whatever it is (RLlib's compute-actions views too).
+        index, used_for_compute_actions: RLlib's, accepted at their defaults (None, True) only: a
+            UsageError says why otherwise.
     """
 
     data_col: str | None = None
@@ -88,6 +90,8 @@ class ViewRequirement:
     space: Any = None
     used_for_training: bool = True
     batch_repeat_value: int = 1
+    index: None = None
+    used_for_compute_actions: bool = True
     offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
     windowed: bool = field(init=False, repr=False, compare=False)
 
@@ -99,6 +103,13 @@ class ViewRequirement:
         if self.space is not None and not (hasattr(self.space, "shape") and hasattr(self.space, "dtype")):
             raise UsageError(f"ViewRequirement(space=...): expected something with shape and dtype (a gymnasium Space), "
                              f"got {type(self.space).__name__}")
+        if self.index is not None:
+            raise UsageError(f"ViewRequirement(index={self.index!r}): RLlib's absolute-position index is not supported "
+                             "(RLlib marks it unused); use shift= for positions relative to each step")
+        if self.used_for_compute_actions is not True:
+            raise UsageError(f"ViewRequirement(used_for_compute_actions={self.used_for_compute_actions!r}): the actor "
+                             "builds every requirement it is given; leave a learner-only column out of "
+                             "Collector(view_requirements=...) and pass it to build_views only")
         brv = self.batch_repeat_value
         if isinstance(brv, (bool, np.bool_)) or not isinstance(brv, (int, np.integer)) or brv < 1:
             raise UsageError(f"ViewRequirement(batch_repeat_value=...): expected an int >= 1 (repeat the view every that "
