@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import numpy as np
+import optree
 import pytest
 
 import shmbuf
@@ -35,7 +36,7 @@ class PostprocessingPolicy(EchoPolicy):
 
     def postprocess_trajectory(self, sample_batch, other_agent_batches=None, episode=None):
         assert other_agent_batches is None and episode is None
-        self.calls.append({k: np.array(v) for k, v in sample_batch.items()})
+        self.calls.append({k: optree.tree_map(np.array, v) for k, v in sample_batch.items()})
         r = sample_batch["rewards"]
         sample_batch["advantages"] = np.cumsum(r[::-1])[::-1].astype(np.float32)
         sample_batch["value_targets"] = np.stack([r, -r], axis=1).astype(np.float64)
@@ -48,7 +49,7 @@ def run_loop(make_env, policy, *, T, n_rollouts, batch_mode="truncate_episodes",
     extras); return the committed rollouts (copies) and the loop."""
     probe_env = make_env()
     try:
-        probe_policy = PostprocessingPolicy() if isinstance(policy, PostprocessingPolicy) else policy
+        probe_policy = type(policy)() if isinstance(policy, PostprocessingPolicy) else policy
         p = probe(probe_env, probe_policy)
         spec = discover(postprocess, probe_policy, p)
     finally:
@@ -343,3 +344,47 @@ def test_docs_page_first_block_runs_as_written_under_each_start_method(tmp_path)
     assert "from shmbuf.storage import ViewRequirement, build_views" in block and 'if __name__ == "__main__":' in block
     for method, out in run_doc_block_under_each_start_method("from-rllib.md", 0, tmp_path).items():
         assert out == prints, method
+
+
+def test_batch_repeat_value_reproduces_rllibs_documented_example() -> None:
+    """view_requirement.py's example: state_out_0 = [-1, 0, 1, ..., 10] (-1: before the episode), shift=-1,
+    batch_repeat_value=5 -> state_in_0 = [-1, 4, 9]. Before the episode shmbuf holds the fill value (0)."""
+    n = 11
+    data = {"step": {"obs": np.zeros(n), "action": np.zeros(n, np.int64), "reward": np.zeros(n, np.float32),
+                     "terminated": np.zeros(n, bool), "truncated": np.zeros(n, bool),
+                     "state_out_0": np.arange(n, dtype=np.float32)},
+            "episode": {"return": np.zeros(1), "length": np.zeros(1, np.int64), "terminated": np.zeros(1, bool),
+                        "truncated": np.zeros(1, bool), "env": np.zeros(1, np.int32), "end": np.zeros(1, np.int32),
+                        "final_obs": np.zeros(1)},
+            "bootstrap": {"obs": np.float64(0), "env_steps": np.int64(n)}}
+    got = build_views(data, {"state_in_0": VR("state_out_0", shift=-1, batch_repeat_value=5)},
+                      fill={"step": n, "episode": 0})["state_in_0"]
+    np.testing.assert_array_equal(got, [0, 4, 9])
+
+
+def test_complete_episodes_of_a_vector_env_one_call_per_sub_env_episode() -> None:
+    policy = PostprocessingPolicy()
+    rollouts, _ = run_loop(lambda: make_vector(2), policy, T=8, n_rollouts=6, batch_mode="complete_episodes")
+    assert len(policy.calls) == 6
+    for r, c in zip(rollouts, policy.calls, strict=True):
+        n = r["fill"]["step"]
+        np.testing.assert_array_equal(c["obs"], r["data"]["step"]["obs"][:n])  # the same sub-env, the same episode
+        assert len(set(c["obs"][:, 1])) == 1 and len(set(c["obs"][:, 0])) == 1
+        np.testing.assert_array_equal(r["data"]["step"]["advantages"][:n], np.cumsum(c["rewards"][::-1])[::-1])
+
+
+class DictPostprocessingPolicy(PostprocessingPolicy):
+    def __call__(self, obs):
+        return super().__call__(obs["pos"])
+
+
+def test_pytree_observations_reach_the_hook_as_dicts() -> None:
+    from tests.test_workers_actor import DictObsEnv
+
+    policy = DictPostprocessingPolicy()
+    rollouts, loop = run_loop(lambda: DictObsEnv(), policy, T=5, n_rollouts=2)
+    assert loop._direct is False
+    for c in policy.calls:
+        assert set(c["obs"]) == {"pos"} and len(set(c["obs"]["pos"][:, 1])) == 1
+        np.testing.assert_array_equal(c["new_obs"]["pos"][:, 2], c["obs"]["pos"][:, 2] + 1)
+    assert sum(len(c["rewards"]) for c in policy.calls) == 10

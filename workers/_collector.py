@@ -43,10 +43,10 @@ from workers._actor import ActorSpec, check_horizon, probe
 from workers._envs import split_among
 from workers._placement import LocalPolicy, Placement, weights_of
 from workers._plan import BatchPlan, default_num_actors, plan_batches
+from workers._pool import default_start_method
 from workers._postprocess import check_setting as check_postprocess
 from workers._postprocess import discover
 from workers._postprocess import template as post_template
-from workers._pool import default_start_method
 from workers._settings import checked_sources
 from workers._views import check_view_requirements
 
