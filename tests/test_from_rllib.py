@@ -388,3 +388,15 @@ def test_pytree_observations_reach_the_hook_as_dicts() -> None:
         assert set(c["obs"]) == {"pos"} and len(set(c["obs"]["pos"][:, 1])) == 1
         np.testing.assert_array_equal(c["new_obs"]["pos"][:, 2], c["obs"]["pos"][:, 2] + 1)
     assert sum(len(c["rewards"]) for c in policy.calls) == 10
+
+
+def test_rewards_and_dones_in_the_mask_form_and_over_a_padded_batch() -> None:
+    r = one_rollout()
+    cols = build_views(r, {"obs": VR()}, mask=True, rewards_and_dones=True)
+    assert cols["done"].valid.all() and cols["reward"].valid.all()
+    batch = {k: {kk: np.stack([v, v]) for kk, v in tree.items()} for k, tree in r.items()}
+    fill = {"step": np.array([8, 5]), "episode": np.array([2, 1])}
+    cols = build_views(batch, {"obs": VR()}, fill=fill, mask=True, rewards_and_dones=True)
+    assert cols["done"].valid.tolist() == [[True] * 8, [True] * 5 + [False] * 3]
+    cols = build_views(batch, {"obs": VR()}, fill=fill, rewards_and_dones=True)
+    assert cols["done"].shape == (2, 8) and cols["reward"].shape == (2, 8)

@@ -500,4 +500,6 @@ def _done_column(lanes: _Lanes, mask: bool) -> Any:
     done = flags[0] | flags[1]
     if not mask:
         return done
-    return MaskedView(done, np.ones(done.shape, bool), slice(0, g.T))
+    B, T, E = g.done.shape
+    stored = np.broadcast_to(np.arange(T)[None, :, None] < g.n[:, None, None], (B, T, E))
+    return MaskedView(done, g.from_bte(np.ascontiguousarray(stored)), slice(0, T))
