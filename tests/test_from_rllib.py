@@ -148,7 +148,7 @@ def test_postprocess_trajectory_is_called_per_episode_piece_and_its_columns_are_
     policy = PostprocessingPolicy()
     T = 6
     rollouts, loop = run_loop(lambda: CountingEnv(0), policy, T=T, n_rollouts=5, general=general)
-    assert isinstance(loop._direct, bool) or loop._direct is not None
+    assert (loop._direct is False) == general
     st = rollouts[0]["data"]["step"]
     assert st["advantages"].dtype == np.float32 and st["value_targets"].shape == (T, 2)
     check_calls_and_columns(policy, rollouts, T, vector=False)
@@ -166,9 +166,12 @@ def test_vector_env_pieces_are_per_sub_env() -> None:
     check_calls_and_columns(policy, rollouts, 5, vector=True)
 
 
-def test_complete_episodes_one_call_per_episode() -> None:
+@pytest.mark.parametrize("general", [False, True], ids=["slot-path", "general-path"])
+def test_complete_episodes_one_call_per_episode(general: bool) -> None:
     policy = PostprocessingPolicy()
-    rollouts, _ = run_loop(lambda: CountingEnv(0), policy, T=8, n_rollouts=5, batch_mode="complete_episodes")
+    rollouts, loop = run_loop(lambda: CountingEnv(0), policy, T=8, n_rollouts=5, batch_mode="complete_episodes",
+                              general=general)
+    assert (loop._direct is False) == general
     assert len(policy.calls) == 5
     for r, c in zip(rollouts, policy.calls, strict=True):
         n = r["fill"]["step"]
