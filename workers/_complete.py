@@ -116,6 +116,7 @@ class SlotEpisodes:
                     s.ep_env[...] = e
                     s.boot[...] = final_of[e] if e in final_of else nxt[e]
                     s.env_steps[...] = loop.env_steps
+                    loop._before_commit(writers[e], {STEP: lens[e], EPISODE: 1})
                     writers[e].commit(int(ep_version[e]), fill={STEP: lens[e]})  # the oldest policy in the episode
                     slots[e] = None
                     loop.rollouts += 1

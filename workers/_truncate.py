@@ -176,6 +176,8 @@ class SlotRollouts:
         if nxt is not carry:
             carry[...] = nxt
         bs[ENV_STEPS][...] = loop.env_steps
-        w.commit(loop.version, fill={STEP: t + 1, EPISODE: n_ep})
+        fill = {STEP: t + 1, EPISODE: n_ep}
+        loop._before_commit(w, fill)
+        w.commit(loop.version, fill=fill)
         loop.rollouts += 1
         return True
