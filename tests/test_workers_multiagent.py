@@ -438,3 +438,35 @@ def test_the_collector_takes_policies_or_their_factories_and_says_which_is_wrong
 
     with pytest.raises(shmbuf.UsageError, match=says):
         MultiAgentCollector(partial(JoinLeaveEnv, 0), policy_mapping_fn=mapping, frames_per_batch=16, **kw)
+
+
+class NoRewardEnv(JoinLeaveEnv):
+    def step(self, actions):
+        obs, rew, *rest = super().step(actions)
+        rew.pop("blue_0", None)
+        return (obs, rew, *rest)
+
+
+class SilentEnv(JoinLeaveEnv):
+    def step(self, actions):
+        obs, *rest = super().step(actions)
+        if self.t == 1:
+            obs.pop("red_0")
+        return (obs, *rest)
+
+
+class StrangerEnv(JoinLeaveEnv):
+    def step(self, actions):
+        obs, *rest = super().step(actions)
+        obs["green_0"] = obs["red_0"]
+        return (obs, *rest)
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    (NoRewardEnv, "expected a reward, a termination and a truncation for every agent that acted, got none for 'blue_0'"),
+    (SilentEnv, "agent 'red_0' goes on without an observation"),
+    (StrangerEnv, "agent 'green_0' is not in the env's possible_agents"),
+])
+def test_an_env_that_breaks_the_parallel_api_is_named_with_the_agent(env, says):
+    with pytest.raises(shmbuf.UsageError, match=says):
+        run_loop(1, 2, envs=[env(0)])

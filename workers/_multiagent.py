@@ -118,32 +118,36 @@ class ParallelDriver:
     def __init__(self, envs: Sequence[Any], rows: AgentRows):
         self.envs = list(envs)
         self.rows = rows
-        self.where = rows.where
         agents = _agents_of(self.envs[0])
         for i, env in enumerate(self.envs[1:], 1):
             if _agents_of(env) != agents:
                 raise UsageError(f"envs[{i}].possible_agents: expected {agents} (every env of an actor has the same "
                                  f"agents), got {_agents_of(env)}")
-
-    def _place(self, i: int, obs: dict[Any, Any], out: dict[Any, np.ndarray], valid: dict[Any, np.ndarray],
-               skip: Any = ()) -> None:
-        for agent, o in obs.items():
-            if agent in skip:
-                continue
-            pid, row = self._row(i, agent)
-            dst = out[pid]
-            if np.shape(o) != dst.shape[1:] or not np.can_cast(np.asarray(o).dtype, dst.dtype, "same_kind"):
-                raise SchemaError(f"envs[{i}]: agent {agent!r}'s observation: expected shape {dst.shape[1:]} and dtype "
-                                  f"{dst.dtype} (policy {pid!r}'s rows), got shape {np.shape(o)} and dtype "
-                                  f"{np.asarray(o).dtype}")
-            dst[row] = o
-            valid[pid][row] = True
+        # per env: agent -> (policy, row), looked up once per agent per step
+        self._at = [{agent: rows.where[(i, agent)] for agent in agents} for i in range(len(self.envs))]
 
     def _row(self, i: int, agent: Any) -> tuple[Any, int]:
         try:
-            return self.where[(i, agent)]
+            return self._at[i][agent]
         except KeyError:
             raise UsageError(f"envs[{i}]: agent {agent!r} is not in the env's possible_agents") from None
+
+    def _place(self, i: int, obs: dict[Any, Any], out: dict[Any, np.ndarray], valid: dict[Any, np.ndarray],
+               skip: Any = ()) -> None:
+        at = self._at[i]
+        for agent, o in obs.items():
+            if agent in skip:
+                continue
+            pid, row = at[agent] if agent in at else self._row(i, agent)
+            dst = out[pid]
+            # An array of the rows' exact shape and dtype goes in as it is; anything else is checked first.
+            if type(o) is not np.ndarray or o.shape != dst.shape[1:] or o.dtype != dst.dtype:
+                if np.shape(o) != dst.shape[1:] or not np.can_cast(np.asarray(o).dtype, dst.dtype, "same_kind"):
+                    raise SchemaError(f"envs[{i}]: agent {agent!r}'s observation: expected shape {dst.shape[1:]} and "
+                                      f"dtype {dst.dtype} (policy {pid!r}'s rows), got shape {np.shape(o)} and dtype "
+                                      f"{np.asarray(o).dtype}")
+            dst[row] = o
+            valid[pid][row] = True
 
     def reset(self, seed: int | None, out: dict[Any, np.ndarray], valid: dict[Any, np.ndarray]) -> None:
         """Reset every env (env ``i`` with ``seed + i``) and write its agents' first observations into ``out``."""
@@ -172,29 +176,42 @@ class ParallelDriver:
             trunc[pid][...] = False
         finals: dict[Any, dict[int, Any]] = {pid: {} for pid in out}
         for i, env in enumerate(self.envs):
-            live = list(env.agents)
+            at = self._at[i]
             acts = {}
-            for agent in live:
-                pid, row = self._row(i, agent)
+            acted: dict[Any, list[Any]] = {}  # policy -> [agents, rows]: its rewards and flags go in one store each
+            for agent in env.agents:
+                pid, row = at[agent] if agent in at else self._row(i, agent)
                 if not valid[pid][row]:
                     raise UsageError(f"envs[{i}]: agent {agent!r} is live, but it was in no observation the env "
                                      "returned, so it has nothing to act on")
                 acts[agent] = actions[pid][row]
+                pa = acted.get(pid)
+                if pa is None:
+                    pa = acted[pid] = [[], []]
+                pa[0].append(agent)
+                pa[1].append(row)
             obs, r, te, tr, _ = env.step(acts)
-            for agent in acts:
-                pid, row = self.where[(i, agent)]
+            ended = set()
+            for pid, (agents, rows) in acted.items():
                 try:
-                    rew[pid][row], term[pid][row], trunc[pid][row] = r[agent], te[agent], tr[agent]
+                    rew[pid][rows] = [r[a] for a in agents]
+                    te_p = [te[a] for a in agents]
+                    tr_p = [tr[a] for a in agents]
                 except KeyError as exc:
                     raise UsageError(f"envs[{i}].step: expected a reward, a termination and a truncation for every "
                                      f"agent that acted, got none for {exc.args[0]!r}") from None
-                if te[agent] or tr[agent]:
-                    if agent not in obs:
-                        raise UsageError(f"envs[{i}].step: agent {agent!r} ended without a final observation")
-                    finals[pid][row] = np.array(obs[agent])
-                elif agent not in obs:
-                    raise UsageError(f"envs[{i}].step: agent {agent!r} goes on without an observation")
-            ended = {a for a in acts if te[a] or tr[a]}
+                term[pid][rows] = te_p
+                trunc[pid][rows] = tr_p
+                if any(te_p) or any(tr_p):
+                    for a, row, x, y in zip(agents, rows, te_p, tr_p, strict=True):
+                        if x or y:
+                            if a not in obs:
+                                raise UsageError(f"envs[{i}].step: agent {a!r} ended without a final observation")
+                            finals[pid][row] = np.array(obs[a])
+                            ended.add(a)
+            if len(obs) < len(acts) - len(ended) or not all(a in obs for a in acts if a not in ended):
+                gone = [a for a in acts if a not in ended and a not in obs]
+                raise UsageError(f"envs[{i}].step: agent {gone[0]!r} goes on without an observation")
             self._place(i, obs, out, out_valid, skip=ended)
             if not env.agents:  # the env's episode is over: its agents start again
                 obs, _ = env.reset()
