@@ -36,6 +36,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+from ppo_cartpole import add_ppo_arguments, numpy_state, ppo_update, values_of  # the PPO pieces, shared
+
 from shmbuf.storage import RolloutStorage
 from workers import MultiAgentCollector
 
@@ -86,36 +88,6 @@ class Policy:
         self.net.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
 
 
-def numpy_state(model: nn.Module) -> dict[str, np.ndarray]:
-    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-
-
-def values_of(model: ActorCritic, obs: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model.value(torch.from_numpy(np.asarray(obs, np.float32))).numpy()
-
-
-def ppo_update(model: ActorCritic, opt: torch.optim.Optimizer, storage: RolloutStorage, *, minibatches: int,
-               epochs: int, clip: float, ent: float) -> float:
-    """Epochs of clipped PPO over shuffled minibatches of ``storage``; return the last minibatch's value loss."""
-    v_loss = torch.zeros(())
-    for mb in storage.mini_batch_generator(minibatches, epochs):
-        obs = torch.from_numpy(mb.obs).float()
-        dist = torch.distributions.Categorical(logits=model.pi(obs))
-        logp = dist.log_prob(torch.from_numpy(mb.actions).long())
-        adv = torch.from_numpy(mb.advantages).float()
-        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-        ratio = torch.exp(logp - torch.from_numpy(mb.old_actions_log_prob).float())
-        pg = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv).mean()
-        v_loss = 0.5 * (model.value(obs) - torch.from_numpy(mb.returns).float()).pow(2).mean()
-        loss = pg + 0.5 * v_loss - ent * dist.entropy().mean()
-        opt.zero_grad()
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-    return float(v_loss.item())
-
-
 def random_return(episodes: int, max_cycles: int, seed: int) -> float:
     """The mean return of an agent's episode when every agent acts uniformly at random: the level to beat."""
     env = simple_spread_v3.parallel_env(N=3, max_cycles=max_cycles, continuous_actions=False)
@@ -141,15 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-updates", type=int, default=400)
     ap.add_argument("--target", type=float, default=-20.5,
                     help="mean return of an agent's episode, over the last 500, to stop at")
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--epochs", type=int, default=4)
-    ap.add_argument("--minibatches", type=int, default=4)
-    ap.add_argument("--gamma", type=float, default=0.95)
-    ap.add_argument("--lam", type=float, default=0.95)
-    ap.add_argument("--clip", type=float, default=0.2)
-    ap.add_argument("--ent", type=float, default=0.01, help="entropy bonus")
-    ap.add_argument("--seed", type=int, default=0)
+    add_ppo_arguments(ap)
+    ap.set_defaults(gamma=0.95, ent=0.01)  # 25-step episodes: a shorter horizon; some exploration among 5 actions
     ap.add_argument("--start-method", default=None)
     ap.add_argument("--json", action="store_true", help="print one JSON line with the curve at the end")
     args = ap.parse_args(argv)

@@ -112,30 +112,38 @@ def plain_streams(n_envs, n_steps, env_ids=None):
     return streams
 
 
-def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=None, policies=POLICIES):
-    """Run a MultiAgentLoop in a thread for ``rounds`` rounds; return ``({policy: [rollout, ...]}, rows, loop)``."""
+def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=None, policies=POLICIES,
+             batch_mode="truncate_episodes"):
+    """Run a MultiAgentLoop in a thread for ``rounds`` rounds (complete-episodes: agent episodes, in all); return
+    ``({policy: [rollout, ...]}, rows, loop)``."""
     envs = envs or [JoinLeaveEnv(i) for i in range(n_envs)]
     examples, rows = multiagent_examples([JoinLeaveEnv(i) for i in range(len(envs))], policies, mapping,
-                                         rollout_len=rollout_len, seed=0)
-    readers = {pid: shmbuf.create(ex, slots=8, max_writers=1) for pid, ex in examples.items()}
+                                         rollout_len=rollout_len, seed=0, batch_mode=batch_mode)
+    complete = batch_mode == "complete_episodes"
+    n_writers = {pid: len(rows.policies[pid]) if complete else 1 for pid in examples}
+    readers = {pid: shmbuf.create(ex, slots=4 * n_writers[pid] + 4, max_writers=n_writers[pid])
+               for pid, ex in examples.items()}
     errors, box = [], []
     ready = threading.Event()
 
     def actor():
         writers = {}
         try:
-            writers = {pid: shmbuf.Writer(r.handle, timeout=20) for pid, r in readers.items()}
+            for pid, r in readers.items():
+                made = [shmbuf.Writer(r.handle, timeout=20) for _ in range(n_writers[pid])]
+                writers[pid] = made if complete else made[0]
             ready.set()
             loop = MultiAgentLoop(envs, policies, writers, rollout_len=rollout_len, policy_mapping_fn=mapping,
-                                  count_steps_by=count_steps_by, seed=0)
+                                  count_steps_by=count_steps_by, seed=0, batch_mode=batch_mode)
             box.append(loop)
             loop.run(rounds)
         except BaseException as exc:  # noqa: BLE001  # surfaced by the main thread
             errors.append(exc)
         finally:
             ready.set()
-            for w in writers.values():
-                w.close()
+            for ws in writers.values():
+                for w in ws if isinstance(ws, list) else [ws]:
+                    w.close()
 
     th = threading.Thread(target=actor, daemon=True)
     th.start()
@@ -143,7 +151,7 @@ def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=
     try:
         assert ready.wait(20)
         deadline = time.monotonic() + 60
-        while any(len(v) < rounds for v in out.values()):  # every reader in turn: each lends its writer slots
+        while sum(len(v) for v in out.values()) < rounds if complete else any(len(v) < rounds for v in out.values()):
             if errors:
                 raise errors[0]
             assert time.monotonic() < deadline, f"{ {p: len(v) for p, v in out.items()} } of {rounds} rollouts in 60 s"
@@ -153,7 +161,7 @@ def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=
                 except shmbuf.SlotTimeout:
                     continue
                 with r:
-                    out[pid].append({"seq": r.seq, "fill": dict(r.fill), "data": r.copy()})
+                    out[pid].append({"seq": r.seq, "lane": r.lane, "fill": dict(r.fill), "data": r.copy()})
         th.join(20)
         assert not th.is_alive()
         if errors:
@@ -470,3 +478,36 @@ class StrangerEnv(JoinLeaveEnv):
 def test_an_env_that_breaks_the_parallel_api_is_named_with_the_agent(env, says):
     with pytest.raises(shmbuf.UsageError, match=says):
         run_loop(1, 2, envs=[env(0)])
+
+
+def test_complete_episodes_hold_each_agents_whole_episode_as_a_plain_loop_makes_it():
+    """batch_mode='complete_episodes': each rollout is one agent's episode, from its first step (red_1: from its join)
+    to its end, with its own record and bootstrap; read back per agent in commit order they equal the plain loop's."""
+    out, rows, loop = run_loop(2, 30, rollout_len=12, batch_mode="complete_episodes")
+    want = plain_streams(2, 60)
+    got = {}
+    for pid, rollouts in out.items():
+        assert "valid" not in rollouts[0]["data"]["step"]  # every stored step is the agent's
+        for r in sorted(rollouts, key=lambda r: (r["lane"], r["seq"])):
+            d, n = r["data"], r["fill"]["step"]
+            key = rows.policies[pid][int(d["episode"]["env"])]
+            st = d["step"]
+            assert bool(st["terminated"][n - 1] or st["truncated"][n - 1])  # it ends where its episode ends
+            assert not (st["terminated"][: n - 1] | st["truncated"][: n - 1]).any()
+            assert int(d["episode"]["length"]) == n
+            assert np.isclose(float(d["episode"]["return"]), float(st["reward"][:n].astype(np.float64).sum()), atol=1e-4)
+            for t in range(n):
+                tr = {"obs": st["obs"][t], "action": int(st["action"][t]), "reward": st["reward"][t],
+                      "terminated": bool(st["terminated"][t]), "truncated": bool(st["truncated"][t]),
+                      "succ": st["obs"][t + 1] if t + 1 < n else d["bootstrap"]["obs"]}
+                if "value" in st:
+                    tr["value"] = st["value"][t]
+                got.setdefault(key, []).append(tr)
+    assert {a for _, a in got} == {"red_0", "red_1", "blue_0"}
+    assert_same_streams(got, want)
+    assert loop.rounds == loop.episodes >= 30
+
+
+def test_complete_episodes_refuse_an_agent_episode_longer_than_rollout_len_by_name():
+    with pytest.raises(shmbuf.UsageError, match=r"the episode of agent '(red_0|blue_0)' outlasted rollout_len=8"):
+        run_loop(1, 10, rollout_len=8, batch_mode="complete_episodes")  # the first episode lasts 9 steps

@@ -32,6 +32,7 @@ from shmbuf import SchemaError, UsageError
 from shmbuf.layout import (
     ACTION,
     BOOTSTRAP,
+    COMPLETE_EPISODES,
     END,
     ENV,
     ENV_STEPS,
@@ -43,8 +44,10 @@ from shmbuf.layout import (
     REWARD,
     STEP,
     TERMINATED,
+    TRUNCATE_EPISODES,
     TRUNCATED,
     VALID,
+    check_batch_mode,
     rollout_example,
 )
 from workers._actor import apply_weights, as_numpy_policy, split_policy_output
@@ -227,13 +230,16 @@ def _array_obs(pid: Any, obs: Any) -> np.ndarray:
 
 
 def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_mapping_fn: Callable[..., Any] | None,
-                        *, rollout_len: int, seed: int | None = None) -> tuple[dict[Any, Any], AgentRows]:
+                        *, rollout_len: int, seed: int | None = None,
+                        batch_mode: str = TRUNCATE_EPISODES) -> tuple[dict[Any, Any], AgentRows]:
     """Each policy's rollout example (schema) and the rows, from one reset of ``envs`` and one call of each policy.
 
-    The example is :func:`shmbuf.layout.rollout_example` in truncate-episodes mode with ``num_envs`` = the
-    policy's rows and the :data:`VALID` step leaf. Raises UsageError for a policy id the mapping names
-    that ``policies`` lacks (or the other way round), SchemaError for extras that clash with the layout.
+    Truncate-episodes: :func:`shmbuf.layout.rollout_example` with ``num_envs`` = the policy's rows and the
+    :data:`VALID` step leaf. Complete-episodes: one agent's episode per rollout, the single-env
+    complete-episodes layout (every stored step is valid). Raises UsageError for a policy id the mapping
+    names that ``policies`` lacks (or the other way round), SchemaError for extras that clash with the layout.
     """
+    check_batch_mode(batch_mode)
     rows = AgentRows(_agents_of(envs[0]), len(envs), policy_mapping_fn)
     missing = sorted(map(str, set(rows.policies) - set(policies)))
     if missing:
@@ -259,6 +265,10 @@ def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_ma
         if VALID in extras:
             raise SchemaError(f"policy {pid!r}: the extra '{VALID}' clashes with the multi-agent step leaf of that name")
         ex = {k: np.array(np.asarray(v)[0]) for k, v in extras.items()}
+        if batch_mode == COMPLETE_EPISODES:
+            examples[pid] = rollout_example(first[pid], np.array(action[0]), rollout_len=rollout_len, extras=ex,
+                                            batch_mode=COMPLETE_EPISODES)
+            continue
         ex[VALID] = np.zeros((), bool)
         examples[pid] = rollout_example(first[pid], np.array(action[0]), rollout_len=rollout_len,
                                         num_envs=len(agent_rows), extras=ex)
@@ -271,7 +281,7 @@ class _PolicyRollout:
     def __init__(self, view: dict[str, Any]):
         st, ep, bs = view[STEP], view[EPISODE], view[BOOTSTRAP]
         self.obs, self.act, self.rew = st[OBS], st[ACTION], st[REWARD]
-        self.term, self.trunc, self.valid = st[TERMINATED], st[TRUNCATED], st[VALID]
+        self.term, self.trunc, self.valid = st[TERMINATED], st[TRUNCATED], st.get(VALID)
         self.extras = {k: v for k, v in st.items() if k not in (OBS, ACTION, REWARD, TERMINATED, TRUNCATED, VALID)}
         self.ep = ep
         self.boot, self.env_steps = bs[OBS], bs[ENV_STEPS]
@@ -288,8 +298,13 @@ class MultiAgentLoop:
         policies: ``{policy_id: policy}``, each a callable ``obs -> action`` or ``-> (action, extras)`` on the
             batch of its live agents' observations (``(n, ...)``), or a torch module (see :class:`ActorLoop`).
             Each is called once per env step, over all its live agents of all envs.
-        writers: ``{policy_id: Writer}`` on each policy's pipeline (:func:`multiagent_examples`).
+        writers: ``{policy_id: Writer}`` on each policy's pipeline (:func:`multiagent_examples`);
+            complete-episodes: ``{policy_id: [Writer, ...]}``, one per row of the policy.
         rollout_len: env steps (or, counting agent steps, agent steps) per rollout; the pipelines' T.
+            Complete-episodes: the most steps an agent's episode may take (a longer one is a UsageError:
+            an agent cannot be reset alone, so its episode cannot be cut as a sub-env's is).
+        batch_mode: ``"truncate_episodes"`` (rounds of T env steps, every row of every policy) or
+            ``"complete_episodes"`` (each rollout one agent's whole episode, committed when it ends).
         policy_mapping_fn: agent id -> policy id (RLlib's, see :func:`mapping_of`); None: one policy,
             ``"default_policy"``.
         count_steps_by: ``"env_steps"`` or ``"agent_steps"`` (RLlib's ``count_steps_by``).
@@ -301,7 +316,9 @@ class MultiAgentLoop:
     def __init__(self, envs: Any, policies: dict[Any, Any], writers: dict[Any, Any], *, rollout_len: int,
                  policy_mapping_fn: Callable[..., Any] | None = None, count_steps_by: str = ENV_STEPS_COUNT,
                  seed: int | None = None, weights: dict[Any, Any] | None = None,
-                 should_stop: Callable[[], bool] | None = None):
+                 should_stop: Callable[[], bool] | None = None, batch_mode: str = TRUNCATE_EPISODES):
+        check_batch_mode(batch_mode)
+        self.mode = batch_mode
         if count_steps_by not in COUNT_STEPS_BY:
             raise UsageError(f"count_steps_by: expected one of {COUNT_STEPS_BY}, got {count_steps_by!r}")
         self.envs = list(envs) if isinstance(envs, (list, tuple)) else [envs]
@@ -312,6 +329,12 @@ class MultiAgentLoop:
             want = sorted(map(str, self.rows.policies))
             raise UsageError(f"policies and writers: expected one of each for the policies {want}, got policies "
                              f"{sorted(map(str, policies))} and writers {sorted(map(str, writers))}")
+        if batch_mode == COMPLETE_EPISODES:
+            for pid, ws in writers.items():
+                k = len(self.rows.policies[pid])
+                if not isinstance(ws, (list, tuple)) or len(ws) != k:
+                    raise UsageError(f"writers[{pid!r}]: complete-episodes rollouts need one writer per row of the policy "
+                                     f"({k}: {self.rows.policies[pid]}), got {ws!r:.80}")
         self.driver = ParallelDriver(self.envs, self.rows)
         self.policies = policies
         self._calls = {pid: as_numpy_policy(p) for pid, p in policies.items()}
@@ -332,20 +355,24 @@ class MultiAgentLoop:
         self._cur: dict[Any, np.ndarray] | None = None
         self._seed = seed
 
-    def _buffers(self, slots: dict[Any, _PolicyRollout]) -> None:
-        """The loop's own buffers, shaped from the first round's slots: observations and liveness (current and
-        next), rewards, flags, episode returns and lengths per row."""
-        K = {pid: s.valid.shape[1] for pid, s in slots.items()}
-        self._cur = {pid: np.zeros(s.obs.shape[1:], s.obs.dtype) for pid, s in slots.items()}
+    def _buffers(self, slots: dict[Any, _PolicyRollout], rows: dict[Any, int], lead: int) -> None:
+        """The loop's own buffers, shaped from the first slots (their leaves have ``lead`` leading dims, 2 for a
+        round's ``(T, K)``, 1 for one agent's episode): observations and liveness (current and next), actions and
+        extras, rewards, flags, episode returns and lengths per row."""
+        def per_row(a: np.ndarray, k: int) -> np.ndarray:
+            return np.zeros((k, *a.shape[lead:]), a.dtype)
+
+        self._cur = {pid: per_row(s.obs, rows[pid]) for pid, s in slots.items()}
         self._nxt = {pid: np.zeros_like(a) for pid, a in self._cur.items()}
-        self._valid = {pid: np.zeros(k, bool) for pid, k in K.items()}
-        self._nvalid = {pid: np.zeros(k, bool) for pid, k in K.items()}
-        self._rew = {pid: np.zeros(k, np.float64) for pid, k in K.items()}
-        self._term = {pid: np.zeros(k, bool) for pid, k in K.items()}
-        self._trunc = {pid: np.zeros(k, bool) for pid, k in K.items()}
-        self._act = {pid: np.zeros(s.act.shape[1:], s.act.dtype) for pid, s in slots.items()}
-        self.ep_ret = {pid: np.zeros(k, np.float64) for pid, k in K.items()}
-        self.ep_len = {pid: np.zeros(k, np.int64) for pid, k in K.items()}
+        self._act = {pid: per_row(s.act, rows[pid]) for pid, s in slots.items()}
+        self._ext = {pid: {k: per_row(v, rows[pid]) for k, v in s.extras.items()} for pid, s in slots.items()}
+        self._valid = {pid: np.zeros(k, bool) for pid, k in rows.items()}
+        self._nvalid = {pid: np.zeros(k, bool) for pid, k in rows.items()}
+        self._rew = {pid: np.zeros(k, np.float64) for pid, k in rows.items()}
+        self._term = {pid: np.zeros(k, bool) for pid, k in rows.items()}
+        self._trunc = {pid: np.zeros(k, bool) for pid, k in rows.items()}
+        self.ep_ret = {pid: np.zeros(k, np.float64) for pid, k in rows.items()}
+        self.ep_len = {pid: np.zeros(k, np.int64) for pid, k in rows.items()}
         self.driver.reset(self._seed, self._cur, self._valid)
 
     def update_weights(self) -> None:
@@ -358,37 +385,42 @@ class MultiAgentLoop:
                 self.versions[pid] = version
 
     def run(self, max_rounds: int | None = None) -> int:
-        """Collect until ``max_rounds`` more rounds (one rollout per policy each) were committed (None: until
-        stopped); return how many."""
+        """Collect until ``max_rounds`` more rounds (one rollout per policy each; complete-episodes: agent episodes,
+        one rollout each) were committed (None: until stopped); return how many."""
         start = self.rounds
+        if self.mode == COMPLETE_EPISODES:
+            self._complete(None if max_rounds is None else start + max_rounds)
+            return self.rounds - start
         while max_rounds is None or self.rounds - start < max_rounds:
             if not self._round():
                 break
         return self.rounds - start
 
-    def _act_rows(self, pid: Any, s: _PolicyRollout, t: int, obs: np.ndarray, valid: np.ndarray) -> None:
-        """Call policy ``pid`` on its live rows and store its action (and extras) rows; the others stay zero."""
-        act = self._act[pid]
+    def _act_policy(self, pid: Any, obs: np.ndarray, valid: np.ndarray) -> None:
+        """Call policy ``pid`` once on its live rows: their actions and extras into the loop's buffers (``_act``,
+        ``_ext``), zeros in the other rows."""
+        act, ext = self._act[pid], self._ext[pid]
         act[...] = 0
+        for dst in ext.values():
+            dst[...] = 0
         live = np.flatnonzero(valid)
-        if len(live):
-            every = len(live) == len(valid)
-            action, extras = split_policy_output(self._calls[pid](obs if every else obs[live]))
-            a = self._check(f"{pid}/{ACTION}", action, (len(live), *act.shape[1:]), act.dtype)
-            if every:
-                act[...] = a
-            else:
-                act[live] = a
-            if extras or s.extras:
-                check_extras(extras, s.extras)
-                for k, dst in s.extras.items():
-                    v = self._check(f"{pid}/{k}", extras[k], (len(live), *dst.shape[2:]), dst.dtype)
-                    dst[t] = 0
-                    dst[t][live] = v
-        elif s.extras:
-            for dst in s.extras.values():
-                dst[t] = 0
-        s.act[t] = act
+        if not len(live):
+            return
+        every = len(live) == len(valid)
+        action, extras = split_policy_output(self._calls[pid](obs if every else obs[live]))
+        a = self._check(f"{pid}/{ACTION}", action, (len(live), *act.shape[1:]), act.dtype)
+        if every:
+            act[...] = a
+        else:
+            act[live] = a
+        if extras or ext:
+            check_extras(extras, ext)
+            for k, dst in ext.items():
+                v = self._check(f"{pid}/{k}", extras[k], (len(live), *dst.shape[1:]), dst.dtype)
+                if every:
+                    dst[...] = v
+                else:
+                    dst[live] = v
 
     def _round(self) -> bool:
         """One rollout per policy, committed; False if the loop was asked to stop (nothing committed)."""
@@ -397,7 +429,7 @@ class MultiAgentLoop:
         self.update_weights()
         slots = {pid: _PolicyRollout(w.slot()) for pid, w in self.writers.items()}
         if self._cur is None:
-            self._buffers(slots)
+            self._buffers(slots, {pid: len(rows) for pid, rows in self.rows.policies.items()}, 2)
         assert self._cur is not None  # set just above
         steps_here = 0
         t = 0
@@ -410,7 +442,10 @@ class MultiAgentLoop:
             for pid, s in slots.items():
                 s.obs[t] = cur[pid]
                 s.valid[t] = valid[pid]
-                self._act_rows(pid, s, t, cur[pid], valid[pid])
+                self._act_policy(pid, cur[pid], valid[pid])
+                s.act[t] = self._act[pid]
+                for k, dst in s.extras.items():
+                    dst[t] = self._ext[pid][k]
             finals = self.driver.step(self._act, valid, nxt, nvalid, self._rew, self._term, self._trunc)
             self.env_steps += len(self.envs)
             for pid, s in slots.items():
@@ -449,3 +484,74 @@ class MultiAgentLoop:
             self.writers[pid].commit(self.versions[pid], fill={STEP: t + 1, EPISODE: s.n_ep})
         self.rounds += 1
         return True
+
+    # -- complete-episodes: one agent's episode per rollout ------------------------------------------------------
+
+    def _complete(self, until: int | None) -> None:
+        """Agent episodes, each written into its row's writer's slot as it goes and committed when it ends."""
+        rows = {pid: len(r) for pid, r in self.rows.policies.items()}
+        open_: dict[Any, list[_PolicyRollout | None]] = {pid: [None] * k for pid, k in rows.items()}
+        if self._cur is None:
+            first = {pid: _PolicyRollout(ws[0].slot()) for pid, ws in self.writers.items()}
+            for ws in self.writers.values():
+                ws[0].reset()  # the slot stays claimed for its row's first episode; nothing was written
+            self._buffers(first, rows, 1)
+        assert self._cur is not None  # set just above
+        self.update_weights()
+        ep_version = {pid: np.full(k, self.versions[pid], np.int64) for pid, k in rows.items()}
+        while until is None or self.rounds < until:
+            if self.should_stop():
+                for ws in self.writers.values():
+                    for w in ws:
+                        w.reset()
+                return
+            cur, nxt, valid, nvalid = self._cur, self._nxt, self._valid, self._nvalid
+            for pid in rows:
+                self._act_policy(pid, cur[pid], valid[pid])
+            finals = self.driver.step(self._act, valid, nxt, nvalid, self._rew, self._term, self._trunc)
+            self.env_steps += len(self.envs)
+            for pid, slots in open_.items():
+                v = valid[pid]
+                live = np.flatnonzero(v).tolist()
+                self.agent_steps += len(live)
+                rew, term, trunc, act, ext = self._rew[pid], self._term[pid], self._trunc[pid], self._act[pid], self._ext[pid]
+                ep_ret, ep_len = self.ep_ret[pid], self.ep_len[pid]
+                ep_ret[v] += rew[v]
+                ep_len[v] += 1
+                for row in live:
+                    s = slots[row]
+                    if s is None:  # the agent's episode starts: its rollout carries the version acting now
+                        s = slots[row] = _PolicyRollout(self.writers[pid][row].slot())
+                        ep_version[pid][row] = self.versions[pid]
+                    t = int(ep_len[row]) - 1
+                    if t >= self.T or (t == self.T - 1 and row not in finals[pid]):
+                        env_i, agent = self.rows.policies[pid][row]
+                        raise UsageError(f"envs[{env_i}]: the episode of agent {agent!r} outlasted rollout_len={self.T}: "
+                                         "complete-episodes rollouts hold an agent's whole episode, and an agent cannot "
+                                         "be reset alone to cut it; give a rollout_len of at least its longest episode "
+                                         "(the env's max_cycles), or use batch_mode='truncate_episodes'")
+                    s.obs[t] = cur[pid][row]
+                    s.act[t] = act[row]
+                    s.rew[t] = rew[row]
+                    s.term[t] = term[row]
+                    s.trunc[t] = trunc[row]
+                    for k, dst in s.extras.items():
+                        dst[t] = ext[k][row]
+                for row in sorted(finals[pid]):
+                    s = slots[row]
+                    assert s is not None  # the row acted at this step: opened above
+                    ep = s.ep
+                    ep[RETURN][...], ep[LENGTH][...] = ep_ret[row], ep_len[row]
+                    ep[TERMINATED][...], ep[TRUNCATED][...] = term[row], trunc[row]
+                    ep[ENV][...] = row
+                    s.boot[...] = finals[pid][row]
+                    s.env_steps[...] = self.env_steps
+                    self.writers[pid][row].commit(int(ep_version[pid][row]), fill={STEP: int(ep_len[row])})
+                    slots[row] = None
+                    ep_ret[row] = 0.0
+                    ep_len[row] = 0
+                    self.rounds += 1
+                    self.episodes += 1
+            self._cur, self._nxt, self._valid, self._nvalid = nxt, cur, nvalid, valid
+            if any(finals.values()):
+                self.update_weights()  # at episode ends, as the single-agent complete-episodes loop does
