@@ -11,7 +11,8 @@ import numpy as np
 from shmbuf._errors import SchemaError, UsageError
 from shmbuf.storage._rollout_source import RolloutSource
 from shmbuf.storage._rollout_storage import RolloutStorage
-from shmbuf.storage._transition import STEP_ARRAYS, AnyMiniBatch, SarsaMiniBatch, SarsaTransition, as_row
+from shmbuf.storage._torch import host_array
+from shmbuf.storage._transition import AnyMiniBatch, SarsaMiniBatch, SarsaTransition, as_row
 
 # Under another name: inside SarsaRolloutStorage's body, Transition is the class attribute (see _rollout_storage).
 from shmbuf.storage._transition import Transition as _Transition
@@ -53,7 +54,7 @@ class QueueRolloutStorage(RolloutStorage):
         grow = min(self.max_buffer_length - self.num_transitions_per_env, self.num_timesteps_each_rollout)
         if grow <= 0:
             return 0
-        for name in STEP_ARRAYS:
+        for name in self._step_arrays:
             a = getattr(self, name)
             if a is not None:
                 setattr(self, name, np.concatenate([a, np.zeros((grow, *a.shape[1:]), a.dtype)]))
@@ -83,14 +84,14 @@ class QueueRolloutStorage(RolloutStorage):
         if not self.buffer_full:
             return
         if 0 < s < self.num_transitions_per_env:
-            for name in STEP_ARRAYS:
+            for name in self._step_arrays:
                 a = getattr(self, name)
                 if a is not None:
                     a[...] = np.concatenate([a[s:], a[:s]])
         self.step = 0
 
     def compute_returns(self, last_values: Any, gamma: float, lam: float, *, time_out_values: Any = None,
-                        normalize_advantages: bool = False) -> None:
+                        normalize_advantages: bool | None = None) -> None:
         """:meth:`untie_buffer_loop`, then :meth:`RolloutStorage.compute_returns` over the valid rows.
 
         ``time_out_values`` ``[T, N]`` (T the current buffer length) is indexed like the storage's rows *as
@@ -101,7 +102,7 @@ class QueueRolloutStorage(RolloutStorage):
         self._check_discounts(gamma, lam)
         s, T = self.step, self.num_transitions_per_env
         if time_out_values is not None:
-            tov = np.asarray(time_out_values)
+            tov = np.asarray(host_array(time_out_values))
             if tov.shape[:2] != (T, self.num_envs) or tov.shape[2:] not in ((), (1,)):
                 raise SchemaError(f"{type(self).__name__}.compute_returns: time_out_values has shape {tov.shape}, expected "
                                   f"{(T, self.num_envs)} like values (the buffer's rows, in their order before the call)")
@@ -184,12 +185,15 @@ class SarsaRolloutStorage(RolloutStorage):
 
     def add_transitions(self, transition: _Transition) -> None:
         nxt = getattr(transition, "next_observations", None)
+        nxt_critic = getattr(transition, "next_critic_observations", None)
+        if nxt_critic is None:  # 002's name for it
+            nxt_critic = getattr(transition, "next_privileged_observations", None)
         last = self.step + 1 == self.num_transitions_per_env and nxt is not None and self._borrowed is None
         if last:  # checked before the row is written, like every other field
-            self._bootstrap_rows(nxt, getattr(transition, "next_critic_observations", None), self.step + 1)
+            self._bootstrap_rows(nxt, nxt_critic, self.step + 1)
         super().add_transitions(transition)
         if last:
-            self.set_bootstrap_observations(nxt, getattr(transition, "next_critic_observations", None))
+            self.set_bootstrap_observations(nxt, nxt_critic)
 
     def _bootstrap_rows(self, observations: Any, critic_observations: Any, t: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """``(row of all_*, checked array)`` for the observation after row ``t - 1``; SchemaError naming a bad one."""

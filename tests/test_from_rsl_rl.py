@@ -1,0 +1,201 @@
+"""Coming from rsl_rl and 002's fork: their call sites with only the import changed (docs/from-rsl_rl.md).
+
+002's fork is not installed: its storage is checked against its documented semantics (transcribed here in torch,
+line by line from what 002 does), and rsl_rl 5.5.1's GAE against rsl_rl's own code where it is installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmbuf
+from tests import _rsl_rl
+
+torch = pytest.importorskip("torch")
+
+
+def ppo_rollout(storage: Any, T: int, N: int, *, seed: int = 0, gamma: float = 0.99, hidden: str | None = None,
+                p_done: float = 0.25) -> dict[str, np.ndarray]:
+    """Fill ``storage`` the way 002's PPO does (``act`` then ``process_env_step``): one Transition, filled with
+    tensors, passed to ``add_transitions`` and cleared each step; what was given is returned as numpy."""
+    g = torch.Generator().manual_seed(seed)
+    transition = type(storage).Transition()
+    seen: dict[str, list[Any]] = {k: [] for k in ("obs", "rewards", "values", "dones", "time_outs", "h")}
+    for _ in range(T):
+        obs = torch.randn(N, 3, generator=g)
+        # PPO.act
+        if hidden is not None:
+            h = torch.randn(2, N, 4, generator=g)  # torch's (num_layers, N, H)
+            hs = (h, -h) if hidden == "gru" else ((h, h + 1), (-h, -h - 1))
+            transition.hidden_states = hs
+            seen["h"].append(h)
+        transition.actions = torch.randn(N, 2, generator=g, requires_grad=True).detach()
+        transition.values = torch.randn(N, 1, generator=g)
+        transition.actions_log_prob = torch.randn(N, generator=g)
+        transition.action_mean = torch.randn(N, 2, generator=g)
+        transition.action_sigma = torch.ones(N, 2)
+        transition.observations = obs
+        transition.critic_observations = obs
+        # PPO.process_env_step
+        rewards = torch.randn(N, generator=g)
+        dones = (torch.rand(N, generator=g) < p_done).long()
+        time_outs = dones.bool() & (torch.rand(N, generator=g) < 0.5)
+        seen["rewards"].append(rewards.clone())
+        transition.rewards = rewards.clone()
+        transition.dones = dones
+        transition.rewards += gamma * torch.squeeze(transition.values * time_outs.unsqueeze(1), 1)
+        storage.add_transitions(transition)
+        seen["obs"].append(obs)
+        seen["values"].append(transition.values[:, 0])
+        seen["dones"].append(dones.bool())
+        seen["time_outs"].append(time_outs)
+        transition.clear()
+    return {k: torch.stack(v).numpy() for k, v in seen.items() if v}
+
+
+# -- 1. RolloutStorage with a device ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", "torch.device"])
+def test_the_sixth_positional_argument_is_a_device_and_minibatches_are_tensors_there(device: str) -> None:
+    from shmbuf.storage import QueueRolloutStorage, RolloutStorage, SarsaRolloutStorage
+
+    dev = torch.device("cpu") if device == "torch.device" else "cpu"
+    N, T = 4, 5
+    for cls in (RolloutStorage, QueueRolloutStorage, SarsaRolloutStorage):
+        storage = cls(N, T, [3], [None], [2], dev)
+        assert storage.device == torch.device("cpu") and storage.hidden_states_actor is None
+        ppo_rollout(storage, T, N)
+        storage.compute_returns(torch.zeros(N, 1), 0.99, 0.95)
+        batches = list(storage.mini_batch_generator(2, 3))
+        assert len(batches) == 6
+        b = batches[0]
+        assert all(isinstance(x, torch.Tensor) and x.device == torch.device("cpu") for x in b[:9])
+        assert b.obs.shape == (10, 3) and b.actions.shape == (10, 2)
+        for f in ("values", "advantages", "returns", "old_actions_log_prob"):  # 002's [batch, 1]
+            assert getattr(b, f).shape == (10, 1), f
+        assert b.hidden_states is None and b.masks is None
+        length, reward = storage.get_statistics()
+        assert isinstance(length, torch.Tensor) and length.ndim == 0 and reward.ndim == 0
+        storage.clear()
+
+
+def test_without_a_device_everything_is_numpy_as_before_and_a_device_keyword_works() -> None:
+    from shmbuf.storage import RolloutStorage
+
+    s = RolloutStorage(2, 3, (3,), None, (2,), (2, 4))
+    assert s.device is None and s.hidden_states_actor is not None and s.hidden_states_actor.shape == (3, 2, 2, 4)
+    s = RolloutStorage(2, 3, (3,), None, (2,), device="cpu")
+    assert s.device == torch.device("cpu")
+    s = RolloutStorage(2, 3, (3,), None, (2,), (2, 4), device=torch.device("cpu"))
+    assert s.hidden_states_actor is not None
+    with pytest.raises(shmbuf.UsageError, match=r"a device was given twice"):
+        RolloutStorage(2, 3, (3,), None, (2,), "cpu", device="cpu")
+    with pytest.raises(shmbuf.UsageError, match=r"device=\.\.\.\): 'gpu7' is not a torch device"):
+        RolloutStorage(2, 3, (3,), None, (2,), "gpu7")
+    with pytest.raises(shmbuf.UsageError, match=r"rnn_hidden_shape: expected a shape"):
+        RolloutStorage(2, 3, (3,), None, (2,), 1.5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_002s_ppo_loop_gives_rsl_rls_returns_and_normalised_advantages(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """002's PPO folds the time-out bootstrap into the rewards and calls ``compute_returns(last_values, gamma, lam)``,
+    which normalises the advantages: the returns are rsl_rl 5.5.1's bit for bit (its own code when installed, else
+    the transcription), the advantages its normalised ones."""
+    from shmbuf.storage import RolloutStorage
+
+    N, T = 5, 12
+    storage = RolloutStorage(N, T, [3], [3], [2], "cpu")
+    seen = ppo_rollout(storage, T, N, seed=seed)
+    last_values = torch.randn(N, 1, generator=torch.Generator().manual_seed(seed + 100))
+    storage.compute_returns(last_values, 0.99, 0.95)
+    args = (seen["rewards"], seen["values"], seen["dones"], seen["time_outs"], last_values[:, 0].numpy(), 0.99, 0.95)
+    want_adv, want_ret = _rsl_rl.transcribed(*args)
+    try:
+        want_adv, want_ret = _rsl_rl.real(monkeypatch, *args)
+    except pytest.skip.Exception:
+        pass
+    np.testing.assert_array_equal(storage.returns, want_ret)
+    a = torch.from_numpy(want_adv)
+    np.testing.assert_allclose(storage.advantages, ((a - a.mean()) / (a.std() + 1e-8)).numpy(), rtol=1e-5, atol=1e-6)
+    storage.compute_returns(last_values, 0.99, 0.95, normalize_advantages=False)
+    np.testing.assert_allclose(storage.advantages, want_adv, rtol=1e-6, atol=1e-6)
+
+
+def transcribed_002_recurrent(obs: Any, dones: Any, saved_hidden: Any, num_mini_batches: int) -> list[tuple[Any, Any, Any]]:
+    """002's ``reccurent_mini_batch_generator`` for one epoch, transcribed in torch: ``(padded obs, masks, hidden)``
+    per minibatch; ``saved_hidden`` ``[T, num_layers, N, H]`` as 002 saves it, ``dones`` ``[T, N]``."""
+    T, N = dones.shape
+    # split_and_pad_trajectories: trajectories env-major, each padded to T
+    flat = dones.transpose(1, 0).clone()
+    flat[:, -1] = True
+    ends = torch.cat((torch.tensor([-1]), flat.reshape(-1).nonzero()[:, 0]))
+    lengths = (ends[1:] - ends[:-1]).tolist()
+    trajs = torch.split(obs.transpose(1, 0).flatten(0, 1), lengths)
+    padded = torch.nn.utils.rnn.pad_sequence([torch.cat([t, t.new_zeros(T - len(t), *t.shape[1:])]) for t in trajs])
+    masks = torch.arange(T)[:, None] < torch.tensor(lengths)[None, :]
+    out = []
+    size = N // num_mini_batches
+    last_was_done = torch.zeros_like(dones)
+    last_was_done[1:] = dones[:-1]
+    last_was_done[0] = True
+    first = 0
+    for i in range(num_mini_batches):
+        count = int(last_was_done[:, i * size:(i + 1) * size].sum())
+        hid = saved_hidden.permute(2, 0, 1, 3)[last_was_done.permute(1, 0)][first:first + count].transpose(1, 0)
+        out.append((padded[:, first:first + count], masks[:, first:first + count], hid))
+        first += count
+    return out
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_recurrent_minibatches_match_002s_padding_masks_and_hidden_state_layout(cell: str) -> None:
+    from shmbuf.storage import RolloutStorage
+
+    N, T = 4, 6
+    storage = RolloutStorage(N, T, [3], [None], [2], "cpu")
+    seen = ppo_rollout(storage, T, N, hidden=cell, p_done=0.3, seed=3)
+    storage.compute_returns(torch.zeros(N, 1), 0.99, 0.95)
+    dones = torch.from_numpy(seen["dones"])
+    want = transcribed_002_recurrent(torch.from_numpy(seen["obs"]), dones, torch.from_numpy(seen["h"]), 2)
+    got = list(storage.reccurent_mini_batch_generator(2, 1))
+    assert len(got) == 2
+    for b, (obs, masks, hid) in zip(got, want):
+        torch.testing.assert_close(b.obs, obs)
+        assert torch.equal(b.masks, masks)
+        actor, critic = b.hidden_states
+        if cell == "gru":
+            torch.testing.assert_close(actor, hid)
+            torch.testing.assert_close(critic, -hid)
+        else:
+            torch.testing.assert_close(actor[0], hid)
+            torch.testing.assert_close(actor[1], hid + 1)
+            torch.testing.assert_close(critic[1], -hid - 1)
+        assert b.values.shape == (T, N // 2, 1) and b.actions.shape == (T, N // 2, 2)
+    with pytest.raises(shmbuf.SchemaError, match=r"torch's layout \(num_layers, num_envs=4, hidden\)"):
+        storage.clear()
+        storage.add_transitions(RolloutStorage.Transition(
+            observations=torch.zeros(N, 3), actions=torch.zeros(N, 2), rewards=torch.zeros(N), dones=torch.zeros(N),
+            values=torch.zeros(N, 1), actions_log_prob=torch.zeros(N), hidden_states=(torch.zeros(N, 4), None)))
+
+
+def test_sarsa_storage_takes_002s_next_privileged_observations() -> None:
+    from shmbuf.storage import SarsaRolloutStorage
+
+    N, T = 2, 2
+    s = SarsaRolloutStorage(N, T, [3], [5], [2], "cpu")
+    tr = SarsaRolloutStorage.Transition()
+    for t in range(T):
+        tr.observations, tr.critic_observations = torch.full((N, 3), float(t)), torch.full((N, 5), float(t))
+        tr.actions, tr.rewards, tr.dones = torch.zeros(N, 2), torch.zeros(N), torch.zeros(N, dtype=torch.uint8)
+        tr.values, tr.actions_log_prob = torch.zeros(N, 1), torch.zeros(N)
+        tr.next_observations, tr.next_privileged_observations = torch.full((N, 3), t + 1.0), torch.full((N, 5), t + 1.0)
+        s.add_transitions(tr)
+        tr.clear()
+    assert s.all_privileged_observations is not None
+    np.testing.assert_array_equal(s.all_privileged_observations[:, 0, 0], [0, 1, 2])
+    s.compute_returns(torch.zeros(N, 1), 0.99, 0.95)
+    b = next(s.mini_batch_generator(1, 1))
+    assert isinstance(b.next_critic_obs, torch.Tensor) and b.next_critic_obs.shape == (4, 5)
