@@ -199,3 +199,46 @@ def test_sarsa_storage_takes_002s_next_privileged_observations() -> None:
     s.compute_returns(torch.zeros(N, 1), 0.99, 0.95)
     b = next(s.mini_batch_generator(1, 1))
     assert isinstance(b.next_critic_obs, torch.Tensor) and b.next_critic_obs.shape == (4, 5)
+
+
+# -- 2. ActionLabelRollout ----------------------------------------------------------------------------------
+
+def test_action_label_rollout_keeps_labels_through_growth_loop_and_minibatches() -> None:
+    """002's TPPO: ``ActionLabelRollout(...)``, ``ActionLabelRollout.Transition()`` with ``action_labels``; labels
+    grow, loop and untie with the actions, and every minibatch carries them laid out like the actions."""
+    from shmbuf.storage import ActionLabelRollout
+
+    N, T = 3, 4
+    storage = ActionLabelRollout(N, T, [3], [None], [2], "cpu", buffer_dilation_ratio=2.0)
+    transition = ActionLabelRollout.Transition()
+    assert transition.action_labels is None
+    g = 0
+    for _ in range(3):  # three rollouts: grow to 2T at the first clear, then loop
+        for _ in range(T):
+            transition.observations = torch.full((N, 3), float(g))
+            transition.actions = torch.full((N, 2), float(g))
+            transition.action_labels = torch.full((N, 2), -float(g))
+            transition.rewards, transition.dones = torch.zeros(N), torch.zeros(N, dtype=torch.bool)
+            transition.values, transition.actions_log_prob = torch.zeros(N, 1), torch.zeros(N)
+            storage.add_transitions(transition)
+            transition.clear()
+            g += 1
+        storage.compute_returns(torch.zeros(N, 1), 0.99, 0.95)
+        storage.clear()
+    assert storage.num_transitions_per_env == 2 * T and storage.buffer_full
+    np.testing.assert_array_equal(storage.action_labels, -storage.actions)
+    for b in storage.mini_batch_generator(2, 2):
+        assert type(b).__name__ == "ActionLabelMiniBatch" and b._fields[-1] == "action_labels"
+        torch.testing.assert_close(b.action_labels, -b.actions)
+    for b in storage.reccurent_mini_batch_generator(1, 1):
+        assert b.action_labels.shape == (2 * T, N, 2)
+        torch.testing.assert_close(b.action_labels, -b.actions)
+    np.testing.assert_array_equal(storage.actions[:, 0, 0], np.arange(4, 12))  # untied: oldest first
+    transition.observations, transition.actions = torch.zeros(N, 3), torch.zeros(N, 2)
+    transition.rewards, transition.dones = torch.zeros(N), torch.zeros(N)
+    transition.values, transition.actions_log_prob = torch.zeros(N, 1), torch.zeros(N)
+    with pytest.raises(shmbuf.SchemaError, match=r"Transition.action_labels is None"):
+        storage.add_transitions(transition)
+    transition.action_labels = torch.zeros(N, 3)
+    with pytest.raises(shmbuf.SchemaError, match=r"Transition.action_labels: expected shape \(3, 2\)"):
+        storage.add_transitions(transition)

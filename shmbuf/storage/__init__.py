@@ -13,6 +13,9 @@ from shmbuf.storage.files import FileTransition, Recorder, RolloutDataset, play
 from shmbuf.storage.gae import compute_gae, normalize_advantages
 from shmbuf.storage.replay import ReplayBuffer
 from shmbuf.storage.rollout import (
+    ActionLabelMiniBatch,
+    ActionLabelRollout,
+    ActionLabelTransition,
     MiniBatch,
     QueueRolloutStorage,
     RolloutStorage,
@@ -27,6 +30,9 @@ from shmbuf.storage.rollout import (
 from shmbuf.storage.views import MaskedView, ViewRequirement, build_views
 
 __all__ = [
+    "ActionLabelMiniBatch",
+    "ActionLabelRollout",
+    "ActionLabelTransition",
     "Field",
     "FileTransition",
     "MaskedView",

@@ -1,5 +1,6 @@
-"""002's two variants of the PPO storage: :class:`QueueRolloutStorage` (a rolling buffer that grows, then loops)
-and :class:`SarsaRolloutStorage` (next observations as a view of one T+1-row buffer)."""
+"""002's variants of the PPO storage: :class:`QueueRolloutStorage` (a rolling buffer that grows, then loops), its
+:class:`ActionLabelRollout` (with action labels), and :class:`SarsaRolloutStorage` (next observations as a view of one
+T+1-row buffer)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from shmbuf._errors import SchemaError, UsageError
 from shmbuf.storage._rollout_source import RolloutSource
 from shmbuf.storage._rollout_storage import RolloutStorage
 from shmbuf.storage._torch import host_array
-from shmbuf.storage._transition import AnyMiniBatch, SarsaMiniBatch, SarsaTransition, as_row
+from shmbuf.storage._transition import (
+    ActionLabelMiniBatch,
+    ActionLabelTransition,
+    AnyMiniBatch,
+    SarsaMiniBatch,
+    SarsaTransition,
+    as_row,
+)
 
 # Under another name: inside SarsaRolloutStorage's body, Transition is the class attribute (see _rollout_storage).
 from shmbuf.storage._transition import Transition as _Transition
@@ -210,3 +218,26 @@ class SarsaRolloutStorage(RolloutStorage):
         out["next_obs"] = nxt
         out["next_critic_obs"] = nxt if priv is None else priv
         return out
+
+
+class ActionLabelRollout(QueueRolloutStorage):
+    """A :class:`QueueRolloutStorage` that also keeps an action label per step (002's ``ActionLabelRollout``, e.g. a
+    teacher's action for imitation): ``action_labels`` ``[T, N, *actions_shape]``, filled from each
+    :class:`ActionLabelTransition`'s ``action_labels`` (required, shaped like ``actions``), grown, looped and untied
+    with the other arrays; its minibatches are :class:`ActionLabelMiniBatch` es (every field of :class:`MiniBatch`,
+    then ``action_labels`` laid out like ``actions``)."""
+
+    Transition = ActionLabelTransition
+    MiniBatch = ActionLabelMiniBatch
+    _transition_fields = {**RolloutStorage._transition_fields, "action_labels": "action_labels"}
+    _required = (*RolloutStorage._required, "action_labels")
+    _step_arrays = (*RolloutStorage._step_arrays, "action_labels")
+
+    action_labels: np.ndarray
+
+    def __init__(self, num_envs: int, num_transitions_per_env: int, *args: Any, **kwargs: Any):
+        super().__init__(num_envs, num_transitions_per_env, *args, **kwargs)
+        self.action_labels = np.zeros_like(self.actions)
+
+    def _step_fields(self) -> dict[str, np.ndarray | None]:
+        return {**super()._step_fields(), "action_labels": self.action_labels}
