@@ -242,3 +242,61 @@ def test_action_label_rollout_keeps_labels_through_growth_loop_and_minibatches()
     transition.action_labels = torch.zeros(N, 3)
     with pytest.raises(shmbuf.SchemaError, match=r"Transition.action_labels: expected shape \(3, 2\)"):
         storage.add_transitions(transition)
+
+
+# -- 3. ReplayBuffer(obs_dim, buffer_size, device) ------------------------------------------------------------
+
+def test_002s_replay_buffer_is_a_ring_of_state_pairs_on_the_device() -> None:
+    from shmbuf.storage import ReplayBuffer
+
+    rb = ReplayBuffer(3, 5, "cpu")
+    assert type(rb).__name__ == "LocalReplayBuffer" and rb.states.shape == (5, 3) and isinstance(rb.states, torch.Tensor)
+    rb.insert(torch.arange(12.0).view(4, 3), -torch.arange(12.0).view(4, 3))
+    assert (rb.step, rb.num_samples) == (4, 4)
+    rb.insert(torch.full((3, 3), 100.0), torch.full((3, 3), -100.0))  # wraps: rows 4, 0, 1 overwritten
+    assert (rb.step, rb.num_samples) == (2, 5)
+    torch.testing.assert_close(rb.states[:, 0], torch.tensor([100.0, 100.0, 6.0, 9.0, 100.0]))
+    torch.testing.assert_close(rb.next_states, -rb.states)
+    batches = list(rb.feed_forward_generator(3, 7))
+    assert len(batches) == 3
+    for states, next_states in batches:
+        assert states.shape == (7, 3) and states.device == torch.device("cpu")
+        torch.testing.assert_close(next_states, -states)
+        assert set(states[:, 0].tolist()) <= {100.0, 6.0, 9.0}
+    rb.insert(np.ones((12, 3), np.float32), np.zeros((12, 3), np.float32))  # larger than the ring: the last 5 rows
+    assert (rb.step, rb.num_samples) == (4, 5) and bool((rb.states == 1).all())
+
+
+def test_002s_replay_buffer_draws_only_filled_rows_and_refuses_bad_input() -> None:
+    from shmbuf.storage import ReplayBuffer
+
+    rb = ReplayBuffer(obs_dim=2, buffer_size=100, device=torch.device("cpu"))
+    with pytest.raises(shmbuf.UsageError, match=r"the buffer is empty"):
+        next(rb.feed_forward_generator(1, 4))
+    rb.insert(torch.ones(3, 2), torch.ones(3, 2))
+    for states, _ in rb.feed_forward_generator(20, 10):
+        assert bool((states == 1).all())
+    with pytest.raises(shmbuf.SchemaError, match=r"states has shape \(3, 4\), expected \(n, obs_dim=2\)"):
+        rb.insert(torch.ones(3, 4), torch.ones(3, 4))
+    with pytest.raises(shmbuf.SchemaError, match=r"states has 3 rows and next_states 2"):
+        rb.insert(torch.ones(3, 2), torch.ones(2, 2))
+    with pytest.raises(shmbuf.UsageError, match=r"num_mini_batch=\.\.\.\): expected an int >= 1"):
+        rb.feed_forward_generator(0, 4)
+    numpy_rb = ReplayBuffer(2, 4)  # no device: numpy
+    numpy_rb.insert(np.zeros((1, 2)), np.ones((1, 2)))
+    s, ns = next(numpy_rb.feed_forward_generator(1, 2))
+    assert isinstance(s, np.ndarray) and s.dtype == np.float32 and ns.tolist() == [[1, 1], [1, 1]]
+
+
+def test_the_shared_memory_replay_buffer_keeps_its_own_constructors() -> None:
+    from shmbuf.storage import ReplayBuffer
+
+    with ReplayBuffer.create({"x": np.zeros(2, np.float32)}, 8) as shared:
+        assert type(shared) is ReplayBuffer
+        shared.insert({"x": np.ones((3, 2), np.float32)})
+        with ReplayBuffer.attach(shared.name) as other:
+            assert type(other) is ReplayBuffer and other.num_samples == 3
+    with pytest.raises(shmbuf.UsageError, match=r"ReplayBuffer\.create\(example_row, buffer_size\)"):
+        ReplayBuffer()
+    with pytest.raises(shmbuf.UsageError, match=r"got 3\.5 first"):
+        ReplayBuffer(3.5, 5, "cpu")
