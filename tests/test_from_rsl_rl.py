@@ -300,3 +300,96 @@ def test_the_shared_memory_replay_buffer_keeps_its_own_constructors() -> None:
         ReplayBuffer()
     with pytest.raises(shmbuf.UsageError, match=r"got 3\.5 first"):
         ReplayBuffer(3.5, 5, "cpu")
+
+
+# -- 4. RolloutFileBase ---------------------------------------------------------------------------------------
+
+class MemoryRollouts:
+    """What a 002 user writes: a RolloutFileBase subclass over trajectories held in memory (each a dict of tensors
+    ``observations [L, 3]``, ``actions [L, 2]``, ``rewards [L]``), 002's four abstract methods, a namedtuple buffer."""
+
+    @staticmethod
+    def make(trajs: list[dict[str, Any]], num_envs: int) -> Any:
+        from collections import namedtuple
+
+        from shmbuf.storage import RolloutFileBase
+
+        class Rollouts(RolloutFileBase):
+            Transition = namedtuple("Transition", ["observation", "action", "reward", "done", "timeout",
+                                                   "next_observation"])
+
+            def __init__(self, data: list[dict[str, Any]], num_envs: int, device: Any = "cpu"):
+                super().__init__("memory", num_envs, device=device)
+                self.data = data
+
+            def reset_all(self) -> None:
+                self.unused = list(range(len(self.data)))
+                self.traj_identifiers: list[Any] = [None] * self.num_envs
+                self.cursors = [0] * self.num_envs
+                self.refresh_handlers()
+
+            def refresh_handlers(self, env_ids: Any = None) -> None:
+                if env_ids is None:
+                    env_ids = self.all_env_ids
+                for e in env_ids:
+                    self.traj_identifiers[int(e)] = self.unused.pop(0)
+                    self.cursors[int(e)] = 0
+
+            def get_buffer(self, num_transitions_per_env: Any = None) -> Any:
+                lead = ([] if num_transitions_per_env is None else [num_transitions_per_env]) + [self.num_envs]
+                return self.Transition(torch.empty(lead + [3]), torch.empty(lead + [2]), torch.empty(lead),
+                                       torch.empty(lead, dtype=torch.bool), torch.empty(lead, dtype=torch.bool),
+                                       torch.empty(lead + [3]))
+
+            def fill_transition(self, buffer: Any, env_ids: Any = None) -> None:
+                for e in (self.all_env_ids if env_ids is None else env_ids):
+                    e = int(e)
+                    traj, c = self.data[self.traj_identifiers[e]], self.cursors[e]
+                    buffer.observation[e] = traj["observations"][c]
+                    buffer.action[e] = traj["actions"][c]
+                    buffer.reward[e] = traj["rewards"][c]
+                    buffer.done[e] = c == len(traj["rewards"]) - 1
+                    buffer.timeout[e] = False
+                    buffer.next_observation[e] = traj["observations"][min(c + 1, len(traj["rewards"]) - 1)]
+                    self.cursors[e] += 1
+                    if self.cursors[e] == len(traj["rewards"]):
+                        if not self.unused:
+                            raise StopIteration
+                        self.refresh_handlers([e])
+
+        return Rollouts(trajs, num_envs)
+
+
+def memory_trajectories(n: int, length: int) -> list[dict[str, Any]]:
+    out = []
+    for k in range(n):
+        t = torch.arange(length, dtype=torch.float32) + 100 * k
+        out.append({"observations": t[:, None].repeat(1, 3), "actions": t[:, None].repeat(1, 2), "rewards": -t})
+    return out
+
+
+def test_a_002_subclass_of_rollout_file_base_reads_batches_transitions_and_iterates() -> None:
+    from shmbuf.storage import RolloutDataset, RolloutFileBase
+
+    ds = MemoryRollouts.make(memory_trajectories(6, 5), num_envs=2)
+    assert isinstance(ds, RolloutFileBase) and isinstance(ds, torch.utils.data.IterableDataset)
+    assert issubclass(RolloutDataset, RolloutFileBase) and ds.all_env_ids.tolist() == [0, 1]
+    b = ds.get_batch(4)  # time-major, filled row by row through the namedtuple buffer
+    assert b.observation.shape == (4, 2, 3)
+    assert b.observation[:, 0, 0].tolist() == [0, 1, 2, 3] and b.observation[:, 1, 0].tolist() == [100, 101, 102, 103]
+    buffer, infos = ds.get_transition_batch()  # 002's (buffer, infos)
+    assert buffer.observation.shape == (2, 3) and buffer.done.tolist() == [True, True]
+    assert set(infos) == {"time_outs"} and infos["time_outs"].tolist() == [False, False]
+    ds.reset([1])  # only env 1 takes a new trajectory
+    assert ds.get_batch().observation[:, 0].tolist() == [200, 400]
+    seen = [batch.observation[:, 0].tolist() for batch in torch.utils.data.DataLoader(ds, batch_size=None)]
+    assert seen[0] == [0, 100] and len(seen) == 14  # reset by iteration; until an env finds no unused trajectory
+
+
+def test_rollout_file_base_stays_abstract_and_checks_its_settings() -> None:
+    from shmbuf.storage import RolloutFileBase
+
+    with pytest.raises(TypeError, match=r"abstract"):
+        RolloutFileBase("d", 2)
+    with pytest.raises(shmbuf.UsageError, match=r"num_envs=\.\.\.\): expected an int >= 1"):
+        MemoryRollouts.make([], num_envs=0)

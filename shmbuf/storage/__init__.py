@@ -9,7 +9,7 @@ See docs/storage.md for how each class maps to the systems it learns from.
 from shmbuf._moved import moved
 from shmbuf.storage._torch import to_torch
 from shmbuf.storage.buffer import Field, RolloutBuffer, iterate_minibatches, transition_view
-from shmbuf.storage.files import FileTransition, Recorder, RolloutDataset, play
+from shmbuf.storage.files import FileTransition, Recorder, RolloutDataset, RolloutFileBase, play
 from shmbuf.storage.gae import compute_gae, normalize_advantages
 from shmbuf.storage.replay import ReplayBuffer
 from shmbuf.storage.rollout import (
@@ -42,6 +42,7 @@ __all__ = [
     "ReplayBuffer",
     "RolloutBuffer",
     "RolloutDataset",
+    "RolloutFileBase",
     "RolloutStorage",
     "SarsaMiniBatch",
     "SarsaRolloutStorage",

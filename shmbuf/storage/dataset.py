@@ -32,6 +32,7 @@ from shmbuf.storage._fileformat import (
     read_json,
     read_metadata,
 )
+from shmbuf.storage._file_base import RolloutFileBase
 from shmbuf.storage._torch import to_torch
 
 
@@ -147,8 +148,12 @@ class _Handler:
         self.traj, self.cursor, self.fresh = traj, cursor, True
 
 
-class RolloutDataset:
+class RolloutDataset(RolloutFileBase):
     """002's RolloutDataset over a directory a :class:`Recorder` wrote: per-env trajectory cursors, batches of transitions.
+
+    shmbuf's subclass of :class:`~shmbuf.storage.files.RolloutFileBase`: its :meth:`get_buffer` is the raw per-leaf
+    buffer that :meth:`fill_transition` fills, and :meth:`get_batch` makes a :class:`FileTransition` of it.
+    :meth:`get_transition_batch` gives ``(s, a, r, d, info)`` (002's base gives ``(buffer, infos)``).
 
     Args:
         data_dir: the recording (it may still be being written).
@@ -368,10 +373,11 @@ class RolloutDataset:
             out[k] = np.zeros((n, E), bool)
         return out
 
-    def _fill(self, out: dict[str, np.ndarray], n: int, ends: list[tuple[int, int, _Traj]] | None = None) -> None:
-        """Rows [0, n) of every env into ``out`` (``(n, E, ...)`` arrays), advancing the cursors."""
+    def _fill(self, out: dict[str, np.ndarray], n: int, ends: list[tuple[int, int, _Traj]] | None = None,
+              envs: Any = None) -> None:
+        """Rows [0, n) of every env (or of ``envs``) into ``out`` (``(n, E, ...)`` arrays), advancing the cursors."""
         files = list(self._leaves)
-        for e in range(self.num_envs):
+        for e in (range(self.num_envs) if envs is None else envs):
             i = 0
             while i < n:
                 h = self._handlers[e]
@@ -412,6 +418,28 @@ class RolloutDataset:
             tree = np.concatenate([p.reshape(*lead, -1) for p in parts], axis=-1)
         return tree
 
+    def get_buffer(self, num_transitions_per_env: int | None = None) -> dict[str, np.ndarray]:
+        """The raw buffer (RolloutFileBase's): one ``(n, E, ...)`` array per recorded leaf file (n = 1 without
+        ``num_transitions_per_env``), ``"next:<file>"`` for the next observations, ``"first"`` and ``"cut"`` flags.
+        :meth:`get_batch` is the way to read: it makes a :class:`FileTransition` of such a buffer. Resets first if
+        nothing was read yet (the leaves come from the recording's metadata.json)."""
+        if num_transitions_per_env is not None:
+            int_setting("get_buffer(num_transitions_per_env=...) (None: one transition)", num_transitions_per_env)
+        if not self._initialized:
+            self.reset()
+        return self._alloc(1 if num_transitions_per_env is None else int(num_transitions_per_env))
+
+    def fill_transition(self, buffer: dict[str, np.ndarray], env_ids: Any = None) -> None:
+        """Fill every row of a :meth:`get_buffer` buffer for the envs in ``env_ids`` (None: all), advancing their
+        cursors (RolloutFileBase's; :class:`StopIteration` when the passes are done)."""
+        ids = None if env_ids is None else [int(e) for e in np.asarray(env_ids).reshape(-1)]
+        for e in ids or ():
+            if not 0 <= e < self.num_envs:
+                raise UsageError(f"RolloutDataset.fill_transition(env_ids=...): env {e} is not in 0..{self.num_envs - 1}")
+        if not self._initialized:
+            self.reset()
+        self._fill(buffer, len(buffer["first"]), envs=ids)
+
     def get_batch(self, num_transitions_per_env: int | None = None) -> FileTransition:
         """The next transition of every env (``(E, ...)``), or the next ``num_transitions_per_env`` (``(T, E, ...)``, time-major).
 
@@ -437,7 +465,7 @@ class RolloutDataset:
         return FileTransition(self._obs(out, ""), build(self._fields[ACTION], lambda f: out[f]), out[REWARD], done,
                           timeout, self._obs(out, "next:"), term, out["first"], extras)
 
-    def get_transition_batch(self) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    def get_transition_batch(self) -> tuple[Any, Any, Any, Any, dict[str, Any]]:  # type: ignore[override]  # shmbuf's 5-tuple, kept
         """One step of every env, like a vector env's step: ``(s, a, r, d, info)``.
 
         ``info``: ``next_observation``, ``terminated``, ``first``, the extras, and ``time_outs``
