@@ -9,7 +9,10 @@ batch copies what it takes from them. numpy only; torch is imported when ``devic
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -33,6 +36,7 @@ from shmbuf.storage._fileformat import (
     read_metadata,
 )
 from shmbuf.storage._file_base import RolloutFileBase
+from shmbuf.storage._pickled import convert_pickled_recording, is_pickled_recording, refuse_pickle
 from shmbuf.storage._torch import to_torch
 
 
@@ -174,6 +178,10 @@ class RolloutDataset(RolloutFileBase):
         wait_timeout: how long to wait for enough trajectories (``max(num_envs, keep_latest_n_trajs)``)
             before :class:`shmbuf.SlotTimeout` (None: for ever).
         poll_interval: how often to rescan while waiting.
+        allow_pickle: ``data_dir`` may be 002's own recording (pickled trajectories): it is converted once into a
+            temporary shmbuf recording (removed with this dataset) and read from there. **Unsafe for files you do
+            not trust**: unpickling runs code chosen by whoever wrote them. Off by default; a pickled recording is
+            then refused, naming ``shmbuf convert --allow-pickle`` (convert once, keep the result).
 
     Each batch is new arrays, the caller's to keep (002 refills one buffer).
     """
@@ -182,7 +190,7 @@ class RolloutDataset(RolloutFileBase):
                  random_shuffle_traj_order: bool = False, keep_latest_n_trajs: int = 0,
                  starting_frame_range: Sequence[int] = (0, 1), device: Any = None, *, obs_key: str = OBS,
                  concat_obs: bool = False, seed: Any = None, wait_timeout: float | None = 60.0,
-                 poll_interval: float = 0.2):
+                 poll_interval: float = 0.2, allow_pickle: bool = False):
         num_envs = int_setting("RolloutDataset(num_envs=...)", num_envs)
         keep_latest_n_trajs = int_setting("RolloutDataset(keep_latest_n_trajs=...)", keep_latest_n_trajs, 0)
         if isinstance(dataset_loops, bool) or not isinstance(dataset_loops, (int, np.integer)):
@@ -201,6 +209,11 @@ class RolloutDataset(RolloutFileBase):
         if not isinstance(obs_key, str):
             raise UsageError(f"RolloutDataset(obs_key=...): expected a step leaf name (str), got {obs_key!r}")
         self.data_dir = os.fspath(data_dir)
+        self.source_dir = self.data_dir
+        if allow_pickle is True and is_pickled_recording(self.data_dir):
+            self.data_dir = tempfile.mkdtemp(prefix="shmbuf-converted-")
+            weakref.finalize(self, shutil.rmtree, self.data_dir, True)
+            convert_pickled_recording(self.source_dir, self.data_dir, allow_pickle=True, fsync=False)
         self.num_envs = int(num_envs)
         self.dataset_loops = int(dataset_loops)
         self.random_shuffle_traj_order = bool(random_shuffle_traj_order)
@@ -248,6 +261,8 @@ class RolloutDataset(RolloutFileBase):
                 foreign.append(name)
                 if name.startswith("trajectory_"):
                     odd.append(name)
+        if odd and is_pickled_recording(self.data_dir):
+            raise refuse_pickle(self.data_dir, "RolloutDataset")
         if METADATA not in names:
             if trajs:
                 raise SegmentError(f"{os.path.join(self.data_dir, METADATA)}: missing, though the directory holds "
