@@ -6,6 +6,7 @@ line by line from what 002 does), and rsl_rl 5.5.1's GAE against rsl_rl's own co
 
 from __future__ import annotations
 
+from collections import namedtuple
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,10 @@ import shmbuf
 from tests import _rsl_rl
 
 torch = pytest.importorskip("torch")
+
+# 002's recurrent modules hand the storage namedarraytuples (namedtuples that also index their fields):
+ActorCriticHiddenState = namedtuple("ActorCriticHiddenState", ["actor", "critic"])
+LstmHiddenState = namedtuple("LstmHiddenState", ["hidden", "cell"])
 
 
 def ppo_rollout(storage: Any, T: int, N: int, *, seed: int = 0, gamma: float = 0.99, hidden: str | None = None,
@@ -29,7 +34,8 @@ def ppo_rollout(storage: Any, T: int, N: int, *, seed: int = 0, gamma: float = 0
         # PPO.act
         if hidden is not None:
             h = torch.randn(2, N, 4, generator=g)  # torch's (num_layers, N, H)
-            hs = (h, -h) if hidden == "gru" else ((h, h + 1), (-h, -h - 1))
+            hs = ActorCriticHiddenState(h, -h) if hidden == "gru" else \
+                ActorCriticHiddenState(LstmHiddenState(h, h + 1), LstmHiddenState(-h, -h - 1))
             transition.hidden_states = hs
             seen["h"].append(h)
         transition.actions = torch.randn(N, 2, generator=g, requires_grad=True).detach()
@@ -165,12 +171,14 @@ def test_recurrent_minibatches_match_002s_padding_masks_and_hidden_state_layout(
     for b, (obs, masks, hid) in zip(got, want):
         torch.testing.assert_close(b.obs, obs)
         assert torch.equal(b.masks, masks)
-        actor, critic = b.hidden_states
+        assert type(b.hidden_states) is ActorCriticHiddenState  # 002: minibatch.hidden_states.actor / .critic
+        actor, critic = b.hidden_states.actor, b.hidden_states.critic
         if cell == "gru":
             torch.testing.assert_close(actor, hid)
             torch.testing.assert_close(critic, -hid)
         else:
-            torch.testing.assert_close(actor[0], hid)
+            assert type(actor) is LstmHiddenState
+            torch.testing.assert_close(actor.hidden, hid)
             torch.testing.assert_close(actor[1], hid + 1)
             torch.testing.assert_close(critic[1], -hid - 1)
         assert b.values.shape == (T, N // 2, 1) and b.actions.shape == (T, N // 2, 2)

@@ -229,7 +229,7 @@ class _Trajectory:
                         "length": np.array([e + 1 - s for s, e in zip(starts, ends)] or [0], np.int64)[:rows],
                         "terminated": np.array([terminated[e] for e in ends] or [False])[:rows],
                         "truncated": np.array([truncated[e] for e in ends] or [False])[:rows],
-                        "env": np.zeros(rows, np.int32), "end": np.array(list(ends) or [0], np.int32)[:rows],
+                        "env": np.zeros(rows, np.int32), "end": np.array(ends.tolist() or [0], np.int32)[:rows],
                         "final_obs": final_obs},
             "bootstrap": {"obs": final(n - 1)},
         }

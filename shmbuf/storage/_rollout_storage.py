@@ -76,6 +76,7 @@ class RolloutStorage:
     sigma: np.ndarray | None
     hidden_states_actor: np.ndarray | None
     hidden_states_critic: np.ndarray | None
+    device: Any  # None, or a torch.device (set in _setup, then by __init__)
 
     def __init__(self, num_envs: int, num_transitions_per_env: int, obs_shape: Any, privileged_obs_shape: Any,
                  actions_shape: Any, rnn_hidden_shape: Any = None, *, dtype: Any = np.float32, seed: Any = None,
@@ -132,8 +133,11 @@ class RolloutStorage:
         self.copied: tuple[str, ...] = ()
         self._borrowed: str | None = None
         self.flag_convention = "rsl_rl"  # add_transitions: 002 / rsl_rl's dones and time_outs
-        self.device: Any = None  # a torch.device: 002's torch idiom (see the class docstring)
+        self.device = None  # a torch.device: 002's torch idiom (see the class docstring)
         self._hidden_form: list[str | None] = [None, None]  # with a device: "gru" ((L, N, H)) or "lstm" ((h, c)), per side
+        # with a device: the containers hidden states came in (002's ActorCriticHiddenState / LstmHiddenState
+        # namedarraytuples, or plain tuples), to give them back in the same types: (outer, [actor's, critic's (h, c)])
+        self._hidden_types: tuple[Any, list[Any]] = (tuple, [tuple, tuple])
 
     # -- filling --------------------------------------------------------------------------------------
 
@@ -286,10 +290,12 @@ class RolloutStorage:
             raise SchemaError(f"Transition.hidden_states: expected (actor, critic) arrays, got {type(hidden).__name__}")
         out = []
         forms: list[str | None] = list(self._hidden_form)
+        inner: list[Any] = list(self._hidden_types[1])
         for i, (name, h) in enumerate(zip(("hidden_states_actor", "hidden_states_critic"), hidden)):
             if h is None:
                 continue
             if self.device is not None:
+                inner[i] = type(h)
                 h, forms[i] = self._torch_hidden(name, h)
             h = array_of(name, h)
             dst = getattr(self, name)
@@ -299,6 +305,7 @@ class RolloutStorage:
                 dst = np.zeros((self.num_transitions_per_env, *h.shape), self.values.dtype)
             out.append((name, dst, as_row(name, h, dst[0])))
         self._hidden_form = forms  # only what passed every check is remembered
+        self._hidden_types = (type(hidden), inner)
         return out
 
     def _torch_hidden(self, name: str, h: Any) -> tuple[np.ndarray, str]:
@@ -489,15 +496,17 @@ class RolloutStorage:
         scalars = {f: getattr(t, f)[..., None] for f in ("values", "advantages", "returns", "old_actions_log_prob")}
         hidden = mb.hidden_states
         if hidden is not None:
-            hidden = tuple(None if x is None else self._hidden_out(x, form) for x, form in zip(hidden, self._hidden_form))
+            outer, inner = self._hidden_types
+            hidden = _same_type(outer, [None if x is None else self._hidden_out(x, form, kind)
+                                        for x, form, kind in zip(hidden, self._hidden_form, inner)])
         return t._replace(**scalars, hidden_states=hidden)
 
-    def _hidden_out(self, x: np.ndarray, form: str | None) -> Any:
+    def _hidden_out(self, x: np.ndarray, form: str | None, kind: Any) -> Any:
         h = to_torch(x, self.device)
         if form == "gru":
             return h.transpose(0, 1).contiguous()
         if form == "lstm":
-            return h[:, 0].transpose(0, 1).contiguous(), h[:, 1].transpose(0, 1).contiguous()
+            return _same_type(kind, [h[:, 0].transpose(0, 1).contiguous(), h[:, 1].transpose(0, 1).contiguous()])
         return h  # preallocated by rnn_hidden_shape and not filled from torch's layout: as stored
 
     # -- statistics --------------------------------------------------------------------------------------
@@ -520,3 +529,11 @@ class RolloutStorage:
         src = "" if self._borrowed is None else f", view of {self._borrowed}"
         return (f"{type(self).__name__}(num_envs={self.num_envs}, num_transitions_per_env={self.num_transitions_per_env}, "
                 f"step={self.step}{src})")
+
+
+def _same_type(kind: Any, items: list[Any]) -> Any:
+    """``items`` in a container of type ``kind``: a namedtuple (002's namedarraytuples are namedtuples) by its fields,
+    a list, or else a tuple."""
+    if isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_make"):
+        return kind._make(items)
+    return list(items) if kind is list else tuple(items)

@@ -21,6 +21,7 @@ import numpy as np
 from shmbuf._errors import SegmentError, SlotTimeout, UsageError
 from shmbuf._validate import int_setting, timeout_setting
 from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATED
+from shmbuf.storage._file_base import RolloutFileBase
 from shmbuf.storage._fileformat import (
     CHUNK_DIR,
     KEYS,
@@ -35,7 +36,6 @@ from shmbuf.storage._fileformat import (
     read_json,
     read_metadata,
 )
-from shmbuf.storage._file_base import RolloutFileBase
 from shmbuf.storage._pickled import convert_pickled_recording, is_pickled_recording, refuse_pickle
 from shmbuf.storage._torch import to_torch
 
