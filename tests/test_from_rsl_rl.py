@@ -6,6 +6,7 @@ line by line from what 002 does), and rsl_rl 5.5.1's GAE against rsl_rl's own co
 
 from __future__ import annotations
 
+import pathlib
 from collections import namedtuple
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 
 import shmbuf
 from tests import _rsl_rl
+from tests.helpers import doc_blocks, run_doc_block
 
 torch = pytest.importorskip("torch")
 
@@ -401,3 +403,42 @@ def test_rollout_file_base_stays_abstract_and_checks_its_settings() -> None:
         RolloutFileBase("d", 2)
     with pytest.raises(shmbuf.UsageError, match=r"num_envs=\.\.\.\): expected an int >= 1"):
         MemoryRollouts.make([], num_envs=0)
+
+
+def test_rsl_rl_2s_training_type_signature_is_refused_naming_the_one_to_use() -> None:
+    from shmbuf.storage import RolloutStorage
+
+    with pytest.raises(shmbuf.UsageError, match=r"RolloutStorage\('rl', \.\.\.\): that is rsl_rl 2\+'s signature.*use 002's"):
+        RolloutStorage("rl", 4, 24, {"policy": torch.zeros(4, 3)}, (2,), "cpu")
+
+
+# -- 6. docs/from-rsl_rl.md runs as written --------------------------------------------------------------------
+
+PAGE = "from-rsl_rl.md"
+PRINTS = {
+    # 24 steps, every env's episode ends on a time-out at steps 9 and 19: pieces of 10, 10 and 4 (rsl_rl cuts at the
+    # last row too), 8.0 on average; rewards 1 plus the small folded-in time-out bootstraps
+    0: "Tensor (48, 12) (48, 1) cpu\n8.0 1.0\n(48, 4)\n(64, 12) (64, 12) 256\n(64, 12) (64, 12) 256\n",
+    1: "(4, 2, 3)\n[True, True] [True, True]\n14\n",
+}
+
+
+def test_the_page_opens_with_002s_call_sites_and_only_the_import_changed() -> None:
+    blocks = doc_blocks(PAGE)
+    assert len(blocks) == len(PRINTS)
+    first = blocks[0]
+    imports = [line for line in first.splitlines() if line.startswith(("import ", "from "))]
+    assert imports == ["import torch", "from shmbuf.storage import ActionLabelRollout, ReplayBuffer, RolloutStorage  "
+                                       "# was: rsl_rl.storage..."]
+    for call in ("RolloutStorage.Transition()", "add_transitions(transition)", "transition.clear()",
+                 "compute_returns(", "mini_batch_generator(", "get_statistics()", "ReplayBuffer(12, 1000, device)",
+                 "insert(", "feed_forward_generator("):
+        assert call in first, call
+
+
+@pytest.mark.parametrize("k", sorted(PRINTS))
+def test_block_runs_as_written_and_prints_what_the_page_says(k: int, tmp_path: Any) -> None:
+    assert run_doc_block(PAGE, k, tmp_path) == PRINTS[k]
+    page = (pathlib.Path(__file__).parent.parent / "docs" / PAGE).read_text()
+    if k == 0:
+        assert "```text\n" + PRINTS[0] + "```" in page

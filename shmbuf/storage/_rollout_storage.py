@@ -86,6 +86,11 @@ class RolloutStorage:
                 raise UsageError(f"{type(self).__name__}: a device was given twice ({rnn_hidden_shape!r} in the sixth place, "
                                  f"and device={device!r}); give it once")
             device, rnn_hidden_shape = rnn_hidden_shape, None
+        if isinstance(num_envs, str):
+            raise UsageError(f"{type(self).__name__}({num_envs!r}, ...): that is rsl_rl 2+'s signature (training_type, num_envs, "
+                             "num_transitions_per_env, obs TensorDict, actions_shape, device), which shmbuf does not take; "
+                             f"use 002's / rsl_rl 1.x's: {type(self).__name__}(num_envs, num_transitions_per_env, obs_shape, "
+                             "privileged_obs_shape, actions_shape, device) (docs/from-rsl_rl.md)")
         N = int_setting("num_envs", num_envs, 1)
         T = int_setting("num_transitions_per_env", num_transitions_per_env, 1)
         self._setup(T, N, seed)
