@@ -27,12 +27,14 @@ TIERS = {
         "TRUNCATE_EPISODES", "check_batch_mode", "grid", "rollout_example", "successors", "zeros_with_lead",
     ],
     "shmbuf.storage": [
+        "ActionLabelMiniBatch", "ActionLabelRollout", "ActionLabelTransition", "RolloutFileBase",
         "Field", "FileTransition", "MaskedView", "MiniBatch", "QueueRolloutStorage", "Recorder", "ReplayBuffer",
         "RolloutBuffer", "RolloutDataset", "RolloutStorage", "SarsaMiniBatch", "SarsaRolloutStorage", "SarsaTransition",
         "TimeOutObservations", "Transition", "ViewRequirement", "build_views", "compute_gae", "iterate_minibatches",
         "normalize_advantages", "play", "split_and_pad_trajectories", "to_torch", "transition_view", "unpad_trajectories",
     ],
     "shmbuf.storage.lowlevel": [
+        "LocalReplayBuffer",
         "ReplayHandle", "ReplayInfo", "RolloutBufferWriter", "RolloutSlot", "get_frame_range", "parse_shift",
         "playback_example", "read_metadata",
     ],
