@@ -216,7 +216,7 @@ def test_sarsa_storage_takes_002s_next_privileged_observations() -> None:
 def test_action_label_rollout_keeps_labels_through_growth_loop_and_minibatches() -> None:
     """002's TPPO: ``ActionLabelRollout(...)``, ``ActionLabelRollout.Transition()`` with ``action_labels``; labels
     grow, loop and untie with the actions, and every minibatch carries them laid out like the actions."""
-    from shmbuf.storage import ActionLabelRollout
+    from shmbuf.storage.rollout import ActionLabelRollout
 
     N, T = 3, 4
     storage = ActionLabelRollout(N, T, [3], [None], [2], "cpu", buffer_dilation_ratio=2.0)
@@ -322,7 +322,7 @@ class MemoryRollouts:
     def make(trajs: list[dict[str, Any]], num_envs: int) -> Any:
         from collections import namedtuple
 
-        from shmbuf.storage import RolloutFileBase
+        from shmbuf.storage.files import RolloutFileBase
 
         class Rollouts(RolloutFileBase):
             Transition = namedtuple("Transition", ["observation", "action", "reward", "done", "timeout",
@@ -379,7 +379,7 @@ def memory_trajectories(n: int, length: int) -> list[dict[str, Any]]:
 
 
 def test_a_002_subclass_of_rollout_file_base_reads_batches_transitions_and_iterates() -> None:
-    from shmbuf.storage import RolloutDataset, RolloutFileBase
+    from shmbuf.storage.files import RolloutDataset, RolloutFileBase
 
     ds = MemoryRollouts.make(memory_trajectories(6, 5), num_envs=2)
     assert isinstance(ds, RolloutFileBase) and isinstance(ds, torch.utils.data.IterableDataset)
@@ -397,7 +397,7 @@ def test_a_002_subclass_of_rollout_file_base_reads_batches_transitions_and_itera
 
 
 def test_rollout_file_base_stays_abstract_and_checks_its_settings() -> None:
-    from shmbuf.storage import RolloutFileBase
+    from shmbuf.storage.files import RolloutFileBase
 
     with pytest.raises(TypeError, match=r"abstract"):
         RolloutFileBase("d", 2)
@@ -428,8 +428,10 @@ def test_the_page_opens_with_002s_call_sites_and_only_the_import_changed() -> No
     assert len(blocks) == len(PRINTS)
     first = blocks[0]
     imports = [line for line in first.splitlines() if line.startswith(("import ", "from "))]
-    assert imports == ["import torch", "from shmbuf.storage import ActionLabelRollout, ReplayBuffer, RolloutStorage  "
-                                       "# was: rsl_rl.storage..."]
+    assert imports == ["import torch",
+                       "from shmbuf.storage import ReplayBuffer, RolloutStorage  # was: from rsl_rl.storage import ...",
+                       "from shmbuf.storage.rollout import ActionLabelRollout  # was: from rsl_rl.storage.rollout_storage "
+                       "import ..."]
     for call in ("RolloutStorage.Transition()", "add_transitions(transition)", "transition.clear()",
                  "compute_returns(", "mini_batch_generator(", "get_statistics()", "ReplayBuffer(12, 1000, device)",
                  "insert(", "feed_forward_generator("):

@@ -27,7 +27,6 @@ TIERS = {
         "TRUNCATE_EPISODES", "check_batch_mode", "grid", "rollout_example", "successors", "zeros_with_lead",
     ],
     "shmbuf.storage": [
-        "ActionLabelMiniBatch", "ActionLabelRollout", "ActionLabelTransition", "RolloutFileBase",
         "Field", "FileTransition", "MaskedView", "MiniBatch", "QueueRolloutStorage", "Recorder", "ReplayBuffer",
         "RolloutBuffer", "RolloutDataset", "RolloutStorage", "SarsaMiniBatch", "SarsaRolloutStorage", "SarsaTransition",
         "TimeOutObservations", "Transition", "ViewRequirement", "build_views", "compute_gae", "iterate_minibatches",

@@ -9,13 +9,10 @@ See docs/storage.md for how each class maps to the systems it learns from.
 from shmbuf._moved import moved
 from shmbuf.storage._torch import to_torch
 from shmbuf.storage.buffer import Field, RolloutBuffer, iterate_minibatches, transition_view
-from shmbuf.storage.files import FileTransition, Recorder, RolloutDataset, RolloutFileBase, play
+from shmbuf.storage.files import FileTransition, Recorder, RolloutDataset, play
 from shmbuf.storage.gae import compute_gae, normalize_advantages
 from shmbuf.storage.replay import ReplayBuffer
 from shmbuf.storage.rollout import (
-    ActionLabelMiniBatch,
-    ActionLabelRollout,
-    ActionLabelTransition,
     MiniBatch,
     QueueRolloutStorage,
     RolloutStorage,
@@ -30,9 +27,6 @@ from shmbuf.storage.rollout import (
 from shmbuf.storage.views import MaskedView, ViewRequirement, build_views
 
 __all__ = [
-    "ActionLabelMiniBatch",
-    "ActionLabelRollout",
-    "ActionLabelTransition",
     "Field",
     "FileTransition",
     "MaskedView",
@@ -42,7 +36,6 @@ __all__ = [
     "ReplayBuffer",
     "RolloutBuffer",
     "RolloutDataset",
-    "RolloutFileBase",
     "RolloutStorage",
     "SarsaMiniBatch",
     "SarsaRolloutStorage",
