@@ -444,3 +444,16 @@ def test_block_runs_as_written_and_prints_what_the_page_says(k: int, tmp_path: A
     page = (pathlib.Path(__file__).parent.parent / "docs" / PAGE).read_text()
     if k == 0:
         assert "```text\n" + PRINTS[0] + "```" in page
+
+
+def test_002s_attributes_and_helpers_are_there() -> None:
+    from shmbuf.storage.files import FileTransition, RolloutDataset
+    from shmbuf.storage.rollout import QueueRolloutStorage
+
+    q = QueueRolloutStorage(2, 4, [3], [None], [2], "cpu", buffer_dilation_ratio=2.0)
+    assert (q.obs_shape, q.privileged_obs_shape, q.actions_shape) == ((3,), None, (2,))
+    ppo_rollout(q, 3, 2)
+    assert q.step == 3
+    rows = torch.arange(4)
+    assert q.swap_from_cursor(rows).tolist() == [3, 0, 1, 2] and q.swap_from_cursor(np.arange(4)).tolist() == [3, 0, 1, 2]
+    assert RolloutDataset.Transition is FileTransition

@@ -77,6 +77,9 @@ class RolloutStorage:
     hidden_states_actor: np.ndarray | None
     hidden_states_critic: np.ndarray | None
     device: Any  # None, or a torch.device (set in _setup, then by __init__)
+    obs_shape: tuple[int, ...] | None  # 002's shape attributes (checked; None before __init__ / from_rollout sets them)
+    privileged_obs_shape: tuple[int, ...] | None
+    actions_shape: tuple[int, ...] | None
 
     def __init__(self, num_envs: int, num_transitions_per_env: int, obs_shape: Any, privileged_obs_shape: Any,
                  actions_shape: Any, rnn_hidden_shape: Any = None, *, dtype: Any = np.float32, seed: Any = None,
@@ -106,6 +109,7 @@ class RolloutStorage:
             priv = None  # rsl_rl passes [None] for "no privileged observations"
         priv = None if priv is None else shape_setting("privileged_obs_shape", priv)
         hid = None if rnn_hidden_shape is None else shape_setting("rnn_hidden_shape", rnn_hidden_shape)
+        self.obs_shape, self.privileged_obs_shape, self.actions_shape = obs, priv, act  # 002's attributes (checked)
         self.observations = np.zeros((T, N, *obs), f)
         self.privileged_observations = None if priv is None else np.zeros((T, N, *priv), f)
         self.actions = np.zeros((T, N, *act), f)
@@ -139,6 +143,7 @@ class RolloutStorage:
         self._borrowed: str | None = None
         self.flag_convention = "rsl_rl"  # add_transitions: 002 / rsl_rl's dones and time_outs
         self.device = None  # a torch.device: 002's torch idiom (see the class docstring)
+        self.obs_shape = self.privileged_obs_shape = self.actions_shape = None  # 002's: set by __init__ or from the arrays
         self._hidden_form: list[str | None] = [None, None]  # with a device: "gru" ((L, N, H)) or "lstm" ((h, c)), per side
         # with a device: the containers hidden states came in (002's ActorCriticHiddenState / LstmHiddenState
         # namedarraytuples, or plain tuples), to give them back in the same types: (outer, [actor's, critic's (h, c)])
@@ -228,6 +233,9 @@ class RolloutStorage:
             self.bootstrap_critic_observations = src.bootstrap(critic_obs_key)
         self.time_out_observations = None if truncated_key is None else src.time_outs(obs_key)
         self._adopt(arrays, src)
+        priv = self.privileged_observations
+        self.obs_shape, self.actions_shape = self.observations.shape[2:], self.actions.shape[2:]
+        self.privileged_obs_shape = None if priv is None else priv.shape[2:]
         self.copied = tuple(src.copied)
         self.flag_convention = "gymnasium"  # the actors' own terminated / truncated
         return self

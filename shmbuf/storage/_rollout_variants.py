@@ -12,7 +12,7 @@ import numpy as np
 from shmbuf._errors import SchemaError, UsageError
 from shmbuf.storage._rollout_source import RolloutSource
 from shmbuf.storage._rollout_storage import RolloutStorage
-from shmbuf.storage._torch import host_array
+from shmbuf.storage._torch import host_array, is_tensor
 from shmbuf.storage._transition import (
     ActionLabelMiniBatch,
     ActionLabelTransition,
@@ -83,6 +83,19 @@ class QueueRolloutStorage(RolloutStorage):
 
     def _count(self) -> int:
         return self.num_transitions_per_env if self.buffer_full else self.step
+
+    def swap_from_cursor(self, buffer: Any) -> Any:
+        """002's helper: ``buffer`` (an array or tensor with the buffer's rows first) rotated so that row ``step`` comes
+        first, as a new array (or tensor); as it is when ``step`` is 0 or past the end."""
+        s = self.step
+        if s == 0 or s >= len(buffer):
+            return buffer
+        if is_tensor(buffer):
+            import torch
+
+            return torch.cat([buffer[s:], buffer[:s]])
+        a = np.asarray(buffer)
+        return np.concatenate([a[s:], a[:s]])
 
     def untie_buffer_loop(self) -> None:
         """Rotate every per-step array in place so that the oldest row is row 0 and the newest the last

@@ -234,6 +234,7 @@ class RolloutDataset(RolloutFileBase):
         self._initialized = False
 
     get_frame_range = staticmethod(get_frame_range)
+    Transition = FileTransition  # 002's RolloutDataset.Transition (its fields: FileTransition's docstring)
 
     # -- the directory --------------------------------------------------------------------------------
 
