@@ -1141,3 +1141,17 @@ def test_rollout_dataset_is_a_rollout_file_base_with_its_raw_buffer(tmp_path):
     np.testing.assert_array_equal(buf["obs"][:, 1, 0], [102, 200])  # env 1 ran out of trajectory 1 and took 2
     with pytest.raises(shmbuf.UsageError, match=r"env 5 is not in 0\.\.1"):
         ds.fill_transition(buf, [5])
+
+
+def test_a_002_trajectory_still_running_keeps_its_place_in_002s_order(tmp_path):
+    import shutil
+
+    from shmbuf.storage.files import convert_pickled_recording
+
+    want = write_002_recording(tmp_path / "002")
+    shutil.copytree(tmp_path / "002" / "trajectory_1", tmp_path / "002" / "trajectory_4")  # a later, whole one
+    os.utime(tmp_path / "002" / "trajectory_4", (1_000_010, 1_000_010))
+    convert_pickled_recording(tmp_path / "002", tmp_path / "out", allow_pickle=True, fsync=False)
+    ds = RolloutDataset(tmp_path / "out", num_envs=1)
+    frames = [float(ds.get_batch().observation[0, 0]) for _ in range(16)]
+    assert frames == [*want[0]["obs"][:, 0], *want[1]["obs"][:, 0], *want[2]["obs"][:, 0], *want[1]["obs"][:, 0]]

@@ -266,6 +266,8 @@ def convert_pickled_recording(src: str | os.PathLike[str], dst: str | os.PathLik
     with Recorder(dst, fsync=fsync) as rec:
         for lane, (_, arrays) in enumerate(trajs):
             rec.write(_Trajectory(arrays, lane))
+            if (lane, 0) in rec._open:  # still running when 002 stopped: publish it cut short now, in 002's order
+                rec._cut((lane, 0))
             count += 1
     if count == 0:
         raise UsageError(f"convert_pickled_recording: {src} holds no 002 trajectory (trajectory_<k>/traj_<a>_<b>.pickle)")
