@@ -50,8 +50,8 @@ def device_setting(setting: str, device: Any) -> Any:
     try:
         import torch
     except ImportError:
-        raise UsageError(f"{setting}={device!r}: a device gives torch tensors back, and torch is not installed "
-                         "(pip install torch), or leave the device out for numpy arrays") from None
+        raise UsageError(f"{setting}: {device!r} asks for torch tensors on that device, and torch is not installed; "
+                         "install torch, or leave the device out for numpy arrays") from None
     try:
         return torch.device(device)
     except RuntimeError as e:
