@@ -703,3 +703,14 @@ def test_action_label_rollout_on_numpy_carries_labels_into_every_minibatch() -> 
         s.add_transitions(ActionLabelTransition(observations=np.zeros((N, 3)), actions=np.zeros((N, 2)),
                                                 rewards=np.zeros(N), dones=np.zeros(N), values=np.zeros(N),
                                                 actions_log_prob=np.zeros(N)))
+
+
+def test_a_device_without_torch_is_refused_saying_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device asks for torch tensors; without torch (here: its import made to fail) that is a UsageError, not a
+    late ImportError, and leaving the device out is the numpy storage, as always."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(shmbuf.UsageError, match=r"'cpu' asks for torch tensors.*torch is not installed.*leave the device out"):
+        RolloutStorage(2, 3, OBS, None, ACT, "cpu")
+    assert RolloutStorage(2, 3, OBS, None, ACT).device is None
