@@ -34,6 +34,7 @@ OPTIONAL = {
     "gymnasium": "gymnasium", "tqdm": "tqdm", "id-echo": "echo", "torch": "torch", "matplotlib": "matplotlib",
     "faster-fifo": "faster_fifo", "torchrl": "torchrl", "tensordict": "tensordict", "ray": "ray",
     "rsl-rl-lib": "rsl_rl", "psutil": "psutil",
+    "pettingzoo": "pettingzoo", "mpe2": "mpe2",
 }
 # The test runner (in `test` and in `core-test`): needed by every test, not an optional part of the library.
 RUNNER = {"pytest", "hypothesis", "pytest-timeout"}

@@ -266,15 +266,17 @@ class ShmbufAsync(Run):
     IMPORTS = ("workers",)
     VARIANTS: ClassVar[dict[str, str]] = {
         "2xvec8": "2 env processes x SyncVectorEnv(8, copy=False, SAME_STEP)",
+        "2xvec8-t2": "2 env processes x SyncVectorEnv(8, copy=False, SAME_STEP), server_threads=2 (the forward pass on "
+                     "both cores while the env workers wait for it)",
         "4xvec4": "4 env processes x SyncVectorEnv(4, copy=False, SAME_STEP)",
         "16x1": "16 env processes x 1 env"}
 
     def batches(self) -> Iterator[int]:
         from workers import AsyncBatchedCollector
 
-        workers = {"2xvec8": 2, "4xvec4": 4, "16x1": 16}[self.variant]
+        workers = {"2xvec8": 2, "2xvec8-t2": 2, "4xvec4": 4, "16x1": 16}[self.variant]
         self.c = AsyncBatchedCollector(_vec_factories(self.env, workers), policy=ce.make_policy(self.env, self.policy),
-                                       frames_per_batch=self.fpb)
+                                       frames_per_batch=self.fpb, server_threads=2 if self.variant.endswith("-t2") else 1)
         check_envs(self.c)
         for b in self.c:
             yield int(b.frames)

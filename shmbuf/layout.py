@@ -13,6 +13,9 @@ observation's or action's own shape)::
         TERMINATED   "terminated"  (T, [E])        bool: the MDP ended (no bootstrap)
         TRUNCATED    "truncated"   (T, [E])        bool: cut by a time limit (bootstrap from the final obs)
         <extras>                   (T, [E], ...)   whatever else the policy returned (log-probs, values, ...)
+        VALID        "valid"       (T, K)          (multi-agent rollouts only) bool: the row's agent acted at
+                                                   this step; the rows K of a policy's rollouts take the place
+                                                   of sub-envs (workers' multi-agent loop)
     EPISODE "episode"    one record per episode that ended inside this rollout
         RETURN, LENGTH             of the whole episode (it may have started in an earlier rollout)
         TERMINATED, TRUNCATED      how it ended
@@ -55,7 +58,7 @@ from shmbuf._errors import SchemaError, UsageError
 __all__ = [
     "ACTION", "BATCH_MODES", "BOOTSTRAP", "COMPLETE_EPISODES", "END", "ENV", "ENV_STEPS", "EPISODE", "FINAL_OBS",
     "FLAG_KEYS", "LENGTH", "OBS", "RETURN", "REWARD", "STEP", "STEP_KEYS", "TERMINATED", "TRUNCATED",
-    "TRUNCATE_EPISODES", "Grid", "check_batch_mode", "grid", "rollout_example", "successors", "zeros_with_lead",
+    "TRUNCATE_EPISODES", "VALID", "Grid", "check_batch_mode", "grid", "rollout_example", "successors", "zeros_with_lead",
 ]
 
 # Timescales.
@@ -70,6 +73,7 @@ REWARD: Final = "reward"
 TERMINATED: Final = "terminated"
 TRUNCATED: Final = "truncated"
 STEP_KEYS: Final = (OBS, ACTION, REWARD, TERMINATED, TRUNCATED)
+VALID: Final = "valid"  # multi-agent rollouts: the row's agent acted at this step
 FLAG_KEYS: Final = (TERMINATED, TRUNCATED)
 
 # Episode records.

@@ -263,3 +263,24 @@ def test_ppo_async_example_reaches_195_on_cartpole():
     print(f"reached {out['reached']['return_100']:.1f} after {out['reached']['update']} updates, "
           f"{out['reached']['frames']} frames, {out['reached']['seconds']} s; lag mean {out['policy_lag_mean']:.2f}, "
           f"server mean batch {out['server']['mean_batch']:.2f}")
+
+
+# -- issue 23: PPO on a PettingZoo env through MultiAgentCollector (examples/ppo_spread.py) ---------------------------
+
+def test_ppo_spread_example_runs_and_its_critic_learns():
+    pytest.importorskip("torch", reason="the PyTorch example needs torch (pip install torch==2.13.0)")
+    pytest.importorskip("mpe2", reason="the example steps MPE2's simple_spread (pip install 'shmbuf[multiagent]')")
+    out = run_example("ppo_spread.py", "--max-updates", "6", "--seed", "0", "--json", timeout=300)
+    curve = out["curve"]
+    assert len(curve) == 6 and curve[-1]["agent_steps"] == 6 * 2 * 4 * 50 * 3  # 3 agents act at every env step
+    assert curve[-1]["v_loss"] < curve[0]["v_loss"], "the critic did not learn from the GAE returns"
+    assert -40 < out["random_return"] < -15  # the level to beat, measured as the run does
+
+
+@pytest.mark.slow
+def test_ppo_spread_example_beats_acting_at_random():
+    """The example's bar: the mean agent-episode return over the last 500 reaches -20.5, from about -25 at random."""
+    pytest.importorskip("mpe2", reason="the example steps MPE2's simple_spread (pip install 'shmbuf[multiagent]')")
+    out = run_example("ppo_spread.py", "--seed", "0", "--json", timeout=1200)
+    assert out["reached"] is not None, f"the mean return stayed below -20.5 for {out['updates']} updates"
+    assert out["reached"]["return_500"] > out["random_return"] + 3

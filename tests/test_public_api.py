@@ -24,7 +24,7 @@ TIERS = {
     "shmbuf.layout": [
         "ACTION", "BATCH_MODES", "BOOTSTRAP", "COMPLETE_EPISODES", "END", "ENV", "ENV_STEPS", "EPISODE", "FINAL_OBS",
         "FLAG_KEYS", "Grid", "LENGTH", "OBS", "RETURN", "REWARD", "STEP", "STEP_KEYS", "TERMINATED", "TRUNCATED",
-        "TRUNCATE_EPISODES", "check_batch_mode", "grid", "rollout_example", "successors", "zeros_with_lead",
+        "TRUNCATE_EPISODES", "VALID", "check_batch_mode", "grid", "rollout_example", "successors", "zeros_with_lead",
     ],
     "shmbuf.storage": [
         "Field", "FileTransition", "MaskedView", "MiniBatch", "QueueRolloutStorage", "Recorder", "ReplayBuffer",
@@ -39,11 +39,11 @@ TIERS = {
     ],
     "workers": [
         "ActorContext", "ActorError", "ActorLoop", "ActorPool", "ActorSpec", "AsyncBatchedCollector", "CollectedBatch",
-        "Collector", "probe", "run_actor", "to_tensordict",
+        "Collector", "MultiAgentBatch", "MultiAgentCollector", "probe", "run_actor", "to_tensordict",
     ],
     "workers.lowlevel": [
-        "ActorViews", "EnvDriver", "InferenceServer", "RemotePolicy", "ThreadActorPool", "apply_weights",
-        "default_start_method",
+        "ActorViews", "EnvDriver", "InferenceServer", "MultiAgentLoop", "RemotePolicy", "ThreadActorPool",
+        "apply_weights", "default_start_method", "multiagent_examples",
     ],
 }
 # Imported on first use (they import ray), so outside __all__.

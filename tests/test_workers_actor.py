@@ -198,6 +198,82 @@ def test_rollouts_written_into_the_slot_equal_the_general_paths_bit_for_bit(kind
         slow_loop.episodes, slow_loop.cut_episodes, slow_loop.soft_horizons, slow_loop.env_steps)
 
 
+COMPLETE_SETTINGS = {
+    "plain": {},
+    "horizon": {"horizon": 3},
+    "no-done-at-end": {"no_done_at_end": True, "horizon": 4},
+    "cut-at-T": {"T": 2},  # episodes longer than the rollout are cut at T (recorded truncated)
+}
+
+
+def _by_lane(rollouts):
+    """Rollouts grouped by writer lane, each lane's in commit (seq) order: lanes commit independently."""
+    out = {}
+    for r in rollouts:
+        out.setdefault(r["lane"], []).append(r)
+    return {lane: sorted(rs, key=lambda r: r["seq"]) for lane, rs in sorted(out.items())}
+
+
+@pytest.mark.parametrize(("kind", "setting"), [(k, s) for k in ("single", "sync-next", "sync-same", "reusing")
+                                               for s in COMPLETE_SETTINGS] + [("async-next", "plain")])
+def test_complete_episodes_written_into_the_slot_equal_the_general_paths_bit_for_bit(kind, setting):
+    """workers._complete (each sub-env's episode written straight into its writer's slot) against the general path
+    (Writer.add per sub-env per step): every leaf, fill, seq and version of every lane's episodes equal."""
+    make = {"single": lambda: CountingEnv(1), "sync-next": lambda: make_vector(3, "NextStep"),
+            "sync-same": lambda: make_vector(3, "SameStep"), "async-next": lambda: make_async_vector(2, "NextStep"),
+            "reusing": lambda: make_vector(3, "NextStep", copy=False)}[kind]
+    kw = {"T": 5, "n_rollouts": 8, "batch_mode": "complete_episodes", **COMPLETE_SETTINGS[setting]}
+    fast, fast_loop = collect(make, **kw)
+    slow, slow_loop = collect(make, general=True, **kw)
+    assert type(fast_loop._direct).__name__ == "SlotEpisodes" and slow_loop._direct is False
+    fast_lanes, slow_lanes = _by_lane(fast), _by_lane(slow)
+    assert fast_lanes.keys() == slow_lanes.keys()
+    for lane in fast_lanes:
+        n = min(len(fast_lanes[lane]), len(slow_lanes[lane]))  # the two runs stop after 8 in all, maybe split apart
+        assert n >= 1
+        for a, b in zip(fast_lanes[lane][:n], slow_lanes[lane][:n], strict=True):
+            assert (a["seq"], a["fill"], a["version"]) == (b["seq"], b["fill"], b["version"])
+            for path, x, y in zip(optree.tree_paths(a["data"]), optree.tree_leaves(a["data"]),
+                                  optree.tree_leaves(b["data"]), strict=True):
+                if path[0] == "step":
+                    x, y = x[: a["fill"]["step"]], y[: a["fill"]["step"]]
+                assert np.array_equal(x, y), (lane, a["seq"], path, x, y)
+    assert fast_loop.cut_episodes == slow_loop.cut_episodes and fast_loop.env_steps == slow_loop.env_steps
+    if setting == "cut-at-T":
+        assert fast_loop.cut_episodes > 0
+
+
+class TurningPolicy(EchoPolicy):
+    """EchoPolicy until its third call, then an action of another shape or dtype, or an extra renamed."""
+
+    def __init__(self, turn: str):
+        super().__init__()
+        self.turn, self.calls = turn, 0
+
+    def __call__(self, obs):
+        action, extras = super().__call__(obs)
+        self.calls += 1
+        if self.calls < 3:
+            return action, extras
+        if self.turn == "shape":
+            return np.stack([action, action], axis=1), extras
+        if self.turn == "dtype":
+            return action.astype(np.float64) + 0.5, extras
+        return action, {"thrice_t": extras["twice_t"]}
+
+
+@pytest.mark.parametrize("batch_mode", ["truncate_episodes", "complete_episodes"])
+@pytest.mark.parametrize(("turn", "says"), [("shape", r"policy output 'action': expected shape \(3,\)"),
+                                            ("dtype", "policy output 'action': expected dtype int64"),
+                                            ("extras", r"policy extras: expected \['twice_t'\]")])
+def test_a_policy_output_that_does_not_fit_the_slot_is_refused_by_name(batch_mode, turn, says):
+    """The hot paths store the policy's outputs straight into the slot: one of another shape or dtype, or an extra
+    under another name, raises SchemaError naming the leaf, the expected and the received."""
+    with pytest.raises(shmbuf.SchemaError, match=says):
+        collect(lambda: make_vector(3, "NextStep"), T=5, n_rollouts=4, batch_mode=batch_mode,
+                policy=TurningPolicy(turn), probe_policy=EchoPolicy())
+
+
 class DictObsEnv(CountingEnv):
     """CountingEnv with its observation under a dict key: a pytree observation."""
 

@@ -535,3 +535,19 @@ def test_a_learner_side_path_into_the_observation_is_refused_on_the_actor_side_w
 
     with pytest.raises(shmbuf.UsageError, match=r"column 'obs/pixels' is a learner-side path .* takes the whole 'obs'"):
         check_view_requirements({"px": VR("obs/pixels", shift=-1)})
+
+
+def test_batch_repeat_value_leaves_the_actors_inputs_per_step():
+    """RLlib's compute-actions views are built at every step whatever batch_repeat_value says (it shapes training
+    columns only): the actor's inputs are the same with and without it."""
+    from dataclasses import replace
+
+    plain, repeated = RecordingPolicy(), RecordingPolicy()
+    collect(lambda: CountingEnv(0), plain, T=6, n_rollouts=3, view_requirements=REQS)
+    reqs = {k: replace(v, batch_repeat_value=4) for k, v in REQS.items()}
+    collect(lambda: CountingEnv(0), repeated, T=6, n_rollouts=3, view_requirements=reqs)
+    assert len(plain.seen) == len(repeated.seen) == 18
+    for a, b in zip(plain.seen, repeated.seen, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])

@@ -31,6 +31,7 @@ from shmbuf import ActorError
 from workers._actor import ActorLoop, ActorSpec, probe, run_actor
 from workers._collector import CollectedBatch, Collector
 from workers._inference import AsyncBatchedCollector
+from workers._multiagent_collector import MultiAgentBatch, MultiAgentCollector
 from workers._pool import ActorContext, ActorPool
 from workers._tensordict import to_tensordict
 
@@ -43,6 +44,8 @@ __all__ = [
     "AsyncBatchedCollector",
     "CollectedBatch",
     "Collector",
+    "MultiAgentBatch",
+    "MultiAgentCollector",
     "probe",
     "run_actor",
     "to_tensordict",

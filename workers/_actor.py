@@ -71,7 +71,9 @@ from shmbuf.layout import (
     rollout_example,  # noqa: F401  # re-exported: workers.rollout_example is shmbuf.layout's
     successors,  # noqa: F401  # re-exported: workers.successors is shmbuf.layout's
 )
+from workers._complete import SlotEpisodes
 from workers._envs import EnvDriver, tree_copy, tree_index
+from workers._postprocess import Postprocessor
 from workers._truncate import SlotRollouts, usable
 from workers._views import ActorViews, check_view_requirements
 
@@ -201,6 +203,9 @@ class ActorLoop:
             length bookkeeping restart (an episode record with neither flag). Truncate-episodes only.
         no_done_at_end: never record ``terminated``: an episode that ends (or is cut) is
             recorded ``truncated`` (the learner bootstraps from its final observation).
+        postprocess: a :class:`workers._postprocess.PostprocessSpec` (``Collector(postprocess=...)`` makes
+            it): RLlib's ``postprocess_trajectory`` on every episode piece of each rollout before its
+            commit, its added columns written into the slot (see workers/_postprocess.py).
 
     Raises:
         shmbuf.UsageError: a bad view requirement or horizon setting (see :func:`check_view_requirements`,
@@ -211,7 +216,8 @@ class ActorLoop:
                  batch_mode: str = TRUNCATE_EPISODES, max_episodes: int | None = None, weights: Any = None,
                  seed: int | None = None, should_stop: Callable[[], bool] | None = None,
                  view_requirements: dict[str, Any] | None = None, horizon: int | None = None,
-                 soft_horizon: bool = False, no_done_at_end: bool = False, reset_each_rollout: bool = False):
+                 soft_horizon: bool = False, no_done_at_end: bool = False, reset_each_rollout: bool = False,
+                 postprocess: Any = None):
         check_batch_mode(batch_mode)
         if reset_each_rollout and batch_mode != TRUNCATE_EPISODES:
             raise UsageError("reset_each_rollout=True: complete-episodes rollouts start with a reset already; "
@@ -249,12 +255,17 @@ class ActorLoop:
         self.views = None
         if view_requirements is not None:
             self.views = ActorViews(view_requirements, self.obs, self.E, action_space_of(env))
+        self.postprocess = None if postprocess is None else Postprocessor(
+            postprocess, policy, num_envs=self.E, vector=self.driver.vector and batch_mode == TRUNCATE_EPISODES,
+            batch_mode=batch_mode)
+        if self.postprocess is not None:
+            self._call = self.postprocess.with_placeholders(self._call)
         self.ep_ret = np.zeros(self.E, np.float64)
         self.ep_len = np.zeros(self.E, np.int64)
         self.ep_version = np.zeros(self.E, np.int64)
-        # Truncate-episodes rollouts written straight into the slot (see workers._truncate), decided at the first
+        # Rollouts written straight into the slot (workers._truncate, workers._complete), decided at the first
         # rollout: None until then, False for the general path (pytree observations or actions, view requirements).
-        self._direct: SlotRollouts | bool | None = None
+        self._direct: SlotRollouts | SlotEpisodes | bool | None = None
         self.update_weights()
 
     def update_weights(self) -> bool:
@@ -333,22 +344,36 @@ class ActorLoop:
         if self.views is not None:
             self.views.advance(action, {k: np.asarray(v) for k, v in extras.items()}, rew32, term, trunc, nobs)
 
+    def _before_commit(self, writer: Any, fill: dict[str, int]) -> dict[str, int] | None:
+        """Called right before each commit of ``writer``'s rollout, filled as ``fill`` says: RLlib's
+        ``postprocess_trajectory`` on its every episode piece, in place (the slot's views). Returns the fill to
+        commit with (the views were taken), or None when there is nothing to do (the commit is as it was)."""
+        if self.postprocess is None:
+            return None
+        self.postprocess.apply(writer.slot(), fill)
+        return fill
+
     def run(self, max_rollouts: int | None = None) -> int:
         """Collect until ``max_rollouts`` more rollouts were committed (None: until stopped); return how many."""
         start = self.rollouts
+        if self._direct is None:
+            if self.should_stop():
+                return 0
+            w = self.writers[0]
+            fast = usable(self, w.slot())
+            w.reset()  # the slot stays claimed for the first rollout; nothing was written
+            self._direct = (SlotRollouts(self) if self.mode == TRUNCATE_EPISODES else SlotEpisodes(self)) if fast else False
         if self.mode == TRUNCATE_EPISODES:
-            if self._direct is None:
-                if self.should_stop():
-                    return 0
-                w = self.writers[0]
-                self._direct = SlotRollouts(self) if usable(self, w.slot()) else False
-                w.reset()  # the slot stays claimed for the first rollout; nothing was written
             rollout = self._direct.rollout if isinstance(self._direct, SlotRollouts) else self._truncate_rollout
             while max_rollouts is None or self.rollouts - start < max_rollouts:
                 if not rollout():
                     break
         else:
-            self._complete(None if max_rollouts is None else start + max_rollouts)
+            until = None if max_rollouts is None else start + max_rollouts
+            if isinstance(self._direct, SlotEpisodes):
+                self._direct.run(until)
+            else:
+                self._complete(until)
         return self.rollouts - start
 
     # -- truncate-episodes: T steps of every sub-env per rollout -------------
@@ -397,7 +422,7 @@ class ActorLoop:
             if (last or n_ep + E > M) and t < self.T - 1:
                 break  # the next step could overflow the episode table: commit short
         w.add(BOOTSTRAP, {OBS: row(succ), ENV_STEPS: np.int64(self.env_steps)})
-        w.commit(self.version)
+        w.commit(self.version, fill=self._before_commit(w, {STEP: t + 1, EPISODE: n_ep}))
         self.rollouts += 1
         return True
 
@@ -438,7 +463,8 @@ class ActorLoop:
                 w.add(EPISODE, {RETURN: self.ep_ret[e], LENGTH: self.ep_len[e], TERMINATED: term[e], TRUNCATED: trunc[e],
                                 ENV: np.int32(e)})
                 w.add(BOOTSTRAP, {OBS: tree_index(succ, e), ENV_STEPS: np.int64(self.env_steps)})
-                w.commit(int(self.ep_version[e]))  # the oldest policy that acted in this episode
+                fill = self._before_commit(w, {STEP: int(self.ep_len[e]), EPISODE: 1})
+                w.commit(int(self.ep_version[e]), fill=fill)  # the oldest policy that acted in this episode
                 self.rollouts += 1
                 self.episodes += 1
             self.ep_ret[done] = 0.0
@@ -495,6 +521,7 @@ class ActorSpec:
     reset_each_rollout: bool = False
     inference: str | None = None
     await_weights: bool = False
+    postprocess: Any = None  # a workers._postprocess.PostprocessSpec
 
 
 # How often an actor that awaits its first weights looks at the broadcast and at its stop flag.
@@ -546,7 +573,7 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
                          max_episodes=spec.max_episodes, weights=sub, seed=seed,
                          should_stop=lambda: ctx.stop_requested, view_requirements=spec.view_requirements,
                          horizon=spec.horizon, soft_horizon=spec.soft_horizon, no_done_at_end=spec.no_done_at_end,
-                         reset_each_rollout=spec.reset_each_rollout)
+                         reset_each_rollout=spec.reset_each_rollout, postprocess=spec.postprocess)
         loop.run(spec.max_rollouts)
     except BaseException as exc:
         # Also tell the reader (it raises WriterError from its next get); the pool gets it from our caller.

@@ -44,6 +44,9 @@ from workers._envs import split_among
 from workers._placement import LocalPolicy, Placement, weights_of
 from workers._plan import BatchPlan, default_num_actors, plan_batches
 from workers._pool import default_start_method
+from workers._postprocess import check_setting as check_postprocess
+from workers._postprocess import discover
+from workers._postprocess import template as post_template
 from workers._settings import checked_sources
 from workers._views import check_view_requirements
 
@@ -107,13 +110,16 @@ def _plan_field(name: str) -> Any:
 
 
 def probe_env(env_fn: Callable[[], Any], policy: Callable[[], Any], seed: int | None,
-              view_requirements: dict[str, Any] | None) -> tuple[dict[str, Any], int | None]:
+              view_requirements: dict[str, Any] | None, postprocess: Any = False) -> tuple[dict[str, Any], int | None]:
     """Make one env, then the policy (``policy()``), and probe them: the probe and the env's
-    ``spec.max_episode_steps``. The env is closed."""
+    ``spec.max_episode_steps``. The env is closed. With a ``postprocess`` setting, ``probed["postprocess"]`` is
+    its :class:`~workers._postprocess.PostprocessSpec` (the columns the hook adds, found on a dummy batch), or None."""
     env = env_fn()
     try:
-        probed = probe(env, policy(), seed, view_requirements=view_requirements)
+        pol = policy()
+        probed = probe(env, pol, seed, view_requirements=view_requirements)
         max_steps = getattr(getattr(env, "spec", None), "max_episode_steps", None)
+        probed["postprocess"] = discover(postprocess, pol, probed)
     finally:
         env.close()
     return probed, max_steps
@@ -224,6 +230,14 @@ class Collector:
         reset_at_each_iter: (truncate-episodes) every rollout starts from freshly reset envs;
             an episode still running at a rollout's end is cut there, recorded ``truncated``.
         postproc: applied to every batch before it is yielded (``batch = postproc(batch)``).
+        postprocess: RLlib's ``Policy.postprocess_trajectory``, called in the actor on every episode
+            piece of each rollout (one sub-env's steps of one episode: never two episodes' data) before
+            it is committed, with RLlib's column names (``obs``, ``actions``, ``rewards``,
+            ``terminateds``, ``truncateds``, ``new_obs``, the policy's extras); the columns it adds become
+            step leaves of the rollout (found at set-up on a dummy batch). None (the default): the
+            policy's ``postprocess_trajectory`` method if it has one; True: it must have one; False: none;
+            or a callable with RLlib's signature ``(sample_batch, other_agent_batches=None, episode=None)``
+            (picklable: it goes to the actors). See docs/from-rllib.md.
         create_env_kwargs: keyword arguments for the env factories: a dict for all, or one per factory.
         await_weights: with a weight broadcast, publish nothing at start: the actors start (and
             ``ready_timeout`` covers that) but collect nothing until the first
@@ -244,11 +258,12 @@ class Collector:
                  horizon: int | None = None, soft_horizon: bool = False, no_done_at_end: bool = False,
                  reset_at_each_iter: bool = False, postproc: Callable[[CollectedBatch], Any] | None = None,
                  create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
-                 await_weights: bool = False, _placement: Placement | None = None):
+                 await_weights: bool = False, postprocess: Any = None, _placement: Placement | None = None):
         # _placement: where the policy runs (internal for now; AsyncBatchedCollector passes a ServedPolicy)
         self._placement = placement = _placement if _placement is not None else LocalPolicy(
             policy, policy_factory, weights=weights, await_weights=await_weights, torch_threads=torch_threads)
         self.start_method = start_method or default_start_method()
+        check_postprocess(postprocess)
         env_fns = check_settings(create_env_fn, create_env_kwargs, policy, policy_factory, self.start_method,
                                  placement, batch_mode=batch_mode, frames_per_batch=frames_per_batch,
                                  num_actors=num_actors, horizon=horizon, soft_horizon=soft_horizon,
@@ -275,8 +290,11 @@ class Collector:
         self.pool: Any = None  # the placement's pool once started
         self._bar: Any = None
 
-        probed, max_steps = probe_env(env_fns[0], placement.probe_target, seed, view_requirements)
+        probed, max_steps = probe_env(env_fns[0], placement.probe_target, seed, view_requirements, postprocess)
+        post = probed.pop("postprocess")
         extras = placement.extras(probed)
+        if post is not None:
+            extras = {**extras, **post_template(post)}
         self.plan = plan_batches(batch_mode=batch_mode, frames_per_batch=frames_per_batch,
                                  num_actors=default_num_actors(len(env_fns)) if num_actors is None else num_actors,
                                  num_envs=probed["num_envs"], rollout_len=rollout_len, max_episode_steps=max_steps,
@@ -285,7 +303,7 @@ class Collector:
         actor = {"env_fns": env_fns, "rollout_len": self.plan.rollout_len, "batch_mode": batch_mode,
                  "max_episodes": max_episodes, "seed": seed, "view_requirements": view_requirements,
                  "horizon": horizon, "soft_horizon": soft_horizon, "no_done_at_end": no_done_at_end,
-                 "reset_each_rollout": reset_at_each_iter}
+                 "reset_each_rollout": reset_at_each_iter, "postprocess": post}
         try:
             self._start(example, probed, actor, restart=restart, max_restarts=max_restarts, progress=progress)
         except BaseException:

@@ -45,6 +45,33 @@ def usable(loop: Any, slot: dict[str, Any]) -> bool:
             and type(step[ACTION]) is np.ndarray)
 
 
+class OutputCheck:
+    """Checks what the policy returns against the slot leaves it is stored into; remembers each dtype it passed."""
+
+    def __init__(self) -> None:
+        self._ok: set[Any] = set()  # (leaf, dtype) pairs checked against the slot's
+
+    def __call__(self, name: str, got: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """``got`` as an array that a slot leaf of ``shape`` and ``dtype`` takes as it is: that shape, a dtype that
+        casts to it (``same_kind``); else SchemaError naming the leaf, what was expected and what came."""
+        a = got if type(got) is np.ndarray else np.asarray(got)
+        if a.shape != shape:
+            raise SchemaError(f"policy output '{name}': expected shape {shape} (one row per sub-env), got {a.shape}")
+        key = (name, a.dtype)
+        if key not in self._ok:
+            if not np.can_cast(a.dtype, dtype, "same_kind"):
+                raise SchemaError(f"policy output '{name}': expected dtype {dtype} (or one that casts to it "
+                                  f"safely), got {a.dtype}")
+            self._ok.add(key)
+        return a
+
+
+def check_extras(extras: dict[str, Any], leaves: Any) -> None:
+    """SchemaError unless the policy's extras are the pipeline's extra step leaves, by name."""
+    if extras.keys() != leaves.keys():
+        raise SchemaError(f"policy extras: expected {sorted(leaves)} (the pipeline's step leaves), got {sorted(extras)}")
+
+
 class SlotRollouts:
     """Writes ``loop``'s truncate-episodes rollouts into its writer's slots (see the module doc).
 
@@ -57,25 +84,11 @@ class SlotRollouts:
         self.E = loop.E
         self.carry = np.array(loop.obs)  # (E, ...): the driver's reset observation, batched
         self.obs_shape = self.carry.shape
-        self._act_ok: set[Any] = set()  # dtypes of actions (and extras) checked against the slot's
+        self._check = OutputCheck()
 
     def _rows(self, a: np.ndarray, lead: int) -> np.ndarray:
         """A slot leaf as ``(lead, E, ...)``: a single env's leaves have no env dim; add one (a view)."""
         return a.reshape((lead, 1, *a.shape[1:])) if self.loop.single else a
-
-    def _check(self, name: str, got: Any, dst: np.ndarray) -> np.ndarray:
-        """``got`` as an array that ``dst`` (one step's row) takes as it is: same shape, a dtype it may be cast
-        to (``same_kind``); else SchemaError naming the leaf, what was expected and what came."""
-        a = got if type(got) is np.ndarray else np.asarray(got)
-        if a.shape != dst.shape:
-            raise SchemaError(f"policy output '{name}': expected shape {dst.shape} (one row per sub-env), got {a.shape}")
-        key = (name, a.dtype)
-        if key not in self._act_ok:
-            if not np.can_cast(a.dtype, dst.dtype, "same_kind"):
-                raise SchemaError(f"policy output '{name}': expected dtype {dst.dtype} (or one that casts to it "
-                                  f"safely), got {a.dtype}")
-            self._act_ok.add(key)
-        return a
 
     def rollout(self) -> bool:
         """One rollout into the writer's slot, committed; False if the loop was asked to stop (nothing committed)."""
@@ -105,13 +118,11 @@ class SlotRollouts:
                 w.reset()
                 return False
             action, extras = loop._act(obs_s[t])
-            act_s[t] = self._check(ACTION, action, act_s[t])
+            act_s[t] = self._check(ACTION, action, act_s.shape[1:], act_s.dtype)
             if extras or extra_s:
-                if extras.keys() != extra_s.keys():
-                    raise SchemaError(f"policy extras: expected {sorted(extra_s)} (the pipeline's step leaves), "
-                                      f"got {sorted(extras)}")
+                check_extras(extras, extra_s)
                 for k, dst in extra_s.items():
-                    dst[t] = self._check(k, extras[k], dst[t])
+                    dst[t] = self._check(k, extras[k], dst.shape[1:], dst.dtype)
             nxt = obs_s[t + 1] if t + 1 < T else carry
             rew, term, trunc, ended, finals = driver.step_into(action, nxt)
             ep_ret += rew
@@ -165,6 +176,8 @@ class SlotRollouts:
         if nxt is not carry:
             carry[...] = nxt
         bs[ENV_STEPS][...] = loop.env_steps
-        w.commit(loop.version, fill={STEP: t + 1, EPISODE: n_ep})
+        fill = {STEP: t + 1, EPISODE: n_ep}
+        loop._before_commit(w, fill)
+        w.commit(loop.version, fill=fill)
         loop.rollouts += 1
         return True

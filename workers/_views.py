@@ -99,6 +99,8 @@ class ActorViews:
     Episodes start where the *recorded* ``terminated | truncated`` was set (what :meth:`advance` gets),
     so the learner building views from the stored rollout with the same requirements finds the same
     boundaries; a soft horizon is no boundary (nothing is recorded there).
+    A requirement's ``batch_repeat_value`` (RLlib's) shapes learner-side training columns only: the
+    input is built at every step whatever it says, as RLlib builds its compute-actions views.
 
     Columns: ``obs`` (offsets ``<= 0``: 0 is the observation the policy acts on), and ``action``,
     ``reward``, ``terminated``, ``truncated`` or a policy extra (offsets ``<= -1``: step ``t``'s own

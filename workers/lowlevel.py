@@ -1,6 +1,6 @@
 """workers' lower tier: the parts the collectors are built from, public and supported, for a program that owns its
 processes or builds its own collector (the env driver, actor-side views, the inference server and the env worker's
-remote policy, the thread pool, weights application, and the start method pools use).
+remote policy, the thread pool, weights application, the start method pools use, and the multi-agent loop).
 
 ``NodeOwner`` (the Ray node's collector) is imported on first use, as the Ray names at the top level are (and,
 like them, is not in ``__all__``), so that importing this module never imports ray.
@@ -8,6 +8,7 @@ like them, is not in ``__all__``), so that importing this module never imports r
 
 from workers._actor import apply_weights
 from workers._envs import EnvDriver
+from workers._multiagent import MultiAgentLoop, multiagent_examples
 from workers._pool import default_start_method
 from workers._remote import RemotePolicy
 from workers._server import InferenceServer
@@ -18,10 +19,12 @@ __all__ = [
     "ActorViews",
     "EnvDriver",
     "InferenceServer",
+    "MultiAgentLoop",
     "RemotePolicy",
     "ThreadActorPool",
     "apply_weights",
     "default_start_method",
+    "multiagent_examples",
 ]
 
 

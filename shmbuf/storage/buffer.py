@@ -16,6 +16,11 @@ learner's ``get()`` reads it in place. One process can do both sides (embodichai
 The layout is the pipeline's schema: two timescales, ``"observation"`` and ``"transition"``, each a
 flat dict of field name to a ``[num_envs, T+1, *shape]`` leaf, so a process that knows only the
 pipeline's name knows every field, its dtype, shape and alignment.
+
+Given a ``device`` (embodichain's fifth argument), the buffer speaks embodichain's types:
+``start_rollout()``, ``buffer`` and ``get()`` give TensorDicts (tensordict must be installed) of torch
+tensors on that device; on the CPU those tensors are the slot's shared memory itself. Without one,
+every rollout is a dict of numpy arrays.
 """
 
 from __future__ import annotations
@@ -30,7 +35,14 @@ import shmbuf
 from shmbuf._errors import BufferEmpty, BufferFull, PipelineClosed, SchemaError, SlotTimeout, StaleRollout, UsageError
 from shmbuf._validate import int_setting, timeout_setting
 from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATED
-from shmbuf.storage._buffer_views import iterate_minibatches, transition_view
+from shmbuf.storage._buffer_views import (
+    as_tensordict,
+    is_tensordict,
+    iterate_minibatches,
+    tensordict_class,
+    torch_device,
+    transition_view,
+)
 from shmbuf.storage._torch import to_torch
 
 __all__ = [
@@ -406,6 +418,13 @@ class RolloutBuffer:
     Args:
         num_envs, rollout_len (T), obs_dim, action_dim: as embodichain's (``obs_dim``/``action_dim``
             may also be shape tuples).
+        device: embodichain's fifth argument (a ``str`` or ``torch.device``): rollouts are then
+            TensorDicts of torch tensors on it (needs torch and tensordict); None (the default): dicts
+            of numpy arrays.
+        use_raw_obs: embodichain's; only False (raw observations are Python objects, which a
+            shared-memory slot cannot hold: UsageError).
+        action_chunk_size: embodichain's; > 0 adds the transition-only field ``action_chunk`` of shape
+            ``[num_envs, T+1, action_chunk_size, *action_dim]``.
         fields: name -> ``(shape, dtype)`` or ``(shape, dtype, kind)`` adds or overrides a field
             (``kind``: ``"observation"``, T+1 valid rows, or ``"transition"``, T rows and a padding
             row; an override keeps the old kind unless given, a new field is ``"transition"``);
@@ -423,11 +442,27 @@ class RolloutBuffer:
     ``with`` block, or garbage collection) stops every writer and removes the shared memory.
     """
 
-    def __init__(self, num_envs: int, rollout_len: int, obs_dim: Any, action_dim: Any, *,
+    def __init__(self, num_envs: int, rollout_len: int, obs_dim: Any, action_dim: Any, device: Any = None,
+                 use_raw_obs: bool = False, action_chunk_size: int = 0, *,
                  fields: Mapping[str, Any] | None = None, slots: int = 2, dtype: Any = np.float32,
                  max_writers: int = 16, timeout: float | None = 0.0):
         timeout = timeout_setting("RolloutBuffer(timeout=...)", timeout)
-        self.layout = Layout(num_envs, rollout_len, _merge_fields(default_fields(obs_dim, action_dim, dtype), fields))
+        self.device = None if device is None else torch_device(device, "RolloutBuffer(device=...)")
+        if self.device is not None:
+            tensordict_class("RolloutBuffer(device=...)")
+        if use_raw_obs is not False:
+            raise UsageError(f"RolloutBuffer(use_raw_obs={use_raw_obs!r}): embodichain keeps raw observations as a Python "
+                             "list of per-step objects beside the TensorDict; a shared-memory rollout holds only fixed-shape "
+                             "arrays. Flatten them into 'obs', or give each part a field: fields={'name': (shape, dtype, "
+                             "'observation')}")
+        chunk = int_setting("RolloutBuffer(action_chunk_size=...)", action_chunk_size, 0)
+        base = default_fields(obs_dim, action_dim, dtype)
+        if chunk:
+            act = base[ACTION]
+            base["action_chunk"] = Field("action_chunk", (chunk, *act.shape), act.dtype, TRANSITION)
+        self.action_chunk_size = chunk
+        self.use_raw_obs = False
+        self.layout = Layout(num_envs, rollout_len, _merge_fields(base, fields))
         self.num_envs, self.rollout_len = self.layout.num_envs, self.layout.rollout_len
         self.obs_dim, self.action_dim = obs_dim, action_dim
         self.timeout = timeout
@@ -435,6 +470,7 @@ class RolloutBuffer:
         self.slots = self._reader.slots
         self._local: RolloutBufferWriter | None = None
         self._held: shmbuf.Rollout | None = None
+        self._td: Any = None  # with a device: the TensorDict start_rollout() gave for the slot being written
 
     @property
     def handle(self) -> shmbuf.Handle:
@@ -466,16 +502,32 @@ class RolloutBuffer:
     # -- the in-process writing side (embodichain's collector) ---------------
 
     @property
-    def buffer(self) -> RolloutSlot | None:
+    def buffer(self) -> Any:
         """The rollout this process started and has not added yet (what start_rollout() returned), or None."""
-        return None if self._local is None else self._local.buffer
+        if self._local is None or self._local.buffer is None:
+            return None
+        return self._local.buffer if self.device is None else self._td
 
-    def start_rollout(self) -> RolloutSlot:
+    def start_rollout(self) -> Any:
         """The shared slot to write the next rollout into, in this process; see :meth:`RolloutBufferWriter.start_rollout`.
 
         Never waits: with every slot holding a rollout that ``get()`` has not taken (or that is held
         from ``get(flatten=False)``), only this process could free one, so it raises :class:`BufferFull`.
+
+        With a ``device``: a TensorDict of batch shape ``[num_envs, T+1]`` (embodichain's). On the CPU
+        its tensors are the slot's shared memory (``rollout["obs"][:, t] = obs`` writes the slot);
+        on another device they are copies that :meth:`add` writes back into the slot. Lifetime: as the
+        slot's, until :meth:`add`.
         """
+        slot = self._start_slot()
+        if self.device is None:
+            return slot
+        if self._td is None:
+            t1 = (self.num_envs, self.rollout_len + 1)
+            self._td = as_tensordict(dict(slot._views), t1, self.device, "RolloutBuffer.start_rollout()")
+        return self._td
+
+    def _start_slot(self) -> RolloutSlot:
         if self._reader.closed:
             raise PipelineClosed(f"start_rollout(): this RolloutBuffer (pipeline {self._reader.name}) is closed")
         if self._local is None:
@@ -488,11 +540,42 @@ class RolloutBuffer:
             raise BufferFull(f"start_rollout(): every slot (slots={self.slots}) holds a rollout not yet consumed; call get() "
                              "(and release() after get(flatten=False)) first, or create the buffer with more slots") from exc
 
-    def add(self, rollout: Mapping[str, Any] | None = None) -> None:
-        """Mark the rollout started in this process ready (commit it); see :meth:`RolloutBufferWriter.add`."""
+    def add(self, rollout: Any = None) -> None:
+        """Mark the rollout started in this process ready (commit it); see :meth:`RolloutBufferWriter.add`.
+
+        A TensorDict (with a ``device``: the one :meth:`start_rollout` gave, or another of the same
+        fields) is checked field by field (SchemaError naming a missing or unknown key: a key the
+        layout does not have cannot travel in the slot; declare it with ``fields=``), and every tensor
+        that is not the slot's own memory is copied in.
+        """
         if self._local is None or self._local.buffer is None:
             raise UsageError("add() without start_rollout(): there is no rollout being written in this process")
+        td = self._td
+        if is_tensordict(rollout) or (rollout is None and td is not None):
+            self._copy_tensordict(self._local.buffer, td if rollout is None else rollout)
+            rollout = None
         self._local.add(rollout)
+        self._td = None
+
+    def _copy_tensordict(self, slot: RolloutSlot, td: Any) -> None:
+        fields = self.layout.fields
+        keys = list(td.keys())
+        missing = sorted(set(fields) - set(keys))
+        extra = sorted((k for k in keys if k not in fields), key=str)
+        if missing or extra:
+            hint = (f"; a key the buffer's layout does not have cannot be stored in the shared slot: declare it, e.g. "
+                    f"RolloutBuffer(..., fields={{{extra[0]!r}: ((), np.float32)}})" if extra else "")
+            raise SchemaError(f"add(): expected the TensorDict's keys to be the buffer's fields {list(fields)}; "
+                              + "; ".join(p for p in (f"missing {missing}" if missing else "",
+                                                       f"unknown {extra}" if extra else "") if p) + hint)
+        views = slot._views
+        for name in fields:
+            t = td.get(name)
+            view = views[name]
+            if t.device.type == "cpu" and t.data_ptr() == view.__array_interface__["data"][0] \
+                    and tuple(t.shape) == view.shape and tuple(t.stride()) == tuple(s // view.itemsize for s in view.strides):
+                continue  # the slot's own memory: written in place
+            slot[name] = t.detach().cpu().numpy()
 
     # -- the learner side ---------------------------------------------------
 
@@ -500,7 +583,7 @@ class RolloutBuffer:
         """Whether a rollout is waiting to be consumed by :meth:`get` (from any writer)."""
         return self._reader.poll() > 0
 
-    def get(self, flatten: bool = True, *, timeout: Any = _DEFAULT) -> dict[str, np.ndarray]:
+    def get(self, flatten: bool = True, *, timeout: Any = _DEFAULT) -> Any:
         """The next rollout, and free its slot; waits up to ``timeout`` (default: the buffer's).
 
         - ``flatten=True``: the transition view flattened to ``[num_envs * T, ...]``, as independent
@@ -515,6 +598,10 @@ class RolloutBuffer:
         :class:`BufferEmpty` (a SlotTimeout and a RuntimeError) at once, as embodichain's empty buffer
         raises RuntimeError, unless a
         wait is asked for: ``timeout`` seconds (or the buffer's ``timeout``), None for ever.
+
+        With a ``device`` the same, as TensorDicts on it (embodichain's): batch shape ``[num_envs * T]``
+        (flattened) or ``[num_envs, T+1]``; the latter's tensors are the slot's memory on the CPU
+        (same lifetime as above) and copies elsewhere (the slot is then released at once).
         """
         self.release()
         wait = self.timeout if timeout is _DEFAULT else timeout
@@ -528,12 +615,26 @@ class RolloutBuffer:
                               "or RolloutBuffer(..., timeout=seconds) to wait for an actor in another process") from exc
         data = {name: arr for ts in r.data.values() for name, arr in ts.items()}
         if not flatten:
-            self._held = r
-            return data
+            if self.device is None:
+                self._held = r
+                return data
+            try:
+                td = as_tensordict(data, (self.num_envs, self.rollout_len + 1), self.device, "RolloutBuffer.get()")
+            except BaseException:
+                r.release()
+                raise
+            if self.device.type == "cpu":
+                self._held = r
+            else:
+                r.release()
+            return td
         try:
-            return transition_view(data, flatten=True, obs_fields=self.obs_fields, copy=True)
+            flat = transition_view(data, flatten=True, obs_fields=self.obs_fields, copy=True)
         finally:
             r.release()
+        if self.device is None:
+            return flat
+        return as_tensordict(flat, (self.num_envs * self.rollout_len,), self.device, "RolloutBuffer.get()")
 
     def release(self) -> None:
         """Give back the slot of the last ``get(flatten=False)`` (its views must not be used after). Idempotent."""
@@ -541,8 +642,8 @@ class RolloutBuffer:
         if r is not None and not r.released:
             r.release()
 
-    def transition_view(self, rollout: Mapping[str, Any], flatten: bool = False) -> dict[str, np.ndarray]:
-        """:func:`transition_view` with this buffer's observation-aligned fields."""
+    def transition_view(self, rollout: Mapping[str, Any], flatten: bool = False) -> Any:
+        """:func:`transition_view` with this buffer's observation-aligned fields (a TensorDict for a TensorDict)."""
         return transition_view(rollout, flatten, obs_fields=self.obs_fields)
 
     # -- lifetime -----------------------------------------------------------
@@ -550,6 +651,7 @@ class RolloutBuffer:
     def close(self) -> None:
         """Stop the pipeline: writers' next calls raise PipelineClosed; the shared memory is removed."""
         self._held = None
+        self._td = None
         if self._local is not None:
             self._local.close()
             self._local = None

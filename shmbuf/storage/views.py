@@ -76,12 +76,22 @@ class ViewRequirement:
             fill positions before an episode's start; None: zeros of the column's own dtype.
         used_for_training: False leaves the column out of the train batch (it is still built for
             the policy's input on the actor side).
+        batch_repeat_value: RLlib's (attention nets and RNN state inputs): in a learner-side view,
+            the column holds one row every ``batch_repeat_value`` steps of each episode piece (the
+            view at the piece's steps 0, k, 2k, ...; a piece restarts at every episode start and at
+            the rollout's first step), instead of one row per step. 1 (the default): every step. The
+            actor side builds every step's input whatever it is (RLlib's compute-actions views too).
+        index, used_for_compute_actions: RLlib's, accepted at their defaults (None, True) only: a
+            UsageError says why otherwise.
     """
 
     data_col: str | None = None
     shift: int | list[int] | tuple[int, ...] | str = 0
     space: Any = None
     used_for_training: bool = True
+    batch_repeat_value: int = 1
+    index: None = None
+    used_for_compute_actions: bool = True
     offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
     windowed: bool = field(init=False, repr=False, compare=False)
 
@@ -93,6 +103,18 @@ class ViewRequirement:
         if self.space is not None and not (hasattr(self.space, "shape") and hasattr(self.space, "dtype")):
             raise UsageError(f"ViewRequirement(space=...): expected something with shape and dtype (a gymnasium Space), "
                              f"got {type(self.space).__name__}")
+        if self.index is not None:
+            raise UsageError(f"ViewRequirement(index={self.index!r}): RLlib's absolute-position index is not supported "
+                             "(RLlib marks it unused); use shift= for positions relative to each step")
+        if self.used_for_compute_actions is not True:
+            raise UsageError(f"ViewRequirement(used_for_compute_actions={self.used_for_compute_actions!r}): the actor "
+                             "builds every requirement it is given; leave a learner-only column out of "
+                             "Collector(view_requirements=...) and pass it to build_views only")
+        brv = self.batch_repeat_value
+        if isinstance(brv, (bool, np.bool_)) or not isinstance(brv, (int, np.integer)) or brv < 1:
+            raise UsageError(f"ViewRequirement(batch_repeat_value=...): expected an int >= 1 (repeat the view every that "
+                             f"many steps; 1: every step), got {brv!r}")
+        object.__setattr__(self, "batch_repeat_value", int(brv))
         offsets, windowed = parse_shift(self.shift)
         object.__setattr__(self, "offsets", offsets)
         object.__setattr__(self, "windowed", windowed)
@@ -355,6 +377,12 @@ def _column(lanes: _Lanes, key: str, req: ViewRequirement, mask: bool) -> Any:
     for p, x in zip(paths, leaves, strict=True):  # a space that does not fit is an error in every form
         _fill_for(req, key, p, x.dtype, x.shape[len(g.lead):])
     offs = req.offsets
+    if req.batch_repeat_value > 1:
+        if mask:
+            _fail(UsageError, f"column {key!r}: batch_repeat_value={req.batch_repeat_value} picks rows at each episode "
+                              "piece's steps 0, k, 2k, ..., which no stride reaches; use mask=False (a copy)")
+        outs = [_repeated(lanes, req, _gather(lanes, key, req, prefix + p, x)) for p, x in zip(paths, leaves, strict=True)]
+        return optree.tree_unflatten(spec, outs)
     if mask:
         lo, hi = max(0, -min(offs)), g.T - max(0, max(offs))
         S = max(hi - lo, 0)
@@ -371,6 +399,19 @@ def _column(lanes: _Lanes, key: str, req: ViewRequirement, mask: bool) -> Any:
     return optree.tree_unflatten(spec, outs)
 
 
+def _repeated(lanes: _Lanes, req: ViewRequirement, y: np.ndarray) -> np.ndarray:
+    """RLlib's ``batch_repeat_value``: of a gathered ``(B, T, E, W, ...)`` column, the rows at steps 0, k, 2k, ... of
+    each episode piece (a piece starts at its episode's start or at the rollout's first step), as ``(R, [W], ...)``:
+    lane-major (rollout b, then sub-env e, then time), the order RLlib concatenates its per-episode batches in."""
+    g = lanes.g
+    B, T, E = g.done.shape
+    t = np.arange(T)[None, :, None]
+    piece = np.maximum(lanes.start, 0)
+    keep = (t < g.n[:, None, None]) & ((t - piece) % req.batch_repeat_value == 0)
+    rows = np.moveaxis(y, 2, 1)[keep.transpose(0, 2, 1)]  # (R, W, ...)
+    return rows if req.windowed else rows[:, 0]
+
+
 def _same(g: Grid, req: ViewRequirement, x: np.ndarray) -> np.ndarray:
     """Offsets that are all 0: the leaf itself (shift=0), or a read-only window of it with a zero stride (a view)."""
     if not req.windowed:
@@ -382,7 +423,7 @@ def _same(g: Grid, req: ViewRequirement, x: np.ndarray) -> np.ndarray:
 
 def build_views(data: Any, view_requirements: Mapping[str, ViewRequirement], *, fill: Mapping[str, Any] | None = None,
                 batch_mode: str | None = None, for_training: bool = True, prev: Any = None,
-                mask: bool = False) -> dict[str, Any]:
+                mask: bool = False, rewards_and_dones: bool = False) -> dict[str, Any]:
     """The columns ``view_requirements`` ask for, built from one rollout or a batch of rollouts (RLlib's train batch).
 
     Args:
@@ -401,11 +442,17 @@ def build_views(data: Any, view_requirements: Mapping[str, ViewRequirement], *, 
             rollout's first step are then read from it where the episode ran on from it; without it they
             hold the fill value (see docs/views.md: the one place the learner sees less than the actor did).
         mask: return :class:`MaskedView` ``(values, valid, steps)`` per column: views only, never a copy.
+        rewards_and_dones: RLlib's train batch always holds the rewards and the done flags, whether the
+            requirements ask for them or not; True does the same: the result also has ``reward``,
+            ``terminated``, ``truncated`` (shift-0 columns: views of the step leaves) and ``done``
+            (``terminated | truncated``, a new array), unless a requirement already uses that name.
 
     Returns:
         ``{name: array}``; a single rollout gives ``(n, [E], [W], ...)`` (its stored steps), a batch
         ``(B, T, [E], [W], ...)`` (rows past a rollout's fill are padding). ``W``: the window axis of a
-        list or range shift, right after the time/batch axes, in the order of the offsets.
+        list or range shift, right after the time/batch axes, in the order of the offsets. A column with
+        ``batch_repeat_value=k > 1`` is ``(R, [W], ...)`` instead: one row per k steps of each episode
+        piece, lane-major (rollout, sub-env, time); see :class:`ViewRequirement`.
 
     Views and copies: a column whose offsets are all 0 (``shift=0``) is the step leaf itself, a view of
     the slot (``[0, 0]``-like windows: a read-only zero-stride view); every other shift is a new array
@@ -427,4 +474,32 @@ def build_views(data: Any, view_requirements: Mapping[str, ViewRequirement], *, 
         if mask:
             _fail(UsageError, "prev with mask=True: a view cannot span two rollouts; use one or the other")
         _attach_prev(lanes, _lanes(prev, None, TRUNCATE_EPISODES, "prev"))
-    return {key: _column(lanes, key, req, mask) for key, req in reqs.items() if req.used_for_training or not for_training}
+    if not isinstance(rewards_and_dones, bool):
+        _fail(UsageError, f"rewards_and_dones: expected a bool, got {rewards_and_dones!r}")
+    if rewards_and_dones:
+        kept = {k: ViewRequirement(k) for k in (REWARD, TERMINATED, TRUNCATED) if k not in reqs}
+        reqs = {**reqs, **kept}
+    out = {key: _column(lanes, key, req, mask) for key, req in reqs.items() if req.used_for_training or not for_training}
+    if rewards_and_dones and DONE not in out:
+        out[DONE] = _done_column(lanes, mask)
+    return out
+
+
+DONE = "done"  # terminated | truncated: RLlib's dones
+
+
+def _done_column(lanes: _Lanes, mask: bool) -> Any:
+    """``terminated | truncated`` in the source's layout (as the flag columns are), or its MaskedView."""
+    g = lanes.g
+    flags = []
+    for k in (TERMINATED, TRUNCATED):
+        try:
+            flags.append(np.asarray(leaf_at(g.step, k, f"{lanes.name}'s step leaves")))
+        except KeyError as e:
+            _fail(SchemaError, f"rewards_and_dones=True: {e.args[0]}")
+    done = flags[0] | flags[1]
+    if not mask:
+        return done
+    B, T, E = g.done.shape
+    stored = np.broadcast_to(np.arange(T)[None, :, None] < g.n[:, None, None], (B, T, E))
+    return MaskedView(done, g.from_bte(np.ascontiguousarray(stored)), slice(0, T))

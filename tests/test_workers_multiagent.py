@@ -1,0 +1,440 @@
+"""workers' multi-agent loop against a plain PettingZoo loop: agents that join and leave, two policies of different
+shapes, per-agent streams, env and agent step counting."""
+
+from __future__ import annotations
+
+import threading
+import time
+from functools import partial
+
+import gymnasium as gym
+import numpy as np
+import optree
+import pytest
+
+pettingzoo = pytest.importorskip("pettingzoo")
+
+import shmbuf  # noqa: E402  # after the importorskip: the module needs pettingzoo
+from workers._multiagent import AgentRows, MultiAgentLoop, multiagent_examples  # noqa: E402  # same
+
+AGENTS = ["red_0", "red_1", "blue_0"]
+LENGTHS = [9, 6, 11, 2, 7]  # episode lengths in env steps, in turn
+RED_1_JOINS, RED_1_LEAVES = 2, 5  # red_1 acts from step 2 and terminates at step 5 (when the episode lasts)
+
+
+class JoinLeaveEnv(pettingzoo.ParallelEnv):
+    """A deterministic parallel env: red_0 and blue_0 act from the start to the episode's end (then truncated);
+    red_1 joins at step 2 and terminates at step 5. Red observations are (3,) float64 ``[env, agent, t]``, blue ones
+    (5,) float32; rewards depend on the step, the agent and the action."""
+
+    metadata = {"name": "join_leave_v0"}
+
+    def __init__(self, env_id: int = 0):
+        self.env_id = env_id
+        self.possible_agents = list(AGENTS)
+        self.episode = -1
+        self.t = 0
+        self.agents: list[str] = []
+
+    def observation_space(self, agent):
+        shape, dtype = ((3,), np.float64) if agent.startswith("red") else ((5,), np.float32)
+        return gym.spaces.Box(-1e9, 1e9, shape, dtype)
+
+    def action_space(self, agent):
+        return gym.spaces.Discrete(10_000)
+
+    def _obs(self, agent):
+        k = AGENTS.index(agent)
+        if agent.startswith("red"):
+            return np.array([self.env_id, k, self.t], np.float64)
+        return np.array([self.env_id, k, self.t, self.episode, 1.0], np.float32)
+
+    def reset(self, seed=None, options=None):
+        self.episode += 1
+        self.t = 0
+        self.length = LENGTHS[(self.episode + self.env_id) % len(LENGTHS)]
+        self.agents = ["red_0", "blue_0"]
+        return {a: self._obs(a) for a in self.agents}, {a: {} for a in self.agents}
+
+    def step(self, actions):
+        assert set(actions) == set(self.agents), (actions, self.agents)
+        self.t += 1
+        rew = {a: float(self.t + 0.5 * AGENTS.index(a) + (int(actions[a]) % 7) * 0.01) for a in actions}
+        end = self.t >= self.length
+        term = {a: a == "red_1" and self.t == RED_1_LEAVES for a in actions}
+        trunc = {a: end and not term[a] for a in actions}
+        obs = {a: self._obs(a) for a in actions}
+        self.agents = [a for a in self.agents if not (term[a] or trunc[a])]
+        if self.t == RED_1_JOINS and not end:
+            self.agents.append("red_1")
+            obs["red_1"] = self._obs("red_1")
+        return obs, rew, term, trunc, {a: {} for a in actions}
+
+
+def red_policy(obs):
+    obs = np.asarray(obs)
+    return (obs[:, 1] * 100 + obs[:, 2]).astype(np.int64)
+
+
+def blue_policy(obs):
+    obs = np.asarray(obs)
+    return (obs[:, 1] * 100 + obs[:, 2] + 50).astype(np.int64), {"value": (obs[:, 2] * 0.5).astype(np.float32)}
+
+
+POLICIES = {"red": red_policy, "blue": blue_policy}
+
+
+def mapping(agent_id, episode, **kwargs):  # RLlib's signature
+    return agent_id.split("_")[0]
+
+
+def plain_streams(n_envs, n_steps, env_ids=None):
+    """The plain PettingZoo loop: ``{(env, agent): [transition, ...]}`` over ``n_steps`` env steps of each env
+    (``JoinLeaveEnv(env_ids[i])`` as env ``i``; default ``env_ids[i] = i``)."""
+    streams = {}
+    for i in range(n_envs):
+        env = JoinLeaveEnv(i if env_ids is None else env_ids[i])
+        obs, _ = env.reset(seed=i)
+        for _ in range(n_steps):
+            acts, extras = {}, {}
+            for a in env.agents:
+                out = POLICIES[a.split("_")[0]](obs[a][None])
+                act, ex = out if isinstance(out, tuple) else (out, {})
+                acts[a], extras[a] = int(act[0]), {k: v[0] for k, v in ex.items()}
+            nobs, rew, term, trunc, _ = env.step(acts)
+            for a in acts:
+                streams.setdefault((i, a), []).append(
+                    {"obs": obs[a], "action": acts[a], "reward": np.float32(rew[a]), "terminated": term[a],
+                     "truncated": trunc[a], "succ": nobs[a], **extras[a]})
+            obs = {a: o for a, o in nobs.items() if not (term.get(a) or trunc.get(a))}
+            if not env.agents:
+                obs, _ = env.reset()
+    return streams
+
+
+def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=None, policies=POLICIES):
+    """Run a MultiAgentLoop in a thread for ``rounds`` rounds; return ``({policy: [rollout, ...]}, rows, loop)``."""
+    envs = envs or [JoinLeaveEnv(i) for i in range(n_envs)]
+    examples, rows = multiagent_examples([JoinLeaveEnv(i) for i in range(len(envs))], policies, mapping,
+                                         rollout_len=rollout_len, seed=0)
+    readers = {pid: shmbuf.create(ex, slots=8, max_writers=1) for pid, ex in examples.items()}
+    errors, box = [], []
+    ready = threading.Event()
+
+    def actor():
+        writers = {}
+        try:
+            writers = {pid: shmbuf.Writer(r.handle, timeout=20) for pid, r in readers.items()}
+            ready.set()
+            loop = MultiAgentLoop(envs, policies, writers, rollout_len=rollout_len, policy_mapping_fn=mapping,
+                                  count_steps_by=count_steps_by, seed=0)
+            box.append(loop)
+            loop.run(rounds)
+        except BaseException as exc:  # noqa: BLE001  # surfaced by the main thread
+            errors.append(exc)
+        finally:
+            ready.set()
+            for w in writers.values():
+                w.close()
+
+    th = threading.Thread(target=actor, daemon=True)
+    th.start()
+    out = {pid: [] for pid in readers}
+    try:
+        assert ready.wait(20)
+        deadline = time.monotonic() + 60
+        while any(len(v) < rounds for v in out.values()):  # every reader in turn: each lends its writer slots
+            if errors:
+                raise errors[0]
+            assert time.monotonic() < deadline, f"{ {p: len(v) for p, v in out.items()} } of {rounds} rollouts in 60 s"
+            for pid, reader in readers.items():
+                try:
+                    r = reader.get(timeout=0.02)
+                except shmbuf.SlotTimeout:
+                    continue
+                with r:
+                    out[pid].append({"seq": r.seq, "fill": dict(r.fill), "data": r.copy()})
+        th.join(20)
+        assert not th.is_alive()
+        if errors:
+            raise errors[0]
+    finally:
+        for r in readers.values():
+            r.close()
+    return out, rows, box[0]
+
+
+def stored_streams(out, rows):
+    """Each ``(env, agent)``'s transitions as stored: its row's valid steps, rollout after rollout, with each one's
+    successor (the next valid step, the episode table's final observation, or the bootstrap)."""
+    streams = {}
+    for pid, rollouts in out.items():
+        for r in sorted(rollouts, key=lambda r: r["seq"]):
+            d, n, m = r["data"], r["fill"]["step"], r["fill"]["episode"]
+            st, ep = d["step"], d["episode"]
+            finals = {(int(ep["env"][k]), int(ep["end"][k])): k for k in range(m)}
+            for row, key in enumerate(rows.policies[pid]):
+                for t in range(n):
+                    if not st["valid"][t, row]:
+                        continue
+                    done = bool(st["terminated"][t, row] or st["truncated"][t, row])
+                    if done:
+                        succ = ep["final_obs"][finals.pop((row, t))]
+                        if t == n - 1:  # the bootstrap is the successor of the last step, a final one too
+                            assert np.array_equal(d["bootstrap"]["obs"][row], succ), (pid, row)
+                    elif t + 1 < n:
+                        assert st["valid"][t + 1, row], (pid, row, t)  # a stream is contiguous until it ends
+                        succ = st["obs"][t + 1, row]
+                    else:
+                        succ = d["bootstrap"]["obs"][row]
+                    tr = {"obs": st["obs"][t, row], "action": int(st["action"][t, row]), "reward": st["reward"][t, row],
+                          "terminated": bool(st["terminated"][t, row]), "truncated": bool(st["truncated"][t, row]),
+                          "succ": succ}
+                    if "value" in st:
+                        tr["value"] = st["value"][t, row]
+                    streams.setdefault(key, []).append(tr)
+            assert not finals, f"episode records of no stored end: {finals}"
+    return streams
+
+
+def assert_same_streams(got, want):
+    assert set(got) <= set(want)
+    for key, stream in got.items():
+        assert len(stream) >= 1
+        for j, (a, b) in enumerate(zip(stream, want[key], strict=False)):
+            for k in b:
+                assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), (key, j, k, a[k], b[k])
+
+
+def test_rows_are_fixed_per_env_and_agent_and_grouped_by_policy():
+    rows = AgentRows(AGENTS, 2, mapping)
+    assert rows.policies == {"red": [(0, "red_0"), (0, "red_1"), (1, "red_0"), (1, "red_1")],
+                             "blue": [(0, "blue_0"), (1, "blue_0")]}
+    assert rows.where[(1, "red_1")] == ("red", 3)
+
+
+@pytest.mark.parametrize("n_envs", [1, 2])
+def test_stored_agent_streams_equal_a_plain_pettingzoo_loop(n_envs):
+    """Every agent's stored transitions (obs, action, reward, flags, successor, the policy's extra) equal the plain
+    loop's, through agents joining (red_1 at step 2), leaving (terminated at 5), episode ends and rollout ends."""
+    rounds, T = 12, 4
+    out, rows, loop = run_loop(n_envs, rounds, rollout_len=T)
+    got = stored_streams(out, rows)
+    want = plain_streams(n_envs, rounds * T)
+    assert set(got) == set(want)  # every agent of every env acted, red_1 too
+    for key in want:
+        assert len(got[key]) == len(want[key]), key  # the same env steps: every transition stored, none invented
+    assert_same_streams(got, want)
+    assert loop.env_steps == rounds * T * n_envs
+    assert loop.agent_steps == sum(len(s) for s in want.values())
+    # The shapes are each policy's own: red (3,) float64, blue (5,) float32 with its extra.
+    assert out["red"][0]["data"]["step"]["obs"].shape == (T, 2 * n_envs, 3)
+    assert out["blue"][0]["data"]["step"]["obs"].dtype == np.float32
+    assert out["blue"][0]["data"]["step"]["value"].shape == (T, n_envs)
+
+
+def test_episode_records_carry_each_agents_own_return_length_and_end():
+    out, rows, _ = run_loop(1, 10, rollout_len=4)
+    want = plain_streams(1, 40)
+    records = []
+    for pid, rollouts in out.items():
+        for r in rollouts:
+            ep, m = r["data"]["episode"], r["fill"]["episode"]
+            records += [(rows.policies[pid][int(ep["env"][k])][1], float(ep["return"][k]), int(ep["length"][k]),
+                         bool(ep["terminated"][k]), bool(ep["truncated"][k])) for k in range(m)]
+    expected = []
+    for (_, agent), stream in want.items():
+        ret, n = 0.0, 0
+        for tr in stream:
+            ret += float(np.float64(tr["reward"]))  # the loop sums the env's float64 rewards
+            n += 1
+            if tr["terminated"] or tr["truncated"]:
+                expected.append((agent, n, tr["terminated"], tr["truncated"]))
+                ret, n = 0.0, 0
+    assert sorted((a, n, te, tr) for a, _, n, te, tr in records) == sorted(expected)
+    assert any(a == "red_1" and te for a, _, _, te, _ in records)  # the agent that left, terminated
+    assert all(r > 0 for _, r, _, _, _ in records)
+
+
+def test_counting_agent_steps_ends_a_round_once_the_agents_steps_reach_rollout_len():
+    T = 6
+    out, _, loop = run_loop(1, 8, rollout_len=T, count_steps_by="agent_steps")
+    fills = [r["fill"]["step"] for r in out["red"]]
+    assert fills == [r["fill"]["step"] for r in out["blue"]]  # one round: the same env steps for every policy
+    for red, blue in zip(out["red"], out["blue"], strict=True):
+        n = red["fill"]["step"]
+        per_step = red["data"]["step"]["valid"][:n].sum(1) + blue["data"]["step"]["valid"][:n].sum(1)
+        assert per_step.sum() >= T and per_step[:-1].sum() < T  # RLlib's check after each env step
+    assert max(fills) < T  # two or three agents a step: never the T env steps of env-step counting
+    got = stored_streams(out, loop.rows)
+    assert_same_streams(got, plain_streams(1, sum(fills)))
+
+
+def test_a_policy_the_mapping_names_but_policies_lacks_is_refused_by_name():
+    with pytest.raises(shmbuf.UsageError, match=r"maps agents to \['blue'\], which policies= does not have"):
+        multiagent_examples([JoinLeaveEnv()], {"red": red_policy}, mapping, rollout_len=4)
+
+
+class BadObsEnv(JoinLeaveEnv):
+    def step(self, actions):
+        obs, *rest = super().step(actions)
+        if "blue_0" in obs:
+            obs["blue_0"] = obs["blue_0"][:3]
+        return (obs, *rest)
+
+
+def test_an_observation_of_another_shape_is_refused_naming_the_agent():
+    with pytest.raises(shmbuf.SchemaError, match=r"agent 'blue_0'.s observation: expected shape \(5,\)"):
+        run_loop(1, 2, envs=[BadObsEnv(0)])
+
+
+# -- the collector: actor processes, one pipeline per policy ---------------------------------------------------------
+
+
+class Scaled:
+    """A picklable policy with weights: acts ``scale * agent * 100 + t`` (red's mapping, scaled); ``load_weights``."""
+
+    def __init__(self, scale: int = 1):
+        self.scale = scale
+
+    def __call__(self, obs):
+        return red_policy(obs) * self.scale
+
+    def load_weights(self, params):
+        self.scale = int(params["scale"])
+
+
+def collect_batches(n, **kw):
+    from workers._multiagent_collector import MultiAgentCollector
+
+    batches = []
+    with MultiAgentCollector([partial(JoinLeaveEnv, 0), partial(JoinLeaveEnv, 1)], POLICIES, policy_mapping_fn=mapping,
+                             frames_per_batch=16, copy=True, timeout=60, **kw) as c:
+        for b in c:
+            batches.append(b)
+            if len(batches) == n:
+                break
+        stats = c.stats()
+    return batches, c, stats
+
+
+def test_the_collector_delivers_every_policys_rollouts_once_as_a_plain_loop_makes_them():
+    """Two actors (env 0 and env 1), two policies: each batch has both policies' rollouts, each rollout once, and
+    each actor's agent streams, read back in sequence order, equal the plain PettingZoo loop's."""
+    batches, c, stats = collect_batches(6)
+    assert c.rollout_len == 8 and c.rounds_per_batch == 2  # 16 env steps a batch: one round of 8 steps per actor
+    assert [b.env_steps for b in batches] == [16] * 6 and stats["env_steps"] == 96
+    per_lane = {}
+    for b in batches:
+        assert set(b) == {"red", "blue"}
+        assert b["red"].data["step"]["obs"].shape == (2, 8, 2, 3) and b["blue"].data["step"]["value"].shape == (2, 8, 1)
+        assert b.agent_steps == sum(int(x.data["step"]["valid"].sum()) for x in b.values())
+        for pid, x in b.items():
+            for i in range(len(x.seq)):
+                data = optree.tree_map(lambda a, i=i: a[i], x.data)
+                fill = {"step": int(x.fill["step"][i]), "episode": int(x.fill["episode"][i])}
+                per_lane.setdefault((pid, int(x.lane[i])), []).append((int(x.epoch[i]), int(x.seq[i]), data, fill))
+    keys = [(pid, lane, e, s) for (pid, lane), rs in per_lane.items() for e, s, _, _ in rs]
+    assert len(keys) == len(set(keys)) == 2 * 6 * 2  # exactly once: 2 policies x 6 batches x 2 rollouts
+    lanes = sorted({lane for _, lane in per_lane})
+    assert len(lanes) == 2
+    for lane in lanes:
+        out = {pid: [{"seq": s, "fill": f, "data": d} for _, s, d, f in sorted(per_lane[(pid, lane)], key=lambda r: r[1])]
+               for pid in ("red", "blue")}
+        n_rounds = min(len(v) for v in out.values())
+        assert [r["seq"] for r in out["red"][:n_rounds]] == list(range(n_rounds))  # from the start, none missing
+        env_id = int(out["red"][0]["data"]["step"]["obs"][0, 0, 0])  # which env this actor steps
+        got = stored_streams({pid: v[:n_rounds] for pid, v in out.items()}, c.rows)
+        want = plain_streams(1, n_rounds * 8, env_ids=[env_id])
+        assert set(got) == set(want)
+        assert all(len(got[k]) == len(want[k]) for k in want)  # every transition of those rounds, none invented
+        assert_same_streams(got, want)
+
+
+def test_each_policy_takes_its_own_weights_and_carries_its_own_version():
+    """Weights per policy: red's broadcast moves red's version and actions (scale 2 doubles them); blue has none, and
+    an update for it is refused by name."""
+    from workers import MultiAgentCollector
+
+    policies = {"red": Scaled(1), "blue": blue_policy}
+    with MultiAgentCollector([partial(JoinLeaveEnv, 0)] * 2, policies, policy_mapping_fn=mapping, frames_per_batch=16,
+                             weights={"red": {"scale": np.array(1)}}, copy=True, timeout=60, start_method="fork") as c:
+        it = iter(c)
+        first = next(it)
+        assert first["red"].policy_version.tolist() == [0, 0]
+        assert c.update_policy_weights({"red": {"scale": np.array(2)}}) == {"red": 1}
+        with pytest.raises(shmbuf.StateError, match="policy 'blue' has no weight broadcast"):
+            c.update_policy_weights({"blue": {}})
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "no rollout of red with version 1 in 60 s"
+            b = next(it)
+            red = b["red"]
+            if (red.policy_version == 1).any():
+                break
+        i = int(np.flatnonzero(red.policy_version == 1)[0])
+        st = red.data["step"]
+        v = st["valid"][i]
+        assert np.array_equal(st["action"][i][v], 2 * red_policy(st["obs"][i][v]))  # the new weights acted
+        assert red.policy_lag[i] == 0 and (b["blue"].policy_version == 0).all()
+
+
+def test_every_policys_rollouts_arrive_once_across_an_actor_kill_and_restart():
+    """Actor 0 SIGKILLed and restarted: per policy, (lane, epoch, seq) never names two rollouts, and each claim's
+    seqs run from 0 without a gap (the dead actor's committed rollouts are delivered, none twice)."""
+    import os
+    import signal
+
+    from workers import MultiAgentCollector
+
+    keys = {"red": [], "blue": []}
+    with MultiAgentCollector([partial(JoinLeaveEnv, 0), partial(JoinLeaveEnv, 1)], POLICIES, policy_mapping_fn=mapping,
+                             frames_per_batch=8, rollout_len=4, restart=True, start_method="fork", timeout=30,
+                             copy=True) as c:
+        it = iter(c)
+        deadline = time.monotonic() + 60
+
+        def take():
+            assert time.monotonic() < deadline, f"stalled: {c.stats()}"
+            b = next(it)
+            for pid, x in b.items():
+                keys[pid] += zip(x.lane.tolist(), x.epoch.tolist(), x.seq.tolist())
+
+        while len({ln for ln, _, _ in keys["red"]}) < 2:
+            take()
+        victim = c.pool.pids[0]
+        os.kill(victim, signal.SIGKILL)
+        while any(len({(ln, e) for ln, e, _ in ks}) < 3 or len(ks) < 24 for ks in keys.values()):
+            take()  # until every policy has rollouts of the replacement's claim, and a few more
+        assert c.stats()["actor_restarts"] == 1
+    for pid, ks in keys.items():
+        assert len(ks) == len(set(ks)), f"{pid}: a rollout delivered twice"
+        claims = {}
+        for lane, epoch, seq in ks:
+            claims.setdefault((lane, epoch), []).append(seq)
+        assert len(claims) >= 3, (pid, claims.keys())  # two lanes, and the replacement's new claim
+        for claim, seqs in claims.items():
+            assert sorted(seqs) == list(range(len(seqs))), (pid, claim, sorted(seqs))
+
+
+def test_the_docs_block_prints_each_policys_rows_and_both_counts(tmp_path):
+    """docs/multiagent.md's block, as written: 6 chasers (26 numbers each) and 2 runners (24) in two pipelines."""
+    from tests.helpers import doc_blocks, run_doc_block
+
+    assert len(doc_blocks("multiagent.md")) == 1
+    lines = run_doc_block("multiagent.md", 0, tmp_path).splitlines()
+    batch = ["chaser (2, 50, 6, 26) 600 agent steps", "runner (2, 50, 2, 24) 200 agent steps",
+             "100 env steps, 800 agent steps"]
+    assert lines == batch * 2 + ["[(0, 'agent_0'), (0, 'agent_1')]"]
+
+
+@pytest.mark.parametrize(("kw", "says"), [({}, "give exactly one of policies"),
+                                          ({"policies": POLICIES, "policy_factories": {"red": Scaled}},
+                                           "give exactly one of policies"),
+                                          ({"policy_factories": {"red": Scaled, "blue": 3}},
+                                           r"policy_factories: expected zero-argument callables, got none for \['blue'\]")])
+def test_the_collector_takes_policies_or_their_factories_and_says_which_is_wrong(kw, says):
+    from workers import MultiAgentCollector
+
+    with pytest.raises(shmbuf.UsageError, match=says):
+        MultiAgentCollector(partial(JoinLeaveEnv, 0), policy_mapping_fn=mapping, frames_per_batch=16, **kw)

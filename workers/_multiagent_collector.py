@@ -1,0 +1,355 @@
+"""MultiAgentCollector: batches of every policy's rollouts from actor processes stepping PettingZoo parallel envs.
+
+    with MultiAgentCollector([make_env] * 2, {"red": red, "blue": blue}, policy_mapping_fn=team,
+                             frames_per_batch=512) as collector:
+        for batch in collector:                 # a MultiAgentBatch: one CollectedBatch per policy
+            for policy_id, b in batch.items():
+                train(policy_id, b.data)        # leaves (B, T, K, ...): the policy's rows, see workers._multiagent
+
+Each policy has a pipeline of its own, laid out from its own spaces (:func:`workers._multiagent.multiagent_examples`),
+and every actor a writer on each (:func:`run_multiagent_actor`, a :class:`workers.MultiAgentLoop`). A round of an
+actor commits one rollout per policy; a batch takes ``rounds_per_batch`` rollouts from each policy's pipeline.
+While it waits on one pipeline it keeps the others lending slots, so that no actor waits for a slot of a policy
+the learner is not reading at that moment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import shmbuf
+from shmbuf.layout import EPISODE, LENGTH, RETURN, STEP, VALID
+from shmbuf.lowlevel import int_setting, timeout_setting
+from workers._collector import CollectedBatch, progress, weights_of
+from workers._multiagent import COUNT_STEPS_BY, ENV_STEPS_COUNT, MultiAgentLoop, multiagent_examples
+from workers._pool import ActorPool, default_start_method
+
+WAIT_SLICE = 0.05
+
+
+def _envs_of(env_fn: Callable[[], Any]) -> list[Any]:
+    made = env_fn()
+    return list(made) if isinstance(made, (list, tuple)) else [made]
+
+
+@dataclass(frozen=True)
+class MultiAgentSpec:
+    """What a multi-agent actor needs, pickled once when it starts: shmbuf names and the user's callables."""
+
+    pipelines: dict[Any, str]
+    env_fns: tuple[Callable[[], Any], ...]
+    policies: dict[Any, Any] | None
+    policy_factories: dict[Any, Callable[[], Any]] | None
+    policy_mapping_fn: Callable[..., Any] | None
+    rollout_len: int
+    count_steps_by: str = ENV_STEPS_COUNT
+    weights: dict[Any, str] | None = None
+    seed: int | None = None
+    torch_threads: int | None = 1
+    label: str = "multiagent"
+
+
+def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
+    """An :class:`workers.ActorPool` target: make the envs (a factory returns a ParallelEnv or a list of them), a
+    writer per policy, and run a :class:`workers.MultiAgentLoop` until stopped."""
+    from workers._actor import torch_threads
+
+    torch_threads(spec.torch_threads)
+    envs = _envs_of(spec.env_fns[ctx.index % len(spec.env_fns)])
+    writers: dict[Any, Any] = {}
+    subs: dict[Any, Any] = {}
+    try:
+        for pid, name in spec.pipelines.items():
+            writers[pid] = shmbuf.Writer(name, timeout=None, label=f"{spec.label}-{ctx.index}/{pid}")
+        for pid, name in (spec.weights or {}).items():
+            subs[pid] = shmbuf.WeightSubscriber(name)
+        ready = getattr(ctx, "ready", None)
+        if ready is not None:
+            ready()
+        seed = None if spec.seed is None else spec.seed + 10_000 * ctx.index + 1_000_000 * ctx.incarnation
+        policies = spec.policies if spec.policies is not None else {
+            pid: make() for pid, make in (spec.policy_factories or {}).items()}
+        loop = MultiAgentLoop(envs, policies, writers, rollout_len=spec.rollout_len,
+                              policy_mapping_fn=spec.policy_mapping_fn, count_steps_by=spec.count_steps_by, seed=seed,
+                              weights=subs, should_stop=lambda: ctx.stop_requested)
+        loop.run()
+    except BaseException as exc:
+        quiet = (KeyboardInterrupt, SystemExit, shmbuf.PipelineClosed, shmbuf.BrokenPipeline)
+        if writers and not isinstance(exc, quiet):
+            try:
+                next(iter(writers.values())).report_error(exc)
+            except Exception:  # noqa: BLE001  # whatever a gone pipeline raises: the pool's channel still carries it
+                pass
+        raise
+    finally:
+        for w in writers.values():
+            w.close()
+        for sub in subs.values():
+            sub.close()
+        for env in envs:
+            env.close()
+
+
+class MultiAgentBatch(dict):
+    """One batch of a :class:`MultiAgentCollector`: ``{policy_id: CollectedBatch}`` (RLlib's ``MultiAgentBatch``).
+
+    Each policy's batch holds ``rounds_per_batch`` of its rollouts, leaves ``(B, T, K, ...)`` over the policy's
+    rows (``rows[policy_id][k]`` is the ``(env, agent)`` of row ``k`` in every actor) with the step leaf
+    ``valid``. ``env_steps``: env steps in the batch (each round's steps times the actor's envs), ``agent_steps``:
+    agent steps (the valid rows of every step of every policy); ``frames`` is the one ``count_steps_by`` counts.
+    """
+
+    env_steps: int
+    agent_steps: int
+    frames: int
+
+    def __repr__(self) -> str:
+        return (f"MultiAgentBatch({ {pid: b.fill[STEP].tolist() for pid, b in self.items()} }, "
+                f"env_steps={self.env_steps}, agent_steps={self.agent_steps})")
+
+
+class MultiAgentCollector:
+    """An iterator of :class:`MultiAgentBatch`, collected by actor processes stepping PettingZoo parallel envs.
+
+    Args:
+        create_env_fn: a factory of a PettingZoo ``ParallelEnv`` (or of a list of them: several envs per actor),
+            or a list of factories (one per actor).
+        policies: ``{policy_id: policy}`` (RLlib's ``multiagent.policies``), each a picklable callable or torch
+            module (see :class:`workers.ActorLoop`), called in the actors on its live agents' observations.
+            None with ``policy_factories``.
+        policy_factories: ``{policy_id: zero-argument picklable callable}`` returning the policy, called once in
+            each actor and once here (to lay the rollouts out): for policies that cannot be pickled, or that
+            hold torch modules (which would otherwise travel as shared tensors).
+        policy_mapping_fn: agent id -> policy id (RLlib's; called with ``(agent_id, None)`` when it takes an
+            episode too); None: every agent to ``"default_policy"``.
+        frames_per_batch: steps per batch, counted as ``count_steps_by`` says; a multiple of one round's
+            (``rollout_len`` times the envs per actor for env steps, ``rollout_len`` for agent steps) times
+            the actors.
+        count_steps_by: ``"env_steps"`` or ``"agent_steps"`` (RLlib's ``multiagent.count_steps_by``).
+        rollout_len: T (default: one round per actor per batch).
+        weights: ``{policy_id: weights}`` to broadcast (default: each torch policy's ``state_dict``); needed for
+            :meth:`update_policy_weights`.
+        num_actors, slots, start_method, restart, max_restarts, copy, seed, torch_threads, timeout,
+        stop_timeout, ready_timeout, total_frames: as :class:`workers.Collector`'s.
+    """
+
+    def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]],
+                 policies: dict[Any, Any] | None = None, *, policy_factories: dict[Any, Callable[[], Any]] | None = None,
+                 policy_mapping_fn: Callable[..., Any] | None = None, frames_per_batch: int, total_frames: int = -1,
+                 count_steps_by: str = ENV_STEPS_COUNT, num_actors: int | None = None, rollout_len: int | None = None,
+                 weights: dict[Any, Any] | None = None, slots: int | None = None, start_method: str | None = None,
+                 restart: bool = False, max_restarts: int = 3, copy: bool = False, seed: int | None = 0,
+                 torch_threads: int | None = 1, stop_timeout: float = 5.0, ready_timeout: float = 120.0,
+                 timeout: float | None = None):
+        self._closed = False
+        self.readers: dict[Any, Any] = {}
+        self.publishers: dict[Any, shmbuf.WeightPublisher] = {}
+        self.pool: ActorPool | None = None
+        if count_steps_by not in COUNT_STEPS_BY:
+            raise shmbuf.UsageError(f"count_steps_by: expected one of {COUNT_STEPS_BY}, got {count_steps_by!r}")
+        if (policies is None) == (policy_factories is None):
+            raise shmbuf.UsageError("give exactly one of policies={policy_id: policy} and policy_factories="
+                                    "{policy_id: factory}")
+        given = policies if policies is not None else policy_factories
+        if not isinstance(given, dict) or not given:
+            name = "policies" if policies is not None else "policy_factories"
+            raise shmbuf.UsageError(f"{name}: expected a non-empty dict keyed by policy id, got {given!r:.80}")
+        if policy_factories is not None:
+            bad = sorted(str(pid) for pid, f in policy_factories.items() if not callable(f))
+            if bad:
+                raise shmbuf.UsageError(f"policy_factories: expected zero-argument callables, got none for {bad}")
+        env_fns = tuple(create_env_fn) if isinstance(create_env_fn, Sequence) else (create_env_fn,)
+        if not env_fns or not all(callable(f) for f in env_fns):
+            raise shmbuf.UsageError(f"create_env_fn: expected an env factory or a list of them, got {create_env_fn!r:.80}")
+        frames_per_batch = int_setting("frames_per_batch", frames_per_batch)
+        n_actors = int_setting("num_actors", num_actors) if num_actors is not None else (
+            len(env_fns) if len(env_fns) > 1 else 2)
+        self.timeout = timeout_setting("timeout", timeout)
+        self.count_steps_by = count_steps_by
+        self.total_frames = total_frames
+        self.copy = copy
+        self.stop_timeout = stop_timeout
+        self.ready_timeout = ready_timeout
+        self.policies = policies if policies is not None else {pid: make() for pid, make in given.items()}
+        envs = _envs_of(env_fns[0])
+        try:
+            num_envs = len(envs)
+            per_round = num_envs if count_steps_by == ENV_STEPS_COUNT else 1  # frames per rollout step
+            if rollout_len is None:
+                if frames_per_batch % (n_actors * per_round):
+                    raise shmbuf.UsageError(f"frames_per_batch={frames_per_batch}: expected a multiple of num_actors "
+                                            f"({n_actors}) x {per_round} envs per actor, to give each actor one round")
+                rollout_len = frames_per_batch // (n_actors * per_round)
+            T = int_setting("rollout_len", rollout_len, 2)
+            if frames_per_batch % (T * per_round):
+                raise shmbuf.UsageError(f"frames_per_batch={frames_per_batch}: expected a multiple of one round's "
+                                        f"{T * per_round} {count_steps_by} (rollout_len={T} x {per_round})")
+            self.rounds_per_batch = frames_per_batch // (T * per_round)
+            examples, self.rows = multiagent_examples(envs, self.policies, policy_mapping_fn, rollout_len=T, seed=seed)
+        finally:
+            for env in envs:
+                env.close()
+        self.rollout_len, self.num_envs, self.num_actors, self.frames_per_batch = T, num_envs, n_actors, frames_per_batch
+        B = self.rounds_per_batch
+        if slots is None:
+            slots = -(-max(3 * B, 2 * B + 2 * n_actors) // B) * B  # two batches and two per writer, whole batches
+        self.frames = self.batches = self.env_steps = self.agent_steps = 0
+        self.policy_versions = dict.fromkeys(self.policies, 0)
+        self._lags: deque[int] = deque(maxlen=10_000)
+        self._returns: deque[float] = deque(maxlen=100)
+        self._t0: float | None = None
+        self.failures: list[Any] = []
+        try:
+            for pid, ex in examples.items():
+                self.readers[pid] = shmbuf.create(ex, slots, max_writers=n_actors, raise_writer_errors=False)
+            for pid, policy in self.policies.items():
+                w = (weights or {}).get(pid)
+                if w is None and hasattr(policy, "state_dict"):
+                    w = weights_of(policy, None)
+                if w is not None:
+                    self.publishers[pid] = shmbuf.WeightPublisher(w)
+                    self.publishers[pid].publish(w, version=0)  # what the actors start from
+            spec = MultiAgentSpec(pipelines={pid: r.name for pid, r in self.readers.items()}, env_fns=env_fns,
+                                  policies=policies, policy_factories=policy_factories,
+                                  policy_mapping_fn=policy_mapping_fn, rollout_len=T,
+                                  count_steps_by=count_steps_by,
+                                  weights={pid: p.name for pid, p in self.publishers.items()} or None, seed=seed,
+                                  torch_threads=torch_threads)
+            self.pool = ActorPool(run_multiagent_actor, n_actors, args=(spec,),
+                                  start_method=start_method or default_start_method(), restart=restart,
+                                  max_restarts=max_restarts, name="shmbuf-multiagent")
+            self.pool.start()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- weights ------------------------------------------------------------
+
+    def update_policy_weights(self, weights: dict[Any, Any] | None = None) -> dict[Any, int]:
+        """Broadcast new weights: ``{policy_id: torch module, state dict or pytree}`` (None: every torch policy
+        given to the constructor, re-read). Returns each updated policy's new version."""
+        todo = weights if weights is not None else {pid: None for pid in self.publishers}
+        out = {}
+        for pid, w in todo.items():
+            pub = self.publishers.get(pid)
+            if pub is None:
+                raise shmbuf.StateError(f"policy {pid!r} has no weight broadcast: pass weights={{{pid!r}: ...}} (or a torch "
+                                        "policy) at construction")
+            out[pid] = self.policy_versions[pid] = pub.publish(weights_of(w, self.policies[pid]))
+        return out
+
+    # -- iteration ----------------------------------------------------------
+
+    def __iter__(self) -> Iterator[MultiAgentBatch]:
+        if self._closed:
+            raise shmbuf.PipelineClosed("this MultiAgentCollector was shut down")
+        assert self.pool is not None  # started in __init__, or __init__ raised
+        if self._t0 is None:
+            self.pool.wait_ready(self.ready_timeout)
+            self._t0 = time.monotonic()
+        while self.total_frames < 0 or self.frames < self.total_frames:
+            batch = self._next()
+            self.frames += batch.frames
+            self.env_steps += batch.env_steps
+            self.agent_steps += batch.agent_steps
+            self.batches += 1
+            yield batch
+
+    def _get(self, pid: Any) -> Any:
+        """Policy ``pid``'s next batch of rollouts, keeping every other pipeline lending while it waits."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        reader = self.readers[pid]
+        while True:
+            try:
+                return reader.get_batch(self.rounds_per_batch, WAIT_SLICE, copy=self.copy)
+            except shmbuf.SlotTimeout:
+                for other, r in self.readers.items():
+                    if other != pid:
+                        r.poll()
+                self._check_actors()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise shmbuf.SlotTimeout(f"no batch of policy {pid!r} within timeout={self.timeout} s; the actors "
+                                             f"are alive but not delivering: {reader.stats()['slots']}") from None
+
+    def _check_actors(self) -> None:
+        assert self.pool is not None
+        n = len(self.pool.failures)
+        self.pool.check()
+        self.failures = list(self.pool.failures)
+        for r in self.readers.values():
+            r.errors.clear()  # the pool raises actors' errors, with their tracebacks, once
+        if self.pool.alive() == 0 and len(self.pool.failures) == n:
+            raise shmbuf.BrokenPipeline("every actor has exited; no more rollouts will come")
+
+    def _next(self) -> MultiAgentBatch:
+        out = MultiAgentBatch()
+        agent_steps = 0
+        env_steps = 0
+        for pid in self.readers:
+            b = self._get(pid)
+            fill = b.fill
+            ep_n = fill[EPISODE]
+            B = len(ep_n)
+            valid = b.data[STEP][VALID]
+            agent_steps += sum(int(valid[i, : fill[STEP][i]].sum()) for i in range(B))
+            if not env_steps:  # the first policy's rollouts: each round's rollouts of every policy cover the same steps
+                env_steps = int(fill[STEP].sum()) * self.num_envs
+            out[pid] = CollectedBatch(
+                data=b.data, fill=fill, policy_version=b.policy_version,
+                policy_lag=self.policy_versions[pid] - b.policy_version, lane=b.lane, epoch=b.epoch, seq=b.seq,
+                frames=int(valid.sum()),
+                episode_returns=np.concatenate([b.data[EPISODE][RETURN][i, : ep_n[i]] for i in range(B)]),
+                episode_lengths=np.concatenate([b.data[EPISODE][LENGTH][i, : ep_n[i]] for i in range(B)]),
+                lengths=fill[STEP], batch_mode="truncate_episodes")
+            self._lags.extend(out[pid].policy_lag.tolist())
+            self._returns.extend(out[pid].episode_returns.tolist())
+        self._check_actors()
+        out.env_steps, out.agent_steps = env_steps, agent_steps
+        out.frames = env_steps if self.count_steps_by == ENV_STEPS_COUNT else agent_steps
+        return out
+
+    # -- introspection and shutdown -----------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Frames (as counted), env and agent steps, batches, frames/s, policy lag, recent agent-episode returns."""
+        return {**progress(self.frames, self.batches, self._t0, max(self.policy_versions.values()), self._lags,
+                           self._returns),
+                "env_steps": self.env_steps, "agent_steps": self.agent_steps,
+                "count_steps_by": self.count_steps_by,
+                "actor_restarts": self.pool.restarts if self.pool is not None else 0}
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """TorchRL's name for :meth:`close`."""
+        self.close(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the actors and close every pipeline and broadcast, within ``timeout`` (default ``stop_timeout``)."""
+        if self._closed:
+            return
+        self._closed = True
+        end = time.monotonic() + (self.stop_timeout if timeout is None else timeout)
+        for r in self.readers.values():
+            r.close()  # a writer waiting for a slot sees it within 0.1 s and its actor returns
+        if self.pool is not None:
+            self.pool.close(max(0.1, end - time.monotonic()))
+            self.failures = list(self.pool.failures)
+        for p in self.publishers.values():
+            p.close()
+
+    def __enter__(self) -> MultiAgentCollector:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  # a finalizer must not raise (it may run at interpreter exit)
+            pass

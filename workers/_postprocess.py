@@ -1,0 +1,249 @@
+"""RLlib's ``Policy.postprocess_trajectory`` in the actor: called on every episode piece of a rollout, before its commit.
+
+RLlib calls ``policy.postprocess_trajectory(sample_batch, other_agent_batches, episode)`` at the end of
+every rollout fragment and of every episode, so that one call never sees two episodes' data; the columns
+it adds (advantages, value targets, ...) travel with the rollout. Here the same: right before a rollout
+is committed (:meth:`workers.ActorLoop._before_commit`), the rollout in the writer's slot is cut into
+pieces, one per (sub-env, episode piece): a piece ends at a step recorded ``terminated`` or
+``truncated``, at a soft horizon (RLlib starts a new episode there too), or at the rollout's last step.
+Each piece is handed to the hook as a dict in RLlib's ``SampleBatch`` column names, numpy:
+
+- ``obs``, ``actions``, ``rewards``, ``terminateds``, ``truncateds`` and every policy extra under its own
+  name (``vf_preds``, ``action_logp``, ...): views of the slot (an in-place change is stored);
+- ``new_obs``: each step's true successor (the episode's final observation where it ended, the
+  bootstrap observation at the rollout's last step): a new array, not stored.
+
+The columns the hook adds are written into the slot, as step leaves of the pipeline: a shmbuf pipeline's
+layout is fixed before collection, so they are found at set-up (:func:`discover`), by calling the hook
+once on a dummy batch, as RLlib does at policy init for the same reason. A column it replaces that is
+a step leaf is copied back; ``other_agent_batches`` and ``episode`` are None (one agent; no Episode
+object).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import optree
+
+from shmbuf import SchemaError, UsageError
+from shmbuf.layout import (
+    ACTION,
+    COMPLETE_EPISODES,
+    END,
+    ENV,
+    EPISODE,
+    OBS,
+    REWARD,
+    STEP,
+    STEP_KEYS,
+    TERMINATED,
+    TRUNCATED,
+    successors,
+)
+
+METHOD = "postprocess_trajectory"  # RLlib's Policy method
+NEW_OBS = "new_obs"
+# RLlib's SampleBatch column -> the step leaf it is
+RLLIB_COLUMNS = {"obs": OBS, "actions": ACTION, "rewards": REWARD, "terminateds": TERMINATED, "truncateds": TRUNCATED}
+DUMMY_STEPS = 2
+
+
+@dataclass(frozen=True)
+class PostprocessSpec:
+    """What an actor needs to postprocess (pickled to it): the hook, and the columns it adds.
+
+    ``hook``: a callable ``(sample_batch, other_agent_batches, episode) -> sample_batch``, or None: the
+    actor's own policy's ``postprocess_trajectory``. ``columns``: added column -> (item shape, dtype
+    string), as found by :func:`discover`.
+    """
+
+    hook: Callable[..., Any] | None
+    columns: dict[str, tuple[tuple[int, ...], str]]
+
+
+def check_setting(postprocess: Any) -> None:
+    """UsageError unless ``postprocess`` is None, a bool, or a callable."""
+    if postprocess is not None and not isinstance(postprocess, bool) and not callable(postprocess):
+        raise UsageError(f"postprocess: expected None (the policy's {METHOD} if it has one), True (it must have one), "
+                         f"False (none), or a callable (sample_batch, other_agent_batches, episode) -> sample_batch; "
+                         f"got {postprocess!r:.80}")
+
+
+def resolve(postprocess: Any, policy: Any) -> Callable[..., Any] | None:
+    """The hook a setting names for ``policy``: a callable setting itself, else the policy's method (or None)."""
+    check_setting(postprocess)
+    if postprocess is False:
+        return None
+    if callable(postprocess) and not isinstance(postprocess, bool):
+        return postprocess
+    method = getattr(policy, METHOD, None)
+    if method is None and postprocess is True:
+        raise UsageError(f"postprocess=True: the policy ({type(policy).__name__}) has no {METHOD} method; define "
+                         f"{METHOD}(self, sample_batch, other_agent_batches=None, episode=None), or pass the function "
+                         "as postprocess=")
+    if method is not None and not callable(method):
+        raise UsageError(f"the policy's {METHOD} is not callable: {method!r:.80}")
+    return method
+
+
+def _call(hook: Callable[..., Any], batch: dict[str, Any]) -> Mapping[str, Any]:
+    out = hook(batch, None, None)
+    if not isinstance(out, Mapping):
+        raise UsageError(f"{METHOD} returned {type(out).__name__}; as in RLlib it must return the (postprocessed) "
+                         "sample batch, e.g. `return sample_batch`")
+    return out
+
+
+def discover(postprocess: Any, policy: Any, probed: Mapping[str, Any]) -> PostprocessSpec | None:
+    """Call the hook once on a dummy batch of :data:`DUMMY_STEPS` steps built from the probe's templates (zeros,
+    no episode end) and return the columns it adds, or None when there is no hook.
+
+    Raises:
+        UsageError: a bad setting; an added column that is not an array with one row per step, or whose
+            name is a step leaf or a policy extra.
+    """
+    hook = resolve(postprocess, policy)
+    if hook is None:
+        return None
+    n = DUMMY_STEPS
+    extras = dict(probed.get("extras") or {})
+
+    def rows(x: Any) -> Any:
+        return optree.tree_map(lambda a: np.zeros((n, *np.shape(a)), np.asarray(a).dtype), x)
+
+    batch: dict[str, Any] = {"obs": rows(probed[OBS]), "actions": rows(probed[ACTION]),
+                             "rewards": np.zeros(n, np.float32), "terminateds": np.zeros(n, bool),
+                             "truncateds": np.zeros(n, bool), NEW_OBS: rows(probed[OBS])}
+    batch.update({k: rows(v) for k, v in extras.items()})
+    given = set(batch)
+    out = _call(hook, batch)
+    columns: dict[str, tuple[tuple[int, ...], str]] = {}
+    for k, v in out.items():
+        if k in given:
+            continue
+        if not isinstance(k, str) or not k or "/" in k:
+            raise UsageError(f"{METHOD} added column {k!r}: a column name is a non-empty str without '/'")
+        if k in STEP_KEYS or k in extras:
+            raise UsageError(f"{METHOD} added column {k!r}, which is already a step leaf; rename it")
+        a = np.asarray(v)
+        if a.ndim < 1 or a.shape[0] != n or a.dtype.kind not in "biufc":
+            raise UsageError(f"{METHOD} added column {k!r}: expected a numeric array with one row per step "
+                             f"({n} on the dummy batch), got {a.dtype} {a.shape}")
+        columns[k] = (tuple(a.shape[1:]), a.dtype.str)
+    return PostprocessSpec(hook if callable(postprocess) and not isinstance(postprocess, bool) else None, columns)
+
+
+def template(spec: PostprocessSpec) -> dict[str, np.ndarray]:
+    """One item of each added column (no env dim): the extras they add to the pipeline's example."""
+    return {k: np.zeros(shape, np.dtype(dt)) for k, (shape, dt) in spec.columns.items()}
+
+
+class Postprocessor:
+    """An actor's postprocessing: the hook, the added columns, and how its rollouts are laid out.
+
+    Args:
+        spec: from :func:`discover` (in the process that made the pipeline).
+        policy: the actor's policy (its ``postprocess_trajectory`` when ``spec.hook`` is None).
+        num_envs, vector: the actor's sub-envs, and whether the step leaves have an env dim.
+        batch_mode: the pipeline's.
+    """
+
+    def __init__(self, spec: PostprocessSpec, policy: Any, *, num_envs: int, vector: bool, batch_mode: str):
+        hook = spec.hook if spec.hook is not None else resolve(True, policy)
+        assert hook is not None  # resolve(True, ...) raises rather than give None
+        self.hook = hook
+        self.columns = {k: (shape, np.dtype(dt)) for k, (shape, dt) in spec.columns.items()}
+        self.E = num_envs
+        self.vector = vector
+        self.mode = batch_mode
+        # what the policy's extras carry for the added columns until the hook fills them (one row per sub-env)
+        self._zeros = {k: np.zeros((num_envs, *shape), dt) for k, (shape, dt) in self.columns.items()}
+        self.calls = 0
+
+    def with_placeholders(self, call: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``call`` (a numpy policy) whose extras also hold zeros for the added columns: the step leaves exist
+        from the first step, and the hook overwrites them before the commit."""
+        from workers._actor import split_policy_output
+
+        zeros = self._zeros
+
+        def policy(obs: Any) -> Any:
+            action, extras = split_policy_output(call(obs))
+            return action, {**extras, **zeros}
+
+        return policy
+
+    def pieces(self, tree: Mapping[str, Any], fill: Mapping[str, int]) -> list[tuple[int, int, int]]:
+        """``(env, t0, t1)`` of every episode piece of the rollout, steps ``t0 .. t1 - 1``, env by env in time order."""
+        n = int(fill[STEP])
+        if self.mode == COMPLETE_EPISODES:
+            return [(0, 0, n)] if n else []
+        step = tree[STEP]
+        done = np.asarray(step[TERMINATED])[:n] | np.asarray(step[TRUNCATED])[:n]
+        done = done.reshape(n, -1)
+        ep = tree[EPISODE]
+        k = int(fill[EPISODE])
+        soft = ~(np.asarray(ep[TERMINATED])[:k] | np.asarray(ep[TRUNCATED])[:k])
+        ends = done.copy()
+        ends[np.asarray(ep[END])[:k][soft], np.asarray(ep[ENV])[:k][soft]] = True
+        out = []
+        for e in range(ends.shape[1]):
+            t0 = 0
+            for t in np.flatnonzero(ends[:, e]).tolist():
+                out.append((e, t0, t + 1))
+                t0 = t + 1
+            if t0 < n:
+                out.append((e, t0, n))
+        return out
+
+    def apply(self, tree: Mapping[str, Any], fill: Mapping[str, int]) -> None:
+        """Postprocess the rollout in ``tree`` (the writer's slot views), filled as ``fill`` says, in place."""
+        step = tree[STEP]
+        new_obs = successors(tree, fill, batch_mode=self.mode)
+        given = {**RLLIB_COLUMNS, **{k: k for k in step if k not in STEP_KEYS and k not in self.columns}}
+        for e, t0, t1 in self.pieces(tree, fill):
+            def piece(x: Any, e: int = e, t0: int = t0, t1: int = t1) -> Any:
+                return x[t0:t1, e] if self.vector else x[t0:t1]
+
+            batch = {name: optree.tree_map(piece, step[leaf]) for name, leaf in given.items()}
+            batch[NEW_OBS] = optree.tree_map(piece, new_obs)
+            passed = dict(batch)
+            out = _call(self.hook, batch)
+            self.calls += 1
+            self._store(step, out, passed, given, piece, t1 - t0)
+
+    def _store(self, step: Mapping[str, Any], out: Mapping[str, Any], passed: dict[str, Any], given: dict[str, str],
+               piece: Callable[[Any], Any], length: int) -> None:
+        """Check every column to store, then write them all: the added ones, and replaced step leaves."""
+        todo = []
+        for k, (shape, dt) in self.columns.items():
+            if k not in out:
+                raise SchemaError(f"{METHOD} did not add column {k!r} on this piece of {length} steps; it added it at "
+                                  "set-up (the pipeline has it as a step leaf): add it on every call")
+            todo.append((k, piece(step[k]), self._checked(k, out[k], (length, *shape), dt)))
+        for k, v in out.items():
+            if k in self.columns or (k in passed and v is passed[k]):
+                continue
+            if k == NEW_OBS:
+                raise UsageError(f"{METHOD} replaced {NEW_OBS!r}: it is derived from obs and the episode table, not "
+                                 "stored; change 'obs' instead, or add a column of your own")
+            if k not in given:
+                raise SchemaError(f"{METHOD} added column {k!r}, which it did not add at set-up (on the dummy batch): "
+                                  "the pipeline's layout has no room for it; add it on every call, the first included")
+            dst = optree.tree_map(piece, step[given[k]])
+            if isinstance(dst, np.ndarray):
+                todo.append((k, dst, self._checked(k, v, dst.shape, dst.dtype)))
+        for _, dst, x in todo:
+            dst[...] = x
+
+    @staticmethod
+    def _checked(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        a = np.asarray(value)
+        if a.shape != shape or not np.can_cast(a.dtype, dtype, "same_kind"):
+            raise SchemaError(f"{METHOD}: column {name!r}: expected {dtype} {shape} (one row per step of the piece), got "
+                              f"{a.dtype} {a.shape}")
+        return a
