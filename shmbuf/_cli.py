@@ -1,4 +1,4 @@
-"""shmbuf on the command line: demo, ls, clean, bench."""
+"""shmbuf on the command line: demo, ls, clean, bench, convert."""
 
 from __future__ import annotations
 
@@ -152,6 +152,26 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    """002's pickled recording in SRC to a shmbuf recording in DST, once; only with --allow-pickle."""
+    from shmbuf._errors import SegmentError, UsageError
+    from shmbuf.storage._pickled import convert_pickled_recording
+
+    if not args.allow_pickle:
+        print(f"shmbuf convert: {args.src} would be unpickled, and unpickling runs whatever code the files' author put in "
+              "them. Convert only files you trust, and say so with --allow-pickle "
+              f"(shmbuf convert --allow-pickle {args.src} {args.dst})", file=sys.stderr)
+        return 2
+    try:
+        n = convert_pickled_recording(args.src, args.dst, allow_pickle=True)
+    except (UsageError, SegmentError) as exc:
+        print(f"shmbuf convert: {exc}", file=sys.stderr)
+        return 1
+    print(f"converted {n} trajectories from {args.src} into {args.dst} (shmbuf's format: read it with "
+          "RolloutDataset, no pickle)")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     """The command line; every option's help ends with its default."""
     defaults = argparse.ArgumentDefaultsHelpFormatter
@@ -175,6 +195,15 @@ def _parser() -> argparse.ArgumentParser:
                         "that may be killed)")
     p.add_argument("names", nargs="*", metavar="NAME", help="only these pipelines or weight broadcasts (default: all)")
     sub.add_parser("bench", help="run the benchmarks (arguments pass through; see shmbuf bench --help)", add_help=False)
+    p = sub.add_parser("convert", help="convert a 002 (rsl_rl fork) pickled recording into shmbuf's file format, once",
+                       description="Reads SRC, 002's recording (trajectory_<k>/traj_<a>_<b>.pickle), and writes DST as "
+                                   "shmbuf's own recording (.npy files, read without pickle). UNSAFE for files you do "
+                                   "not trust: unpickling runs code chosen by whoever wrote them; --allow-pickle is "
+                                   "required to say the files are trusted.",
+                       formatter_class=defaults)
+    p.add_argument("--allow-pickle", action="store_true", help="unpickle SRC's files (only for files you trust)")
+    p.add_argument("src", metavar="SRC", help="002's recording directory")
+    p.add_argument("dst", metavar="DST", help="a new (or empty) directory for the shmbuf recording")
     return parser
 
 
@@ -185,4 +214,4 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"demo": _demo, "ls": _ls, "clean": _clean}[args.command](args)
+    return {"demo": _demo, "ls": _ls, "clean": _clean, "convert": _convert}[args.command](args)

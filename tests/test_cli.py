@@ -260,3 +260,25 @@ def test_ls_shows_a_replay_buffer_and_clean_removes_a_dead_owners(capsys) -> Non
     assert found and found[0].replay and found[0].removable
     assert name in _admin.remove(found[0])
     assert not os.path.exists("/dev/shm" + name)
+
+
+def test_convert_needs_allow_pickle_then_turns_a_002_recording_into_shmbufs_format(tmp_path: Any, capsys: Any) -> None:
+    from shmbuf.storage.files import RolloutDataset
+    from tests.test_storage_files import write_002_recording
+
+    write_002_recording(tmp_path / "002")
+    assert main(["convert", str(tmp_path / "002"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "unpickling runs whatever code" in err and "--allow-pickle" in err and not (tmp_path / "out").exists()
+    assert main(["convert", "--allow-pickle", str(tmp_path / "002"), str(tmp_path / "out")]) == 0
+    assert "converted 3 trajectories" in capsys.readouterr().out
+    assert RolloutDataset(tmp_path / "out", num_envs=3).get_batch(3).observation.shape == (3, 3, 7)
+    assert main(["convert", "--allow-pickle", str(tmp_path / "002"), str(tmp_path / "out")]) == 1
+    assert "is not empty" in capsys.readouterr().err
+
+
+def test_convert_help_says_it_is_unsafe_for_untrusted_files(capsys: Any) -> None:
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    out = capsys.readouterr().out
+    assert "UNSAFE" in out and "--allow-pickle" in out

@@ -33,6 +33,7 @@ TIERS = {
         "normalize_advantages", "play", "split_and_pad_trajectories", "to_torch", "transition_view", "unpad_trajectories",
     ],
     "shmbuf.storage.lowlevel": [
+        "LocalReplayBuffer",
         "ReplayHandle", "ReplayInfo", "RolloutBufferWriter", "RolloutSlot", "get_frame_range", "parse_shift",
         "playback_example", "read_metadata",
     ],

@@ -1008,3 +1008,150 @@ def test_bad_playback_and_recorder_arguments_are_named(tmp_path):
         Recorder(f)
     with pytest.raises(shmbuf.UsageError, match="not a directory"):
         Recorder(f / "sub")
+
+
+# -- 002's own recordings (pickled trajectories): refused by default, converted once ------------------------------
+
+def write_002_recording(root: Any, *, components: bool = False) -> dict[int, dict[str, np.ndarray]]:
+    """A recording in the shape 002's DemonstrationSaver writes (rsl_rl/runners/demonstration.py): metadata.json and
+    trajectory_<k>/traj_<a:06d>_<b:06d>.pickle, each a pickled dict of numpy arrays ([n, 1] rewards, values and uint8
+    dones, [n] bool timeouts, observations as the 1-tuple its trailing comma makes, or obs_<component> per
+    obs_segments with normalized_image components as uint8). Frame t of trajectory k encodes 100 * k + t.
+    Trajectory 0 (6 frames, two chunks) ends in a time-out, 1 (3 frames) in a termination, 2 (4 frames) is still
+    running; trajectory_3 is empty (the saver makes each next directory up front). Returns what each holds."""
+    import pickle
+
+    root = pathlib.Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    meta: dict[str, Any] = {"config": None, "env": "LeggedRobot", "policy": "ActorCritic", "rollout_storage_length": 4,
+                            "success_traj_only": False, "min_timesteps": 0, "min_episodes": 0, "use_critic_obs": False}
+    if components:
+        meta["obs_segments"] = {"proprio": [3], "height": [2, 2]}
+        meta["obs_disassemble_mapping"] = {"height": "normalized_image"}
+    (root / "metadata.json").write_text(json.dumps(meta))
+    out = {}
+    for k, (n, cuts, end) in enumerate([(6, [0, 4, 6], "timeout"), (3, [0, 3], "terminated"), (4, [0, 4], None)]):
+        f = (100 * k + np.arange(n)).astype(np.float32)
+        dones = np.zeros((n, 1), np.uint8)
+        timeouts = np.zeros(n, bool)
+        if end is not None:
+            dones[-1] = 1
+            timeouts[-1] = end == "timeout"
+        height = (np.arange(n * 4).reshape(n, 4) % 5 / 4).astype(np.float32)
+        obs = np.concatenate([np.repeat(f[:, None], 3, 1), height], 1)
+        out[k] = {"obs": obs, "privileged_observations": np.repeat(f[:, None], 5, 1) + 0.5,
+                  "actions": np.stack([f, -f], 1), "rewards": (f / 10)[:, None], "dones": dones,
+                  "values": (f / 100)[:, None], "timeouts": timeouts}
+        d = root / f"trajectory_{k}"
+        d.mkdir()
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            traj = {key: out[k][key][a:b] for key in ("privileged_observations", "actions", "rewards", "dones", "values",
+                                                      "timeouts")}
+            if components:
+                traj["obs_proprio"] = obs[a:b, :3]
+                traj["obs_height"] = (np.clip(obs[a:b, 3:], 0, 1) * 255).astype(np.uint8)
+            else:
+                traj["observations"] = (obs[a:b],)  # as 002's saver writes it
+            with open(d / f"traj_{a:06d}_{b:06d}.pickle", "wb") as fh:
+                pickle.dump(traj, fh)
+        os.utime(d, (1_000_000 + k, 1_000_000 + k))  # 002 orders trajectories by modification time
+    (root / "trajectory_3").mkdir()
+    return out
+
+
+def test_a_002_pickled_recording_is_refused_by_default_naming_the_safe_way(tmp_path):
+    from shmbuf.storage.files import convert_pickled_recording
+
+    write_002_recording(tmp_path / "002")
+    with pytest.raises(shmbuf.UsageError, match=r"pickled recording.*shmbuf convert --allow-pickle"):
+        RolloutDataset(tmp_path / "002", 1, wait_timeout=0).get_batch()
+    with pytest.raises(shmbuf.UsageError, match=r"never done by default"):
+        convert_pickled_recording(tmp_path / "002", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("components", [False, True])
+def test_a_002_recording_converts_once_and_reads_back_as_002_recorded_it(tmp_path, components):
+    from shmbuf.storage.files import convert_pickled_recording
+
+    want = write_002_recording(tmp_path / "002", components=components)
+    assert convert_pickled_recording(tmp_path / "002", tmp_path / "out", allow_pickle=True) == 3
+    assert not list((tmp_path / "out").rglob("*.pickle"))
+    ds = RolloutDataset(tmp_path / "out", num_envs=1, concat_obs=True)
+    got = [ds.get_batch() for _ in range(13)]
+    obs = np.stack([b.observation[0] for b in got])
+    order = np.concatenate([want[k]["obs"] for k in (0, 1, 2)])
+    np.testing.assert_allclose(obs, order, atol=1 / 255 if components else 0)
+    np.testing.assert_array_equal([b.action[0] for b in got], np.concatenate([want[k]["actions"] for k in (0, 1, 2)]))
+    np.testing.assert_array_equal([b.reward[0] for b in got], np.concatenate([want[k]["rewards"][:, 0] for k in (0, 1, 2)]))
+    np.testing.assert_array_equal([b.extras["privileged_observations"][0] for b in got],
+                                  np.concatenate([want[k]["privileged_observations"] for k in (0, 1, 2)]))
+    np.testing.assert_array_equal([b.extras["value"][0] for b in got],
+                                  np.concatenate([want[k]["values"][:, 0] for k in (0, 1, 2)]))
+    terminated = [bool(b.terminated[0]) for b in got]
+    timeout = [bool(b.timeout[0]) for b in got]
+    assert terminated == [False] * 8 + [True] + [False] * 4  # trajectory 1 ends in a termination
+    assert [i for i, x in enumerate(timeout) if x] == [5, 12]  # 0's time-out, and 2 cut short (002: still running)
+    with pytest.raises(StopIteration):
+        ds.get_batch()
+    with pytest.raises(shmbuf.UsageError, match=r"is not empty"):
+        convert_pickled_recording(tmp_path / "002", tmp_path / "out", allow_pickle=True)
+
+
+def test_allow_pickle_reads_a_002_recording_through_a_temporary_conversion(tmp_path):
+    want = write_002_recording(tmp_path / "002")
+    ds = RolloutDataset(tmp_path / "002", num_envs=3, allow_pickle=True)
+    assert ds.source_dir == str(tmp_path / "002") and ds.data_dir != ds.source_dir
+    b = ds.get_batch(3)
+    np.testing.assert_array_equal(b.observation[:, 0], want[0]["obs"][:3])
+    np.testing.assert_array_equal(b.observation[:, 2], want[2]["obs"][:3])
+    converted = ds.data_dir
+    del ds, b
+    import gc
+
+    gc.collect()
+    assert not os.path.exists(converted)
+
+
+def test_only_arrays_are_unpickled_even_when_allowed(tmp_path):
+    import pickle
+
+    from shmbuf.storage.files import convert_pickled_recording
+
+    write_002_recording(tmp_path / "002")
+    evil = tmp_path / "002" / "trajectory_1" / "traj_000000_000003.pickle"
+    evil.write_bytes(pickle.dumps({"actions": os.getcwd, "rewards": np.zeros((3, 1)), "dones": np.zeros((3, 1))}))
+    with pytest.raises(shmbuf.SegmentError, match=r"refused global posix\.getcwd"):
+        convert_pickled_recording(tmp_path / "002", tmp_path / "out", allow_pickle=True)
+
+
+def test_rollout_dataset_is_a_rollout_file_base_with_its_raw_buffer(tmp_path):
+    from shmbuf.storage.files import RolloutFileBase, convert_pickled_recording
+
+    want = write_002_recording(tmp_path / "002")
+    convert_pickled_recording(tmp_path / "002", tmp_path / "out", allow_pickle=True)
+    ds = RolloutDataset(tmp_path / "out", num_envs=2)
+    assert isinstance(ds, RolloutFileBase)
+    buf = ds.get_buffer(2)  # reset on first use; (n, E, ...) per recorded leaf file
+    assert buf["obs"].shape == (2, 2, 7) and buf["first"].shape == (2, 2)
+    ds.fill_transition(buf, [1])  # only env 1 advances
+    np.testing.assert_array_equal(buf["obs"][:, 1], want[1]["obs"][:2])
+    ds.fill_transition(buf)
+    np.testing.assert_array_equal(buf["obs"][:, 0], want[0]["obs"][:2])
+    np.testing.assert_array_equal(buf["obs"][:, 1, 0], [102, 200])  # env 1 ran out of trajectory 1 and took 2
+    with pytest.raises(shmbuf.UsageError, match=r"env 5 is not in 0\.\.1"):
+        ds.fill_transition(buf, [5])
+
+
+def test_a_002_trajectory_still_running_keeps_its_place_in_002s_order(tmp_path):
+    import shutil
+
+    from shmbuf.storage.files import convert_pickled_recording
+
+    want = write_002_recording(tmp_path / "002")
+    shutil.copytree(tmp_path / "002" / "trajectory_1", tmp_path / "002" / "trajectory_4")  # a later, whole one
+    os.utime(tmp_path / "002" / "trajectory_4", (1_000_010, 1_000_010))
+    convert_pickled_recording(tmp_path / "002", tmp_path / "out", allow_pickle=True, fsync=False)
+    ds = RolloutDataset(tmp_path / "out", num_envs=1)
+    frames = [float(ds.get_batch().observation[0, 0]) for _ in range(16)]
+    assert frames == [*want[0]["obs"][:, 0], *want[1]["obs"][:, 0], *want[2]["obs"][:, 0], *want[1]["obs"][:, 0]]

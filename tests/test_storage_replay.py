@@ -807,3 +807,24 @@ def test_storage_bench_smoke(tmp_path: pathlib.Path) -> None:
     assert res["gae"][0]["max_abs_diff"] < 1e-4 and res["machine"]["cpu_model"]
     assert os.path.exists(res["paths"]["json"]) and "| vec64 | insert |" in pathlib.Path(res["paths"]["md"]).read_text()
     assert not leaked_since(before)  # nothing of ours or of a dead child: other programs may share /dev/shm
+
+
+# -- 002's constructor: ReplayBuffer(obs_dim, buffer_size, device) ---------------------------------------------
+
+def test_002s_constructor_makes_the_in_process_ring_and_numpy_without_a_device() -> None:
+    """An int first is 002's ReplayBuffer (an in-process ring of state pairs); a name first stays the shared one."""
+    from shmbuf.storage.lowlevel import LocalReplayBuffer
+
+    rb = ReplayBuffer(2, 3, seed=0)
+    assert isinstance(rb, LocalReplayBuffer) and rb.device is None and not isinstance(rb, ReplayBuffer)
+    rows = np.arange(8, dtype=np.float32).reshape(4, 2)
+    rb.insert(rows, -rows)  # 4 rows into a ring of 3: the newest 3 survive, wrapped from where the 4th would go
+    assert (rb.step, rb.num_samples, len(rb)) == (1, 3, 3)
+    np.testing.assert_array_equal(rb.states, rows[[3, 1, 2]])
+    for states, next_states in rb.feed_forward_generator(4, 5):
+        assert states.shape == (5, 2) and states.dtype == np.float32
+        np.testing.assert_array_equal(next_states, -states)
+    rb.insert(np.ones((1, 2)), np.ones((1, 2)))  # overwrites the oldest (row 1, at index 1)
+    np.testing.assert_array_equal(rb.states[:, 0], [6, 1, 4])
+    with pytest.raises(shmbuf.UsageError, match=r"ReplayBuffer\(buffer_size=\.\.\.\): expected an int >= 1"):
+        ReplayBuffer(2, 0)

@@ -681,3 +681,36 @@ def test_sarsa_checks_the_last_next_observation_before_writing_the_row() -> None
     tr.next_observations = np.full((2, 3), 6.0)
     s.add_transitions(tr)
     assert s.step == 2 and (s.next_observations[1] == 6).all() and (s.observations[1] == 5).all()
+
+
+def test_action_label_rollout_on_numpy_carries_labels_into_every_minibatch() -> None:
+    """002's ActionLabelRollout without a device: numpy labels, required, laid out like the actions."""
+    from shmbuf.storage.rollout import ActionLabelMiniBatch, ActionLabelRollout, ActionLabelTransition
+
+    N, T = 2, 3
+    s = ActionLabelRollout(N, T, OBS, None, ACT, seed=0)
+    assert s.Transition is ActionLabelTransition and s.action_labels.shape == (T, N, 2)
+    for t in range(T):
+        s.add_transitions(ActionLabelTransition(observations=np.full((N, 3), t), actions=np.full((N, 2), t),
+                                                action_labels=np.full((N, 2), 10 + t), rewards=np.zeros(N),
+                                                dones=np.zeros(N), values=np.zeros(N), actions_log_prob=np.zeros(N)))
+    s.compute_returns(np.zeros(N), 0.99, 0.95)
+    for b in s.mini_batch_generator(2, 1):
+        assert isinstance(b, ActionLabelMiniBatch) and isinstance(b.action_labels, np.ndarray)
+        np.testing.assert_array_equal(b.action_labels, b.actions + 10)
+    with pytest.raises(shmbuf.SchemaError, match=r"Transition.action_labels is None"):
+        s.clear()
+        s.add_transitions(ActionLabelTransition(observations=np.zeros((N, 3)), actions=np.zeros((N, 2)),
+                                                rewards=np.zeros(N), dones=np.zeros(N), values=np.zeros(N),
+                                                actions_log_prob=np.zeros(N)))
+
+
+def test_a_device_without_torch_is_refused_saying_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device asks for torch tensors; without torch (here: its import made to fail) that is a UsageError, not a
+    late ImportError, and leaving the device out is the numpy storage, as always."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(shmbuf.UsageError, match=r"'cpu' asks for torch tensors.*torch is not installed.*leave the device out"):
+        RolloutStorage(2, 3, OBS, None, ACT, "cpu")
+    assert RolloutStorage(2, 3, OBS, None, ACT).device is None

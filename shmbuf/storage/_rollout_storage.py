@@ -13,9 +13,11 @@ from shmbuf._validate import int_setting
 from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATED
 from shmbuf.storage._common import generator
 from shmbuf.storage._rollout_source import RolloutSource, check_keys
+from shmbuf.storage._torch import device_setting, host_array, is_device, to_torch
 from shmbuf.storage._trajectories import aliases, flat_getter, pad, ranges, trajectories
 from shmbuf.storage._transition import (
     REQUIRED,
+    STEP_ARRAYS,
     TRANSITION_FIELDS,
     AnyMiniBatch,
     TimeOutObservations,
@@ -50,10 +52,23 @@ class RolloutStorage:
     ``time_outs`` step bootstraps whatever ``dones`` says), ``"gymnasium"`` for one made by
     :meth:`from_rollout` (``dones`` = terminated, ``time_outs`` = truncated; terminated wins). Set it to
     ``"gymnasium"`` to fill with gymnasium's ``terminated``/``truncated`` as they are.
+
+    ``device`` (002's sixth positional argument, or ``device=``; a ``str`` or ``torch.device`` there is a device,
+    never ``rnn_hidden_shape``): the storage speaks 002's torch idiom. Transitions may hold tensors on any device
+    (as without it); minibatches are torch tensors on ``device`` with 002's shapes (``values``, ``advantages``,
+    ``returns``, ``old_actions_log_prob`` ``[..., 1]``; ``hidden_states`` in torch's ``(num_layers, traj, H)``
+    layout, an LSTM's as ``(h, c)``, read from transitions in torch's ``(num_layers, N, H)`` layout);
+    :meth:`compute_returns` normalises the advantages unless told not to and the recurrent generator pads to
+    ``T`` (both as 002); :meth:`get_statistics` gives 0-d tensors. The arrays themselves stay host numpy
+    ``[T, N, ...]``. Without ``device`` everything is numpy, as it always was.
     """
 
     Transition: ClassVar[type[_Transition]] = _Transition
     MiniBatch: ClassVar[type[AnyMiniBatch]] = _MiniBatch
+    # Transition attribute -> array, the fields a transition must carry, the per-step arrays (subclasses add theirs).
+    _transition_fields: ClassVar[dict[str, str]] = TRANSITION_FIELDS
+    _required: ClassVar[tuple[str, ...]] = REQUIRED
+    _step_arrays: ClassVar[tuple[str, ...]] = STEP_ARRAYS
 
     # Set in _setup (None) and, when the storage has them, in __init__ or from_rollout.
     privileged_observations: np.ndarray | None
@@ -61,12 +76,29 @@ class RolloutStorage:
     sigma: np.ndarray | None
     hidden_states_actor: np.ndarray | None
     hidden_states_critic: np.ndarray | None
+    device: Any  # None, or a torch.device (set in _setup, then by __init__)
+    obs_shape: tuple[int, ...] | None  # 002's shape attributes (checked; None before __init__ / from_rollout sets them)
+    privileged_obs_shape: tuple[int, ...] | None
+    actions_shape: tuple[int, ...] | None
 
     def __init__(self, num_envs: int, num_transitions_per_env: int, obs_shape: Any, privileged_obs_shape: Any,
-                 actions_shape: Any, rnn_hidden_shape: Any = None, *, dtype: Any = np.float32, seed: Any = None):
+                 actions_shape: Any, rnn_hidden_shape: Any = None, *, dtype: Any = np.float32, seed: Any = None,
+                 device: Any = None):
+        if is_device(rnn_hidden_shape):  # 002 / rsl_rl: RolloutStorage(..., actions_shape, device)
+            if device is not None:
+                raise UsageError(f"{type(self).__name__}: a device was given twice ({rnn_hidden_shape!r} in the sixth place, "
+                                 f"and device={device!r}); give it once")
+            device, rnn_hidden_shape = rnn_hidden_shape, None
+        if isinstance(num_envs, str):
+            raise UsageError(f"{type(self).__name__}({num_envs!r}, ...): that is rsl_rl 2+'s signature (training_type, num_envs, "
+                             "num_transitions_per_env, obs TensorDict, actions_shape, device), which shmbuf does not take; "
+                             f"use 002's / rsl_rl 1.x's: {type(self).__name__}(num_envs, num_transitions_per_env, obs_shape, "
+                             "privileged_obs_shape, actions_shape, device) (docs/from-rsl_rl.md)")
         N = int_setting("num_envs", num_envs, 1)
         T = int_setting("num_transitions_per_env", num_transitions_per_env, 1)
         self._setup(T, N, seed)
+        if device is not None:
+            self.device = device_setting(f"{type(self).__name__}(device=...)", device)
         f = np.dtype(dtype)
         if not np.issubdtype(f, np.floating):
             raise UsageError(f"dtype: expected a floating dtype, got {f}")
@@ -77,6 +109,7 @@ class RolloutStorage:
             priv = None  # rsl_rl passes [None] for "no privileged observations"
         priv = None if priv is None else shape_setting("privileged_obs_shape", priv)
         hid = None if rnn_hidden_shape is None else shape_setting("rnn_hidden_shape", rnn_hidden_shape)
+        self.obs_shape, self.privileged_obs_shape, self.actions_shape = obs, priv, act  # 002's attributes (checked)
         self.observations = np.zeros((T, N, *obs), f)
         self.privileged_observations = None if priv is None else np.zeros((T, N, *priv), f)
         self.actions = np.zeros((T, N, *act), f)
@@ -109,6 +142,12 @@ class RolloutStorage:
         self.copied: tuple[str, ...] = ()
         self._borrowed: str | None = None
         self.flag_convention = "rsl_rl"  # add_transitions: 002 / rsl_rl's dones and time_outs
+        self.device = None  # a torch.device: 002's torch idiom (see the class docstring)
+        self.obs_shape = self.privileged_obs_shape = self.actions_shape = None  # 002's: set by __init__ or from the arrays
+        self._hidden_form: list[str | None] = [None, None]  # with a device: "gru" ((L, N, H)) or "lstm" ((h, c)), per side
+        # with a device: the containers hidden states came in (002's ActorCriticHiddenState / LstmHiddenState
+        # namedarraytuples, or plain tuples), to give them back in the same types: (outer, [actor's, critic's (h, c)])
+        self._hidden_types: tuple[Any, list[Any]] = (tuple, [tuple, tuple])
 
     # -- filling --------------------------------------------------------------------------------------
 
@@ -194,6 +233,9 @@ class RolloutStorage:
             self.bootstrap_critic_observations = src.bootstrap(critic_obs_key)
         self.time_out_observations = None if truncated_key is None else src.time_outs(obs_key)
         self._adopt(arrays, src)
+        priv = self.privileged_observations
+        self.obs_shape, self.actions_shape = self.observations.shape[2:], self.actions.shape[2:]
+        self.privileged_obs_shape = None if priv is None else priv.shape[2:]
         self.copied = tuple(src.copied)
         self.flag_convention = "gymnasium"  # the actors' own terminated / truncated
         return self
@@ -227,13 +269,13 @@ class RolloutStorage:
 
     def _write_row(self, t: int, tr: _Transition) -> None:
         rows = {}
-        for name, field in TRANSITION_FIELDS.items():  # check everything before writing anything
+        for name, field in self._transition_fields.items():  # check everything before writing anything
             dst = getattr(self, field)
             x = getattr(tr, name)
             if dst is None:
                 continue
             if x is None:
-                if field in REQUIRED or field == "privileged_observations":
+                if field in self._required or field == "privileged_observations":
                     raise SchemaError(f"Transition.{name} is None; this storage needs it (shape {dst.shape[1:]})")
                 if field == "time_outs":
                     rows[field] = np.zeros(dst.shape[1:], bool)
@@ -260,9 +302,14 @@ class RolloutStorage:
         if not (isinstance(hidden, (tuple, list)) and len(hidden) == 2):
             raise SchemaError(f"Transition.hidden_states: expected (actor, critic) arrays, got {type(hidden).__name__}")
         out = []
-        for name, h in zip(("hidden_states_actor", "hidden_states_critic"), hidden):
+        forms: list[str | None] = list(self._hidden_form)
+        inner: list[Any] = list(self._hidden_types[1])
+        for i, (name, h) in enumerate(zip(("hidden_states_actor", "hidden_states_critic"), hidden)):
             if h is None:
                 continue
+            if self.device is not None:
+                inner[i] = type(h)
+                h, forms[i] = self._torch_hidden(name, h)
             h = array_of(name, h)
             dst = getattr(self, name)
             if dst is None:  # first use without rnn_hidden_shape: allocate from the example, as 002 does
@@ -270,7 +317,28 @@ class RolloutStorage:
                     raise SchemaError(f"Transition.hidden_states: expected a leading num_envs={self.num_envs}, got {h.shape}")
                 dst = np.zeros((self.num_transitions_per_env, *h.shape), self.values.dtype)
             out.append((name, dst, as_row(name, h, dst[0])))
+        self._hidden_form = forms  # only what passed every check is remembered
+        self._hidden_types = (type(hidden), inner)
         return out
+
+    def _torch_hidden(self, name: str, h: Any) -> tuple[np.ndarray, str]:
+        """A hidden state in torch's layout, ``(num_layers, N, H)`` (a GRU's) or ``(h, c)`` of them (an LSTM's), as the
+        per-env row stored here: ``(N, num_layers, H)`` or ``(N, 2, num_layers, H)``; SchemaError naming it else."""
+        N = self.num_envs
+
+        def one(x: Any) -> np.ndarray:
+            a = np.asarray(host_array(x))
+            if a.ndim != 3 or a.shape[1] != N:
+                raise SchemaError(f"Transition.hidden_states ({name}): with a device, hidden states are in torch's layout "
+                                  f"(num_layers, num_envs={N}, hidden) or an LSTM's (h, c) of them; got shape {a.shape}")
+            return np.swapaxes(a, 0, 1)
+
+        if isinstance(h, (tuple, list)):
+            if len(h) != 2:
+                raise SchemaError(f"Transition.hidden_states ({name}): expected a tensor or an LSTM's (h, c), got "
+                                  f"{len(h)} items")
+            return np.stack([one(h[0]), one(h[1])], 1), "lstm"
+        return one(h), "gru"
 
     def clear(self) -> None:
         """Start the next rollout at row 0 (nothing is zeroed: every row is rewritten before it is read)."""
@@ -289,7 +357,7 @@ class RolloutStorage:
         return n
 
     def compute_returns(self, last_values: Any, gamma: float, lam: float, *, time_out_values: Any = None,
-                        normalize_advantages: bool = False) -> None:
+                        normalize_advantages: bool | None = None) -> None:
         """GAE into this storage's own ``advantages`` and ``returns`` (rows ``[0, step)``), via :func:`compute_gae`.
 
         ``last_values`` ``[N]`` (or ``[N, 1]``): the critic's value of the observation after the last row.
@@ -300,21 +368,24 @@ class RolloutStorage:
         PPO (``compute_gae(..., time_outs=)``); ``"gymnasium"`` (made by :meth:`from_rollout`): ``time_outs
         & ~dones`` (``compute_gae(..., truncated=)``). ``normalize_advantages``: then ``(A - mean) / (std +
         1e-8)`` over all rows, as rsl_rl does on every call (off by default: returns are computed before
-        normalising either way).
+        normalising either way); None (the default) is off, or on for a storage with a ``device`` (002 always
+        normalises). ``last_values`` and ``time_out_values`` may be tensors on any device.
         ``gamma`` and ``lam``: real numbers from 0 to 1 (else UsageError naming the setting).
         """
+        if normalize_advantages is None:
+            normalize_advantages = self.device is not None
         self._check_discounts(gamma, lam)
         rule = self.flag_convention
         if rule not in ("rsl_rl", "gymnasium"):
             raise UsageError(f"{type(self).__name__}.compute_returns: flag_convention is {rule!r:.80}; expected "
                              "'rsl_rl' (dones and time_outs as 002 / rsl_rl) or 'gymnasium' (terminated and truncated)")
         n = self._filled()
-        lv = np.asarray(last_values)
+        lv = np.asarray(host_array(last_values))
         if lv.shape == (self.num_envs, 1):
             lv = lv[:, 0]
         tov = None
         if time_out_values is not None:
-            tov = np.asarray(time_out_values)
+            tov = np.asarray(host_array(time_out_values))
             if tov.shape[2:] == (1,):
                 tov = tov[..., 0]
             tov = tov[:n]
@@ -370,10 +441,10 @@ class RolloutStorage:
                 out = {name: (None if g is None else g(idx)) for name, g in get.items()}
                 for name, same in alias.items():
                     out[name] = out[same]
-                yield self.MiniBatch(**out, hidden_states=None, masks=None)
+                yield self._out(self.MiniBatch(**out, hidden_states=None, masks=None))
 
     def recurrent_mini_batch_generator(self, num_mini_batches: int, num_epochs: int = 8, *, shuffle: bool = False,
-                                       pad_to: str = "longest") -> Iterator[AnyMiniBatch]:
+                                       pad_to: str | None = None) -> Iterator[AnyMiniBatch]:
         """Minibatches of whole envs, their trajectories split at episode ends (``dones`` or ``time_outs``).
 
         Envs are cut into ``num_mini_batches`` groups (contiguous ranges as rsl_rl does, or with
@@ -384,7 +455,11 @@ class RolloutStorage:
         per epoch; ``hidden_states`` are ``(actor, critic)`` as stored at each trajectory's first step,
         ``[traj, *rnn_hidden_shape]`` (None without hidden states). The other fields are ``[T, envs, ...]``:
         :func:`unpad_trajectories` (with ``num_steps=T``) maps a network's padded output onto them.
+        ``pad_to=None``: ``"longest"``, or ``"rollout"`` for a storage with a ``device`` (002's padding, which its
+        ``unpad_trajectories`` needs).
         """
+        if pad_to is None:
+            pad_to = "longest" if self.device is None else "rollout"
         n = self._filled()
         N = self.num_envs
         k = int_setting("recurrent_mini_batch_generator(num_mini_batches=...)", num_mini_batches, 1, N)
@@ -420,23 +495,58 @@ class RolloutStorage:
                 h = None
                 if hid[0] is not None or hid[1] is not None:
                     h = tuple(None if x is None else x[t0[j], env[j]] for x in hid)
-                yield self.MiniBatch(**out, hidden_states=h, masks=masks)
+                yield self._out(self.MiniBatch(**out, hidden_states=h, masks=masks))
 
     # 002's spelling, for users who search for it
     reccurent_mini_batch_generator = recurrent_mini_batch_generator
 
+    def _out(self, mb: Any) -> Any:
+        """A minibatch as given (no device), or as 002 gives it: tensors on the device, per-step scalars ``[..., 1]``,
+        hidden states in torch's ``(num_layers, traj, H)`` layout (``(h, c)`` for an LSTM)."""
+        if self.device is None:
+            return mb
+        t = to_torch(mb._replace(hidden_states=None), self.device)
+        scalars = {f: getattr(t, f)[..., None] for f in ("values", "advantages", "returns", "old_actions_log_prob")}
+        hidden = mb.hidden_states
+        if hidden is not None:
+            outer, inner = self._hidden_types
+            hidden = _same_type(outer, [None if x is None else self._hidden_out(x, form, kind)
+                                        for x, form, kind in zip(hidden, self._hidden_form, inner)])
+        return t._replace(**scalars, hidden_states=hidden)
+
+    def _hidden_out(self, x: np.ndarray, form: str | None, kind: Any) -> Any:
+        h = to_torch(x, self.device)
+        if form == "gru":
+            return h.transpose(0, 1).contiguous()
+        if form == "lstm":
+            return _same_type(kind, [h[:, 0].transpose(0, 1).contiguous(), h[:, 1].transpose(0, 1).contiguous()])
+        return h  # preallocated by rnn_hidden_shape and not filled from torch's layout: as stored
+
     # -- statistics --------------------------------------------------------------------------------------
 
-    def get_statistics(self) -> tuple[float, float]:
+    def get_statistics(self) -> tuple[Any, Any]:
         """``(mean trajectory length, mean reward)`` over rows ``[0, step)``, as rsl_rl computes them: trajectories
         are cut at episode ends (dones or time_outs) and at the last row (so unfinished episodes count with
         their length so far); the reward mean is over every step and env. Nothing is modified (rsl_rl's
-        version sets ``dones[-1] = 1`` in the storage)."""
+        version sets ``dones[-1] = 1`` in the storage). With a ``device``: 0-d tensors there, as 002 gives."""
         n = self._filled()
         _, _, lengths = trajectories(self.dones[:n] | self.time_outs[:n])
-        return float(lengths.mean()), float(self.rewards[:n].mean())
+        out = float(lengths.mean()), float(self.rewards[:n].mean())
+        if self.device is None:
+            return out
+        import torch
+
+        return torch.tensor(out[0], device=self.device), torch.tensor(out[1], device=self.device)
 
     def __repr__(self) -> str:
         src = "" if self._borrowed is None else f", view of {self._borrowed}"
         return (f"{type(self).__name__}(num_envs={self.num_envs}, num_transitions_per_env={self.num_transitions_per_env}, "
                 f"step={self.step}{src})")
+
+
+def _same_type(kind: Any, items: list[Any]) -> Any:
+    """``items`` in a container of type ``kind``: a namedtuple (002's namedarraytuples are namedtuples) by its fields,
+    a list, or else a tuple."""
+    if isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_make"):
+        return kind._make(items)
+    return list(items) if kind is list else tuple(items)

@@ -1,5 +1,6 @@
-"""002's two variants of the PPO storage: :class:`QueueRolloutStorage` (a rolling buffer that grows, then loops)
-and :class:`SarsaRolloutStorage` (next observations as a view of one T+1-row buffer)."""
+"""002's variants of the PPO storage: :class:`QueueRolloutStorage` (a rolling buffer that grows, then loops), its
+:class:`ActionLabelRollout` (with action labels), and :class:`SarsaRolloutStorage` (next observations as a view of one
+T+1-row buffer)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ import numpy as np
 from shmbuf._errors import SchemaError, UsageError
 from shmbuf.storage._rollout_source import RolloutSource
 from shmbuf.storage._rollout_storage import RolloutStorage
-from shmbuf.storage._transition import STEP_ARRAYS, AnyMiniBatch, SarsaMiniBatch, SarsaTransition, as_row
+from shmbuf.storage._torch import host_array, is_tensor
+from shmbuf.storage._transition import (
+    ActionLabelMiniBatch,
+    ActionLabelTransition,
+    AnyMiniBatch,
+    SarsaMiniBatch,
+    SarsaTransition,
+    as_row,
+)
 
 # Under another name: inside SarsaRolloutStorage's body, Transition is the class attribute (see _rollout_storage).
 from shmbuf.storage._transition import Transition as _Transition
@@ -53,7 +62,7 @@ class QueueRolloutStorage(RolloutStorage):
         grow = min(self.max_buffer_length - self.num_transitions_per_env, self.num_timesteps_each_rollout)
         if grow <= 0:
             return 0
-        for name in STEP_ARRAYS:
+        for name in self._step_arrays:
             a = getattr(self, name)
             if a is not None:
                 setattr(self, name, np.concatenate([a, np.zeros((grow, *a.shape[1:]), a.dtype)]))
@@ -75,6 +84,19 @@ class QueueRolloutStorage(RolloutStorage):
     def _count(self) -> int:
         return self.num_transitions_per_env if self.buffer_full else self.step
 
+    def swap_from_cursor(self, buffer: Any) -> Any:
+        """002's helper: ``buffer`` (an array or tensor with the buffer's rows first) rotated so that row ``step`` comes
+        first, as a new array (or tensor); as it is when ``step`` is 0 or past the end."""
+        s = self.step
+        if s == 0 or s >= len(buffer):
+            return buffer
+        if is_tensor(buffer):
+            import torch
+
+            return torch.cat([buffer[s:], buffer[:s]])
+        a = np.asarray(buffer)
+        return np.concatenate([a[s:], a[:s]])
+
     def untie_buffer_loop(self) -> None:
         """Rotate every per-step array in place so that the oldest row is row 0 and the newest the last
         (``[5,6,7,8,9,0,1,2,3,4] -> [0,...,9]``, 9 the newest), and set ``step`` to 0 (the next write replaces
@@ -83,14 +105,14 @@ class QueueRolloutStorage(RolloutStorage):
         if not self.buffer_full:
             return
         if 0 < s < self.num_transitions_per_env:
-            for name in STEP_ARRAYS:
+            for name in self._step_arrays:
                 a = getattr(self, name)
                 if a is not None:
                     a[...] = np.concatenate([a[s:], a[:s]])
         self.step = 0
 
     def compute_returns(self, last_values: Any, gamma: float, lam: float, *, time_out_values: Any = None,
-                        normalize_advantages: bool = False) -> None:
+                        normalize_advantages: bool | None = None) -> None:
         """:meth:`untie_buffer_loop`, then :meth:`RolloutStorage.compute_returns` over the valid rows.
 
         ``time_out_values`` ``[T, N]`` (T the current buffer length) is indexed like the storage's rows *as
@@ -101,7 +123,7 @@ class QueueRolloutStorage(RolloutStorage):
         self._check_discounts(gamma, lam)
         s, T = self.step, self.num_transitions_per_env
         if time_out_values is not None:
-            tov = np.asarray(time_out_values)
+            tov = np.asarray(host_array(time_out_values))
             if tov.shape[:2] != (T, self.num_envs) or tov.shape[2:] not in ((), (1,)):
                 raise SchemaError(f"{type(self).__name__}.compute_returns: time_out_values has shape {tov.shape}, expected "
                                   f"{(T, self.num_envs)} like values (the buffer's rows, in their order before the call)")
@@ -184,12 +206,15 @@ class SarsaRolloutStorage(RolloutStorage):
 
     def add_transitions(self, transition: _Transition) -> None:
         nxt = getattr(transition, "next_observations", None)
+        nxt_critic = getattr(transition, "next_critic_observations", None)
+        if nxt_critic is None:  # 002's name for it
+            nxt_critic = getattr(transition, "next_privileged_observations", None)
         last = self.step + 1 == self.num_transitions_per_env and nxt is not None and self._borrowed is None
         if last:  # checked before the row is written, like every other field
-            self._bootstrap_rows(nxt, getattr(transition, "next_critic_observations", None), self.step + 1)
+            self._bootstrap_rows(nxt, nxt_critic, self.step + 1)
         super().add_transitions(transition)
         if last:
-            self.set_bootstrap_observations(nxt, getattr(transition, "next_critic_observations", None))
+            self.set_bootstrap_observations(nxt, nxt_critic)
 
     def _bootstrap_rows(self, observations: Any, critic_observations: Any, t: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """``(row of all_*, checked array)`` for the observation after row ``t - 1``; SchemaError naming a bad one."""
@@ -206,3 +231,26 @@ class SarsaRolloutStorage(RolloutStorage):
         out["next_obs"] = nxt
         out["next_critic_obs"] = nxt if priv is None else priv
         return out
+
+
+class ActionLabelRollout(QueueRolloutStorage):
+    """A :class:`QueueRolloutStorage` that also keeps an action label per step (002's ``ActionLabelRollout``, e.g. a
+    teacher's action for imitation): ``action_labels`` ``[T, N, *actions_shape]``, filled from each
+    :class:`ActionLabelTransition`'s ``action_labels`` (required, shaped like ``actions``), grown, looped and untied
+    with the other arrays; its minibatches are :class:`ActionLabelMiniBatch` es (every field of :class:`MiniBatch`,
+    then ``action_labels`` laid out like ``actions``)."""
+
+    Transition = ActionLabelTransition
+    MiniBatch = ActionLabelMiniBatch
+    _transition_fields = {**RolloutStorage._transition_fields, "action_labels": "action_labels"}
+    _required = (*RolloutStorage._required, "action_labels")
+    _step_arrays = (*RolloutStorage._step_arrays, "action_labels")
+
+    action_labels: np.ndarray
+
+    def __init__(self, num_envs: int, num_transitions_per_env: int, *args: Any, **kwargs: Any):
+        super().__init__(num_envs, num_transitions_per_env, *args, **kwargs)
+        self.action_labels = np.zeros_like(self.actions)
+
+    def _step_fields(self) -> dict[str, np.ndarray | None]:
+        return {**super()._step_fields(), "action_labels": self.action_labels}

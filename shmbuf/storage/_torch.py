@@ -7,6 +7,8 @@ from typing import Any
 import numpy as np
 import optree
 
+from shmbuf._errors import UsageError
+
 
 def to_torch(tree: Any, device: Any = None) -> Any:
     """The same tree (dicts, lists, tuples, namedtuples; None stays None) with every numpy array a torch tensor.
@@ -27,3 +29,37 @@ def to_torch(tree: Any, device: Any = None) -> Any:
         return t if device is None else t.to(device)
 
     return optree.tree_map(one, tree)
+
+
+def is_device(x: Any) -> bool:
+    """Is ``x`` a device (a ``str`` or a ``torch.device``)? Told apart without importing torch: never a shape or an int."""
+    t = type(x)
+    return isinstance(x, str) or (t.__name__ == "device" and t.__module__ == "torch")
+
+
+def is_tensor(x: Any) -> bool:
+    """Is ``x`` a torch tensor? (Without importing torch: a tensor's class lives in ``torch``.)"""
+    return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "detach")
+
+
+def device_setting(setting: str, device: Any) -> Any:
+    """``device`` as a ``torch.device`` (torch imported here: only on the device path); UsageError naming the setting."""
+    if not is_device(device):
+        raise UsageError(f"{setting}: expected a device (a str such as 'cpu' or 'cuda:0', or a torch.device), got "
+                         f"{device!r:.80}")
+    try:
+        import torch
+    except ImportError:
+        raise UsageError(f"{setting}: {device!r} asks for torch tensors on that device, and torch is not installed; "
+                         "install torch, or leave the device out for numpy arrays") from None
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise UsageError(f"{setting}: {device!r} is not a torch device ({e})") from None
+
+
+def host_array(x: Any) -> Any:
+    """A torch tensor (any device, with or without grad) as a numpy array on the host; anything else as it is."""
+    if is_tensor(x):
+        return x.detach().cpu().numpy()
+    return x

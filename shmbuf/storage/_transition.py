@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from shmbuf._errors import SchemaError, UsageError
-from shmbuf.storage._torch import to_torch
+from shmbuf.storage._torch import host_array, to_torch
 
 # Per-step arrays, in the order growth and untie_buffer_loop walk them (None ones are skipped).
 STEP_ARRAYS = ("observations", "privileged_observations", "actions", "rewards", "dones", "time_outs", "values",
@@ -53,10 +53,19 @@ class Transition:
 
 @dataclass
 class SarsaTransition(Transition):
-    """A :class:`Transition` that also carries the next observation; read only at the storage's last row."""
+    """A :class:`Transition` that also carries the next observation; read only at the storage's last row.
+    ``next_privileged_observations`` is 002's name for ``next_critic_observations`` (either may be set)."""
 
     next_observations: Any = None
     next_critic_observations: Any = None
+    next_privileged_observations: Any = None
+
+
+@dataclass
+class ActionLabelTransition(Transition):
+    """A :class:`Transition` with ``action_labels`` (shaped like ``actions``): 002's ``ActionLabelRollout.Transition``."""
+
+    action_labels: Any = None
 
 
 class _ToTorch:
@@ -91,8 +100,18 @@ class SarsaMiniBatch(_ToTorch, namedtuple("SarsaMiniBatch", ["obs", "critic_obs"
     __slots__ = ()
 
 
-# What the generators yield: a MiniBatch, or from a SarsaRolloutStorage a SarsaMiniBatch (not a subclass of it).
-AnyMiniBatch = MiniBatch | SarsaMiniBatch
+class ActionLabelMiniBatch(_ToTorch, namedtuple("ActionLabelMiniBatch", ["obs", "critic_obs", "actions", "values",
+                                                                         "advantages", "returns", "old_actions_log_prob",
+                                                                         "old_mu", "old_sigma", "hidden_states", "masks",
+                                                                         "action_labels"])):
+    """A :class:`MiniBatch` with ``action_labels`` shaped like ``actions`` (002's ``ActionLabelRollout.MiniBatch``)."""
+
+    __slots__ = ()
+
+
+# What the generators yield: a MiniBatch, or from a SarsaRolloutStorage a SarsaMiniBatch, from an ActionLabelRollout an
+# ActionLabelMiniBatch (neither a subclass of it).
+AnyMiniBatch = MiniBatch | SarsaMiniBatch | ActionLabelMiniBatch
 
 
 TimeOutObservations = namedtuple("TimeOutObservations", ["step", "env", "obs"])
@@ -106,10 +125,10 @@ def array_of(name: str, x: Any) -> np.ndarray:
     if isinstance(x, np.ndarray):
         return x
     try:
-        return np.asarray(x)
+        return np.asarray(host_array(x))  # a torch tensor on any device: detached and copied to the host
     except Exception as exc:  # noqa: BLE001  # ragged nesting (ValueError), whatever an __array__ raises
         raise SchemaError(f"Transition.{name}: could not read a {type(x).__name__} as a numpy array ({type(exc).__name__}: "
-                          f"{exc}); pass an array of one row of every env (for torch: tensor.detach().cpu())") from None
+                          f"{exc}); pass an array (or tensor) of one row of every env") from None
 
 
 def as_row(name: str, x: Any, row: np.ndarray) -> np.ndarray:

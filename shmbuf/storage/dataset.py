@@ -9,7 +9,10 @@ batch copies what it takes from them. numpy only; torch is imported when ``devic
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -18,6 +21,7 @@ import numpy as np
 from shmbuf._errors import SegmentError, SlotTimeout, UsageError
 from shmbuf._validate import int_setting, timeout_setting
 from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATED
+from shmbuf.storage._file_base import RolloutFileBase
 from shmbuf.storage._fileformat import (
     CHUNK_DIR,
     KEYS,
@@ -32,6 +36,7 @@ from shmbuf.storage._fileformat import (
     read_json,
     read_metadata,
 )
+from shmbuf.storage._pickled import convert_pickled_recording, is_pickled_recording, refuse_pickle
 from shmbuf.storage._torch import to_torch
 
 
@@ -147,8 +152,12 @@ class _Handler:
         self.traj, self.cursor, self.fresh = traj, cursor, True
 
 
-class RolloutDataset:
+class RolloutDataset(RolloutFileBase):
     """002's RolloutDataset over a directory a :class:`Recorder` wrote: per-env trajectory cursors, batches of transitions.
+
+    shmbuf's subclass of :class:`~shmbuf.storage.files.RolloutFileBase`: its :meth:`get_buffer` is the raw per-leaf
+    buffer that :meth:`fill_transition` fills, and :meth:`get_batch` makes a :class:`FileTransition` of it.
+    :meth:`get_transition_batch` gives ``(s, a, r, d, info)`` (002's base gives ``(buffer, infos)``).
 
     Args:
         data_dir: the recording (it may still be being written).
@@ -169,6 +178,10 @@ class RolloutDataset:
         wait_timeout: how long to wait for enough trajectories (``max(num_envs, keep_latest_n_trajs)``)
             before :class:`shmbuf.SlotTimeout` (None: for ever).
         poll_interval: how often to rescan while waiting.
+        allow_pickle: ``data_dir`` may be 002's own recording (pickled trajectories): it is converted once into a
+            temporary shmbuf recording (removed with this dataset) and read from there. **Unsafe for files you do
+            not trust**: unpickling runs code chosen by whoever wrote them. Off by default; a pickled recording is
+            then refused, naming ``shmbuf convert --allow-pickle`` (convert once, keep the result).
 
     Each batch is new arrays, the caller's to keep (002 refills one buffer).
     """
@@ -177,7 +190,7 @@ class RolloutDataset:
                  random_shuffle_traj_order: bool = False, keep_latest_n_trajs: int = 0,
                  starting_frame_range: Sequence[int] = (0, 1), device: Any = None, *, obs_key: str = OBS,
                  concat_obs: bool = False, seed: Any = None, wait_timeout: float | None = 60.0,
-                 poll_interval: float = 0.2):
+                 poll_interval: float = 0.2, allow_pickle: bool = False):
         num_envs = int_setting("RolloutDataset(num_envs=...)", num_envs)
         keep_latest_n_trajs = int_setting("RolloutDataset(keep_latest_n_trajs=...)", keep_latest_n_trajs, 0)
         if isinstance(dataset_loops, bool) or not isinstance(dataset_loops, (int, np.integer)):
@@ -196,6 +209,11 @@ class RolloutDataset:
         if not isinstance(obs_key, str):
             raise UsageError(f"RolloutDataset(obs_key=...): expected a step leaf name (str), got {obs_key!r}")
         self.data_dir = os.fspath(data_dir)
+        self.source_dir = self.data_dir
+        if allow_pickle is True and is_pickled_recording(self.data_dir):
+            self.data_dir = tempfile.mkdtemp(prefix="shmbuf-converted-")
+            weakref.finalize(self, shutil.rmtree, self.data_dir, True)
+            convert_pickled_recording(self.source_dir, self.data_dir, allow_pickle=True, fsync=False)
         self.num_envs = int(num_envs)
         self.dataset_loops = int(dataset_loops)
         self.random_shuffle_traj_order = bool(random_shuffle_traj_order)
@@ -216,6 +234,7 @@ class RolloutDataset:
         self._initialized = False
 
     get_frame_range = staticmethod(get_frame_range)
+    Transition = FileTransition  # 002's RolloutDataset.Transition (its fields: FileTransition's docstring)
 
     # -- the directory --------------------------------------------------------------------------------
 
@@ -243,6 +262,8 @@ class RolloutDataset:
                 foreign.append(name)
                 if name.startswith("trajectory_"):
                     odd.append(name)
+        if odd and is_pickled_recording(self.data_dir):
+            raise refuse_pickle(self.data_dir, "RolloutDataset")
         if METADATA not in names:
             if trajs:
                 raise SegmentError(f"{os.path.join(self.data_dir, METADATA)}: missing, though the directory holds "
@@ -368,10 +389,11 @@ class RolloutDataset:
             out[k] = np.zeros((n, E), bool)
         return out
 
-    def _fill(self, out: dict[str, np.ndarray], n: int, ends: list[tuple[int, int, _Traj]] | None = None) -> None:
-        """Rows [0, n) of every env into ``out`` (``(n, E, ...)`` arrays), advancing the cursors."""
+    def _fill(self, out: dict[str, np.ndarray], n: int, ends: list[tuple[int, int, _Traj]] | None = None,
+              envs: Any = None) -> None:
+        """Rows [0, n) of every env (or of ``envs``) into ``out`` (``(n, E, ...)`` arrays), advancing the cursors."""
         files = list(self._leaves)
-        for e in range(self.num_envs):
+        for e in (range(self.num_envs) if envs is None else envs):
             i = 0
             while i < n:
                 h = self._handlers[e]
@@ -412,6 +434,28 @@ class RolloutDataset:
             tree = np.concatenate([p.reshape(*lead, -1) for p in parts], axis=-1)
         return tree
 
+    def get_buffer(self, num_transitions_per_env: int | None = None) -> dict[str, np.ndarray]:
+        """The raw buffer (RolloutFileBase's): one ``(n, E, ...)`` array per recorded leaf file (n = 1 without
+        ``num_transitions_per_env``), ``"next:<file>"`` for the next observations, ``"first"`` and ``"cut"`` flags.
+        :meth:`get_batch` is the way to read: it makes a :class:`FileTransition` of such a buffer. Resets first if
+        nothing was read yet (the leaves come from the recording's metadata.json)."""
+        if num_transitions_per_env is not None:
+            int_setting("get_buffer(num_transitions_per_env=...) (None: one transition)", num_transitions_per_env)
+        if not self._initialized:
+            self.reset()
+        return self._alloc(1 if num_transitions_per_env is None else int(num_transitions_per_env))
+
+    def fill_transition(self, buffer: dict[str, np.ndarray], env_ids: Any = None) -> None:
+        """Fill every row of a :meth:`get_buffer` buffer for the envs in ``env_ids`` (None: all), advancing their
+        cursors (RolloutFileBase's; :class:`StopIteration` when the passes are done)."""
+        ids = None if env_ids is None else [int(e) for e in np.asarray(env_ids).reshape(-1)]
+        for e in ids or ():
+            if not 0 <= e < self.num_envs:
+                raise UsageError(f"RolloutDataset.fill_transition(env_ids=...): env {e} is not in 0..{self.num_envs - 1}")
+        if not self._initialized:
+            self.reset()
+        self._fill(buffer, len(buffer["first"]), envs=ids)
+
     def get_batch(self, num_transitions_per_env: int | None = None) -> FileTransition:
         """The next transition of every env (``(E, ...)``), or the next ``num_transitions_per_env`` (``(T, E, ...)``, time-major).
 
@@ -437,7 +481,7 @@ class RolloutDataset:
         return FileTransition(self._obs(out, ""), build(self._fields[ACTION], lambda f: out[f]), out[REWARD], done,
                           timeout, self._obs(out, "next:"), term, out["first"], extras)
 
-    def get_transition_batch(self) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    def get_transition_batch(self) -> tuple[Any, Any, Any, Any, dict[str, Any]]:  # type: ignore[override]  # shmbuf's 5-tuple, kept
         """One step of every env, like a vector env's step: ``(s, a, r, d, info)``.
 
         ``info``: ``next_observation``, ``terminated``, ``first``, the extras, and ``time_outs``

@@ -43,12 +43,13 @@ from shmbuf._substrate import (
 )
 from shmbuf._validate import int_setting, timeout_setting
 from shmbuf.storage import _replay_layout as layout
+from shmbuf.storage._local_replay import LocalReplayBuffer
 from shmbuf.storage._replay_layout import ReplayHandle, ReplayInfo, describe, is_replay
 from shmbuf.storage._replay_row import ROW, Row, row_schema
 from shmbuf.storage._replay_writers import Writers
 from shmbuf.storage._torch import to_torch
 
-__all__ = ["ReplayBuffer", "ReplayHandle", "ReplayInfo", "describe", "is_replay"]
+__all__ = ["LocalReplayBuffer", "ReplayBuffer", "ReplayHandle", "ReplayInfo", "describe", "is_replay"]
 
 _SIGN_OR_ODD = np.int64(-(2**63) + 1)  # 0x8000000000000001
 _NONE = np.zeros(0, np.intp)
@@ -73,9 +74,26 @@ class ReplayBuffer(Closable):
     thread at a time for sampling (its random generator is not thread-safe); inserts through one
     instance are serialised by a lock of its own, and other instances (in this process or others)
     insert concurrently.
+
+    002's constructor, ``ReplayBuffer(obs_dim, buffer_size, device)`` (an int first), makes a
+    :class:`~shmbuf.storage.lowlevel.LocalReplayBuffer` instead: 002's in-process ring of ``(state, next_state)``
+    pairs with ``insert(states, next_states)`` and ``feed_forward_generator`` yielding them, tensors on ``device``.
+    The shared-memory buffer is made only by :meth:`create` and :meth:`attach`, as always.
     """
 
     _kind = "replay buffer"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # The constructor proper is internal (create / attach call it with a segment name first); an int first, or
+        # obs_dim=, is 002's ReplayBuffer(obs_dim, buffer_size, device), which is a different object.
+        first = args[0] if args else kwargs.get("obs_dim")
+        if cls is ReplayBuffer and isinstance(first, (int, np.integer)) and not isinstance(first, bool):
+            return LocalReplayBuffer(*args, **kwargs)
+        if cls is ReplayBuffer and (not args or not isinstance(first, str)):
+            raise UsageError("ReplayBuffer(...): make a shared-memory replay buffer with ReplayBuffer.create(example_row, "
+                             "buffer_size) or attach to one with ReplayBuffer.attach(name); ReplayBuffer(obs_dim, "
+                             f"buffer_size, device) is 002's in-process one (obs_dim an int); got {first!r:.80} first")
+        return super().__new__(cls)
 
     def __init__(self, name: str, mm: Any, fd: int, schema: Schema, lay: layout.ReplayLayout, owner: bool, creator: Owner,
                  timeout: float | None, seed: int | None):

@@ -21,15 +21,28 @@ Two ways in:
 
 Ways out: :meth:`~RolloutStorage.mini_batch_generator` (flat, shuffled) and
 :meth:`~RolloutStorage.recurrent_mini_batch_generator` (whole trajectories, padded, with masks); each yields a
-:class:`MiniBatch` of numpy arrays with ``to_torch(device=None)``. numpy only; torch is imported by ``to_torch``.
+:class:`MiniBatch` of numpy arrays with ``to_torch(device=None)``. numpy only; torch is imported by ``to_torch``, and by a
+storage made with a ``device`` (002's sixth positional argument): its minibatches are torch tensors there, in 002's
+shapes (see :class:`RolloutStorage`).
 """
 
 from shmbuf.storage._rollout_storage import RolloutStorage
-from shmbuf.storage._rollout_variants import QueueRolloutStorage, SarsaRolloutStorage
+from shmbuf.storage._rollout_variants import ActionLabelRollout, QueueRolloutStorage, SarsaRolloutStorage
 from shmbuf.storage._trajectories import split_and_pad_trajectories, unpad_trajectories
-from shmbuf.storage._transition import MiniBatch, SarsaMiniBatch, SarsaTransition, TimeOutObservations, Transition
+from shmbuf.storage._transition import (
+    ActionLabelMiniBatch,
+    ActionLabelTransition,
+    MiniBatch,
+    SarsaMiniBatch,
+    SarsaTransition,
+    TimeOutObservations,
+    Transition,
+)
 
 __all__ = [
+    "ActionLabelMiniBatch",
+    "ActionLabelRollout",
+    "ActionLabelTransition",
     "MiniBatch",
     "QueueRolloutStorage",
     "RolloutStorage",
