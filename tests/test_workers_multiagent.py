@@ -511,3 +511,62 @@ def test_complete_episodes_hold_each_agents_whole_episode_as_a_plain_loop_makes_
 def test_complete_episodes_refuse_an_agent_episode_longer_than_rollout_len_by_name():
     with pytest.raises(shmbuf.UsageError, match=r"the episode of agent '(red_0|blue_0)' outlasted rollout_len=8"):
         run_loop(1, 10, rollout_len=8, batch_mode="complete_episodes")  # the first episode lasts 9 steps
+
+
+def test_the_collector_delivers_each_agents_whole_episodes_once_in_complete_episodes_mode():
+    """MultiAgentCollector(batch_mode='complete_episodes'): batches of agent episodes from two actors, each once, each
+    whole (it ends where the agent's episode ends), equal per agent to the plain loop's episodes in order."""
+    from workers import MultiAgentCollector
+
+    batches = []
+    with MultiAgentCollector([partial(JoinLeaveEnv, 0), partial(JoinLeaveEnv, 1)], POLICIES, policy_mapping_fn=mapping,
+                             frames_per_batch=40, rollout_len=12, batch_mode="complete_episodes",
+                             count_steps_by="agent_steps", timeout=60, start_method="fork") as c:
+        for b in c:
+            batches.append(b)
+            if len(batches) == 6:
+                break
+        rows = c.rows
+    per_lane = {}
+    for b in batches:
+        assert b.agent_steps == b.frames >= 40 and b.env_steps == 0
+        assert b.agent_steps == sum(int(x.lengths.sum()) for x in b.values())
+        for pid, x in b.items():
+            starts = np.concatenate([[0], np.cumsum(x.lengths)[:-1]])
+            for i, (s0, n) in enumerate(zip(starts.tolist(), x.lengths.tolist(), strict=True)):
+                st = {k: v[s0 : s0 + n] for k, v in x.data["step"].items()}
+                per_lane.setdefault((pid, int(x.lane[i])), []).append(
+                    (int(x.epoch[i]), int(x.seq[i]), st, x.data["bootstrap"]["obs"][i], int(x.data["episode"]["env"][i])))
+    keys = [(pid, lane, e, s) for (pid, lane), eps in per_lane.items() for e, s, *_ in eps]
+    assert len(keys) == len(set(keys))  # exactly once
+    for (pid, _lane), eps in per_lane.items():
+        eps.sort(key=lambda r: r[1])
+        assert [s for _, s, *_ in eps] == list(range(len(eps)))  # every episode of this agent, in order, none lost
+        env_id = int(eps[0][2]["obs"][0][0])
+        row = eps[0][4]
+        _, agent = rows.policies[pid][row]
+        got = []
+        for _, _, st, boot, r in eps:
+            assert r == row
+            n = len(st["reward"])
+            for t in range(n):
+                tr = {"obs": st["obs"][t], "action": int(st["action"][t]), "reward": st["reward"][t],
+                      "terminated": bool(st["terminated"][t]), "truncated": bool(st["truncated"][t]),
+                      "succ": st["obs"][t + 1] if t + 1 < n else boot}
+                if "value" in st:
+                    tr["value"] = st["value"][t]
+                got.append(tr)
+        want = plain_streams(1, 200, env_ids=[env_id])[(0, agent)]
+        assert_same_streams({(0, agent): got}, {(0, agent): want})
+
+
+@pytest.mark.parametrize(("kw", "says"), [
+    ({"rollout_len": 12}, "pass count_steps_by='agent_steps'"),
+    ({"count_steps_by": "agent_steps"}, "give rollout_len, the most steps an agent's episode may take"),
+])
+def test_complete_episodes_collection_says_which_setting_it_needs(kw, says):
+    from workers import MultiAgentCollector
+
+    with pytest.raises(shmbuf.UsageError, match=says):
+        MultiAgentCollector(partial(JoinLeaveEnv, 0), POLICIES, policy_mapping_fn=mapping, frames_per_batch=40,
+                            batch_mode="complete_episodes", **kw)

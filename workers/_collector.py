@@ -51,14 +51,47 @@ from workers._settings import checked_sources
 from workers._views import check_view_requirements
 
 # checked_sources, progress and weights_of: workers._ray imports them from here
-__all__ = ["CollectedBatch", "Collector", "checked_sources", "progress", "weights_of"]
+__all__ = ["CollectedBatch", "Collector", "checked_sources", "episodes_batch", "no_episodes", "progress", "take_episode",
+           "weights_of"]
 
 WAIT_SLICE = 0.1
 
 
-def _no_episodes() -> dict[str, Any]:
+def no_episodes() -> dict[str, Any]:
     """A complete-episodes batch being gathered: the episodes' copies, their metadata, their frames."""
     return {"got": [], "versions": [], "lanes": [], "epochs": [], "seqs": [], "lengths": [], "frames": 0}
+
+
+def episodes_batch(part: dict[str, Any], policy_version: int) -> CollectedBatch:
+    """A complete-episodes batch from the episodes gathered in ``part`` (see :func:`no_episodes`): every episode's
+    steps concatenated, ``(N, ...)``, split by ``lengths``; ``policy_version``: the learner's, for the lag."""
+    got = part["got"]
+    data = {
+        STEP: optree.tree_map(lambda *xs: np.concatenate(xs), *[g[STEP] for g in got]),
+        EPISODE: optree.tree_map(lambda *xs: np.stack(xs), *[g[EPISODE] for g in got]),
+        BOOTSTRAP: optree.tree_map(lambda *xs: np.stack(xs), *[g[BOOTSTRAP] for g in got]),
+    }
+    v = np.asarray(part["versions"], np.int64)
+    return CollectedBatch(
+        data=data, fill=None, policy_version=v, policy_lag=policy_version - v, lane=np.asarray(part["lanes"], np.int64),
+        epoch=np.asarray(part["epochs"], np.int64), seq=np.asarray(part["seqs"], np.int64),
+        frames=part["frames"], episode_returns=data[EPISODE][RETURN], episode_lengths=data[EPISODE][LENGTH],
+        lengths=np.asarray(part["lengths"], np.int64), batch_mode=COMPLETE_EPISODES,
+    )
+
+
+def take_episode(part: dict[str, Any], r: Any) -> None:
+    """Copy the rollout ``r`` (one episode) into ``part``, with its metadata, and release it."""
+    try:
+        part["got"].append(r.copy())
+        part["versions"].append(r.policy_version)
+        part["lanes"].append(r.lane)
+        part["epochs"].append(r.epoch)
+        part["seqs"].append(r.seq)
+        part["lengths"].append(r.fill[STEP])
+        part["frames"] += r.fill[STEP]
+    finally:
+        r.release()
 
 
 def progress(frames: int, batches: int, t0: float | None, policy_version: int, lags: deque[int],
@@ -283,7 +316,7 @@ class Collector:
         self.policy_version = 0
         self._lags: deque[int] = deque(maxlen=10_000)
         self._returns: deque[float] = deque(maxlen=100)
-        self._partial = _no_episodes()  # complete-episodes: what the next batch has so far
+        self._partial = no_episodes()  # complete-episodes: what the next batch has so far
         self._t0: float | None = None
         self._closed = False
         self.reader: Any = None  # a shmbuf.Reader once started
@@ -432,33 +465,10 @@ class Collector:
         # them (a timeout, say) loses none, and the next batch starts with them.
         part = self._partial
         while part["frames"] < self.frames_per_batch:
-            r = self._wait(lambda: self.reader.get(WAIT_SLICE))
-            try:
-                part["got"].append(r.copy())
-                part["versions"].append(r.policy_version)
-                part["lanes"].append(r.lane)
-                part["epochs"].append(r.epoch)
-                part["seqs"].append(r.seq)
-                part["lengths"].append(r.fill[STEP])
-                part["frames"] += r.fill[STEP]
-            finally:
-                r.release()
+            take_episode(part, self._wait(lambda: self.reader.get(WAIT_SLICE)))
         self._check_actors()
-        self._partial = _no_episodes()
-        got, versions, lanes, epochs, seqs, lengths, frames = (part[k] for k in ("got", "versions", "lanes", "epochs",
-                                                                                 "seqs", "lengths", "frames"))
-        data = {
-            STEP: optree.tree_map(lambda *xs: np.concatenate(xs), *[g[STEP] for g in got]),
-            EPISODE: optree.tree_map(lambda *xs: np.stack(xs), *[g[EPISODE] for g in got]),
-            BOOTSTRAP: optree.tree_map(lambda *xs: np.stack(xs), *[g[BOOTSTRAP] for g in got]),
-        }
-        v = np.asarray(versions, np.int64)
-        return CollectedBatch(
-            data=data, fill=None, policy_version=v, policy_lag=self.policy_version - v, lane=np.asarray(lanes, np.int64),
-            epoch=np.asarray(epochs, np.int64), seq=np.asarray(seqs, np.int64),
-            frames=frames, episode_returns=data[EPISODE][RETURN], episode_lengths=data[EPISODE][LENGTH],
-            lengths=np.asarray(lengths, np.int64), batch_mode=self.batch_mode,
-        )
+        self._partial = no_episodes()
+        return episodes_batch(part, self.policy_version)
 
     # -- introspection and shutdown -----------------------------------------
 

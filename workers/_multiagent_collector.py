@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 import shmbuf
-from shmbuf.layout import EPISODE, LENGTH, RETURN, STEP, VALID
+from shmbuf.layout import COMPLETE_EPISODES, EPISODE, LENGTH, RETURN, STEP, TRUNCATE_EPISODES, VALID, check_batch_mode
 from shmbuf.lowlevel import int_setting, timeout_setting
-from workers._collector import CollectedBatch, progress, weights_of
-from workers._multiagent import COUNT_STEPS_BY, ENV_STEPS_COUNT, MultiAgentLoop, multiagent_examples
+from workers._collector import CollectedBatch, episodes_batch, no_episodes, progress, take_episode, weights_of
+from workers._multiagent import AGENT_STEPS_COUNT, COUNT_STEPS_BY, ENV_STEPS_COUNT, MultiAgentLoop, multiagent_examples
 from workers._pool import ActorPool, default_start_method
 
 WAIT_SLICE = 0.05
@@ -53,6 +53,8 @@ class MultiAgentSpec:
     seed: int | None = None
     torch_threads: int | None = 1
     label: str = "multiagent"
+    batch_mode: str = TRUNCATE_EPISODES
+    rows: dict[Any, int] | None = None  # complete-episodes: each policy's rows (one writer each)
 
 
 def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
@@ -66,7 +68,11 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
     subs: dict[Any, Any] = {}
     try:
         for pid, name in spec.pipelines.items():
-            writers[pid] = shmbuf.Writer(name, timeout=None, label=f"{spec.label}-{ctx.index}/{pid}")
+            if spec.batch_mode == COMPLETE_EPISODES:  # one writer per row: each agent's episode is a rollout
+                writers[pid] = [shmbuf.Writer(name, timeout=None, label=f"{spec.label}-{ctx.index}/{pid}/{k}")
+                                for k in range((spec.rows or {})[pid])]
+            else:
+                writers[pid] = shmbuf.Writer(name, timeout=None, label=f"{spec.label}-{ctx.index}/{pid}")
         for pid, name in (spec.weights or {}).items():
             subs[pid] = shmbuf.WeightSubscriber(name)
         ready = getattr(ctx, "ready", None)
@@ -77,19 +83,21 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
             pid: make() for pid, make in (spec.policy_factories or {}).items()}
         loop = MultiAgentLoop(envs, policies, writers, rollout_len=spec.rollout_len,
                               policy_mapping_fn=spec.policy_mapping_fn, count_steps_by=spec.count_steps_by, seed=seed,
-                              weights=subs, should_stop=lambda: ctx.stop_requested)
+                              weights=subs, should_stop=lambda: ctx.stop_requested, batch_mode=spec.batch_mode)
         loop.run()
     except BaseException as exc:
         quiet = (KeyboardInterrupt, SystemExit, shmbuf.PipelineClosed, shmbuf.BrokenPipeline)
         if writers and not isinstance(exc, quiet):
             try:
-                next(iter(writers.values())).report_error(exc)
+                first = next(iter(writers.values()))
+                (first[0] if isinstance(first, list) else first).report_error(exc)
             except Exception:  # noqa: BLE001  # whatever a gone pipeline raises: the pool's channel still carries it
                 pass
         raise
     finally:
-        for w in writers.values():
-            w.close()
+        for ws in writers.values():
+            for w in ws if isinstance(ws, list) else [ws]:
+                w.close()
         for sub in subs.values():
             sub.close()
         for env in envs:
@@ -99,10 +107,14 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
 class MultiAgentBatch(dict):
     """One batch of a :class:`MultiAgentCollector`: ``{policy_id: CollectedBatch}`` (RLlib's ``MultiAgentBatch``).
 
-    Each policy's batch holds ``rounds_per_batch`` of its rollouts, leaves ``(B, T, K, ...)`` over the policy's
-    rows (``rows[policy_id][k]`` is the ``(env, agent)`` of row ``k`` in every actor) with the step leaf
-    ``valid``. ``env_steps``: env steps in the batch (each round's steps times the actor's envs), ``agent_steps``:
-    agent steps (the valid rows of every step of every policy); ``frames`` is the one ``count_steps_by`` counts.
+    Truncate-episodes: each policy's batch holds ``rounds_per_batch`` of its rollouts, leaves ``(B, T, K, ...)``
+    over the policy's rows (``rows[policy_id][k]`` is the ``(env, agent)`` of row ``k`` in every actor) with the
+    step leaf ``valid``. Complete-episodes: each policy's batch holds the agent episodes that came (a policy with
+    none is absent), steps concatenated ``(N, ...)`` and split by ``lengths``, the episode record's ``env`` the
+    row. ``env_steps``: env steps in the batch (each round's steps times the actor's envs; 0 in
+    complete-episodes mode, where they are not known), ``agent_steps``: agent steps (the valid rows of every
+    step of every policy); ``frames`` is the one ``count_steps_by`` counts. (``lengths`` is each rollout's
+    stored steps in both modes.)
     """
 
     env_steps: int
@@ -110,7 +122,7 @@ class MultiAgentBatch(dict):
     frames: int
 
     def __repr__(self) -> str:
-        return (f"MultiAgentBatch({ {pid: b.fill[STEP].tolist() for pid, b in self.items()} }, "
+        return (f"MultiAgentBatch({ {pid: b.lengths.tolist() for pid, b in self.items()} }, "
                 f"env_steps={self.env_steps}, agent_steps={self.agent_steps})")
 
 
@@ -132,7 +144,11 @@ class MultiAgentCollector:
             (``rollout_len`` times the envs per actor for env steps, ``rollout_len`` for agent steps) times
             the actors.
         count_steps_by: ``"env_steps"`` or ``"agent_steps"`` (RLlib's ``multiagent.count_steps_by``).
-        rollout_len: T (default: one round per actor per batch).
+        batch_mode: ``"truncate_episodes"`` (rounds of ``rollout_len`` env steps of every agent's row) or
+            ``"complete_episodes"`` (each rollout one agent's whole episode; ``rollout_len`` is then the longest
+            an agent's episode may be, and ``frames_per_batch`` a minimum of agent steps: episodes are added,
+            from every policy's pipeline as they come, until it is reached; ``count_steps_by="agent_steps"``).
+        rollout_len: T (default: one round per actor per batch; complete-episodes: required).
         weights: ``{policy_id: weights}`` to broadcast (default: each torch policy's ``state_dict``); needed for
             :meth:`update_policy_weights`.
         num_actors, slots, start_method, restart, max_restarts, copy, seed, torch_threads, timeout,
@@ -142,7 +158,8 @@ class MultiAgentCollector:
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]],
                  policies: dict[Any, Any] | None = None, *, policy_factories: dict[Any, Callable[[], Any]] | None = None,
                  policy_mapping_fn: Callable[..., Any] | None = None, frames_per_batch: int, total_frames: int = -1,
-                 count_steps_by: str = ENV_STEPS_COUNT, num_actors: int | None = None, rollout_len: int | None = None,
+                 count_steps_by: str = ENV_STEPS_COUNT, batch_mode: str = TRUNCATE_EPISODES,
+                 num_actors: int | None = None, rollout_len: int | None = None,
                  weights: dict[Any, Any] | None = None, slots: int | None = None, start_method: str | None = None,
                  restart: bool = False, max_restarts: int = 3, copy: bool = False, seed: int | None = 0,
                  torch_threads: int | None = 1, stop_timeout: float = 5.0, ready_timeout: float = 120.0,
@@ -153,6 +170,15 @@ class MultiAgentCollector:
         self.pool: ActorPool | None = None
         if count_steps_by not in COUNT_STEPS_BY:
             raise shmbuf.UsageError(f"count_steps_by: expected one of {COUNT_STEPS_BY}, got {count_steps_by!r}")
+        check_batch_mode(batch_mode)
+        if batch_mode == COMPLETE_EPISODES:
+            if count_steps_by != AGENT_STEPS_COUNT:
+                raise shmbuf.UsageError("batch_mode='complete_episodes' holds one agent's episode per rollout, whose env "
+                                        "steps are not the batch's: pass count_steps_by='agent_steps'")
+            if rollout_len is None:
+                raise shmbuf.UsageError("batch_mode='complete_episodes': give rollout_len, the most steps an agent's "
+                                        "episode may take (the env's max_cycles)")
+        self.batch_mode = batch_mode
         if (policies is None) == (policy_factories is None):
             raise shmbuf.UsageError("give exactly one of policies={policy_id: policy} and policy_factories="
                                     "{policy_id: factory}")
@@ -187,18 +213,22 @@ class MultiAgentCollector:
                                             f"({n_actors}) x {per_round} envs per actor, to give each actor one round")
                 rollout_len = frames_per_batch // (n_actors * per_round)
             T = int_setting("rollout_len", rollout_len, 2)
-            if frames_per_batch % (T * per_round):
+            if batch_mode == TRUNCATE_EPISODES and frames_per_batch % (T * per_round):
                 raise shmbuf.UsageError(f"frames_per_batch={frames_per_batch}: expected a multiple of one round's "
                                         f"{T * per_round} {count_steps_by} (rollout_len={T} x {per_round})")
-            self.rounds_per_batch = frames_per_batch // (T * per_round)
-            examples, self.rows = multiagent_examples(envs, self.policies, policy_mapping_fn, rollout_len=T, seed=seed)
+            self.rounds_per_batch = max(1, frames_per_batch // (T * per_round))
+            examples, self.rows = multiagent_examples(envs, self.policies, policy_mapping_fn, rollout_len=T, seed=seed,
+                                                      batch_mode=batch_mode)
         finally:
             for env in envs:
                 env.close()
         self.rollout_len, self.num_envs, self.num_actors, self.frames_per_batch = T, num_envs, n_actors, frames_per_batch
         B = self.rounds_per_batch
-        if slots is None:
+        n_rows = {pid: len(r) for pid, r in self.rows.policies.items()}
+        writers_of = {pid: n_actors * (n_rows[pid] if batch_mode == COMPLETE_EPISODES else 1) for pid in n_rows}
+        if slots is None and batch_mode == TRUNCATE_EPISODES:
             slots = -(-max(3 * B, 2 * B + 2 * n_actors) // B) * B  # two batches and two per writer, whole batches
+        self._partial = {pid: no_episodes() for pid in n_rows}  # complete-episodes: what the next batch has so far
         self.frames = self.batches = self.env_steps = self.agent_steps = 0
         self.policy_versions = dict.fromkeys(self.policies, 0)
         self._lags: deque[int] = deque(maxlen=10_000)
@@ -207,7 +237,8 @@ class MultiAgentCollector:
         self.failures: list[Any] = []
         try:
             for pid, ex in examples.items():
-                self.readers[pid] = shmbuf.create(ex, slots, max_writers=n_actors, raise_writer_errors=False)
+                n = slots if slots is not None else 2 * writers_of[pid] + 4  # complete: two episodes per writer
+                self.readers[pid] = shmbuf.create(ex, n, max_writers=writers_of[pid], raise_writer_errors=False)
             for pid, policy in self.policies.items():
                 w = (weights or {}).get(pid)
                 if w is None and hasattr(policy, "state_dict"):
@@ -220,7 +251,7 @@ class MultiAgentCollector:
                                   policy_mapping_fn=policy_mapping_fn, rollout_len=T,
                                   count_steps_by=count_steps_by,
                                   weights={pid: p.name for pid, p in self.publishers.items()} or None, seed=seed,
-                                  torch_threads=torch_threads)
+                                  torch_threads=torch_threads, batch_mode=batch_mode, rows=n_rows)
             self.pool = ActorPool(run_multiagent_actor, n_actors, args=(spec,),
                                   start_method=start_method or default_start_method(), restart=restart,
                                   max_restarts=max_restarts, name="shmbuf-multiagent")
@@ -254,7 +285,7 @@ class MultiAgentCollector:
             self.pool.wait_ready(self.ready_timeout)
             self._t0 = time.monotonic()
         while self.total_frames < 0 or self.frames < self.total_frames:
-            batch = self._next()
+            batch = self._next() if self.batch_mode == TRUNCATE_EPISODES else self._next_complete()
             self.frames += batch.frames
             self.env_steps += batch.env_steps
             self.agent_steps += batch.agent_steps
@@ -312,6 +343,38 @@ class MultiAgentCollector:
         self._check_actors()
         out.env_steps, out.agent_steps = env_steps, agent_steps
         out.frames = env_steps if self.count_steps_by == ENV_STEPS_COUNT else agent_steps
+        return out
+
+    def _next_complete(self) -> MultiAgentBatch:
+        """Agent episodes from every policy's pipeline, as they come, until they hold ``frames_per_batch`` agent
+        steps; each policy's episodes concatenated as :class:`workers.Collector`'s complete-episodes batches are.
+        What was taken stays on the collector until the batch is whole (a timeout loses none)."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        parts = self._partial
+        while sum(p["frames"] for p in parts.values()) < self.frames_per_batch:
+            took = False
+            for pid, reader in self.readers.items():
+                try:
+                    r = reader.get(0 if took else WAIT_SLICE / len(self.readers))
+                except shmbuf.SlotTimeout:
+                    continue
+                take_episode(parts[pid], r)
+                took = True
+            if not took:
+                self._check_actors()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise shmbuf.SlotTimeout(f"no agent episode within timeout={self.timeout} s; the actors are alive "
+                                             "but not delivering")
+        self._check_actors()
+        self._partial = {pid: no_episodes() for pid in parts}
+        out = MultiAgentBatch()
+        for pid, part in parts.items():
+            if part["got"]:
+                out[pid] = b = episodes_batch(part, self.policy_versions[pid])
+                self._lags.extend(b.policy_lag.tolist())
+                self._returns.extend(b.episode_returns.tolist())
+        out.agent_steps = out.frames = sum(p["frames"] for p in parts.values())
+        out.env_steps = 0  # not known: an agent's episode is not the env's (count_steps_by is "agent_steps" here)
         return out
 
     # -- introspection and shutdown -----------------------------------------
