@@ -17,7 +17,8 @@ with every agent acting uniformly at random. ``--target`` stops the run once it 
     python examples/ppo_spread.py                           # the full run
     python examples/ppo_spread.py --max-updates 2 --json    # a smoke test
 
-Measured on this project's 2-core machine (seed 0): see the module's closing lines in docs/multiagent.md.
+Measured on this project's 2-core machine (seed 0, the machine shared with other work): -20.34 over the last
+500 agent episodes after 123 updates (147,600 agent steps, 149 s), against -26.25 acting at random.
 """
 
 from __future__ import annotations
