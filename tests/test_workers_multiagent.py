@@ -570,3 +570,37 @@ def test_complete_episodes_collection_says_which_setting_it_needs(kw, says):
     with pytest.raises(shmbuf.UsageError, match=says):
         MultiAgentCollector(partial(JoinLeaveEnv, 0), POLICIES, policy_mapping_fn=mapping, frames_per_batch=40,
                             batch_mode="complete_episodes", **kw)
+
+
+def test_served_policies_answer_every_actor_and_stamp_each_action_with_their_version():
+    """serve=True: each policy behind an inference server in this process (never pickled); the stored streams still
+    equal the plain loop's, each action carries the version that chose it, and an update moves only that policy's."""
+    from workers import MultiAgentCollector
+
+    policies = {"red": Scaled(1), "blue": blue_policy}
+    with MultiAgentCollector([partial(JoinLeaveEnv, 0)] * 2, policies, policy_mapping_fn=mapping, frames_per_batch=16,
+                             serve=True, copy=True, timeout=60, start_method="fork") as c:
+        it = iter(c)
+        first = next(it)
+        for x in first.values():
+            st = x.data["step"]
+            assert st["policy_version"].shape == st["valid"].shape and not st["policy_version"].any()
+            assert np.array_equal(st["action"][~st["valid"]], np.zeros(int((~st["valid"]).sum()), np.int64))
+        stream_env0 = {pid: [{"seq": int(x.seq[i]), "fill": {"step": 8, "episode": int(x.fill["episode"][i])},
+                              "data": optree.tree_map(lambda a, i=i: a[i], x.data)} for i in range(2) if x.seq[i] == 0]
+                       for pid, x in first.items()}
+        assert c.update_policy_weights({"red": {"scale": 2}}) == {"red": 1}
+        assert policies["red"].scale == 2  # copied into the served policy between two forward passes
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "no action of red's version 1 in 60 s"
+            b = next(it)
+            st = b["red"].data["step"]
+            newer = st["valid"] & (st["policy_version"] == 1)
+            if newer.any():
+                break
+        assert np.array_equal(st["action"][newer], 2 * red_policy(st["obs"][newer]))
+        assert not b["blue"].data["step"]["policy_version"].any()
+        assert set(c.stats()["servers"]) == {"red", "blue"}
+    got = stored_streams({pid: v for pid, v in stream_env0.items() if v}, c.rows)
+    assert_same_streams(got, plain_streams(1, 8, env_ids=[0]))

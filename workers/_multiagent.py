@@ -230,14 +230,16 @@ def _array_obs(pid: Any, obs: Any) -> np.ndarray:
 
 
 def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_mapping_fn: Callable[..., Any] | None,
-                        *, rollout_len: int, seed: int | None = None,
-                        batch_mode: str = TRUNCATE_EPISODES) -> tuple[dict[Any, Any], AgentRows]:
+                        *, rollout_len: int, seed: int | None = None, batch_mode: str = TRUNCATE_EPISODES,
+                        extra_leaves: dict[str, Any] | None = None) -> tuple[dict[Any, Any], AgentRows]:
     """Each policy's rollout example (schema) and the rows, from one reset of ``envs`` and one call of each policy.
 
     Truncate-episodes: :func:`shmbuf.layout.rollout_example` with ``num_envs`` = the policy's rows and the
     :data:`VALID` step leaf. Complete-episodes: one agent's episode per rollout, the single-env
-    complete-episodes layout (every stored step is valid). Raises UsageError for a policy id the mapping
-    names that ``policies`` lacks (or the other way round), SchemaError for extras that clash with the layout.
+    complete-episodes layout (every stored step is valid). ``extra_leaves``: step leaves every policy's
+    rollouts get besides the policy's extras (one item each, e.g. the served policies' ``policy_version``).
+    Raises UsageError for a policy id the mapping names that ``policies`` lacks (or the other way round),
+    SchemaError for extras that clash with the layout.
     """
     check_batch_mode(batch_mode)
     rows = AgentRows(_agents_of(envs[0]), len(envs), policy_mapping_fn)
@@ -265,6 +267,11 @@ def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_ma
         if VALID in extras:
             raise SchemaError(f"policy {pid!r}: the extra '{VALID}' clashes with the multi-agent step leaf of that name")
         ex = {k: np.array(np.asarray(v)[0]) for k, v in extras.items()}
+        for k, v in (extra_leaves or {}).items():
+            if k in ex:
+                raise UsageError(f"policy {pid!r} returns an extra named {k!r}, which the collector stores itself; "
+                                 "rename it")
+            ex[k] = v
         if batch_mode == COMPLETE_EPISODES:
             examples[pid] = rollout_example(first[pid], np.array(action[0]), rollout_len=rollout_len, extras=ex,
                                             batch_mode=COMPLETE_EPISODES)
@@ -311,14 +318,21 @@ class MultiAgentLoop:
         weights: ``{policy_id: WeightSubscriber}`` for the policies whose weights are broadcast, polled at round
             boundaries (see :func:`workers.ActorLoop`'s ``weights``); each policy's rollouts carry its own version.
         should_stop: checked every step; a partial round is then dropped.
+        every_row: call each policy on all its rows, live or not (an agent away has zeros), not only on the live
+            ones: what a policy answered by an inference server needs (its request has a fixed shape).
+
+    A policy without a broadcast that knows which weights version answered it (``policy_version``, as
+    :class:`workers.RemotePolicy` has) stamps its rollouts with that version.
     """
 
     def __init__(self, envs: Any, policies: dict[Any, Any], writers: dict[Any, Any], *, rollout_len: int,
                  policy_mapping_fn: Callable[..., Any] | None = None, count_steps_by: str = ENV_STEPS_COUNT,
                  seed: int | None = None, weights: dict[Any, Any] | None = None,
-                 should_stop: Callable[[], bool] | None = None, batch_mode: str = TRUNCATE_EPISODES):
+                 should_stop: Callable[[], bool] | None = None, batch_mode: str = TRUNCATE_EPISODES,
+                 every_row: bool = False):
         check_batch_mode(batch_mode)
         self.mode = batch_mode
+        self.every_row = every_row
         if count_steps_by not in COUNT_STEPS_BY:
             raise UsageError(f"count_steps_by: expected one of {COUNT_STEPS_BY}, got {count_steps_by!r}")
         self.envs = list(envs) if isinstance(envs, (list, tuple)) else [envs]
@@ -376,13 +390,18 @@ class MultiAgentLoop:
         self.driver.reset(self._seed, self._cur, self._valid)
 
     def update_weights(self) -> None:
-        """Give each policy with a broadcast its newest weights, if newer ones were published."""
+        """Give each policy with a broadcast its newest weights, if newer ones were published; a policy without one
+        that knows the version of its last answer (``policy_version``) stamps rollouts with that."""
         for pid, sub in self.weights.items():
             got = sub.poll()
             if got is not None:
                 version, params = got
                 apply_weights(self.policies[pid], params)
                 self.versions[pid] = version
+        for pid, policy in self.policies.items():
+            v = getattr(policy, "policy_version", None) if pid not in self.weights else None
+            if v is not None and v > self.versions[pid]:
+                self.versions[pid] = int(v)
 
     def run(self, max_rounds: int | None = None) -> int:
         """Collect until ``max_rounds`` more rounds (one rollout per policy each; complete-episodes: agent episodes,
@@ -403,7 +422,7 @@ class MultiAgentLoop:
         act[...] = 0
         for dst in ext.values():
             dst[...] = 0
-        live = np.flatnonzero(valid)
+        live = np.flatnonzero(valid) if not self.every_row else np.arange(len(valid))
         if not len(live):
             return
         every = len(live) == len(valid)
@@ -421,6 +440,11 @@ class MultiAgentLoop:
                     dst[...] = v
                 else:
                     dst[live] = v
+        if self.every_row and not valid.all():  # the rows of agents away keep zeros, as without a server
+            away = ~valid
+            act[away] = 0
+            for dst in ext.values():
+                dst[away] = 0
 
     def _round(self) -> bool:
         """One rollout per policy, committed; False if the loop was asked to stop (nothing committed)."""

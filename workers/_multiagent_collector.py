@@ -29,6 +29,7 @@ from shmbuf.lowlevel import int_setting, timeout_setting
 from workers._collector import CollectedBatch, episodes_batch, no_episodes, progress, take_episode, weights_of
 from workers._multiagent import AGENT_STEPS_COUNT, COUNT_STEPS_BY, ENV_STEPS_COUNT, MultiAgentLoop, multiagent_examples
 from workers._pool import ActorPool, default_start_method
+from workers._remote import VERSION_KEY
 
 WAIT_SLICE = 0.05
 
@@ -55,6 +56,7 @@ class MultiAgentSpec:
     label: str = "multiagent"
     batch_mode: str = TRUNCATE_EPISODES
     rows: dict[Any, int] | None = None  # complete-episodes: each policy's rows (one writer each)
+    inference: dict[Any, str] | None = None  # served policies: each policy's inference table
 
 
 def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
@@ -66,6 +68,7 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
     envs = _envs_of(spec.env_fns[ctx.index % len(spec.env_fns)])
     writers: dict[Any, Any] = {}
     subs: dict[Any, Any] = {}
+    policies: dict[Any, Any] = {}
     try:
         for pid, name in spec.pipelines.items():
             if spec.batch_mode == COMPLETE_EPISODES:  # one writer per row: each agent's episode is a rollout
@@ -79,11 +82,18 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
         if ready is not None:
             ready()
         seed = None if spec.seed is None else spec.seed + 10_000 * ctx.index + 1_000_000 * ctx.incarnation
-        policies = spec.policies if spec.policies is not None else {
-            pid: make() for pid, make in (spec.policy_factories or {}).items()}
+        if spec.inference is not None:  # the policies are served by the learner: ask them through its tables
+            from workers._remote import RemotePolicy
+
+            policies = {pid: RemotePolicy(name, ctx.index) for pid, name in spec.inference.items()}
+        elif spec.policies is not None:
+            policies = spec.policies
+        else:
+            policies = {pid: make() for pid, make in (spec.policy_factories or {}).items()}
         loop = MultiAgentLoop(envs, policies, writers, rollout_len=spec.rollout_len,
                               policy_mapping_fn=spec.policy_mapping_fn, count_steps_by=spec.count_steps_by, seed=seed,
-                              weights=subs, should_stop=lambda: ctx.stop_requested, batch_mode=spec.batch_mode)
+                              weights=subs, should_stop=lambda: ctx.stop_requested, batch_mode=spec.batch_mode,
+                              every_row=spec.inference is not None)
         loop.run()
     except BaseException as exc:
         quiet = (KeyboardInterrupt, SystemExit, shmbuf.PipelineClosed, shmbuf.BrokenPipeline)
@@ -100,6 +110,9 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
                 w.close()
         for sub in subs.values():
             sub.close()
+        if spec.inference is not None:
+            for policy in policies.values():
+                policy.close()
         for env in envs:
             env.close()
 
@@ -151,6 +164,13 @@ class MultiAgentCollector:
         rollout_len: T (default: one round per actor per batch; complete-episodes: required).
         weights: ``{policy_id: weights}`` to broadcast (default: each torch policy's ``state_dict``); needed for
             :meth:`update_policy_weights`.
+        serve: keep each policy in this process, behind an inference server thread of its own, as
+            :class:`workers.AsyncBatchedCollector` does: an actor asks each policy once per env step for all of
+            its rows, and the server answers the actors' requests in batches. The policies are never pickled;
+            ``weights`` does not apply (:meth:`update_policy_weights` copies into the served policy), and every
+            rollout gets the step leaf ``policy_version``: the version that chose each action.
+        max_batch_size, min_batch_size, server_timeout, device, server_threads: each server's, as
+            :class:`workers.AsyncBatchedCollector`'s (with ``serve=True``).
         num_actors, slots, start_method, restart, max_restarts, copy, seed, torch_threads, timeout,
         stop_timeout, ready_timeout, total_frames: as :class:`workers.Collector`'s.
     """
@@ -163,8 +183,11 @@ class MultiAgentCollector:
                  weights: dict[Any, Any] | None = None, slots: int | None = None, start_method: str | None = None,
                  restart: bool = False, max_restarts: int = 3, copy: bool = False, seed: int | None = 0,
                  torch_threads: int | None = 1, stop_timeout: float = 5.0, ready_timeout: float = 120.0,
-                 timeout: float | None = None):
+                 timeout: float | None = None, serve: bool = False, max_batch_size: int = 64,
+                 min_batch_size: int = 1, server_timeout: float = 0.01, device: Any = None,
+                 server_threads: int | None = 1):
         self._closed = False
+        self.served: dict[Any, Any] = {}  # serve=True: each policy's ServedPolicy (its server and table)
         self.readers: dict[Any, Any] = {}
         self.publishers: dict[Any, shmbuf.WeightPublisher] = {}
         self.pool: ActorPool | None = None
@@ -203,6 +226,15 @@ class MultiAgentCollector:
         self.stop_timeout = stop_timeout
         self.ready_timeout = ready_timeout
         self.policies = policies if policies is not None else {pid: make() for pid, make in given.items()}
+        if serve:
+            if weights is not None:
+                raise shmbuf.UsageError("weights=: with serve=True the policies stay in this process; "
+                                        "update_policy_weights copies new weights into them")
+            from workers._placement import ServedPolicy
+
+            self.served = {pid: ServedPolicy(p, max_batch_size=max_batch_size, min_batch_size=min_batch_size,
+                                             server_timeout=server_timeout, device=device, server_threads=server_threads)
+                           for pid, p in self.policies.items()}
         envs = _envs_of(env_fns[0])
         try:
             num_envs = len(envs)
@@ -217,8 +249,10 @@ class MultiAgentCollector:
                 raise shmbuf.UsageError(f"frames_per_batch={frames_per_batch}: expected a multiple of one round's "
                                         f"{T * per_round} {count_steps_by} (rollout_len={T} x {per_round})")
             self.rounds_per_batch = max(1, frames_per_batch // (T * per_round))
-            examples, self.rows = multiagent_examples(envs, self.policies, policy_mapping_fn, rollout_len=T, seed=seed,
-                                                      batch_mode=batch_mode)
+            probe_policies = {pid: sp.forward for pid, sp in self.served.items()} if serve else self.policies
+            examples, self.rows = multiagent_examples(
+                envs, probe_policies, policy_mapping_fn, rollout_len=T, seed=seed, batch_mode=batch_mode,
+                extra_leaves={VERSION_KEY: np.zeros((), np.int64)} if serve else None)
         finally:
             for env in envs:
                 env.close()
@@ -239,7 +273,16 @@ class MultiAgentCollector:
             for pid, ex in examples.items():
                 n = slots if slots is not None else 2 * writers_of[pid] + 4  # complete: two episodes per writer
                 self.readers[pid] = shmbuf.create(ex, n, max_writers=writers_of[pid], raise_writer_errors=False)
-            for pid, policy in self.policies.items():
+            inference = {}
+            for pid, sp in self.served.items():  # a table (requests of every row of every actor) and a server
+                ex = examples[pid]["step"]
+                lead = 2 if batch_mode == TRUNCATE_EPISODES else 1
+                probed = {"num_envs": n_rows[pid], "obs": ex["obs"][(0,) * lead], "action": ex["action"][(0,) * lead],
+                          "extras": {k: v[(0,) * lead] for k, v in ex.items()
+                                     if k not in ("obs", "action", "reward", "terminated", "truncated", VALID,
+                                                  VERSION_KEY)}}
+                inference[pid] = sp.start(probed, n_actors)["inference"]
+            for pid, policy in ({} if serve else self.policies).items():  # served policies take no broadcast
                 w = (weights or {}).get(pid)
                 if w is None and hasattr(policy, "state_dict"):
                     w = weights_of(policy, None)
@@ -247,24 +290,40 @@ class MultiAgentCollector:
                     self.publishers[pid] = shmbuf.WeightPublisher(w)
                     self.publishers[pid].publish(w, version=0)  # what the actors start from
             spec = MultiAgentSpec(pipelines={pid: r.name for pid, r in self.readers.items()}, env_fns=env_fns,
-                                  policies=policies, policy_factories=policy_factories,
+                                  policies=None if serve else policies, policy_factories=None if serve else policy_factories,
                                   policy_mapping_fn=policy_mapping_fn, rollout_len=T,
                                   count_steps_by=count_steps_by,
                                   weights={pid: p.name for pid, p in self.publishers.items()} or None, seed=seed,
-                                  torch_threads=torch_threads, batch_mode=batch_mode, rows=n_rows)
+                                  torch_threads=torch_threads, batch_mode=batch_mode, rows=n_rows,
+                                  inference=inference or None)
             self.pool = ActorPool(run_multiagent_actor, n_actors, args=(spec,),
                                   start_method=start_method or default_start_method(), restart=restart,
-                                  max_restarts=max_restarts, name="shmbuf-multiagent")
+                                  max_restarts=max_restarts, name="shmbuf-multiagent", on_failure=self._retire)
             self.pool.start()
+            for sp in self.served.values():
+                sp.started()
         except BaseException:
             self.close()
             raise
+
+    def _retire(self, index: int) -> None:
+        """An actor failed: drop its pending requests before a replacement takes its client slots."""
+        for sp in self.served.values():
+            sp._retire(index)
 
     # -- weights ------------------------------------------------------------
 
     def update_policy_weights(self, weights: dict[Any, Any] | None = None) -> dict[Any, int]:
         """Broadcast new weights: ``{policy_id: torch module, state dict or pytree}`` (None: every torch policy
         given to the constructor, re-read). Returns each updated policy's new version."""
+        if self.served:
+            todo = weights if weights is not None else dict.fromkeys(self.served)
+            unknown = sorted(str(pid) for pid in todo if pid not in self.served)
+            if unknown:
+                raise shmbuf.UsageError(f"update_policy_weights: {unknown} are not policies of this collector")
+            for pid, w in todo.items():
+                self.policy_versions[pid] = self.served[pid].update_weights(w, None)
+            return {pid: self.policy_versions[pid] for pid in todo}
         todo = weights if weights is not None else {pid: None for pid in self.publishers}
         out = {}
         for pid, w in todo.items():
@@ -310,6 +369,8 @@ class MultiAgentCollector:
 
     def _check_actors(self) -> None:
         assert self.pool is not None
+        for sp in self.served.values():
+            sp.check()
         n = len(self.pool.failures)
         self.pool.check()
         self.failures = list(self.pool.failures)
@@ -381,11 +442,14 @@ class MultiAgentCollector:
 
     def stats(self) -> dict[str, Any]:
         """Frames (as counted), env and agent steps, batches, frames/s, policy lag, recent agent-episode returns."""
-        return {**progress(self.frames, self.batches, self._t0, max(self.policy_versions.values()), self._lags,
-                           self._returns),
-                "env_steps": self.env_steps, "agent_steps": self.agent_steps,
-                "count_steps_by": self.count_steps_by,
-                "actor_restarts": self.pool.restarts if self.pool is not None else 0}
+        out = {**progress(self.frames, self.batches, self._t0, max(self.policy_versions.values()), self._lags,
+                          self._returns),
+               "env_steps": self.env_steps, "agent_steps": self.agent_steps,
+               "count_steps_by": self.count_steps_by,
+               "actor_restarts": self.pool.restarts if self.pool is not None else 0}
+        if self.served:
+            out["servers"] = {pid: sp.stats()["server"] for pid, sp in self.served.items()}
+        return out
 
     def shutdown(self, timeout: float | None = None) -> None:
         """TorchRL's name for :meth:`close`."""
@@ -396,7 +460,10 @@ class MultiAgentCollector:
         if self._closed:
             return
         self._closed = True
-        end = time.monotonic() + (self.stop_timeout if timeout is None else timeout)
+        budget = self.stop_timeout if timeout is None else timeout
+        end = time.monotonic() + budget
+        for sp in self.served.values():
+            sp.interrupt(budget / max(1, len(self.served)))  # the servers stop; workers waiting for answers wake
         for r in self.readers.values():
             r.close()  # a writer waiting for a slot sees it within 0.1 s and its actor returns
         if self.pool is not None:
@@ -404,6 +471,8 @@ class MultiAgentCollector:
             self.failures = list(self.pool.failures)
         for p in self.publishers.values():
             p.close()
+        for sp in self.served.values():
+            sp.close(end)
 
     def __enter__(self) -> MultiAgentCollector:
         return self
