@@ -604,3 +604,17 @@ def test_served_policies_answer_every_actor_and_stamp_each_action_with_their_ver
         assert set(c.stats()["servers"]) == {"red", "blue"}
     got = stored_streams({pid: v for pid, v in stream_env0.items() if v}, c.rows)
     assert_same_streams(got, plain_streams(1, 8, env_ids=[0]))
+
+
+def test_rllib_mapping_functions_of_every_signature_map_each_agent_once():
+    from workers._multiagent import mapping_of
+
+    def old(agent_id, episode, worker, **kwargs):  # RLlib's older signature
+        return "p" + agent_id[-1]
+
+    assert mapping_of(old)("red_1") == "p1"
+    assert mapping_of(mapping)("blue_0") == "blue"  # (agent_id, episode, **kwargs)
+    assert mapping_of(lambda agent_id: agent_id[:3])("red_0") == "red"
+    assert mapping_of(None)("anyone") == "default_policy"
+    with pytest.raises(shmbuf.UsageError, match="policy_mapping_fn: expected a function of the agent id"):
+        mapping_of("red")

@@ -61,8 +61,9 @@ COUNT_STEPS_BY = (ENV_STEPS_COUNT, AGENT_STEPS_COUNT)
 def mapping_of(policy_mapping_fn: Callable[..., Any] | None) -> Callable[[Any], Any]:
     """A policy mapping as a function of the agent id alone.
 
-    RLlib's ``policy_mapping_fn(agent_id, episode, **kwargs)`` is called with ``episode=None``: the mapping is
-    decided once per agent id (each agent's row is fixed), not per episode. None maps every agent to
+    RLlib's ``policy_mapping_fn(agent_id, episode, **kwargs)`` (or its older ``(agent_id, episode, worker,
+    **kwargs)``) is called with None for all but the agent id: the mapping is decided once per agent id (each
+    agent's row is fixed), not per episode. None maps every agent to
     ``"default_policy"`` (RLlib's default policy id).
     """
     if policy_mapping_fn is None:
@@ -74,8 +75,9 @@ def mapping_of(policy_mapping_fn: Callable[..., Any] | None) -> Callable[[Any], 
     except (TypeError, ValueError):  # a builtin without a signature: called with the agent id alone
         return policy_mapping_fn
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-    if len(positional) >= 2:
-        return lambda agent: policy_mapping_fn(agent, None)
+    if len(positional) >= 2:  # (agent_id, episode) or the old (agent_id, episode, worker): None for all but the id
+        rest = (None,) * (len(positional) - 1)
+        return lambda agent: policy_mapping_fn(agent, *rest)
     return policy_mapping_fn
 
 
