@@ -128,8 +128,9 @@ class ParallelDriver:
             if _agents_of(env) != agents:
                 raise UsageError(f"envs[{i}].possible_agents: expected {agents} (every env of an actor has the same "
                                  f"agents), got {_agents_of(env)}")
-        # per env: agent -> (policy, row), looked up once per agent per step
+        # per env: agent -> (policy, row); and the last step's live agents grouped by policy (see _plan)
         self._at = [{agent: rows.where[(i, agent)] for agent in agents} for i in range(len(self.envs))]
+        self._plans: list[Any] = [None] * len(self.envs)
 
     def _row(self, i: int, agent: Any) -> tuple[Any, int]:
         try:
@@ -153,6 +154,39 @@ class ParallelDriver:
                                       f"{np.asarray(o).dtype}")
             dst[row] = o
             valid[pid][row] = True
+
+    def _plan(self, i: int, live: list[Any]) -> tuple[dict[Any, tuple[tuple[Any, ...], np.ndarray]], Any]:
+        """Env ``i``'s live agents grouped by policy, ``{policy: (agents, rows)}``, and their names as a set: made
+        again only when the live agents change (agents join or leave), else the last step's."""
+        cached = self._plans[i]
+        if cached is not None and cached[0] == live:
+            return cached[1], cached[2]
+        at = self._at[i]
+        groups: dict[Any, tuple[list[Any], list[int]]] = {}
+        for agent in live:
+            pid, row = at[agent] if agent in at else self._row(i, agent)
+            g = groups.setdefault(pid, ([], []))
+            g[0].append(agent)
+            g[1].append(row)
+        plan = {pid: (tuple(agents), np.array(rows, np.intp)) for pid, (agents, rows) in groups.items()}
+        names = {a for a in live}
+        self._plans[i] = (list(live), plan, names)
+        return plan, names
+
+    def _place_plan(self, plan: dict[Any, tuple[tuple[Any, ...], np.ndarray]], obs: dict[Any, Any],
+                    out: dict[Any, np.ndarray], valid: dict[Any, np.ndarray], i: int) -> None:
+        """Every live agent's observation into its row, one store per policy (the checked path for anything else)."""
+        for pid, (agents, rows) in plan.items():
+            dst = out[pid]
+            try:
+                stacked = np.stack([obs[a] for a in agents])
+            except ValueError:  # observations of different shapes: the checked path names the agent
+                stacked = None
+            if stacked is None or stacked.shape[1:] != dst.shape[1:] or stacked.dtype != dst.dtype:
+                self._place(i, {a: obs[a] for a in agents}, out, valid)
+                continue
+            dst[rows] = stacked
+            valid[pid][rows] = True
 
     def reset(self, seed: int | None, out: dict[Any, np.ndarray], valid: dict[Any, np.ndarray]) -> None:
         """Reset every env (env ``i`` with ``seed + i``) and write its agents' first observations into ``out``."""
@@ -181,23 +215,18 @@ class ParallelDriver:
             trunc[pid][...] = False
         finals: dict[Any, dict[int, Any]] = {pid: {} for pid in out}
         for i, env in enumerate(self.envs):
-            at = self._at[i]
-            acts = {}
-            acted: dict[Any, list[Any]] = {}  # policy -> [agents, rows]: its rewards and flags go in one store each
-            for agent in env.agents:
-                pid, row = at[agent] if agent in at else self._row(i, agent)
-                if not valid[pid][row]:
+            plan, names = self._plan(i, env.agents)
+            acts: dict[Any, Any] = {}
+            for pid, (agents, rows) in plan.items():
+                ok = valid[pid][rows]
+                if not ok.all():
+                    agent = agents[int(np.flatnonzero(~ok)[0])]
                     raise UsageError(f"envs[{i}]: agent {agent!r} is live, but it was in no observation the env "
                                      "returned, so it has nothing to act on")
-                acts[agent] = actions[pid][row]
-                pa = acted.get(pid)
-                if pa is None:
-                    pa = acted[pid] = [[], []]
-                pa[0].append(agent)
-                pa[1].append(row)
+                acts.update(zip(agents, actions[pid][rows]))
             obs, r, te, tr, _ = env.step(acts)
             ended = set()
-            for pid, (agents, rows) in acted.items():
+            for pid, (agents, rows) in plan.items():
                 try:
                     rew[pid][rows] = [r[a] for a in agents]
                     te_p = [te[a] for a in agents]
@@ -214,10 +243,13 @@ class ParallelDriver:
                                 raise UsageError(f"envs[{i}].step: agent {a!r} ended without a final observation")
                             finals[pid][row] = np.array(obs[a])
                             ended.add(a)
-            if len(obs) < len(acts) - len(ended) or not all(a in obs for a in acts if a not in ended):
-                gone = [a for a in acts if a not in ended and a not in obs]
-                raise UsageError(f"envs[{i}].step: agent {gone[0]!r} goes on without an observation")
-            self._place(i, obs, out, out_valid, skip=ended)
+            if not ended and obs.keys() == names:  # the same agents go on: each policy's rows in one store
+                self._place_plan(plan, obs, out, out_valid, i)
+            else:
+                if not all(a in obs for a in acts if a not in ended):
+                    gone = [a for a in acts if a not in ended and a not in obs]
+                    raise UsageError(f"envs[{i}].step: agent {gone[0]!r} goes on without an observation")
+                self._place(i, obs, out, out_valid, skip=ended)
             if not env.agents:  # the env's episode is over: its agents start again
                 obs, _ = env.reset()
                 self._place(i, obs, out, out_valid)
