@@ -52,6 +52,7 @@ from shmbuf.layout import (
 )
 from workers._actor import apply_weights, as_numpy_policy, split_policy_output
 from workers._truncate import OutputCheck, check_extras
+from workers._views import ActorViews, check_view_requirements
 
 ENV_STEPS_COUNT = "env_steps"
 AGENT_STEPS_COUNT = "agent_steps"
@@ -265,13 +266,16 @@ def _array_obs(pid: Any, obs: Any) -> np.ndarray:
 
 def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_mapping_fn: Callable[..., Any] | None,
                         *, rollout_len: int, seed: int | None = None, batch_mode: str = TRUNCATE_EPISODES,
-                        extra_leaves: dict[str, Any] | None = None) -> tuple[dict[Any, Any], AgentRows]:
+                        extra_leaves: dict[str, Any] | None = None,
+                        view_requirements: dict[Any, Any] | None = None) -> tuple[dict[Any, Any], AgentRows]:
     """Each policy's rollout example (schema) and the rows, from one reset of ``envs`` and one call of each policy.
 
     Truncate-episodes: :func:`shmbuf.layout.rollout_example` with ``num_envs`` = the policy's rows and the
     :data:`VALID` step leaf. Complete-episodes: one agent's episode per rollout, the single-env
     complete-episodes layout (every stored step is valid). ``extra_leaves``: step leaves every policy's
     rollouts get besides the policy's extras (one item each, e.g. the served policies' ``policy_version``).
+    ``view_requirements``: ``{policy_id: {name: ViewRequirement}}``: those policies are probed with the input
+    dict of an episode's first step, as the loop will call them.
     Raises UsageError for a policy id the mapping names that ``policies`` lacks (or the other way round),
     SchemaError for extras that clash with the layout.
     """
@@ -296,7 +300,12 @@ def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_ma
             env_i, agent = agent_rows[0]
             space = envs[env_i].observation_space(agent)
             first[pid] = np.zeros(space.shape, space.dtype)
-        action, extras = split_policy_output(as_numpy_policy(policies[pid])(first[pid][None]))
+        x: Any = first[pid][None]
+        reqs = (view_requirements or {}).get(pid)
+        if reqs is not None:
+            env_i, agent = agent_rows[0]
+            x = ActorViews(reqs, x, 1, envs[env_i].action_space(agent)).inputs()
+        action, extras = split_policy_output(as_numpy_policy(policies[pid])(x))
         action = np.asarray(action)
         if VALID in extras:
             raise SchemaError(f"policy {pid!r}: the extra '{VALID}' clashes with the multi-agent step leaf of that name")
@@ -354,6 +363,10 @@ class MultiAgentLoop:
         should_stop: checked every step; a partial round is then dropped.
         every_row: call each policy on all its rows, live or not (an agent away has zeros), not only on the live
             ones: what a policy answered by an inference server needs (its request has a fixed shape).
+        view_requirements: ``{policy_id: {name: ViewRequirement}}`` (RLlib's per-policy view requirements):
+            those policies are called with a dict of views of their agents' streams instead of the bare
+            observations (see :class:`workers.ActorViews`; rows in place of sub-envs, one agent's stream per
+            row: an agent that joins starts with zeros behind it).
 
     A policy without a broadcast that knows which weights version answered it (``policy_version``, as
     :class:`workers.RemotePolicy` has) stamps its rollouts with that version.
@@ -363,7 +376,7 @@ class MultiAgentLoop:
                  policy_mapping_fn: Callable[..., Any] | None = None, count_steps_by: str = ENV_STEPS_COUNT,
                  seed: int | None = None, weights: dict[Any, Any] | None = None,
                  should_stop: Callable[[], bool] | None = None, batch_mode: str = TRUNCATE_EPISODES,
-                 every_row: bool = False):
+                 every_row: bool = False, view_requirements: dict[Any, Any] | None = None):
         check_batch_mode(batch_mode)
         self.mode = batch_mode
         self.every_row = every_row
@@ -383,6 +396,14 @@ class MultiAgentLoop:
                 if not isinstance(ws, (list, tuple)) or len(ws) != k:
                     raise UsageError(f"writers[{pid!r}]: complete-episodes rollouts need one writer per row of the policy "
                                      f"({k}: {self.rows.policies[pid]}), got {ws!r:.80}")
+        self.view_requirements = dict(view_requirements or {})
+        unknown_vr = sorted(map(str, set(self.view_requirements) - set(self.rows.policies)))
+        if unknown_vr:
+            raise UsageError(f"view_requirements: keyed by policy id; {unknown_vr} are not policies of this loop "
+                             f"({sorted(map(str, self.rows.policies))})")
+        for reqs in self.view_requirements.values():
+            check_view_requirements(reqs)
+        self._views: dict[Any, ActorViews] = {}
         self.driver = ParallelDriver(self.envs, self.rows)
         self.policies = policies
         self._calls = {pid: as_numpy_policy(p) for pid, p in policies.items()}
@@ -422,6 +443,15 @@ class MultiAgentLoop:
         self.ep_ret = {pid: np.zeros(k, np.float64) for pid, k in rows.items()}
         self.ep_len = {pid: np.zeros(k, np.int64) for pid, k in rows.items()}
         self.driver.reset(self._seed, self._cur, self._valid)
+        for pid, reqs in self.view_requirements.items():
+            env_i, agent = self.rows.policies[pid][0]
+            self._views[pid] = ActorViews(reqs, self._cur[pid], rows[pid], self.envs[env_i].action_space(agent))
+
+    def _advance_views(self) -> None:
+        """Record the step just taken in each policy's views (rows in place of sub-envs), then the next observations."""
+        for pid, views in self._views.items():
+            views.advance(self._act[pid], self._ext[pid], self._rew[pid].astype(np.float32), self._term[pid],
+                          self._trunc[pid], self._nxt[pid])
 
     def update_weights(self) -> None:
         """Give each policy with a broadcast its newest weights, if newer ones were published; a policy without one
@@ -460,7 +490,11 @@ class MultiAgentLoop:
         if not len(live):
             return
         every = len(live) == len(valid)
-        action, extras = split_policy_output(self._calls[pid](obs if every else obs[live]))
+        views = self._views.get(pid)
+        x: Any = obs if views is None else views.inputs()
+        if not every:
+            x = x[live] if views is None else {k: v[live] for k, v in x.items()}
+        action, extras = split_policy_output(self._calls[pid](x))
         a = self._check(f"{pid}/{ACTION}", action, (len(live), *act.shape[1:]), act.dtype)
         if every:
             act[...] = a
@@ -506,6 +540,7 @@ class MultiAgentLoop:
                     dst[t] = self._ext[pid][k]
             finals = self.driver.step(self._act, valid, nxt, nvalid, self._rew, self._term, self._trunc)
             self.env_steps += len(self.envs)
+            self._advance_views()
             for pid, s in slots.items():
                 v = valid[pid]
                 n = int(np.count_nonzero(v))
@@ -568,6 +603,7 @@ class MultiAgentLoop:
                 self._act_policy(pid, cur[pid], valid[pid])
             finals = self.driver.step(self._act, valid, nxt, nvalid, self._rew, self._term, self._trunc)
             self.env_steps += len(self.envs)
+            self._advance_views()
             for pid, slots in open_.items():
                 v = valid[pid]
                 live = np.flatnonzero(v).tolist()

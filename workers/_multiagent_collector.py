@@ -30,6 +30,7 @@ from workers._collector import CollectedBatch, episodes_batch, no_episodes, prog
 from workers._multiagent import AGENT_STEPS_COUNT, COUNT_STEPS_BY, ENV_STEPS_COUNT, MultiAgentLoop, multiagent_examples
 from workers._pool import ActorPool, default_start_method
 from workers._remote import VERSION_KEY
+from workers._views import check_view_requirements
 
 WAIT_SLICE = 0.05
 
@@ -57,6 +58,7 @@ class MultiAgentSpec:
     batch_mode: str = TRUNCATE_EPISODES
     rows: dict[Any, int] | None = None  # complete-episodes: each policy's rows (one writer each)
     inference: dict[Any, str] | None = None  # served policies: each policy's inference table
+    view_requirements: dict[Any, Any] | None = None
 
 
 def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
@@ -93,7 +95,7 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
         loop = MultiAgentLoop(envs, policies, writers, rollout_len=spec.rollout_len,
                               policy_mapping_fn=spec.policy_mapping_fn, count_steps_by=spec.count_steps_by, seed=seed,
                               weights=subs, should_stop=lambda: ctx.stop_requested, batch_mode=spec.batch_mode,
-                              every_row=spec.inference is not None)
+                              every_row=spec.inference is not None, view_requirements=spec.view_requirements)
         loop.run()
     except BaseException as exc:
         quiet = (KeyboardInterrupt, SystemExit, shmbuf.PipelineClosed, shmbuf.BrokenPipeline)
@@ -164,6 +166,8 @@ class MultiAgentCollector:
         rollout_len: T (default: one round per actor per batch; complete-episodes: required).
         weights: ``{policy_id: weights}`` to broadcast (default: each torch policy's ``state_dict``); needed for
             :meth:`update_policy_weights`.
+        view_requirements: ``{policy_id: {name: ViewRequirement}}`` (RLlib's per-policy view requirements): those
+            policies are called with a dict of views of their agents' streams (see docs/multiagent.md).
         serve: keep each policy in this process, behind an inference server thread of its own, as
             :class:`workers.AsyncBatchedCollector` does: an actor asks each policy once per env step for all of
             its rows, and the server answers the actors' requests in batches. The policies are never pickled;
@@ -185,7 +189,7 @@ class MultiAgentCollector:
                  torch_threads: int | None = 1, stop_timeout: float = 5.0, ready_timeout: float = 120.0,
                  timeout: float | None = None, serve: bool = False, max_batch_size: int = 64,
                  min_batch_size: int = 1, server_timeout: float = 0.01, device: Any = None,
-                 server_threads: int | None = 1):
+                 server_threads: int | None = 1, view_requirements: dict[Any, Any] | None = None):
         self._closed = False
         self.served: dict[Any, Any] = {}  # serve=True: each policy's ServedPolicy (its server and table)
         self.readers: dict[Any, Any] = {}
@@ -250,9 +254,20 @@ class MultiAgentCollector:
                                         f"{T * per_round} {count_steps_by} (rollout_len={T} x {per_round})")
             self.rounds_per_batch = max(1, frames_per_batch // (T * per_round))
             probe_policies = {pid: sp.forward for pid, sp in self.served.items()} if serve else self.policies
+            if view_requirements is not None:
+                if not isinstance(view_requirements, dict):
+                    raise shmbuf.UsageError(f"view_requirements: expected {{policy_id: {{name: ViewRequirement}}}}, got "
+                                            f"{view_requirements!r:.80}")
+                unknown = sorted(str(pid) for pid in view_requirements if pid not in self.policies)
+                if unknown:
+                    raise shmbuf.UsageError(f"view_requirements: keyed by policy id; {unknown} are not in policies "
+                                            f"({sorted(map(str, self.policies))})")
+                for reqs in view_requirements.values():
+                    check_view_requirements(reqs)
             examples, self.rows = multiagent_examples(
                 envs, probe_policies, policy_mapping_fn, rollout_len=T, seed=seed, batch_mode=batch_mode,
-                extra_leaves={VERSION_KEY: np.zeros((), np.int64)} if serve else None)
+                extra_leaves={VERSION_KEY: np.zeros((), np.int64)} if serve else None,
+                view_requirements=view_requirements)
         finally:
             for env in envs:
                 env.close()
@@ -295,7 +310,7 @@ class MultiAgentCollector:
                                   count_steps_by=count_steps_by,
                                   weights={pid: p.name for pid, p in self.publishers.items()} or None, seed=seed,
                                   torch_threads=torch_threads, batch_mode=batch_mode, rows=n_rows,
-                                  inference=inference or None)
+                                  inference=inference or None, view_requirements=view_requirements)
             self.pool = ActorPool(run_multiagent_actor, n_actors, args=(spec,),
                                   start_method=start_method or default_start_method(), restart=restart,
                                   max_restarts=max_restarts, name="shmbuf-multiagent", on_failure=self._retire)
