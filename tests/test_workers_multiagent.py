@@ -693,3 +693,32 @@ def test_the_collector_takes_view_requirements_per_policy_into_its_actors():
         compared += int(v.sum())
         prev = data
     assert compared > 40
+
+
+def test_aligned_batches_hold_the_same_rounds_for_every_policy_so_agents_line_up():
+    """align=True: row i of red's and blue's batches is the same round of the same actor, so agents() gives every
+    agent's column on one time axis: at each step, all agents of an env see the same episode step (obs[2]). Without
+    align, agents() refuses."""
+    from workers import MultiAgentCollector
+
+    seen = set()
+    with MultiAgentCollector([partial(JoinLeaveEnv, 0), partial(JoinLeaveEnv, 1)], POLICIES, policy_mapping_fn=mapping,
+                             frames_per_batch=16, align=True, timeout=60, start_method="fork") as c:
+        it = iter(c)
+        for _ in range(5):
+            b = next(it)
+            red, blue = b["red"], b["blue"]
+            assert np.array_equal(red.seq, blue.seq) and b.env_steps == 16
+            for i in range(len(red.seq)):
+                assert red.data["step"]["obs"][i, 0, 0, 0] == blue.data["step"]["obs"][i, 0, 0, 0]  # the same env
+                assert (red.lane[i], red.epoch[i], red.seq[i]) not in seen
+                seen.add((red.lane[i], red.epoch[i], red.seq[i]))
+            cols = b.agents("obs")
+            assert set(cols) == {(0, "red_0"), (0, "red_1"), (0, "blue_0")}
+            (r0, v0), (b0, vb) = cols[(0, "red_0")], cols[(0, "blue_0")]
+            both = v0 & vb
+            assert both.any() and np.array_equal(r0[both][:, 2], b0[both][:, 2].astype(np.float64))
+    with MultiAgentCollector(partial(JoinLeaveEnv, 0), POLICIES, policy_mapping_fn=mapping, frames_per_batch=16,
+                             timeout=60, start_method="fork") as c:
+        with pytest.raises(shmbuf.UsageError, match="collect with MultiAgentCollector\\(align=True\\)"):
+            next(iter(c)).agents()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import optree
 
 import shmbuf
 from shmbuf.layout import COMPLETE_EPISODES, EPISODE, LENGTH, RETURN, STEP, TRUNCATE_EPISODES, VALID, check_batch_mode
@@ -135,6 +136,29 @@ class MultiAgentBatch(dict):
     env_steps: int
     agent_steps: int
     frames: int
+    rows: Any = None  # the collector's AgentRows (set on aligned batches)
+    aligned: bool = False
+
+    def agents(self, key: str = "obs") -> dict[tuple[int, Any], tuple[np.ndarray, np.ndarray]]:
+        """Every agent's column ``key`` (a step leaf) with its ``valid`` mask, ``{(env, agent): (values, valid)}``,
+        values ``(B, T, ...)``: on an aligned batch (``MultiAgentCollector(align=True)``) index ``[i, t]`` is the
+        same env step for every agent, so the other agents of an agent's env at each of its steps are a lookup
+        away (RLlib's other agents' batches of the same episode).
+
+        Raises:
+            shmbuf.UsageError: the batch is not aligned, or ``key`` is not a step leaf of some policy.
+        """
+        if not self.aligned:
+            raise shmbuf.UsageError("agents(): the policies' rollouts of this batch are not the same rounds; collect with "
+                                    "MultiAgentCollector(align=True) to line agents up across policies")
+        out = {}
+        for pid, b in self.items():
+            step = b.data[STEP]
+            if key not in step:
+                raise shmbuf.UsageError(f"agents({key!r}): not a step leaf of policy {pid!r} (it has {sorted(step)})")
+            for row, who in enumerate(self.rows.policies[pid]):
+                out[who] = (step[key][:, :, row], step[VALID][:, :, row])
+        return out
 
     def __repr__(self) -> str:
         return (f"MultiAgentBatch({ {pid: b.lengths.tolist() for pid, b in self.items()} }, "
@@ -168,6 +192,11 @@ class MultiAgentCollector:
             :meth:`update_policy_weights`.
         view_requirements: ``{policy_id: {name: ViewRequirement}}`` (RLlib's per-policy view requirements): those
             policies are called with a dict of views of their agents' streams (see docs/multiagent.md).
+        align: (truncate-episodes) every policy's batch holds the same rounds, in the same order: row ``i`` of each
+            policy's batch comes from the same actor process and env steps, so that one agent's data lines up
+            with the other agents' of its env (a centralised critic, RLlib's other agents' batches; see
+            :meth:`MultiAgentBatch.agents`). The batches are then the collector's own copies, taken rollout by
+            rollout, instead of views of runs.
         serve: keep each policy in this process, behind an inference server thread of its own, as
             :class:`workers.AsyncBatchedCollector` does: an actor asks each policy once per env step for all of
             its rows, and the server answers the actors' requests in batches. The policies are never pickled;
@@ -189,7 +218,8 @@ class MultiAgentCollector:
                  torch_threads: int | None = 1, stop_timeout: float = 5.0, ready_timeout: float = 120.0,
                  timeout: float | None = None, serve: bool = False, max_batch_size: int = 64,
                  min_batch_size: int = 1, server_timeout: float = 0.01, device: Any = None,
-                 server_threads: int | None = 1, view_requirements: dict[Any, Any] | None = None):
+                 server_threads: int | None = 1, view_requirements: dict[Any, Any] | None = None,
+                 align: bool = False):
         self._closed = False
         self.served: dict[Any, Any] = {}  # serve=True: each policy's ServedPolicy (its server and table)
         self.readers: dict[Any, Any] = {}
@@ -206,6 +236,12 @@ class MultiAgentCollector:
                 raise shmbuf.UsageError("batch_mode='complete_episodes': give rollout_len, the most steps an agent's "
                                         "episode may take (the env's max_cycles)")
         self.batch_mode = batch_mode
+        if align and batch_mode != TRUNCATE_EPISODES:
+            raise shmbuf.UsageError("align=True lines rounds up across policies; complete-episodes rollouts are one "
+                                    "agent's episode each, with no round to line up: use batch_mode='truncate_episodes'")
+        self.align = align
+        self._pending: dict[Any, dict[tuple[int, int], Any]] = {}  # align: rollouts taken, by round, per policy
+        self._arrival: dict[tuple[int, int], int] = {}  # align: each round's order of first arrival
         if (policies is None) == (policy_factories is None):
             raise shmbuf.UsageError("give exactly one of policies={policy_id: policy} and policy_factories="
                                     "{policy_id: factory}")
@@ -359,7 +395,10 @@ class MultiAgentCollector:
             self.pool.wait_ready(self.ready_timeout)
             self._t0 = time.monotonic()
         while self.total_frames < 0 or self.frames < self.total_frames:
-            batch = self._next() if self.batch_mode == TRUNCATE_EPISODES else self._next_complete()
+            if self.batch_mode == COMPLETE_EPISODES:
+                batch = self._next_complete()
+            else:
+                batch = self._next_aligned() if self.align else self._next()
             self.frames += batch.frames
             self.env_steps += batch.env_steps
             self.agent_steps += batch.agent_steps
@@ -419,6 +458,69 @@ class MultiAgentCollector:
         self._check_actors()
         out.env_steps, out.agent_steps = env_steps, agent_steps
         out.frames = env_steps if self.count_steps_by == ENV_STEPS_COUNT else agent_steps
+        return out
+
+    def _next_aligned(self) -> MultiAgentBatch:
+        """``rounds_per_batch`` whole rounds: each round's rollout of every policy, taken as they come and kept (as
+        copies) until every policy's rollout of that round arrived; rounds in order of first arrival. A round is
+        named by its actor process and its sequence number there (each process commits one rollout per policy per
+        round, numbered from 0)."""
+        B = self.rounds_per_batch
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        pending, pids = self._pending, list(self.readers)
+        for pid in pids:
+            pending.setdefault(pid, {})
+
+        def whole() -> list[tuple[int, int]]:
+            keys = set.intersection(*(set(pending[pid]) for pid in pids))
+            return sorted(keys, key=self._arrival.__getitem__)
+
+        while len(whole()) < B:
+            took = False
+            for pid, reader in self.readers.items():
+                try:
+                    r = reader.get(0 if took else WAIT_SLICE / len(self.readers))
+                except shmbuf.SlotTimeout:
+                    continue
+                with r:
+                    key = (int(r.pid), int(r.seq))
+                    whole_slot = optree.tree_map(np.array, r.data)  # padded to capacity: rounds stack into (B, ...)
+                    pending[pid][key] = (whole_slot, dict(r.fill), int(r.lane), int(r.epoch), int(r.seq),
+                                         int(r.policy_version))
+                self._arrival.setdefault(key, len(self._arrival))
+                took = True
+            if not took:
+                self._check_actors()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise shmbuf.SlotTimeout(f"no {B} whole rounds within timeout={self.timeout} s (rounds waiting for a "
+                                             f"policy: {len(self._arrival)})")
+        self._check_actors()
+        keys = whole()[:B]
+        out = MultiAgentBatch()
+        agent_steps = 0
+        for pid in pids:
+            got = [pending[pid].pop(k) for k in keys]
+            data: Any = optree.tree_map(lambda *xs: np.stack(xs), *[g[0] for g in got])  # Any: optree types it opaque
+            fill = {name: np.array([g[1][name] for g in got], np.int64) for name in got[0][1]}
+            lane, epoch, seq, version = (np.array([g[i] for g in got], np.int64) for i in (2, 3, 4, 5))
+            ep_n = fill[EPISODE]
+            valid = data[STEP][VALID]
+            agent_steps += int(sum(valid[i, : fill[STEP][i]].sum() for i in range(B)))
+            out[pid] = b = CollectedBatch(
+                data=data, fill=fill, policy_version=version, policy_lag=self.policy_versions[pid] - version, lane=lane,
+                epoch=epoch, seq=seq, frames=int(valid.sum()),
+                episode_returns=np.concatenate([data[EPISODE][RETURN][i, : ep_n[i]] for i in range(B)]),
+                episode_lengths=np.concatenate([data[EPISODE][LENGTH][i, : ep_n[i]] for i in range(B)]),
+                lengths=fill[STEP], batch_mode=TRUNCATE_EPISODES)
+            self._lags.extend(b.policy_lag.tolist())
+            self._returns.extend(b.episode_returns.tolist())
+        for k in keys:
+            del self._arrival[k]
+        out.env_steps = int(out[pids[0]].fill[STEP].sum()) * self.num_envs
+        out.agent_steps = agent_steps
+        out.frames = out.env_steps if self.count_steps_by == ENV_STEPS_COUNT else agent_steps
+        out.rows = self.rows
+        out.aligned = True
         return out
 
     def _next_complete(self) -> MultiAgentBatch:
