@@ -722,3 +722,23 @@ def test_aligned_batches_hold_the_same_rounds_for_every_policy_so_agents_line_up
                              timeout=60, start_method="fork") as c:
         with pytest.raises(shmbuf.UsageError, match="collect with MultiAgentCollector\\(align=True\\)"):
             next(iter(c)).agents()
+
+
+def test_rounds_ended_early_by_agent_steps_leave_no_valid_row_past_their_fill():
+    """Counting agent steps, a round ends when they reach rollout_len, before the slot's T env steps: the rows past
+    its fill are never valid (a reused slot held an older rollout's there), and a batch's frames count only filled
+    valid rows. (Found by the multi-agent benchmark: frames said 15 where 10 agent steps were stored.)"""
+    from workers import MultiAgentCollector
+
+    with MultiAgentCollector(partial(JoinLeaveEnv, 0), POLICIES, policy_mapping_fn=mapping, num_actors=1,
+                             frames_per_batch=12, rollout_len=6, count_steps_by="agent_steps", timeout=60,
+                             start_method="fork") as c:
+        it = iter(c)
+        for _ in range(12):
+            b = next(it)
+            for x in b.values():
+                valid, n = x.data["step"]["valid"], x.fill["step"]
+                for i in range(len(n)):
+                    assert not valid[i, n[i] :].any(), (x.seq[i], n[i])
+                assert x.frames == sum(int(valid[i, : n[i]].sum()) for i in range(len(n)))
+            assert b.agent_steps == sum(x.frames for x in b.values())

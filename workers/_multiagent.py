@@ -569,6 +569,8 @@ class MultiAgentLoop:
             if self.count_agent_steps and steps_here >= self.T:
                 break
         for pid, s in slots.items():
+            s.valid[t + 1 :] = False  # a round ended early (agent steps): no row past the fill is valid, whatever the
+            # slot held before (a reused slot keeps an older rollout's rows, and a loss masks by valid)
             s.boot[...] = self._cur[pid]  # the next observations: each live row's successor of its last step
             if s.last_ends:  # rows whose stream ended at the last step: their final observations
                 k = len(s.last_ends)

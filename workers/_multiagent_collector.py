@@ -443,13 +443,14 @@ class MultiAgentCollector:
             ep_n = fill[EPISODE]
             B = len(ep_n)
             valid = b.data[STEP][VALID]
-            agent_steps += sum(int(valid[i, : fill[STEP][i]].sum()) for i in range(B))
+            frames = sum(int(valid[i, : fill[STEP][i]].sum()) for i in range(B))
+            agent_steps += frames
             if not env_steps:  # the first policy's rollouts: each round's rollouts of every policy cover the same steps
                 env_steps = int(fill[STEP].sum()) * self.num_envs
             out[pid] = CollectedBatch(
                 data=b.data, fill=fill, policy_version=b.policy_version,
                 policy_lag=self.policy_versions[pid] - b.policy_version, lane=b.lane, epoch=b.epoch, seq=b.seq,
-                frames=int(valid.sum()),
+                frames=frames,
                 episode_returns=np.concatenate([b.data[EPISODE][RETURN][i, : ep_n[i]] for i in range(B)]),
                 episode_lengths=np.concatenate([b.data[EPISODE][LENGTH][i, : ep_n[i]] for i in range(B)]),
                 lengths=fill[STEP], batch_mode="truncate_episodes")
@@ -505,10 +506,11 @@ class MultiAgentCollector:
             lane, epoch, seq, version = (np.array([g[i] for g in got], np.int64) for i in (2, 3, 4, 5))
             ep_n = fill[EPISODE]
             valid = data[STEP][VALID]
-            agent_steps += int(sum(valid[i, : fill[STEP][i]].sum() for i in range(B)))
+            frames = int(sum(valid[i, : fill[STEP][i]].sum() for i in range(B)))
+            agent_steps += frames
             out[pid] = b = CollectedBatch(
                 data=data, fill=fill, policy_version=version, policy_lag=self.policy_versions[pid] - version, lane=lane,
-                epoch=epoch, seq=seq, frames=int(valid.sum()),
+                epoch=epoch, seq=seq, frames=frames,
                 episode_returns=np.concatenate([data[EPISODE][RETURN][i, : ep_n[i]] for i in range(B)]),
                 episode_lengths=np.concatenate([data[EPISODE][LENGTH][i, : ep_n[i]] for i in range(B)]),
                 lengths=fill[STEP], batch_mode=TRUNCATE_EPISODES)
