@@ -140,13 +140,15 @@ class AsyncBatchedCollector(Collector):
                 create_env_fn = list(env_fns) * n_workers
             n_workers = num_workers
         self._given_policy = server_policy
-        torchrl = None
+        torchrl: Any = None
+        factories: list[Any] = []
         if td_policy or _torchrl_loaded():
-            from workers import _torchrl as torchrl
+            from workers import _torchrl
 
-            env_fns = [torchrl.TorchRLFactory(f) for f in (create_env_fn if isinstance(create_env_fn, Sequence)
-                                                             else [create_env_fn])]
-            create_env_fn = env_fns if isinstance(create_env_fn, Sequence) else env_fns[0]
+            torchrl = _torchrl
+            factories = [torchrl.TorchRLFactory(f) for f in (create_env_fn if isinstance(create_env_fn, Sequence)
+                                                               else [create_env_fn])]
+            create_env_fn = factories if isinstance(create_env_fn, Sequence) else factories[0]
             if td_policy:
                 server_policy = torchrl.TensorDictPolicy(server_policy)
                 if "rollout_len" not in kwargs and not yield_completed_trajectories and num_workers is None:
@@ -161,8 +163,6 @@ class AsyncBatchedCollector(Collector):
                          batch_mode=COMPLETE_EPISODES if yield_completed_trajectories else TRUNCATE_EPISODES,
                          reset_at_each_iter=reset_at_each_iter, postproc=postproc,
                          create_env_kwargs=create_env_kwargs, _placement=served, **kwargs)
-        factories = [f for f in (create_env_fn if isinstance(create_env_fn, Sequence) else [create_env_fn])
-                     if torchrl is not None and isinstance(f, torchrl.TorchRLFactory)]
         dtypes = [f.reward_dtype for f in factories if f.reward_dtype is not None]
         # TorchRL inputs (a TensorDict module, a TorchRL env): TorchRL's batches, its postproc on them
         self._torchrl: Any = torchrl if (td_policy or dtypes) else None
@@ -197,7 +197,7 @@ class AsyncBatchedCollector(Collector):
 
     # -- TorchRL's batches and replay buffer ---------------------------------------------------------------
 
-    def iterator(self) -> Iterator[Any]:  # type: ignore[override]  # TorchRL inputs: TensorDicts (or None), not CollectedBatch
+    def iterator(self) -> Iterator[Any]:
         """Batches: :class:`workers.CollectedBatch` as :class:`workers.Collector` gives them, or with TorchRL inputs
         TorchRL's TensorDicts (see :func:`workers._torchrl.torchrl_batch`), ``postproc`` applied to them. With a
         ``replay_buffer``, each batch is written into it and None is yielded in its place, as TorchRL does."""

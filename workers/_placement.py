@@ -22,9 +22,7 @@ from workers._actor import ActorSpec, run_actor
 from workers._pool import ActorPool
 from workers._remote import VERSION_KEY
 from workers._server import Forward, InferenceServer
-from workers._settings import ENV_BACKENDS
 from workers._threadpool import ThreadActorPool
-
 
 
 class Placement(Protocol):

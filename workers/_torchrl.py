@@ -177,7 +177,7 @@ class TensorDictPolicy(torch.nn.Module):
             return action
         return action, {k: out.get(k) for k in self.extra_keys}
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]  # the module's, unprefixed
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # the module's, unprefixed
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
