@@ -214,9 +214,10 @@ def weights_td(src: Any) -> Any:
     if isinstance(src, TensorDictBase):
         return src
     if isinstance(src, dict):
-        return TensorDict.from_dict({k: v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
-                                     for k, v in src.items()} if all(isinstance(k, str) and not isinstance(v, dict)
-                                                                     for k, v in src.items()) else src, batch_size=[])
+        if all(isinstance(k, str) and not isinstance(v, dict) for k, v in src.items()):  # a state dict: dotted names
+            flat = {k: v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v)) for k, v in src.items()}
+            return TensorDict(flat, batch_size=[]).unflatten_keys(".")
+        return TensorDict.from_dict(src, batch_size=[])
     raise UsageError(f"weights: expected an nn.Module, a TensorDict or a dict of weights, got {type(src).__name__}")
 
 
