@@ -63,7 +63,19 @@ class AsyncBatchedCollector(Collector):
         server_timeout: seconds the server lingers for ``min_batch_size``.
         device: where a torch policy runs (observations go there, actions come back to CPU).
         env_backend: ``"multiprocessing"`` (a process per env worker) or ``"threading"``
-            (threads of this process: for envs whose step releases the GIL or costs little).
+            (threads of this process: for envs whose step releases the GIL or costs little; factories are
+            not pickled, lambdas work). None (the default): ``backend``, else TorchRL's ``"threading"`` for a
+            TensorDict-module policy and ``"multiprocessing"`` for any other.
+        backend, policy_backend: TorchRL's; ``"threading"`` and ``"multiprocessing"`` accepted (the env workers
+            reach the server through the same shared-memory table either way), ``"ray"`` and ``"monarch"``
+            refused naming what to use (see :func:`workers._settings.resolve_backends`).
+        transport, weight_sync: TorchRL's; accepted at their defaults (None; ``transport="auto"``), refused
+            beyond: the table is the transport, and the one copy of the policy is updated in place.
+        weight_sync_model_id: the ``model_id`` naming the whole policy in :meth:`update_policy_weights_`.
+        verbose: log each batch at INFO on the ``workers.inference`` logger.
+        replay_buffer: write every batch into it and yield None (TorchRL's): a torchrl ``ReplayBuffer``, a
+            :class:`shmbuf.storage.ReplayBuffer`, or a number of rows (a shared-memory one is made from the first
+            batch's layout, and closed at shutdown). :meth:`start` collects into it in the background.
         reset_at_each_iter, postproc, create_env_kwargs: as :class:`workers.Collector`.
         yield_completed_trajectories: yield whole episodes as they finish
             (``batch_mode="complete_episodes"``; ``frames_per_batch`` is then a minimum).
@@ -83,6 +95,10 @@ class AsyncBatchedCollector(Collector):
     Batches are :class:`workers.CollectedBatch`; each rollout's step leaf
     ``policy_version`` holds, per transition, the server's weights version that
     chose its action, and ``batch.policy_version`` a lower bound per rollout.
+
+    TorchRL's inputs (a TensorDict-module policy, factories of TorchRL ``EnvBase``): the envs are stepped
+    through TorchRL's API and the batches are TorchRL's TensorDicts of batch size ``(frames,)``
+    (``workers._torchrl``; docs/from-torchrl.md).
     """
 
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], *, policy: Any = None,
@@ -109,6 +125,9 @@ class AsyncBatchedCollector(Collector):
             assert policy_factory is not None  # exactly one of the two is given: checked first thing above
             server_policy = policy_factory()
         td_policy = is_tensordict_module(server_policy)
+        if td_policy and num_workers is not None:
+            raise shmbuf.UsageError("num_workers: groups gymnasium envs into vector envs, not TorchRL envs; with a "
+                                    "TensorDict-module policy give one env factory per env worker (num_workers=None)")
         env_backend = resolve_backends(backend, env_backend, policy_backend, torchrl_default=td_policy)
         int_setting("max_batch_size", max_batch_size)
         int_setting("min_batch_size", min_batch_size)
@@ -146,8 +165,8 @@ class AsyncBatchedCollector(Collector):
             from workers import _torchrl
 
             torchrl = _torchrl
-            factories = [torchrl.TorchRLFactory(f) for f in (create_env_fn if isinstance(create_env_fn, Sequence)
-                                                               else [create_env_fn])]
+            given = create_env_fn if isinstance(create_env_fn, Sequence) else [create_env_fn]
+            factories = [torchrl.TorchRLFactory(f, wrap_gym=td_policy) for f in given]
             create_env_fn = factories if isinstance(create_env_fn, Sequence) else factories[0]
             if td_policy:
                 server_policy = torchrl.TensorDictPolicy(server_policy)

@@ -62,8 +62,7 @@ class TorchRLEnv:
     def __init__(self, env: Any):
         if tuple(env.batch_size) != ():
             raise UsageError(f"create_env_fn: a TorchRL env with batch_size={tuple(env.batch_size)} (a batched env) is not "
-                             "stepped by AsyncBatchedCollector; give one factory per env (batch_size ()), or "
-                             "num_workers=N to group them")
+                             "stepped by AsyncBatchedCollector; give one factory per env (batch_size ())")
         from torchrl.envs.utils import step_mdp
 
         self.env = env
@@ -121,15 +120,22 @@ class TorchRLEnv:
 
 class TorchRLFactory:
     """An env factory whose TorchRL envs come out as :class:`TorchRLEnv` (others as they are); picklable when the
-    factory is. Called in this process (the collector's probe), it records the env's reward dtype in ``reward_dtype``
-    (None: the factory gave no TorchRL env)."""
+    factory is. ``wrap_gym``: a plain gymnasium env (not a vector env) is wrapped in TorchRL's ``GymWrapper`` first,
+    so that a TensorDict module's actions go through TorchRL's action spec as they would under TorchRL. Called in
+    this process (the collector's probe), it records the env's reward dtype in ``reward_dtype`` (None: the factory
+    gave no TorchRL env)."""
 
-    def __init__(self, fn: Callable[..., Any]):
+    def __init__(self, fn: Callable[..., Any], *, wrap_gym: bool = False):
         self.fn = fn
+        self.wrap_gym = wrap_gym
         self.reward_dtype: Any = None
 
     def __call__(self, **kwargs: Any) -> Any:
         env = self.fn(**kwargs)
+        if self.wrap_gym and not is_torchrl_env(env) and _is_single_gym_env(env):
+            from torchrl.envs import GymWrapper
+
+            env = GymWrapper(env)
         if not is_torchrl_env(env):
             return env
         wrapped = TorchRLEnv(env)
@@ -137,10 +143,15 @@ class TorchRLFactory:
         return wrapped
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"fn": self.fn, "reward_dtype": None}
+        return {"fn": self.fn, "wrap_gym": self.wrap_gym, "reward_dtype": None}
 
     def __repr__(self) -> str:
         return f"TorchRLFactory({self.fn!r})"
+
+
+def _is_single_gym_env(env: Any) -> bool:
+    gymnasium = sys.modules.get("gymnasium")
+    return gymnasium is not None and isinstance(env, gymnasium.Env)
 
 
 class TensorDictPolicy(torch.nn.Module):
