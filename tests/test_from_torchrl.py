@@ -129,20 +129,38 @@ def test_batches_have_torchrls_keys_shapes_and_dtypes() -> None:
     assert torch.equal(frames["next", "observation"][:-1][live], frames["observation"][1:][live])
 
 
+def actions_through_the_spec(batch: TensorDictBase) -> list[int]:
+    env = recording_cartpole([])
+    try:
+        return [int(env.action_spec.to_numpy(a)) for a in batch["action"]]
+    finally:
+        env.close()
+
+
+@pytest.mark.filterwarnings("ignore:Creating .* which inherits from WeightUpdaterBase:DeprecationWarning")
 def test_the_env_receives_actions_through_its_spec_as_under_torchrl() -> None:
     """A Linear's 2 logits reach TorchRL's one-hot spec, which makes the env's action (``long().argmax(-1)``):
-    the env sees exactly the actions TorchRL's spec makes of the logits in the batch, all valid."""
+    under shmbuf as under the real TorchRL collector, the env sees exactly the actions the spec makes of the
+    logits stored in the batch, all valid (the recording env asserts each is in its action space)."""
+    from torchrl.collectors import AsyncBatchedCollector as TorchRLCollector
+
+    seen_ref: list = []
+    ref_c = TorchRLCollector(create_env_fn=[lambda: recording_cartpole(seen_ref)], policy=linear_policy(),
+                             frames_per_batch=32, total_frames=32, env_backend="threading")
+    try:
+        ref = next(iter(ref_c))
+    finally:
+        ref_c.shutdown()
     seen: list = []
     c = collector(create_env_fn=[lambda: recording_cartpole(seen)], total_frames=32, frames_per_batch=32)
     try:
         batch = next(iter(c))
-        env = recording_cartpole([])
-        expected = [int(env.action_spec.to_numpy(a)) for a in batch["action"]]
-        env.close()
     finally:
         c.shutdown()
-    assert batch["action"].dtype == torch.float32 and batch["action"].shape == (32, 2)  # logits, as TorchRL stores
-    assert [int(a) for a in seen[:32]] == expected
+    assert batch["action"].dtype == ref["action"].dtype == torch.float32  # logits, as TorchRL stores them
+    assert batch["action"].shape == ref["action"].shape == (32, 2)
+    assert [int(a) for a in seen_ref[:32]] == actions_through_the_spec(ref)
+    assert [int(a) for a in seen[:32]] == actions_through_the_spec(batch)
 
 
 def test_a_categorical_spec_takes_index_actions() -> None:

@@ -233,7 +233,7 @@ class AsyncBatchedCollector(Collector):
                 td = torchrl.torchrl_batch(batch, reward_dtype=self._reward_dtype)
                 if not self.copy:
                     td = td.clone()  # TorchRL's batches are the caller's to keep: no views of the reused buffer
-                if self.total_frames >= 0:
+                if self.total_frames >= 0 and self.batch_mode == TRUNCATE_EPISODES:  # whole episodes are never cut
                     remaining = self.total_frames - (self.frames - batch.frames)
                     if td.batch_size[0] > remaining:  # TorchRL stops at total_frames exactly
                         td = td[:remaining]

@@ -154,6 +154,20 @@ def _is_single_gym_env(env: Any) -> bool:
     return gymnasium is not None and isinstance(env, gymnasium.Env)
 
 
+def _import_pandas_here() -> None:
+    """Import pandas in this (the constructing) thread, if it is installed.
+
+    A TensorDict module's every call runs ``TensorDict.from_any`` on its outputs, which imports pandas when it is
+    installed (tensordict 0.14). Left to the first forward pass, that first import runs in the server thread and
+    may meet another thread's import of it: importlib then hands one of them the half-made module and the call
+    fails ("C extension: pandas.compat not built"). Imported once here, every later import is a dict lookup.
+    """
+    import importlib.util
+
+    if "pandas" not in sys.modules and importlib.util.find_spec("pandas") is not None:
+        import pandas  # noqa: F401  # imported for its side effect (see the docstring)
+
+
 class TensorDictPolicy(torch.nn.Module):
     """A TensorDict module as a policy of tensors: ``forward(obs) -> action`` or ``(action, {out_key: tensor})``.
 
@@ -173,6 +187,8 @@ class TensorDictPolicy(torch.nn.Module):
         self.module = module
         self.action_key = action_key
         self.extra_keys = [k for k in out_keys if k != action_key]
+        _import_pandas_here()
+
 
     def forward(self, obs: Any) -> Any:
         if isinstance(obs, torch.Tensor):
