@@ -39,6 +39,7 @@ from workers._collector import CollectedBatch, Collector
 from workers._placement import ServedPolicy
 from workers._server import InferenceServer, load_into
 from workers._settings import check_torchrl_settings, is_tensordict_module, resolve_backends, rollout_len_for
+from workers._torchrl_factory import TorchRLFactory
 
 _log = logging.getLogger("workers.inference")  # verbose=True logs each batch here; nothing is configured
 
@@ -160,18 +161,17 @@ class AsyncBatchedCollector(Collector):
             n_workers = num_workers
         self._given_policy = server_policy
         torchrl: Any = None
-        factories: list[Any] = []
-        if td_policy or _torchrl_loaded():
-            from workers import _torchrl
-
-            torchrl = _torchrl
+        factories: list[TorchRLFactory] = []
+        if td_policy or _torchrl_loaded():  # a factory may return a TorchRL env: wrap them to step it through TorchRL
             given = create_env_fn if isinstance(create_env_fn, Sequence) else [create_env_fn]
-            factories = [torchrl.TorchRLFactory(f, wrap_gym=td_policy) for f in given]
+            factories = [TorchRLFactory(f, wrap_gym=td_policy) for f in given]
             create_env_fn = factories if isinstance(create_env_fn, Sequence) else factories[0]
-            if td_policy:
-                server_policy = torchrl.TensorDictPolicy(server_policy)
-                if "rollout_len" not in kwargs and not yield_completed_trajectories and num_workers is None:
-                    kwargs["rollout_len"] = rollout_len_for(frames_per_batch, n_workers)
+        if td_policy:
+            from workers import _torchrl as torchrl
+
+            server_policy = torchrl.TensorDictPolicy(server_policy)
+            if "rollout_len" not in kwargs and not yield_completed_trajectories and num_workers is None:
+                kwargs["rollout_len"] = rollout_len_for(frames_per_batch, n_workers)
         served = ServedPolicy(server_policy, env_backend=env_backend, max_batch_size=max_batch_size,
                               min_batch_size=min_batch_size, server_timeout=float(server_timeout), device=device,
                               server_threads=server_threads)
@@ -184,7 +184,7 @@ class AsyncBatchedCollector(Collector):
                          create_env_kwargs=create_env_kwargs, _placement=served, **kwargs)
         dtypes = [f.reward_dtype for f in factories if f.reward_dtype is not None]
         # TorchRL inputs (a TensorDict module, a TorchRL env): TorchRL's batches, its postproc on them
-        self._torchrl: Any = torchrl if (td_policy or dtypes) else None
+        self._torchrl: Any = torchrl if td_policy else _import_torchrl() if dtypes else None
         self._reward_dtype = dtypes[0] if dtypes else None
         self._td_postproc = postproc if self._torchrl is not None else None
         if self._torchrl is not None:

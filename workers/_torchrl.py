@@ -3,12 +3,12 @@
 Imported only when a collector is given TorchRL inputs (a TensorDict module, a TorchRL ``EnvBase`` factory),
 so that ``import workers`` never imports torch, tensordict or torchrl.
 
-- **Envs.** :class:`TorchRLFactory` wraps each env factory; a factory that returns a TorchRL ``EnvBase`` gets a
-  :class:`TorchRLEnv`: the gymnasium-style face the env workers step, over TorchRL's own API. ``reset`` is
-  ``env.reset()``; ``step`` writes the action into the root TensorDict, calls ``env.step(td)`` and moves on with
-  ``step_mdp``, as TorchRL's collectors do. The action goes in exactly as the policy gave it (a Linear's logits
-  included): the env turns it into its own action through its action spec (``spec.to_numpy``: for a one-hot
-  spec ``val.long().argmax(-1)``), which is TorchRL's code, not a copy of it.
+- **Envs.** :class:`workers._torchrl_factory.TorchRLFactory` wraps each env factory; a factory that returns a
+  TorchRL ``EnvBase`` gets a :class:`TorchRLEnv`: the gymnasium-style face the env workers step, over
+  TorchRL's own API. ``reset`` is ``env.reset()``; ``step`` writes the action into the root TensorDict, calls
+  ``env.step(td)`` and moves on with ``step_mdp``, as TorchRL's collectors do. The action goes in exactly as
+  the policy gave it (a Linear's logits included): the env turns it into its own action through its action
+  spec (``spec.to_numpy``: for a one-hot spec ``val.long().argmax(-1)``), which is TorchRL's code, not a copy.
 - **Policies.** :class:`TensorDictPolicy` is a TensorDict module seen as the server's tensor policy: the
   observations (one entry per observation key) become a TensorDict, the module runs under TorchRL's default
   exploration type (random), and its ``action`` out-key is the action, its other root out-keys the extras
@@ -22,8 +22,9 @@ so that ``import workers`` never imports torch, tensordict or torchrl.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,18 +34,10 @@ from tensordict.nn import InteractionType, TensorDictModuleBase, set_interaction
 
 from shmbuf import SchemaError, UsageError
 from workers._tensordict import to_tensordict
+from workers._torchrl_factory import TorchRLFactory, is_torchrl_env
 
 __all__ = ["TensorDictBase", "TensorDictPolicy", "TorchRLEnv", "TorchRLFactory", "is_torchrl_env", "load_weights",
            "numpy_tree", "same_weights", "torchrl_batch", "weights_td"]
-
-
-def is_torchrl_env(env: Any) -> bool:
-    """Is ``env`` a TorchRL ``EnvBase`` (without importing torchrl when nothing has)?"""
-    if sys.modules.get("torchrl") is None:
-        return False
-    from torchrl.envs import EnvBase
-
-    return isinstance(env, EnvBase)
 
 
 def _leaf_name(key: Any) -> str:
@@ -118,42 +111,6 @@ class TorchRLEnv:
         self.env.close(raise_if_closed=False)
 
 
-class TorchRLFactory:
-    """An env factory whose TorchRL envs come out as :class:`TorchRLEnv` (others as they are); picklable when the
-    factory is. ``wrap_gym``: a plain gymnasium env (not a vector env) is wrapped in TorchRL's ``GymWrapper`` first,
-    so that a TensorDict module's actions go through TorchRL's action spec as they would under TorchRL. Called in
-    this process (the collector's probe), it records the env's reward dtype in ``reward_dtype`` (None: the factory
-    gave no TorchRL env)."""
-
-    def __init__(self, fn: Callable[..., Any], *, wrap_gym: bool = False):
-        self.fn = fn
-        self.wrap_gym = wrap_gym
-        self.reward_dtype: Any = None
-
-    def __call__(self, **kwargs: Any) -> Any:
-        env = self.fn(**kwargs)
-        if self.wrap_gym and not is_torchrl_env(env) and _is_single_gym_env(env):
-            from torchrl.envs import GymWrapper
-
-            env = GymWrapper(env)
-        if not is_torchrl_env(env):
-            return env
-        wrapped = TorchRLEnv(env)
-        self.reward_dtype = wrapped.reward_dtype
-        return wrapped
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"fn": self.fn, "wrap_gym": self.wrap_gym, "reward_dtype": None}
-
-    def __repr__(self) -> str:
-        return f"TorchRLFactory({self.fn!r})"
-
-
-def _is_single_gym_env(env: Any) -> bool:
-    gymnasium = sys.modules.get("gymnasium")
-    return gymnasium is not None and isinstance(env, gymnasium.Env)
-
-
 def _import_pandas_here() -> None:
     """Import pandas in this (the constructing) thread, if it is installed.
 
@@ -162,10 +119,8 @@ def _import_pandas_here() -> None:
     may meet another thread's import of it: importlib then hands one of them the half-made module and the call
     fails ("C extension: pandas.compat not built"). Imported once here, every later import is a dict lookup.
     """
-    import importlib.util
-
     if "pandas" not in sys.modules and importlib.util.find_spec("pandas") is not None:
-        import pandas  # noqa: F401  # imported for its side effect (see the docstring)
+        importlib.import_module("pandas")
 
 
 class TensorDictPolicy(torch.nn.Module):
