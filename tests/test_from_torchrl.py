@@ -218,6 +218,31 @@ def test_a_probabilistic_actor_stores_its_other_out_keys() -> None:
     assert torch.allclose(dist.log_prob(batch["action"]), batch["action_log_prob"], atol=1e-5)
 
 
+def test_exploration_type_and_post_collect_hook() -> None:
+    """TorchRL 0.14's exploration_type reaches the actor's forward passes (deterministic: the mode, so the one-hot
+    action is the logits' argmax); post_collect_hook sees every batch."""
+    from tensordict.nn import InteractionType
+    from torchrl.envs.utils import ExplorationType
+    from torchrl.modules import OneHotCategorical, ProbabilisticActor
+
+    torch.manual_seed(0)
+    actor = ProbabilisticActor(TensorDictModule(nn.Linear(4, 2), in_keys=["observation"], out_keys=["logits"]),
+                               in_keys=["logits"], out_keys=["action"], distribution_class=OneHotCategorical,
+                               default_interaction_type=InteractionType.RANDOM)
+    seen: list = []
+    c = collector(policy=actor, exploration_type=ExplorationType.DETERMINISTIC, post_collect_hook=seen.append,
+                  total_frames=128)
+    try:
+        batches = list(c)
+    finally:
+        c.shutdown()
+    assert len(seen) == 2 and all(a is b for a, b in zip(seen, batches, strict=True))
+    for b in batches:
+        assert torch.equal(b["action"].argmax(-1), b["logits"].argmax(-1))
+    with pytest.raises(shmbuf.UsageError, match="exploration_type"):
+        collector(policy=actor, exploration_type="sometimes")
+
+
 def test_a_frames_per_batch_that_is_not_a_multiple_of_the_envs() -> None:
     c = collector(create_env_fn=[lambda: GymEnv("CartPole-v1")] * 3, frames_per_batch=200, total_frames=300)
     try:
@@ -294,6 +319,10 @@ def test_transport_weight_sync_and_verbose_at_their_defaults(caplog: pytest.LogC
         collector(transport="driver")
     with pytest.raises(shmbuf.UsageError, match="update_policy_weights_"):
         collector(weight_sync=object())
+    for name in ("env_exchange", "envs_per_worker", "transition_chunk_size", "worker_affinity", "driver_affinity",
+                 "server_config", "device_config", "policy_version", "policy_version_key"):
+        with pytest.raises(shmbuf.UsageError, match=f"{name}=: a setting of TorchRL 0.14"):
+            collector(**{name: None})
 
 
 # -- weights -------------------------------------------------------------------------------------------------------
@@ -395,6 +424,25 @@ def test_start_collects_into_shmbufs_shared_memory_replay_buffer() -> None:
         len(rb)
 
 
+def test_a_given_shmbuf_replay_buffer_takes_the_batches_rows() -> None:
+    """A shmbuf.storage.ReplayBuffer made by the caller, laid out as one frame of a batch (workers._torchrl.numpy_tree)."""
+    from shmbuf.storage import ReplayBuffer
+    from workers._torchrl import numpy_tree
+
+    c = collector(total_frames=64)
+    try:
+        first = next(iter(c))
+    finally:
+        c.shutdown()
+    with ReplayBuffer.create(numpy_tree(first[0]), 1000) as rb:
+        c = collector(replay_buffer=rb, total_frames=128)
+        try:
+            assert list(c) == [None, None]
+        finally:
+            c.shutdown()
+        assert rb.num_samples == 128 and rb.sample(4)["next"]["observation"].shape == (4, 4)
+
+
 def test_iterating_with_a_replay_buffer_yields_none_as_torchrl() -> None:
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
@@ -491,9 +539,10 @@ DOCUMENTED = [
     "create_env_fn", "policy", "policy_factory", "frames_per_batch", "total_frames", "max_batch_size", "min_batch_size",
     "server_timeout", "transport", "device", "backend", "env_backend", "policy_backend", "reset_at_each_iter",
     "postproc", "yield_completed_trajectories", "weight_sync", "weight_sync_model_id", "verbose", "create_env_kwargs",
-    "replay_buffer", "async_shutdown", "cascade_execute", "enable_profile", "env", "init_updater", "iterator", "pause",
-    "profile_config", "receive_weights", "register_scheme_receiver", "set_seed", "shutdown", "start",
-    "update_policy_weights_", "worker_idx",
+    "replay_buffer", "exploration_type", "post_collect_hook",
+    "async_shutdown", "cascade_execute", "enable_profile", "env", "init_updater", "iterator", "pause", "profile_config",
+    "receive_weights", "register_scheme_receiver", "set_seed", "shutdown", "start", "update_policy_weights_",
+    "worker_idx",
 ]
 
 

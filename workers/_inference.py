@@ -38,7 +38,13 @@ from shmbuf.lowlevel import int_setting
 from workers._collector import CollectedBatch, Collector
 from workers._placement import ServedPolicy
 from workers._server import InferenceServer, load_into
-from workers._settings import check_torchrl_settings, is_tensordict_module, resolve_backends, rollout_len_for
+from workers._settings import (
+    check_torchrl_refused,
+    check_torchrl_settings,
+    is_tensordict_module,
+    resolve_backends,
+    rollout_len_for,
+)
 from workers._torchrl_factory import TorchRLFactory
 
 _log = logging.getLogger("workers.inference")  # verbose=True logs each batch here; nothing is configured
@@ -74,6 +80,9 @@ class AsyncBatchedCollector(Collector):
             beyond: the table is the transport, and the one copy of the policy is updated in place.
         weight_sync_model_id: the ``model_id`` naming the whole policy in :meth:`update_policy_weights_`.
         verbose: log each batch at INFO on the ``workers.inference`` logger.
+        exploration_type: TorchRL's (a ``tensordict.nn.InteractionType``/``torchrl``'s ``ExplorationType``) for a
+            TensorDict-module policy's forward passes; None: TorchRL's collectors' default, random.
+        post_collect_hook: called with each batch (after ``postproc``), before it is written or yielded.
         replay_buffer: write every batch into it and yield None (TorchRL's): a torchrl ``ReplayBuffer``, a
             :class:`shmbuf.storage.ReplayBuffer`, or a number of rows (a shared-memory one is made from the first
             batch's layout, and closed at shutdown). :meth:`start` collects into it in the background.
@@ -110,14 +119,18 @@ class AsyncBatchedCollector(Collector):
                  postproc: Callable[[Any], Any] | None = None, yield_completed_trajectories: bool = False,
                  weight_sync: Any = None, weight_sync_model_id: str = "policy", verbose: bool = False,
                  create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None, replay_buffer: Any = None,
+                 exploration_type: Any = None, post_collect_hook: Callable[[Any], None] | None = None,
                  num_envs: int | None = None, num_workers: int | None = None, server_threads: int | None = 1,
                  **kwargs: Any):
         # TorchRL's None defaults (its server config's): the same figures
         max_batch_size = 64 if max_batch_size is None else max_batch_size
         min_batch_size = 1 if min_batch_size is None else min_batch_size
         server_timeout = 0.01 if server_timeout is None else server_timeout
+        check_torchrl_refused(kwargs)
         check_torchrl_settings(transport=transport, weight_sync=weight_sync, weight_sync_model_id=weight_sync_model_id,
                                verbose=verbose)
+        if post_collect_hook is not None and not callable(post_collect_hook):
+            raise shmbuf.UsageError(f"post_collect_hook: expected a callable taking a batch, got {post_collect_hook!r:.80}")
         if (policy is None) == (policy_factory is None):
             raise shmbuf.UsageError("give exactly one of policy and policy_factory")
         if policy is not None:
@@ -169,7 +182,7 @@ class AsyncBatchedCollector(Collector):
         if td_policy:
             from workers import _torchrl as torchrl
 
-            server_policy = torchrl.TensorDictPolicy(server_policy)
+            server_policy = torchrl.TensorDictPolicy(server_policy, exploration_type=exploration_type)
             if "rollout_len" not in kwargs and not yield_completed_trajectories and num_workers is None:
                 kwargs["rollout_len"] = rollout_len_for(frames_per_batch, n_workers)
         served = ServedPolicy(server_policy, env_backend=env_backend, max_batch_size=max_batch_size,
@@ -190,6 +203,7 @@ class AsyncBatchedCollector(Collector):
         if self._torchrl is not None:
             self.postproc = None
         self.replay_buffer = replay_buffer
+        self.post_collect_hook = post_collect_hook
         self.verbose = verbose
         self.weight_sync_model_id = weight_sync_model_id
         self._background: threading.Thread | None = None
@@ -220,7 +234,7 @@ class AsyncBatchedCollector(Collector):
         """Batches: :class:`workers.CollectedBatch` as :class:`workers.Collector` gives them, or with TorchRL inputs
         TorchRL's TensorDicts (see :func:`workers._torchrl.torchrl_batch`), ``postproc`` applied to them. With a
         ``replay_buffer``, each batch is written into it and None is yielded in its place, as TorchRL does."""
-        if self._torchrl is None and self.replay_buffer is None:
+        if self._torchrl is None and self.replay_buffer is None and self.post_collect_hook is None:
             yield from super().iterator()
             return
         if self._background is not None and threading.current_thread() is not self._background:
@@ -239,6 +253,8 @@ class AsyncBatchedCollector(Collector):
                         td = td[:remaining]
                 if self._td_postproc is not None:
                     td = self._td_postproc(td)
+            if self.post_collect_hook is not None:
+                self.post_collect_hook(td)
             if self.verbose:
                 _log.info("AsyncBatchedCollector: %d frames (%d in all), policy version %d", batch.frames, self.frames,
                           self.policy_version)

@@ -147,3 +147,27 @@ def rollout_len_for(frames_per_batch: Any, workers: int) -> int | None:
         if frames_per_batch % t == 0:
             return t
     return None
+
+
+# TorchRL 0.14's AsyncBatchedCollector settings beyond its reference documentation, with what to use instead.
+TORCHRL_REFUSED = {
+    "env_exchange": "the env workers write transitions into shmbuf's pipeline and ask the server through its "
+                    "inference table; there is no other exchange to choose",
+    "envs_per_worker": "use num_workers=N: the envs split evenly among N env workers, each a gymnasium vector env "
+                       "(gymnasium envs; one TorchRL env per worker)",
+    "transition_chunk_size": "a worker hands over whole rollouts; rollout_len=T sets their length",
+    "worker_affinity": "env workers are not pinned to cores",
+    "driver_affinity": "the collector's threads are not pinned to cores",
+    "server_config": "give max_batch_size, min_batch_size and server_timeout (the server is a thread of this process)",
+    "device_config": "give device= (where the policy runs); envs and batches stay on the CPU",
+    "policy_version": "versions start at 0; update_policy_weights(weights, version=v) sets one",
+    "policy_version_key": "each transition's version is stored under 'policy_version'",
+}
+
+
+def check_torchrl_refused(kwargs: dict[str, Any]) -> None:
+    """UsageError naming the first of TorchRL 0.14's extra settings in ``kwargs``, and what to use instead."""
+    for k, why in TORCHRL_REFUSED.items():
+        if k in kwargs:
+            raise UsageError(f"{k}=: a setting of TorchRL 0.14's AsyncBatchedCollector that shmbuf's does not take: "
+                             f"{why} (docs/from-torchrl.md)")

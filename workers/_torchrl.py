@@ -130,7 +130,7 @@ class TensorDictPolicy(torch.nn.Module):
     ``state_dict`` and ``load_state_dict`` are the module's own (no prefix), so weights move as TorchRL's do.
     """
 
-    def __init__(self, module: TensorDictModuleBase, action_key: str = "action"):
+    def __init__(self, module: TensorDictModuleBase, action_key: str = "action", *, exploration_type: Any = None):
         super().__init__()
         out_keys = list(getattr(module, "out_keys", []))
         if action_key not in out_keys:
@@ -142,6 +142,12 @@ class TensorDictPolicy(torch.nn.Module):
         self.module = module
         self.action_key = action_key
         self.extra_keys = [k for k in out_keys if k != action_key]
+        # TorchRL's collectors' default exploration type: random (torchrl's ExplorationType is tensordict's InteractionType)
+        try:
+            self.interaction = InteractionType.RANDOM if exploration_type is None else InteractionType(exploration_type)
+        except ValueError as exc:
+            raise UsageError(f"exploration_type: expected an ExplorationType ({[t.value for t in InteractionType]}), got "
+                             f"{exploration_type!r}") from exc
         _import_pandas_here()
 
 
@@ -151,7 +157,7 @@ class TensorDictPolicy(torch.nn.Module):
         else:
             n = next(iter(TensorDict(obs).values(True, True))).shape[0]
             td = TensorDict(obs, batch_size=[n])
-        with set_interaction_type(InteractionType.RANDOM):  # TorchRL's collectors' default exploration type
+        with set_interaction_type(self.interaction):
             out = self.module(td)
         out = td if out is None else out
         action = out.get(self.action_key)
