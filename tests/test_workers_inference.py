@@ -858,3 +858,29 @@ def test_update_policy_weights_after_shutdown_raises() -> None:
     c.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         c.update_policy_weights()
+
+
+def test_torchrls_settings_at_their_defaults_keep_numpy_inputs_as_they_were() -> None:
+    """TorchRL's backend / transport / weight-sync settings, given at their defaults with a numpy policy: the env
+    workers stay processes (shmbuf's default for non-TorchRL inputs) and the batches stay CollectedBatch."""
+    with AsyncBatchedCollector(make_tag_env, policy=TagPolicy(), create_env_kwargs=workers(2, max_sleep=0.001),
+                               frames_per_batch=16, total_frames=16, rollout_len=8, timeout=30, start_method="fork",
+                               backend=None, env_backend=None, policy_backend="threading", transport=None,
+                               weight_sync=None, weight_sync_model_id="policy", verbose=False) as c:
+        assert type(c.env).__name__ == "ActorPool"
+        batches = list(c)
+        assert [type(b).__name__ for b in batches] == ["CollectedBatch"]
+        assert c.set_seed(3) == 3 and c.policy is not None
+        c.update_policy_weights_()  # no argument: the policy changed in place, the version moves on
+        assert c.policy_version == 1
+
+
+def test_torchrls_settings_shmbuf_has_no_equivalent_for_are_refused_naming_what_to_use() -> None:
+    base = {"create_env_kwargs": workers(2), "frames_per_batch": 16, "rollout_len": 8, "start_method": "fork"}
+    for kw, match in (({"backend": "ray"}, "RayCollector"), ({"policy_backend": "ray"}, "RayCollector"),
+                      ({"env_backend": "ray"}, "RayCollector"), ({"backend": "monarch"}, "Monarch"),
+                      ({"policy_backend": "grpc"}, "policy_backend"), ({"transport": "driver"}, "inference table"),
+                      ({"weight_sync": object()}, "update_policy_weights_"), ({"verbose": "yes"}, "verbose")):
+        with pytest.raises(shmbuf.UsageError, match=match):
+            AsyncBatchedCollector(make_tag_env, policy=TagPolicy(), **base, **kw)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("shmbuf")], "a server thread was left running"

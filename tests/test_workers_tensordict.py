@@ -431,3 +431,32 @@ def test_torchrl_gae_and_clip_ppo_loss_run_unchanged_on_a_real_batch(vector):
         grads = [p.grad for p in net.parameters()]
         assert all(g is not None and torch.isfinite(g).all() for g in grads)
         assert all(g.abs().sum() > 0 for g in grads)
+
+
+# -- TorchRL's AsyncBatchedCollector layout (workers._torchrl.torchrl_batch) ------------------------------------------
+
+
+def test_torchrls_flat_layout_leaves_padding_out_and_numbers_envs_by_lane():
+    """The layout TorchRL's AsyncBatchedCollector yields, from hand-built batches: one dim of frames, rollout by
+    rollout in time order, padding left out, env_index from each rollout's writer lane (times E, plus the sub-env),
+    root flags False, and the reward cast to the env's dtype."""
+    pytest.importorskip("torchrl", reason="workers._torchrl is TorchRL's path")
+    from workers._torchrl import torchrl_batch
+
+    batch = short_batch()
+    batch.lane = np.array([2, 0, 1])
+    td = torchrl_batch(batch, reward_dtype=torch.float64)
+    assert td.batch_size == (9,)  # fills 4 + 2 + 3: no padding row
+    assert "collector" not in td.keys()
+    assert td["observation"].squeeze(-1).tolist() == [0, 1, 2, 3, 100, 101, 200, 201, 202]
+    assert td["env_index"].tolist() == [2] * 4 + [0] * 2 + [1] * 3
+    assert td["next", "observation"].squeeze(-1).tolist() == [1, 2, 3, 50, 101, 250, 201, 202, 333]
+    assert td["next", "done"].squeeze(-1).tolist() == [False, False, False, False, False, True, False, False, True]
+    assert td["next", "reward"].dtype == torch.float64 and td["next", "reward"].shape == (9, 1)
+    assert all(not td[k].any() and td[k].shape == (9, 1) for k in ("done", "terminated", "truncated"))
+
+    vec = vector_env_batch()
+    vec.lane = np.array([1, 0])
+    td = torchrl_batch(vec)
+    assert td.batch_size == (12,)  # B=2 x E=2 x T=3, each sub-env's steps in time order
+    assert td["env_index"].tolist() == [2] * 3 + [3] * 3 + [0] * 3 + [1] * 3

@@ -24,8 +24,6 @@ from workers._remote import VERSION_KEY
 from workers._server import Forward, InferenceServer
 from workers._threadpool import ThreadActorPool
 
-ENV_BACKENDS = ("multiprocessing", "threading")
-
 
 class Placement(Protocol):
     """What a collector asks of where its policy runs, in the order it asks."""
