@@ -28,9 +28,10 @@ Systems:
    ``ParallelPettingZooEnv``, a ``MultiRLModule`` of one ``TorchRLModule`` per policy whose ``_forward`` runs the same
    numpy policy on the observation batch (``obs.numpy() @ W``, argmax) and returns ``Columns.ACTIONS`` (RLlib's
    connectors turn the numpy observations into a torch tensor and the actions back; no distribution is sampled):
-   an ``EnvRunnerGroup`` of 2 remote env runners x 2 envs sampled as PPO does (``synchronous_parallel_sample``,
-   ``concat=False``: ``sample()`` on each runner, the episodes gathered in the driver), the same sampled as IMPALA
-   does (``foreach_env_runner_async`` + ``fetch_ready_async_reqs``: requests kept in flight), and one local env runner
+   an ``EnvRunnerGroup`` of 2 remote env runners x 2 envs sampled as PPO's ``training_step`` does
+   (``synchronous_parallel_sample(max_env_steps=...)``: ``sample()`` on each runner, the episodes gathered in the
+   driver), the same sampled as IMPALA's old path does (``foreach_env_runner_async`` + ``fetch_ready_async_reqs``:
+   2 requests kept in flight on each runner), and one local env runner
    of 4 envs in this process (``num_env_runners=0``). Counted: ``sum(episode.agent_steps())`` of what ``sample()``
    returned to the driver. Ray is started for each run (``ray.init``, every core) and shut down after it.
 
@@ -66,7 +67,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_ENVS = 4  # envs in every system
 ROLLOUT_LEN = 50  # env steps per rollout (the floor's, each actor's round, each RLlib env runner's sample())
 # Seconds a run takes besides its windows (start-up, first delivery, shutdown), for the estimate printed at the start.
-OVERHEAD_S = {"floor": 1.0, "shmbuf": 3.0, "rllib": 15.0}
+OVERHEAD_S = {"floor": 1.0, "shmbuf": 6.0, "rllib": 25.0}  # quick runs on the busy 2-core machine
 
 
 # ------------------------------------------------------------------ the one-process loop
@@ -174,7 +175,7 @@ def _rllib_env(cfg: dict[str, Any]) -> Any:
     return ParallelPettingZooEnv(me.make_env(cfg["env"]))
 
 
-def rllib_config(env: str, policy: str, runners: int, envs_per_runner: int) -> Any:
+def rllib_config(env: str, policy: str, runners: int, envs_per_runner: int, in_flight: int = 1) -> Any:
     """An RLlib config (PPO's, whose sampling settings the runners read) for ``env`` and ``policy``: the same envs
     and weights as the other systems (:func:`benchmarks.multiagent_envs.make_policies`'s seeds)."""
     from ray.rllib.algorithms.ppo import PPOConfig
@@ -192,7 +193,8 @@ def rllib_config(env: str, policy: str, runners: int, envs_per_runner: int) -> A
             .multi_agent(policies=set(specs), policy_mapping_fn=me.mapping(policy))
             .rl_module(rl_module_spec=MultiRLModuleSpec(rl_module_specs=specs))
             .env_runners(num_env_runners=runners, num_envs_per_env_runner=envs_per_runner,
-                         rollout_fragment_length=ROLLOUT_LEN, batch_mode="truncate_episodes", num_cpus_per_env_runner=1)
+                         rollout_fragment_length=ROLLOUT_LEN, batch_mode="truncate_episodes", num_cpus_per_env_runner=1,
+                         max_requests_in_flight_per_env_runner=in_flight)
             .debugging(seed=me.SEED))
 
 
@@ -207,7 +209,7 @@ class RLlib(Run):
     IMPORTS = ("ray.rllib",)
     VARIANTS: ClassVar[dict[str, str]] = {
         "2x2-sync": "EnvRunnerGroup, 2 remote env runners x 2 envs, synchronous_parallel_sample (PPO's)",
-        "2x2-async": "EnvRunnerGroup, 2 remote env runners x 2 envs, requests in flight (IMPALA's "
+        "2x2-async": "EnvRunnerGroup, 2 remote env runners x 2 envs, 2 sample() requests in flight on each (IMPALA's "
                      "foreach_env_runner_async + fetch_ready_async_reqs)",
         "local-1x4": "one MultiAgentEnvRunner of 4 envs in this process (num_env_runners=0), no Ray workers"}
 
@@ -229,10 +231,13 @@ class RLlib(Run):
         ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": _ROOT}})
         self.ray_started = True
-        group = self.c = EnvRunnerGroup(config=rllib_config(self.env, self.policy, 2, NUM_ENVS // 2), local_env_runner=False)
+        config = rllib_config(self.env, self.policy, 2, NUM_ENVS // 2, in_flight=2 if self.variant == "2x2-async" else 1)
+        group = self.c = EnvRunnerGroup(config=config, local_env_runner=False)
         if self.variant == "2x2-sync":
-            while True:
-                yield sum(_agent_steps(eps) for eps in synchronous_parallel_sample(worker_set=group, concat=False))
+            while True:  # PPO's training_step, new API stack: one sample() from each runner, the episodes flattened
+                episodes, _ = synchronous_parallel_sample(worker_set=group, max_env_steps=ROLLOUT_LEN * NUM_ENVS,
+                                                          _uses_new_env_runners=True, _return_metrics=True)
+                yield _agent_steps(episodes)
         while True:
             group.foreach_env_runner_async(lambda runner: runner.sample())
             got = group.fetch_ready_async_reqs(timeout_seconds=0.05)
