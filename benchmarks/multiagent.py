@@ -229,7 +229,7 @@ class RLlib(Run):
         from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
 
         ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": _ROOT}})
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))}})
         self.ray_started = True
         config = rllib_config(self.env, self.policy, 2, NUM_ENVS // 2, in_flight=2 if self.variant == "2x2-async" else 1)
         group = self.c = EnvRunnerGroup(config=config, local_env_runner=False)
@@ -401,7 +401,8 @@ def plot(res: dict[str, Any], path: str) -> bool:
             ax_s.hlines(r["fps"]["median"], g - 0.45, g + 0.45, colors="k", linestyles="--", linewidth=1)
     ax_s.set_ylabel("agent steps/s delivered (median window)")
     ax_s.set_yscale("log")
-    lo, hi = ax_s.get_ylim()
+    _, hi = ax_s.get_ylim()
+    lo = min(r["fps"]["median"] for r in rows) / 3  # every bar's foot in view
     ax_s.set_ylim(lo, hi * 12)  # room for the labels above the bars, under the legend
     ax_s.grid(axis="y", which="both", alpha=0.3)
     ax_s.set_title(f"{c['num_envs']} multi-agent envs, {res['machine']['cores']} cores: agent steps/s (dashed: the "
@@ -409,6 +410,9 @@ def plot(res: dict[str, Any], path: str) -> bool:
     ax_s.legend(fontsize=8, ncol=3, loc="upper right")
     ax_c.set_ylabel("CPU µs per agent step\n(solid: child processes; hatched: this process)")
     ax_c.set_yscale("log")
+    lowest = min((r["cpu_us_per_frame"][k] for r in rows for k in ("learner", "children") if r["cpu_us_per_frame"][k] > 0),
+                 default=1.0)
+    ax_c.set_ylim(bottom=lowest / 3)  # every bar's foot in view: a log axis would start at the smallest bar's top
     ax_c.grid(axis="y", which="both", alpha=0.3)
     ax_c.set_xticks(range(len(groups)), [f"{e}\n{p}" for e, p in groups])
     fig.tight_layout()
