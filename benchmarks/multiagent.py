@@ -62,6 +62,7 @@ from benchmarks import collect, machine
 from benchmarks import collect_report as creport
 from benchmarks import multiagent_envs as me
 from benchmarks.collect_systems import Run
+from benchmarks.inference import descendants
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_ENVS = 4  # envs in every system
@@ -213,9 +214,12 @@ class RLlib(Run):
                      "foreach_env_runner_async + fetch_ready_async_reqs)",
         "local-1x4": "one MultiAgentEnvRunner of 4 envs in this process (num_env_runners=0), no Ray workers"}
 
+    STOP_S = 20.0  # how long close() waits for Ray's processes to leave after ray.shutdown() (longer on a busy machine)
+
     def __init__(self, env: str, policy: str, variant: str, frames_per_batch: int):
         super().__init__(env, policy, variant, frames_per_batch)
         self.ray_started = False
+        self.before: set[int] = set()
 
     def batches(self) -> Iterator[int]:
         if self.variant == "local-1x4":
@@ -228,6 +232,7 @@ class RLlib(Run):
         from ray.rllib.env.env_runner_group import EnvRunnerGroup
         from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
 
+        self.before = set(descendants())
         ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))}})
         self.ray_started = True
@@ -253,6 +258,11 @@ class RLlib(Run):
                 import ray
 
                 ray.shutdown()
+                # Ray's daemons and workers leave on their own, after it returns: wait for them (polling, with a
+                # deadline), so that the run's reaping finds nothing of Ray's left to kill.
+                deadline = time.monotonic() + self.STOP_S
+                while set(descendants()) - self.before and time.monotonic() < deadline:
+                    time.sleep(0.1)
 
 
 # name -> class; the order is the order of the tables, the plot and each pass of the sweep
