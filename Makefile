@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo demo-ray test test-slow test-core lint bench bench-quick bench-storage bench-inference bench-collect bench-ray clean-shm clean
+.PHONY: demo demo-ray test test-slow test-core lint bench bench-quick bench-storage bench-inference bench-collect bench-ray bench-multiagent clean-shm clean
 
 # One stamp per set of extras, refreshed when pyproject.toml changes. The tests also get rsl_rl's own code, the
 # reference for 002's GAE (tests/_rsl_rl.py), with --no-deps: its torch pin would pull a CUDA build of GBs.
@@ -99,6 +99,14 @@ bench-collect: $(VENV)/.stamp-bench
 # CartPole; about 12 minutes (--quick: under 1). Results in benchmarks/results/<date>-<host>-ray.*
 bench-ray: $(VENV)/.stamp-bench
 	$(PY) -m benchmarks.on_ray
+
+# Multi-agent collection (issue 23): agent steps/s delivered to the learner from 4 PettingZoo envs (MPE2's simple_spread
+# with 8 agents, a synthetic env of 16), numpy linear policies: the one-process loop, workers.MultiAgentCollector and
+# RLlib's MultiAgentEnvRunner (Ray 2.60, remote env runners and a local one), in one run: about 20 minutes (--quick:
+# about 3; each RLlib run starts and stops Ray). RLlib's requirements come from the bench extra one by one: `ray[rllib]` would pin gymnasium==1.2.2.
+# Results in benchmarks/results/<date>-<host>-multiagent.*
+bench-multiagent: $(VENV)/.stamp-bench
+	$(PY) -m benchmarks.multiagent
 
 clean-shm: $(VENV)/.stamp-demo
 	$(PY) -m shmbuf clean

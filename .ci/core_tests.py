@@ -35,6 +35,9 @@ OPTIONAL = {
     "faster-fifo": "faster_fifo", "torchrl": "torchrl", "tensordict": "tensordict", "ray": "ray",
     "rsl-rl-lib": "rsl_rl", "psutil": "psutil",
     "pettingzoo": "pettingzoo", "mpe2": "mpe2",
+    # RLlib's own requirements, in the bench extra for the multi-agent benchmark's RLlib baseline
+    "pandas": "pandas", "tensorboardx": "tensorboardX", "requests": "requests", "pyarrow": "pyarrow", "fsspec": "fsspec",
+    "pydantic": "pydantic", "dm-tree": "tree", "lz4": "lz4", "ormsgpack": "ormsgpack", "pyyaml": "yaml", "scipy": "scipy",
 }
 # The test runner (in `test` and in `core-test`): needed by every test, not an optional part of the library.
 RUNNER = {"pytest", "hypothesis", "pytest-timeout"}

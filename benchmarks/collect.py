@@ -109,9 +109,12 @@ def _per_child(a: dict[str, Any], b: dict[str, Any]) -> list[float]:
     return sorted((round(x, 4) for x in out), reverse=True)
 
 
-def run_one(system: str, variant: str, env: str, policy: str, a: argparse.Namespace) -> dict[str, Any]:
-    """Start one system, let it warm up, measure ``a.windows`` windows at its deliveries, stop it."""
-    cls = SYSTEMS[system]
+def run_one(system: str, variant: str, env: str, policy: str, a: argparse.Namespace, *,
+            systems: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Start one system, let it warm up, measure ``a.windows`` windows at its deliveries, stop it.
+
+    ``systems``: where ``system`` is looked up (default this benchmark's; benchmarks/multiagent.py passes its own)."""
+    cls = (systems or SYSTEMS)[system]
     rec: dict[str, Any] = {"system": system, "label": cls.LABEL, "variant": variant, "variant_desc": cls.VARIANTS[variant],
                            "env": env, "policy": policy, "status": "ok", "loadavg_before": list(os.getloadavg())}
     before = set(descendants())
@@ -206,39 +209,45 @@ def combos(a: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     return out
 
 
-def variants(system: str, a: argparse.Namespace) -> list[str]:
-    names = list(SYSTEMS[system].VARIANTS)
+def variants(system: str, a: argparse.Namespace, systems: dict[str, Any] | None = None) -> list[str]:
+    names = list((systems or SYSTEMS)[system].VARIANTS)
     if a.variants.get(system):
         return [v for v in names if v in a.variants[system]]
     return names[:1] if a.quick else names
 
 
-def plan(a: argparse.Namespace) -> list[tuple[int, str, str, str, str | int]]:
+def plan(a: argparse.Namespace, systems: dict[str, Any] | None = None) -> list[tuple[int, str, str, str, str | int]]:
     """(pass, env, policy, system, variant) in the order run; in the later passes the variant is a rank: the system's
-    configurations of the first pass, fastest first, of which the first :data:`AGAIN` run again."""
+    configurations of the first pass, fastest first, of which the first :data:`AGAIN` run again. ``systems``: as
+    :func:`run_one`'s."""
     out: list[tuple[int, str, str, str, str | int]] = []
     for p in range(a.passes):
-        for env, pol, systems in combos(a):
-            order = systems if p % 2 == 0 else systems[::-1]
+        for env, pol, names in combos(a):
+            order = names if p % 2 == 0 else names[::-1]
             for s in order:
-                vs = variants(s, a)
+                vs = variants(s, a, systems)
                 out += [(p, env, pol, s, v) for v in vs] if p == 0 else [(p, env, pol, s, k) for k in range(min(AGAIN, len(vs)))]
     return out
 
 
-def estimate_s(steps: list[tuple[int, str, str, str, str | int]], a: argparse.Namespace) -> float:
+def estimate_s(steps: list[tuple[int, str, str, str, str | int]], a: argparse.Namespace,
+               overhead_s: dict[str, float] | None = None) -> float:
     per_run = a.warmup_s + a.windows * a.window_s * 1.1
-    return sum(per_run + OVERHEAD_S[s] for _, _, _, s, _ in steps)
+    return sum(per_run + (overhead_s or OVERHEAD_S)[s] for _, _, _, s, _ in steps)
 
 
-def sweep(a: argparse.Namespace, res: dict[str, Any]) -> None:
+def sweep(a: argparse.Namespace, res: dict[str, Any], *, systems: dict[str, Any] | None = None,
+          overhead_s: dict[str, float] | None = None, line: Any = None, name: str = "collect bench") -> None:
+    """Run the plan, appending each run's record to ``res["runs"]``. ``systems``, ``overhead_s`` (seconds each run takes
+    besides its windows), ``line`` (one run's progress line) and ``name``: another benchmark's own (default this one's:
+    benchmarks/multiagent.py passes its own)."""
     from tqdm.auto import tqdm
 
-    steps = plan(a)
-    est = estimate_s(steps, a)
-    print(f"collect bench: {len(steps)} runs, about {est / 60:.1f} minutes "
+    steps = plan(a, systems)
+    est = estimate_s(steps, a, overhead_s)
+    print(f"{name}: {len(steps)} runs, about {est / 60:.1f} minutes "
           f"({len(combos(a))} env x policy, {a.passes} pass(es))", file=sys.stderr, flush=True)
-    bar = tqdm(total=len(steps), unit="run", desc="collect bench", dynamic_ncols=True)
+    bar = tqdm(total=len(steps), unit="run", desc=name, dynamic_ncols=True)
     try:
         for p, env, pol, s, v in steps:
             if isinstance(v, int):  # a later pass: the first pass's v-th fastest configuration
@@ -248,11 +257,11 @@ def sweep(a: argparse.Namespace, res: dict[str, Any]) -> None:
                     continue
                 v = ranked[v]
             bar.set_postfix_str(f"{env} {pol} {s} [{v}]")
-            r = run_one(s, v, env, pol, a)
+            r = run_one(s, v, env, pol, a, systems=systems)
             r["pass"] = p
             res["runs"].append(r)
             bar.update(1)
-            bar.write(report.line(r))
+            bar.write((line or report.line)(r))
     finally:
         bar.close()
 
