@@ -156,7 +156,7 @@ class ParallelDriver:
             dst[row] = o
             valid[pid][row] = True
 
-    def _plan(self, i: int, live: list[Any]) -> tuple[dict[Any, tuple[tuple[Any, ...], np.ndarray]], Any]:
+    def _plan(self, i: int, live: list[Any]) -> tuple[dict[Any, tuple[tuple[Any, ...], Any]], Any]:
         """Env ``i``'s live agents grouped by policy, ``{policy: (agents, rows)}``, and their names as a set: made
         again only when the live agents change (agents join or leave), else the last step's."""
         cached = self._plans[i]
@@ -169,12 +169,12 @@ class ParallelDriver:
             g = groups.setdefault(pid, ([], []))
             g[0].append(agent)
             g[1].append(row)
-        plan = {pid: (tuple(agents), np.array(rows, np.intp)) for pid, (agents, rows) in groups.items()}
+        plan = {pid: (tuple(agents), _rows_index(rows)) for pid, (agents, rows) in groups.items()}
         names = {a for a in live}
         self._plans[i] = (list(live), plan, names)
         return plan, names
 
-    def _place_plan(self, plan: dict[Any, tuple[tuple[Any, ...], np.ndarray]], obs: dict[Any, Any],
+    def _place_plan(self, plan: dict[Any, tuple[tuple[Any, ...], Any]], obs: dict[Any, Any],
                     out: dict[Any, np.ndarray], valid: dict[Any, np.ndarray], i: int) -> None:
         """Every live agent's observation into its row, one store per policy (the checked path for anything else)."""
         for pid, (agents, rows) in plan.items():
@@ -238,7 +238,8 @@ class ParallelDriver:
                 term[pid][rows] = te_p
                 trunc[pid][rows] = tr_p
                 if any(te_p) or any(tr_p):
-                    for a, row, x, y in zip(agents, rows, te_p, tr_p, strict=True):
+                    row_ids = range(rows.start, rows.stop) if isinstance(rows, slice) else rows.tolist()
+                    for a, row, x, y in zip(agents, row_ids, te_p, tr_p, strict=True):
                         if x or y:
                             if a not in obs:
                                 raise UsageError(f"envs[{i}].step: agent {a!r} ended without a final observation")
@@ -255,6 +256,14 @@ class ParallelDriver:
                 obs, _ = env.reset()
                 self._place(i, obs, out, out_valid)
         return finals
+
+
+def _rows_index(rows: list[int]) -> Any:
+    """Rows as an index: a slice where they are consecutive (one env's agents of one policy usually are: views and
+    plain stores instead of gathers and scatters), else an index array."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return np.array(rows, np.intp)
 
 
 def _array_obs(pid: Any, obs: Any) -> np.ndarray:
@@ -483,13 +492,14 @@ class MultiAgentLoop:
         """Call policy ``pid`` once on its live rows: their actions and extras into the loop's buffers (``_act``,
         ``_ext``), zeros in the other rows."""
         act, ext = self._act[pid], self._ext[pid]
-        act[...] = 0
-        for dst in ext.values():
-            dst[...] = 0
-        live = np.flatnonzero(valid) if not self.every_row else np.arange(len(valid))
+        every = self.every_row or bool(valid.all())
+        if not every:  # rows of agents away hold zeros
+            act[...] = 0
+            for dst in ext.values():
+                dst[...] = 0
+        live = np.arange(len(valid)) if every else np.flatnonzero(valid)
         if not len(live):
             return
-        every = len(live) == len(valid)
         views = self._views.get(pid)
         x: Any = obs if views is None else views.inputs()
         if not every:
@@ -551,8 +561,12 @@ class MultiAgentLoop:
                 s.term[t] = term
                 s.trunc[t] = trunc
                 ep_ret, ep_len = self.ep_ret[pid], self.ep_len[pid]
-                ep_ret[v] += rew[v]
-                ep_len[v] += 1
+                if n == len(v):  # every row acted: no gather
+                    ep_ret += rew
+                    ep_len += 1
+                else:
+                    ep_ret[v] += rew[v]
+                    ep_len[v] += 1
                 s.last_ends = sorted(finals[pid])
                 for row in s.last_ends:
                     k = s.n_ep
