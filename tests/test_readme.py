@@ -39,7 +39,7 @@ PYTHON_BLOCKS = {
     "from workers import Collector": "test_readme_collector_script_runs",
 }
 # The README's shell lines that run the command line, and why a test may leave one out.
-CLI_RUN = {"demo --help", "ls", "clean --dry-run", "bench --help"}
+CLI_RUN = {"demo --help", "ls", "clean --dry-run", "bench --help", "convert --help"}
 CLI_NOT_RUN = {
     "clean": "would remove what other test runs on this machine left, under their feet; test_cli covers it",
 }
