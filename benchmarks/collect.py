@@ -277,47 +277,64 @@ def available(system: str) -> str | None:
     return None
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.collect", description=__doc__.split("\n\n")[0])
+def sweep_parser(prog: str, doc: str, systems: dict[str, Any], envs: dict[str, Any], policies: dict[str, Any], *,
+                 window_s: float, warmup_s: float, stall_s: float) -> argparse.ArgumentParser:
+    """The command line a sweep of ``systems`` x ``envs`` x ``policies`` takes (this bench's, and the multi-agent one's):
+    the defaults for a window, the warm-up and a stall are each bench's own. :func:`sweep_args` reads it."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="each system's first configuration, one pass, short windows (a fast look; the test)")
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"), help="where to write the results")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"systems (default all: {','.join(SYSTEMS)})")
+    p.add_argument("--systems", default=",".join(systems), help=f"systems (default all: {','.join(systems)})")
     p.add_argument("--variants", default="",
                    help="configurations to run, as system:variant,... (default: all; --quick: each system's first)")
-    p.add_argument("--envs", default=",".join(ce.ENVS), help=f"envs (default {','.join(ce.ENVS)})")
-    p.add_argument("--policies", default=",".join(ce.POLICIES), help=f"policies (default {','.join(ce.POLICIES)})")
+    p.add_argument("--envs", default=",".join(envs), help=f"envs (default {','.join(envs)})")
+    p.add_argument("--policies", default=",".join(policies), help=f"policies (default {','.join(policies)})")
     p.add_argument("--passes", type=int, help="passes over the plan (default 2, quick 1)")
     p.add_argument("--windows", type=int, help="timed windows per run (default 3, quick 2)")
-    p.add_argument("--window-s", type=float, help="seconds per window, at least (default 1.0, quick 0.3)")
-    p.add_argument("--warmup-s", type=float, help="warm-up seconds from the first delivery, dropped (default 1.0, quick 0.3)")
-    p.add_argument("--frames-per-batch", type=int, default=FRAMES_PER_BATCH,
-                   help=f"frames per delivery: collectors' batches, one-process loops' rollouts (default {FRAMES_PER_BATCH})")
-    p.add_argument("--stall-s", type=float, default=60.0, help="a run that delivers nothing for this long is stopped")
+    p.add_argument("--window-s", type=float, help=f"seconds per window, at least (default {window_s}, quick 0.3)")
+    p.add_argument("--warmup-s", type=float,
+                   help=f"warm-up seconds from the first delivery, dropped (default {warmup_s}, quick 0.3)")
+    p.add_argument("--stall-s", type=float, default=stall_s, help="a run that delivers nothing for this long is stopped")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--render", metavar="FILE.json", help="rewrite the .md and .png of a results file; measure nothing")
-    a = p.parse_args(argv)
+    p.set_defaults(window_default=window_s, warmup_default=warmup_s)
+    return p
+
+
+def sweep_args(p: argparse.ArgumentParser, a: argparse.Namespace, systems: dict[str, Any], envs: dict[str, Any],
+               policies: dict[str, Any]) -> argparse.Namespace:
+    """``a`` from :func:`sweep_parser`, its lists split, the --quick defaults applied, every name checked (an unknown
+    one is a usage error naming the known ones); ``a.variants`` becomes ``{system: [variant, ...]}``."""
     q = a.quick
     a.systems = [s for s in a.systems.split(",") if s]
     a.envs = [e for e in a.envs.split(",") if e]
     a.policies = [x for x in a.policies.split(",") if x]
     a.passes = a.passes or (1 if q else 2)
     a.windows = a.windows or (2 if q else 3)
-    a.window_s = a.window_s or (0.3 if q else 1.0)
-    a.warmup_s = a.warmup_s if a.warmup_s is not None else (0.3 if q else 1.0)
-    for what, got, known in (("--systems", a.systems, SYSTEMS), ("--envs", a.envs, ce.ENVS),
-                             ("--policies", a.policies, ce.POLICIES)):
+    a.window_s = a.window_s or (0.3 if q else a.window_default)
+    a.warmup_s = a.warmup_s if a.warmup_s is not None else (0.3 if q else a.warmup_default)
+    for what, got, known in (("--systems", a.systems, systems), ("--envs", a.envs, envs), ("--policies", a.policies, policies)):
         bad = [x for x in got if x not in known]
         if bad:
             p.error(f"{what}: unknown {bad}; choose from {list(known)}")
     wanted: dict[str, list[str]] = {}
     for item in (x for x in a.variants.split(",") if x):
         s, _, v = item.partition(":")
-        if s not in SYSTEMS or v not in SYSTEMS[s].VARIANTS:
-            known = ",".join(f"{k}:{v}" for k, c in SYSTEMS.items() for v in c.VARIANTS)
-            p.error(f"--variants: unknown {item!r}; choose from {known}")
+        if s not in systems or v not in systems[s].VARIANTS:
+            known_v = ",".join(f"{k}:{v}" for k, c in systems.items() for v in c.VARIANTS)
+            p.error(f"--variants: unknown {item!r}; choose from {known_v}")
         wanted.setdefault(s, []).append(v)
     a.variants = wanted
+    return a
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = sweep_parser("python -m benchmarks.collect", __doc__, SYSTEMS, ce.ENVS, ce.POLICIES, window_s=1.0, warmup_s=1.0,
+                     stall_s=60.0)
+    p.add_argument("--frames-per-batch", type=int, default=FRAMES_PER_BATCH,
+                   help=f"frames per delivery: collectors' batches, one-process loops' rollouts (default {FRAMES_PER_BATCH})")
+    a = sweep_args(p, p.parse_args(argv), SYSTEMS, ce.ENVS, ce.POLICIES)
     if a.frames_per_batch % (16 * 16):
         p.error(f"--frames-per-batch: expected a multiple of 256 (16 envs x 16 steps), got {a.frames_per_batch}")
     return a

@@ -455,44 +455,9 @@ def available(system: str) -> str | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.multiagent", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="each system's first configuration, one pass, short windows (a fast look; the test)")
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"), help="where to write the results")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"systems (default all: {','.join(SYSTEMS)})")
-    p.add_argument("--variants", default="",
-                   help="configurations to run, as system:variant,... (default: all; --quick: each system's first)")
-    p.add_argument("--envs", default=",".join(me.ENVS), help=f"envs (default {','.join(me.ENVS)})")
-    p.add_argument("--policies", default=",".join(me.POLICIES), help=f"policies (default {','.join(me.POLICIES)})")
-    p.add_argument("--passes", type=int, help="passes over the plan (default 2, quick 1)")
-    p.add_argument("--windows", type=int, help="timed windows per run (default 3, quick 2)")
-    p.add_argument("--window-s", type=float, help="seconds per window, at least (default 3.0, quick 0.3)")
-    p.add_argument("--warmup-s", type=float, help="warm-up seconds from the first delivery, dropped (default 2.0, quick 0.3)")
-    p.add_argument("--stall-s", type=float, default=120.0, help="a run that delivers nothing for this long is stopped")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--render", metavar="FILE.json", help="rewrite the .md and .png of a results file; measure nothing")
-    a = p.parse_args(argv)
-    q = a.quick
-    a.systems = [s for s in a.systems.split(",") if s]
-    a.envs = [e for e in a.envs.split(",") if e]
-    a.policies = [x for x in a.policies.split(",") if x]
-    a.passes = a.passes or (1 if q else 2)
-    a.windows = a.windows or (2 if q else 3)
-    a.window_s = a.window_s or (0.3 if q else 3.0)
-    a.warmup_s = a.warmup_s if a.warmup_s is not None else (0.3 if q else 2.0)
-    for what, got, known in (("--systems", a.systems, SYSTEMS), ("--envs", a.envs, me.ENVS),
-                             ("--policies", a.policies, me.POLICIES)):
-        bad = [x for x in got if x not in known]
-        if bad:
-            p.error(f"{what}: unknown {bad}; choose from {list(known)}")
-    wanted: dict[str, list[str]] = {}
-    for item in (x for x in a.variants.split(",") if x):
-        s, _, v = item.partition(":")
-        if s not in SYSTEMS or v not in SYSTEMS[s].VARIANTS:
-            known = ",".join(f"{k}:{v}" for k, c in SYSTEMS.items() for v in c.VARIANTS)
-            p.error(f"--variants: unknown {item!r}; choose from {known}")
-        wanted.setdefault(s, []).append(v)
-    a.variants = wanted
+    p = collect.sweep_parser("python -m benchmarks.multiagent", __doc__, SYSTEMS, me.ENVS, me.POLICIES, window_s=3.0,
+                             warmup_s=2.0, stall_s=120.0)
+    a = collect.sweep_args(p, p.parse_args(argv), SYSTEMS, me.ENVS, me.POLICIES)
     a.frames_per_batch = ROLLOUT_LEN * NUM_ENVS  # env steps per delivery; what run_one passes each system
     return a
 
