@@ -439,6 +439,8 @@ def test_the_docs_block_prints_each_policys_rows_and_both_counts(tmp_path):
 
 
 @pytest.mark.parametrize(("kw", "says"), [({}, "give exactly one of policies"),
+                                          ({"policies": POLICIES, "serve": True, "view_requirements": {"red": {}}},
+                                           "view_requirements= with serve=True"),
                                           ({"policies": POLICIES, "policy_factories": {"red": Scaled}},
                                            "give exactly one of policies"),
                                           ({"policy_factories": {"red": Scaled, "blue": 3}},

@@ -177,8 +177,8 @@ class MultiAgentCollector:
         policy_factories: ``{policy_id: zero-argument picklable callable}`` returning the policy, called once in
             each actor and once here (to lay the rollouts out): for policies that cannot be pickled, or that
             hold torch modules (which would otherwise travel as shared tensors).
-        policy_mapping_fn: agent id -> policy id (RLlib's; called with ``(agent_id, None)`` when it takes an
-            episode too); None: every agent to ``"default_policy"``.
+        policy_mapping_fn: agent id -> policy id (RLlib's; an episode or worker argument it takes gets None: the
+            mapping is decided once per agent id); None: every agent to ``"default_policy"``.
         frames_per_batch: steps per batch, counted as ``count_steps_by`` says; a multiple of one round's
             (``rollout_len`` times the envs per actor for env steps, ``rollout_len`` for agent steps) times
             the actors.
@@ -267,6 +267,9 @@ class MultiAgentCollector:
         self.ready_timeout = ready_timeout
         self.policies = policies if policies is not None else {pid: make() for pid, make in given.items()}
         if serve:
+            if view_requirements is not None:
+                raise shmbuf.UsageError("view_requirements= with serve=True: a served policy answers a request of its rows' "
+                                        "observations, not a dict of views; keep the policy in the actors (serve=False)")
             if weights is not None:
                 raise shmbuf.UsageError("weights=: with serve=True the policies stay in this process; "
                                         "update_policy_weights copies new weights into them")
