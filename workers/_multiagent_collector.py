@@ -464,6 +464,24 @@ class MultiAgentCollector:
         out.frames = env_steps if self.count_steps_by == ENV_STEPS_COUNT else agent_steps
         return out
 
+    def _poll_pipelines(self, take: Callable[[Any, Any], None], deadline: float | None,
+                        timed_out: Callable[[], str]) -> None:
+        """One turn over every policy's pipeline, each ready rollout handed to ``take(policy_id, rollout)`` (only the
+        first ``get`` waits, a slice shared among the pipelines); with none ready, the actors are checked, and past
+        ``deadline`` a SlotTimeout says ``timed_out()``."""
+        took = False
+        for pid, reader in self.readers.items():
+            try:
+                r = reader.get(0 if took else WAIT_SLICE / len(self.readers))
+            except shmbuf.SlotTimeout:
+                continue
+            take(pid, r)
+            took = True
+        if not took:
+            self._check_actors()
+            if deadline is not None and time.monotonic() > deadline:
+                raise shmbuf.SlotTimeout(timed_out())
+
     def _next_aligned(self) -> MultiAgentBatch:
         """``rounds_per_batch`` whole rounds: each round's rollout of every policy, taken as they come and kept (as
         copies) until every policy's rollout of that round arrived; rounds in order of first arrival. A round is
@@ -479,25 +497,17 @@ class MultiAgentCollector:
             keys = set.intersection(*(set(pending[pid]) for pid in pids))
             return sorted(keys, key=self._arrival.__getitem__)
 
+        def keep(pid: Any, r: Any) -> None:
+            with r:
+                key = (int(r.pid), int(r.seq))
+                whole_slot = optree.tree_map(np.array, r.data)  # padded to capacity: rounds stack into (B, ...)
+                pending[pid][key] = (whole_slot, dict(r.fill), int(r.lane), int(r.epoch), int(r.seq),
+                                     int(r.policy_version))
+            self._arrival.setdefault(key, len(self._arrival))
+
         while len(whole()) < B:
-            took = False
-            for pid, reader in self.readers.items():
-                try:
-                    r = reader.get(0 if took else WAIT_SLICE / len(self.readers))
-                except shmbuf.SlotTimeout:
-                    continue
-                with r:
-                    key = (int(r.pid), int(r.seq))
-                    whole_slot = optree.tree_map(np.array, r.data)  # padded to capacity: rounds stack into (B, ...)
-                    pending[pid][key] = (whole_slot, dict(r.fill), int(r.lane), int(r.epoch), int(r.seq),
-                                         int(r.policy_version))
-                self._arrival.setdefault(key, len(self._arrival))
-                took = True
-            if not took:
-                self._check_actors()
-                if deadline is not None and time.monotonic() > deadline:
-                    raise shmbuf.SlotTimeout(f"no {B} whole rounds within timeout={self.timeout} s (rounds waiting for a "
-                                             f"policy: {len(self._arrival)})")
+            self._poll_pipelines(keep, deadline, lambda: f"no {B} whole rounds within timeout={self.timeout} s (rounds "
+                                                         f"waiting for a policy: {len(self._arrival)})")
         self._check_actors()
         keys = whole()[:B]
         out = MultiAgentBatch()
@@ -535,19 +545,9 @@ class MultiAgentCollector:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         parts = self._partial
         while sum(p["frames"] for p in parts.values()) < self.frames_per_batch:
-            took = False
-            for pid, reader in self.readers.items():
-                try:
-                    r = reader.get(0 if took else WAIT_SLICE / len(self.readers))
-                except shmbuf.SlotTimeout:
-                    continue
-                take_episode(parts[pid], r)
-                took = True
-            if not took:
-                self._check_actors()
-                if deadline is not None and time.monotonic() > deadline:
-                    raise shmbuf.SlotTimeout(f"no agent episode within timeout={self.timeout} s; the actors are alive "
-                                             "but not delivering")
+            self._poll_pipelines(lambda pid, r: take_episode(parts[pid], r), deadline,
+                                 lambda: f"no agent episode within timeout={self.timeout} s; the actors are alive but "
+                                         "not delivering")
         self._check_actors()
         self._partial = {pid: no_episodes() for pid in parts}
         out = MultiAgentBatch()
