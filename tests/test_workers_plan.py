@@ -90,9 +90,20 @@ def test_a_plan_is_frozen_and_the_default_actor_count() -> None:
 
 
 def test_async_batched_collector_only_gives_collector_a_served_policy() -> None:
-    """Composition, not hooks: AsyncBatchedCollector overrides nothing of Collector's; its placement differs."""
+    """Composition, not hooks: AsyncBatchedCollector is Collector with a served placement, plus TorchRL's collector
+    API (issue 22). It overrides exactly three of Collector's methods, each around Collector's own: ``iterator`` (to
+    give TorchRL's batches, or write them into a replay buffer), ``close`` (to stop background collection too) and
+    ``shutdown`` (TorchRL's signature, closing through ``close``)."""
+    import inspect
+
     from workers import AsyncBatchedCollector, Collector
 
     own = {k for k in vars(AsyncBatchedCollector) if not k.startswith("__")}
-    assert own == {"server", "table"}  # views of its ServedPolicy, besides __init__
-    assert not own & set(vars(Collector))
+    assert own & set(dir(Collector)) == {"close", "iterator", "shutdown"}
+    assert "super().iterator()" in inspect.getsource(AsyncBatchedCollector.iterator)
+    assert "super().close(timeout)" in inspect.getsource(AsyncBatchedCollector.close)
+    assert "self.close(timeout)" in inspect.getsource(AsyncBatchedCollector.shutdown)
+    torchrl_api = {"async_shutdown", "collecting", "env", "pause", "policy", "receive_weights", "set_seed", "start",
+                   "update_policy_weights_"}
+    assert {k for k in own if not k.startswith("_")} == {"server", "table"} | torchrl_api | {"close", "iterator",
+                                                                                          "shutdown"}
