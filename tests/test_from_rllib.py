@@ -369,11 +369,18 @@ def test_complete_episodes_of_a_vector_env_one_call_per_sub_env_episode() -> Non
     policy = PostprocessingPolicy()
     rollouts, _ = run_loop(lambda: make_vector(2), policy, T=8, n_rollouts=6, batch_mode="complete_episodes")
     assert len(policy.calls) == 6
-    for r, c in zip(rollouts, policy.calls, strict=True):
+    # Each sub-env has its own lane: the reader may hand out two episodes that ended at the same step in either
+    # order, so each rollout is matched to its call by its sub-env and episode (obs[:, 0] and obs[:, 1]).
+    calls = {(float(c["obs"][0, 0]), float(c["obs"][0, 1])): c for c in policy.calls}
+    assert len(calls) == 6
+    for r in rollouts:
         n = r["fill"]["step"]
-        np.testing.assert_array_equal(c["obs"], r["data"]["step"]["obs"][:n])  # the same sub-env, the same episode
+        obs = r["data"]["step"]["obs"][:n]
+        c = calls.pop((float(obs[0, 0]), float(obs[0, 1])))
+        np.testing.assert_array_equal(c["obs"], obs)  # the same sub-env, the same episode
         assert len(set(c["obs"][:, 1])) == 1 and len(set(c["obs"][:, 0])) == 1
         np.testing.assert_array_equal(r["data"]["step"]["advantages"][:n], np.cumsum(c["rewards"][::-1])[::-1])
+    assert not calls
 
 
 class DictPostprocessingPolicy(PostprocessingPolicy):
