@@ -15,7 +15,8 @@ import pytest
 pettingzoo = pytest.importorskip("pettingzoo")
 
 import shmbuf  # noqa: E402  # after the importorskip: the module needs pettingzoo
-from workers._multiagent import AgentRows, MultiAgentLoop, multiagent_examples  # noqa: E402  # same
+from workers._agent_rows import AgentRows  # noqa: E402  # same
+from workers._multiagent import MultiAgentLoop, multiagent_examples  # noqa: E402  # same
 
 AGENTS = ["red_0", "red_1", "blue_0"]
 LENGTHS = [9, 6, 11, 2, 7]  # episode lengths in env steps, in turn
@@ -611,7 +612,7 @@ def test_served_policies_answer_every_actor_and_stamp_each_action_with_their_ver
 
 
 def test_rllib_mapping_functions_of_every_signature_map_each_agent_once():
-    from workers._multiagent import mapping_of
+    from workers._agent_rows import mapping_of
 
     def old(agent_id, episode, worker, **kwargs):  # RLlib's older signature
         return "p" + agent_id[-1]

@@ -22,7 +22,6 @@ policy's rollout of a round covers the same env steps, and every policy commits 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,219 +50,13 @@ from shmbuf.layout import (
     rollout_example,
 )
 from workers._actor import apply_weights, as_numpy_policy, split_policy_output
+from workers._agent_rows import AgentRows, ParallelDriver, agents_of
 from workers._truncate import OutputCheck, check_extras
 from workers._views import ActorViews, check_view_requirements
 
 ENV_STEPS_COUNT = "env_steps"
 AGENT_STEPS_COUNT = "agent_steps"
 COUNT_STEPS_BY = (ENV_STEPS_COUNT, AGENT_STEPS_COUNT)
-
-
-def mapping_of(policy_mapping_fn: Callable[..., Any] | None) -> Callable[[Any], Any]:
-    """A policy mapping as a function of the agent id alone.
-
-    RLlib's ``policy_mapping_fn(agent_id, episode, **kwargs)`` (or its older ``(agent_id, episode, worker,
-    **kwargs)``) is called with None for all but the agent id: the mapping is decided once per agent id (each
-    agent's row is fixed), not per episode. None maps every agent to
-    ``"default_policy"`` (RLlib's default policy id).
-    """
-    if policy_mapping_fn is None:
-        return lambda agent: "default_policy"
-    if not callable(policy_mapping_fn):
-        raise UsageError(f"policy_mapping_fn: expected a function of the agent id, got {policy_mapping_fn!r}")
-    try:
-        params = inspect.signature(policy_mapping_fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: called with the agent id alone
-        return policy_mapping_fn
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-    if len(positional) >= 2:  # (agent_id, episode) or the old (agent_id, episode, worker): None for all but the id
-        rest = (None,) * (len(positional) - 1)
-        return lambda agent: policy_mapping_fn(agent, *rest)
-    return policy_mapping_fn
-
-
-class AgentRows:
-    """The fixed row of every ``(env, agent)`` in its policy's rollouts (see the module doc).
-
-    ``policies``: ``{policy_id: [(env_index, agent_id), ...]}``, each list in row order (env by env, agents
-    in ``possible_agents`` order); ``where``: ``{(env_index, agent_id): (policy_id, row)}``.
-    """
-
-    def __init__(self, possible_agents: Sequence[Any], num_envs: int, policy_mapping_fn: Callable[..., Any] | None):
-        if not possible_agents:
-            raise UsageError("possible_agents: expected the env's agent ids (PettingZoo's env.possible_agents), got none")
-        mapping = mapping_of(policy_mapping_fn)
-        self.policy_of = {agent: mapping(agent) for agent in possible_agents}
-        self.policies: dict[Any, list[tuple[int, Any]]] = {}
-        self.where: dict[tuple[int, Any], tuple[Any, int]] = {}
-        for i in range(num_envs):
-            for agent in possible_agents:
-                pid = self.policy_of[agent]
-                rows = self.policies.setdefault(pid, [])
-                self.where[(i, agent)] = (pid, len(rows))
-                rows.append((i, agent))
-
-    def __repr__(self) -> str:
-        return f"AgentRows({ {pid: len(rows) for pid, rows in self.policies.items()} })"
-
-
-def _agents_of(env: Any) -> list[Any]:
-    agents = getattr(env, "possible_agents", None)
-    if agents is None:
-        raise UsageError(f"{type(env).__name__}: expected a PettingZoo ParallelEnv (with possible_agents), got an env "
-                         "without them")
-    return list(agents)
-
-
-class ParallelDriver:
-    """Steps PettingZoo parallel envs for :class:`MultiAgentLoop`, writing each policy's rows where it is told.
-
-    Observations must be arrays (one per agent, the shape and dtype its policy's rows have).
-    """
-
-    def __init__(self, envs: Sequence[Any], rows: AgentRows):
-        self.envs = list(envs)
-        self.rows = rows
-        agents = _agents_of(self.envs[0])
-        for i, env in enumerate(self.envs[1:], 1):
-            if _agents_of(env) != agents:
-                raise UsageError(f"envs[{i}].possible_agents: expected {agents} (every env of an actor has the same "
-                                 f"agents), got {_agents_of(env)}")
-        # per env: agent -> (policy, row); and the last step's live agents grouped by policy (see _plan)
-        self._at = [{agent: rows.where[(i, agent)] for agent in agents} for i in range(len(self.envs))]
-        self._plans: list[Any] = [None] * len(self.envs)
-
-    def _row(self, i: int, agent: Any) -> tuple[Any, int]:
-        try:
-            return self._at[i][agent]
-        except KeyError:
-            raise UsageError(f"envs[{i}]: agent {agent!r} is not in the env's possible_agents") from None
-
-    def _place(self, i: int, obs: dict[Any, Any], out: dict[Any, np.ndarray], valid: dict[Any, np.ndarray],
-               skip: Any = ()) -> None:
-        at = self._at[i]
-        for agent, o in obs.items():
-            if agent in skip:
-                continue
-            pid, row = at[agent] if agent in at else self._row(i, agent)
-            dst = out[pid]
-            # An array of the rows' exact shape and dtype goes in as it is; anything else is checked first.
-            if type(o) is not np.ndarray or o.shape != dst.shape[1:] or o.dtype != dst.dtype:
-                if np.shape(o) != dst.shape[1:] or not np.can_cast(np.asarray(o).dtype, dst.dtype, "same_kind"):
-                    raise SchemaError(f"envs[{i}]: agent {agent!r}'s observation: expected shape {dst.shape[1:]} and "
-                                      f"dtype {dst.dtype} (policy {pid!r}'s rows), got shape {np.shape(o)} and dtype "
-                                      f"{np.asarray(o).dtype}")
-            dst[row] = o
-            valid[pid][row] = True
-
-    def _plan(self, i: int, live: list[Any]) -> tuple[dict[Any, tuple[tuple[Any, ...], Any]], Any]:
-        """Env ``i``'s live agents grouped by policy, ``{policy: (agents, rows)}``, and their names as a set: made
-        again only when the live agents change (agents join or leave), else the last step's."""
-        cached = self._plans[i]
-        if cached is not None and cached[0] == live:
-            return cached[1], cached[2]
-        at = self._at[i]
-        groups: dict[Any, tuple[list[Any], list[int]]] = {}
-        for agent in live:
-            pid, row = at[agent] if agent in at else self._row(i, agent)
-            g = groups.setdefault(pid, ([], []))
-            g[0].append(agent)
-            g[1].append(row)
-        plan = {pid: (tuple(agents), _rows_index(rows)) for pid, (agents, rows) in groups.items()}
-        names = {a for a in live}
-        self._plans[i] = (list(live), plan, names)
-        return plan, names
-
-    def _place_plan(self, plan: dict[Any, tuple[tuple[Any, ...], Any]], obs: dict[Any, Any],
-                    out: dict[Any, np.ndarray], valid: dict[Any, np.ndarray], i: int) -> None:
-        """Every live agent's observation into its row, one store per policy (the checked path for anything else)."""
-        for pid, (agents, rows) in plan.items():
-            dst = out[pid]
-            try:
-                stacked = np.stack([obs[a] for a in agents])
-            except ValueError:  # observations of different shapes: the checked path names the agent
-                stacked = None
-            if stacked is None or stacked.shape[1:] != dst.shape[1:] or stacked.dtype != dst.dtype:
-                self._place(i, {a: obs[a] for a in agents}, out, valid)
-                continue
-            dst[rows] = stacked
-            valid[pid][rows] = True
-
-    def reset(self, seed: int | None, out: dict[Any, np.ndarray], valid: dict[Any, np.ndarray]) -> None:
-        """Reset every env (env ``i`` with ``seed + i``) and write its agents' first observations into ``out``."""
-        for pid in out:
-            out[pid][...] = 0
-            valid[pid][...] = False
-        for i, env in enumerate(self.envs):
-            obs, _ = env.reset(seed=None if seed is None else seed + i)
-            self._place(i, obs, out, valid)
-
-    def step(self, actions: dict[Any, np.ndarray], valid: dict[Any, np.ndarray], out: dict[Any, np.ndarray],
-             out_valid: dict[Any, np.ndarray], rew: dict[Any, np.ndarray], term: dict[Any, np.ndarray],
-             trunc: dict[Any, np.ndarray]) -> dict[Any, dict[int, Any]]:
-        """Step every env with the actions of its live agents (the ``valid`` rows of ``actions``).
-
-        Writes, per policy: ``rew``/``term``/``trunc`` of the rows that acted (zero elsewhere); ``out`` and
-        ``out_valid``, the rows' observations and liveness for the next step (a row whose agent left is zeros;
-        an env whose agents all left is reset, its agents' rows hold their first observations). Returns, per
-        policy, ``{row: final observation}`` of the rows whose stream ended.
-        """
-        for pid in out:
-            out[pid][...] = 0
-            out_valid[pid][...] = False
-            rew[pid][...] = 0
-            term[pid][...] = False
-            trunc[pid][...] = False
-        finals: dict[Any, dict[int, Any]] = {pid: {} for pid in out}
-        for i, env in enumerate(self.envs):
-            plan, names = self._plan(i, env.agents)
-            acts: dict[Any, Any] = {}
-            for pid, (agents, rows) in plan.items():
-                ok = valid[pid][rows]
-                if not ok.all():
-                    agent = agents[int(np.flatnonzero(~ok)[0])]
-                    raise UsageError(f"envs[{i}]: agent {agent!r} is live, but it was in no observation the env "
-                                     "returned, so it has nothing to act on")
-                acts.update(zip(agents, actions[pid][rows]))
-            obs, r, te, tr, _ = env.step(acts)
-            ended = set()
-            for pid, (agents, rows) in plan.items():
-                try:
-                    rew[pid][rows] = [r[a] for a in agents]
-                    te_p = [te[a] for a in agents]
-                    tr_p = [tr[a] for a in agents]
-                except KeyError as exc:
-                    raise UsageError(f"envs[{i}].step: expected a reward, a termination and a truncation for every "
-                                     f"agent that acted, got none for {exc.args[0]!r}") from None
-                term[pid][rows] = te_p
-                trunc[pid][rows] = tr_p
-                if any(te_p) or any(tr_p):
-                    row_ids = range(rows.start, rows.stop) if isinstance(rows, slice) else rows.tolist()
-                    for a, row, x, y in zip(agents, row_ids, te_p, tr_p, strict=True):
-                        if x or y:
-                            if a not in obs:
-                                raise UsageError(f"envs[{i}].step: agent {a!r} ended without a final observation")
-                            finals[pid][row] = np.array(obs[a])
-                            ended.add(a)
-            if not ended and obs.keys() == names:  # the same agents go on: each policy's rows in one store
-                self._place_plan(plan, obs, out, out_valid, i)
-            else:
-                if not all(a in obs for a in acts if a not in ended):
-                    gone = [a for a in acts if a not in ended and a not in obs]
-                    raise UsageError(f"envs[{i}].step: agent {gone[0]!r} goes on without an observation")
-                self._place(i, obs, out, out_valid, skip=ended)
-            if not env.agents:  # the env's episode is over: its agents start again
-                obs, _ = env.reset()
-                self._place(i, obs, out, out_valid)
-        return finals
-
-
-def _rows_index(rows: list[int]) -> Any:
-    """Rows as an index: a slice where they are consecutive (one env's agents of one policy usually are: views and
-    plain stores instead of gathers and scatters), else an index array."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return np.array(rows, np.intp)
 
 
 def _array_obs(pid: Any, obs: Any) -> np.ndarray:
@@ -289,7 +82,7 @@ def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_ma
     SchemaError for extras that clash with the layout.
     """
     check_batch_mode(batch_mode)
-    rows = AgentRows(_agents_of(envs[0]), len(envs), policy_mapping_fn)
+    rows = AgentRows(agents_of(envs[0]), len(envs), policy_mapping_fn)
     missing = sorted(map(str, set(rows.policies) - set(policies)))
     if missing:
         raise UsageError(f"policies: policy_mapping_fn maps agents to {missing}, which policies= does not have "
@@ -364,7 +157,7 @@ class MultiAgentLoop:
             an agent cannot be reset alone, so its episode cannot be cut as a sub-env's is).
         batch_mode: ``"truncate_episodes"`` (rounds of T env steps, every row of every policy) or
             ``"complete_episodes"`` (each rollout one agent's whole episode, committed when it ends).
-        policy_mapping_fn: agent id -> policy id (RLlib's, see :func:`mapping_of`); None: one policy,
+        policy_mapping_fn: agent id -> policy id (RLlib's, see :func:`workers._agent_rows.mapping_of`); None: one policy,
             ``"default_policy"``.
         count_steps_by: ``"env_steps"`` or ``"agent_steps"`` (RLlib's ``count_steps_by``).
         weights: ``{policy_id: WeightSubscriber}`` for the policies whose weights are broadcast, polled at round
@@ -394,7 +187,7 @@ class MultiAgentLoop:
         self.envs = list(envs) if isinstance(envs, (list, tuple)) else [envs]
         if not self.envs:
             raise UsageError("envs: expected a PettingZoo ParallelEnv or a list of them, got an empty list")
-        self.rows = AgentRows(_agents_of(self.envs[0]), len(self.envs), policy_mapping_fn)
+        self.rows = AgentRows(agents_of(self.envs[0]), len(self.envs), policy_mapping_fn)
         if set(writers) != set(self.rows.policies) or set(policies) != set(self.rows.policies):
             want = sorted(map(str, self.rows.policies))
             raise UsageError(f"policies and writers: expected one of each for the policies {want}, got policies "

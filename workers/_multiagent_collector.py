@@ -7,10 +7,10 @@
                 train(policy_id, b.data)        # leaves (B, T, K, ...): the policy's rows, see workers._multiagent
 
 Each policy has a pipeline of its own, laid out from its own spaces (:func:`workers._multiagent.multiagent_examples`),
-and every actor a writer on each (:func:`run_multiagent_actor`, a :class:`workers.MultiAgentLoop`). A round of an
-actor commits one rollout per policy; a batch takes ``rounds_per_batch`` rollouts from each policy's pipeline.
-While it waits on one pipeline it keeps the others lending slots, so that no actor waits for a slot of a policy
-the learner is not reading at that moment.
+and every actor a writer on each (:func:`workers._multiagent_actor.run_multiagent_actor`, a
+:class:`workers.MultiAgentLoop`). A round of an actor commits one rollout per policy; a batch takes
+``rounds_per_batch`` rollouts from each policy's pipeline. While it waits on one pipeline it keeps the others
+lending slots, so that no actor waits for a slot of a policy the learner is not reading at that moment.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,96 +27,13 @@ import shmbuf
 from shmbuf.layout import COMPLETE_EPISODES, EPISODE, LENGTH, RETURN, STEP, TRUNCATE_EPISODES, VALID, check_batch_mode
 from shmbuf.lowlevel import int_setting, timeout_setting
 from workers._collector import CollectedBatch, episodes_batch, no_episodes, progress, take_episode, weights_of
-from workers._multiagent import AGENT_STEPS_COUNT, COUNT_STEPS_BY, ENV_STEPS_COUNT, MultiAgentLoop, multiagent_examples
+from workers._multiagent import AGENT_STEPS_COUNT, COUNT_STEPS_BY, ENV_STEPS_COUNT, multiagent_examples
+from workers._multiagent_actor import MultiAgentSpec, envs_of, run_multiagent_actor
 from workers._pool import ActorPool, default_start_method
 from workers._remote import VERSION_KEY
 from workers._views import check_view_requirements
 
 WAIT_SLICE = 0.05
-
-
-def _envs_of(env_fn: Callable[[], Any]) -> list[Any]:
-    made = env_fn()
-    return list(made) if isinstance(made, (list, tuple)) else [made]
-
-
-@dataclass(frozen=True)
-class MultiAgentSpec:
-    """What a multi-agent actor needs, pickled once when it starts: shmbuf names and the user's callables."""
-
-    pipelines: dict[Any, str]
-    env_fns: tuple[Callable[[], Any], ...]
-    policies: dict[Any, Any] | None
-    policy_factories: dict[Any, Callable[[], Any]] | None
-    policy_mapping_fn: Callable[..., Any] | None
-    rollout_len: int
-    count_steps_by: str = ENV_STEPS_COUNT
-    weights: dict[Any, str] | None = None
-    seed: int | None = None
-    torch_threads: int | None = 1
-    label: str = "multiagent"
-    batch_mode: str = TRUNCATE_EPISODES
-    rows: dict[Any, int] | None = None  # complete-episodes: each policy's rows (one writer each)
-    inference: dict[Any, str] | None = None  # served policies: each policy's inference table
-    view_requirements: dict[Any, Any] | None = None
-
-
-def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
-    """An :class:`workers.ActorPool` target: make the envs (a factory returns a ParallelEnv or a list of them), a
-    writer per policy, and run a :class:`workers.MultiAgentLoop` until stopped."""
-    from workers._actor import torch_threads
-
-    torch_threads(spec.torch_threads)
-    envs = _envs_of(spec.env_fns[ctx.index % len(spec.env_fns)])
-    writers: dict[Any, Any] = {}
-    subs: dict[Any, Any] = {}
-    policies: dict[Any, Any] = {}
-    try:
-        for pid, name in spec.pipelines.items():
-            if spec.batch_mode == COMPLETE_EPISODES:  # one writer per row: each agent's episode is a rollout
-                writers[pid] = [shmbuf.Writer(name, timeout=None, label=f"{spec.label}-{ctx.index}/{pid}/{k}")
-                                for k in range((spec.rows or {})[pid])]
-            else:
-                writers[pid] = shmbuf.Writer(name, timeout=None, label=f"{spec.label}-{ctx.index}/{pid}")
-        for pid, name in (spec.weights or {}).items():
-            subs[pid] = shmbuf.WeightSubscriber(name)
-        ready = getattr(ctx, "ready", None)
-        if ready is not None:
-            ready()
-        seed = None if spec.seed is None else spec.seed + 10_000 * ctx.index + 1_000_000 * ctx.incarnation
-        if spec.inference is not None:  # the policies are served by the learner: ask them through its tables
-            from workers._remote import RemotePolicy
-
-            policies = {pid: RemotePolicy(name, ctx.index) for pid, name in spec.inference.items()}
-        elif spec.policies is not None:
-            policies = spec.policies
-        else:
-            policies = {pid: make() for pid, make in (spec.policy_factories or {}).items()}
-        loop = MultiAgentLoop(envs, policies, writers, rollout_len=spec.rollout_len,
-                              policy_mapping_fn=spec.policy_mapping_fn, count_steps_by=spec.count_steps_by, seed=seed,
-                              weights=subs, should_stop=lambda: ctx.stop_requested, batch_mode=spec.batch_mode,
-                              every_row=spec.inference is not None, view_requirements=spec.view_requirements)
-        loop.run()
-    except BaseException as exc:
-        quiet = (KeyboardInterrupt, SystemExit, shmbuf.PipelineClosed, shmbuf.BrokenPipeline)
-        if writers and not isinstance(exc, quiet):
-            try:
-                first = next(iter(writers.values()))
-                (first[0] if isinstance(first, list) else first).report_error(exc)
-            except Exception:  # noqa: BLE001  # whatever a gone pipeline raises: the pool's channel still carries it
-                pass
-        raise
-    finally:
-        for ws in writers.values():
-            for w in ws if isinstance(ws, list) else [ws]:
-                w.close()
-        for sub in subs.values():
-            sub.close()
-        if spec.inference is not None:
-            for policy in policies.values():
-                policy.close()
-        for env in envs:
-            env.close()
 
 
 class MultiAgentBatch(dict):
@@ -278,7 +194,7 @@ class MultiAgentCollector:
             self.served = {pid: ServedPolicy(p, max_batch_size=max_batch_size, min_batch_size=min_batch_size,
                                              server_timeout=server_timeout, device=device, server_threads=server_threads)
                            for pid, p in self.policies.items()}
-        envs = _envs_of(env_fns[0])
+        envs = envs_of(env_fns[0])
         try:
             num_envs = len(envs)
             per_round = num_envs if count_steps_by == ENV_STEPS_COUNT else 1  # frames per rollout step
