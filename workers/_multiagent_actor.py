@@ -3,6 +3,7 @@ callables, no data) and what it runs, a :class:`workers.MultiAgentLoop` writing 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 import shmbuf
 from shmbuf.layout import COMPLETE_EPISODES, TRUNCATE_EPISODES
 from workers._multiagent import ENV_STEPS_COUNT, MultiAgentLoop
+
+AWAIT_SLICE = 0.02  # how often an actor awaiting its first weights looks again
 
 
 def envs_of(env_fn: Callable[[], Any]) -> list[Any]:
@@ -36,6 +39,7 @@ class MultiAgentSpec:
     rows: dict[Any, int] | None = None  # complete-episodes: each policy's rows (one writer each)
     inference: dict[Any, str] | None = None  # served policies: each policy's inference table
     view_requirements: dict[Any, Any] | None = None
+    await_weights: bool = False  # collect nothing until every broadcast policy has a version (a restarted Ray node)
 
 
 def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
@@ -60,6 +64,11 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
         ready = getattr(ctx, "ready", None)
         if ready is not None:
             ready()
+        if spec.await_weights:
+            while any(sub.newest() == 0 for sub in subs.values()):  # the loop takes the first versions at its start
+                if ctx.stop_requested:
+                    return
+                time.sleep(AWAIT_SLICE)
         seed = None if spec.seed is None else spec.seed + 10_000 * ctx.index + 1_000_000 * ctx.incarnation
         if spec.inference is not None:  # the policies are served by the learner: ask them through its tables
             from workers._remote import RemotePolicy

@@ -120,6 +120,9 @@ class MultiAgentCollector:
             rollout gets the step leaf ``policy_version``: the version that chose each action.
         max_batch_size, min_batch_size, server_timeout, device, server_threads: each server's, as
             :class:`workers.AsyncBatchedCollector`'s (with ``serve=True``).
+        await_weights: publish nothing at start: the actors start and wait until every broadcast policy has a
+            version from :meth:`update_policy_weights` (what each would have published as version 0 is kept in
+            ``awaited_weights``), as ``Collector(await_weights=True)``; what a restarted ``RayCollector`` node does.
         num_actors, slots, start_method, restart, max_restarts, copy, seed, torch_threads, timeout,
         stop_timeout, ready_timeout, total_frames: as :class:`workers.Collector`'s.
     """
@@ -135,8 +138,9 @@ class MultiAgentCollector:
                  timeout: float | None = None, serve: bool = False, max_batch_size: int = 64,
                  min_batch_size: int = 1, server_timeout: float = 0.01, device: Any = None,
                  server_threads: int | None = 1, view_requirements: dict[Any, Any] | None = None,
-                 align: bool = False):
+                 align: bool = False, await_weights: bool = False):
         self._closed = False
+        self.awaited_weights: dict[Any, Any] = {}  # await_weights: each broadcast policy's version 0, not yet published
         self.served: dict[Any, Any] = {}  # serve=True: each policy's ServedPolicy (its server and table)
         self.readers: dict[Any, Any] = {}
         self.publishers: dict[Any, shmbuf.WeightPublisher] = {}
@@ -258,14 +262,18 @@ class MultiAgentCollector:
                     w = weights_of(policy, None)
                 if w is not None:
                     self.publishers[pid] = shmbuf.WeightPublisher(w)
-                    self.publishers[pid].publish(w, version=0)  # what the actors start from
+                    if await_weights:
+                        self.awaited_weights[pid] = w
+                    else:
+                        self.publishers[pid].publish(w, version=0)  # what the actors start from
             spec = MultiAgentSpec(pipelines={pid: r.name for pid, r in self.readers.items()}, env_fns=env_fns,
                                   policies=None if serve else policies, policy_factories=None if serve else policy_factories,
                                   policy_mapping_fn=policy_mapping_fn, rollout_len=T,
                                   count_steps_by=count_steps_by,
                                   weights={pid: p.name for pid, p in self.publishers.items()} or None, seed=seed,
                                   torch_threads=torch_threads, batch_mode=batch_mode, rows=n_rows,
-                                  inference=inference or None, view_requirements=view_requirements)
+                                  inference=inference or None, view_requirements=view_requirements,
+                                  await_weights=await_weights and bool(self.publishers))
             self.pool = ActorPool(run_multiagent_actor, n_actors, args=(spec,),
                                   start_method=start_method or default_start_method(), restart=restart,
                                   max_restarts=max_restarts, name="shmbuf-multiagent", on_failure=self._retire)
@@ -283,16 +291,22 @@ class MultiAgentCollector:
 
     # -- weights ------------------------------------------------------------
 
-    def update_policy_weights(self, weights: dict[Any, Any] | None = None) -> dict[Any, int]:
+    def update_policy_weights(self, weights: dict[Any, Any] | None = None, *,
+                              versions: dict[Any, int] | None = None) -> dict[Any, int]:
         """Broadcast new weights: ``{policy_id: torch module, state dict or pytree}`` (None: every torch policy
-        given to the constructor, re-read). Returns each updated policy's new version."""
+        given to the constructor, re-read). ``versions``: ``{policy_id: version}`` to publish them as (each more than
+        that policy's current one; default: one more). Returns each updated policy's new version."""
+        if versions is not None:
+            unknown = sorted(str(pid) for pid in versions if weights is None or pid not in weights)
+            if unknown:
+                raise shmbuf.UsageError(f"update_policy_weights: versions for {unknown}, whose weights are not given")
         if self.served:
             todo = weights if weights is not None else dict.fromkeys(self.served)
             unknown = sorted(str(pid) for pid in todo if pid not in self.served)
             if unknown:
                 raise shmbuf.UsageError(f"update_policy_weights: {unknown} are not policies of this collector")
             for pid, w in todo.items():
-                self.policy_versions[pid] = self.served[pid].update_weights(w, None)
+                self.policy_versions[pid] = self.served[pid].update_weights(w, (versions or {}).get(pid))
             return {pid: self.policy_versions[pid] for pid in todo}
         todo = weights if weights is not None else {pid: None for pid in self.publishers}
         out = {}
@@ -301,12 +315,20 @@ class MultiAgentCollector:
             if pub is None:
                 raise shmbuf.StateError(f"policy {pid!r} has no weight broadcast: pass weights={{{pid!r}: ...}} (or a torch "
                                         "policy) at construction")
-            out[pid] = self.policy_versions[pid] = pub.publish(weights_of(w, self.policies[pid]))
+            if w is None and pid in self.awaited_weights:
+                w = self.awaited_weights[pid]
+            out[pid] = self.policy_versions[pid] = pub.publish(weights_of(w, self.policies[pid]),
+                                                               version=(versions or {}).get(pid))
+            self.awaited_weights.pop(pid, None)
         return out
 
     # -- iteration ----------------------------------------------------------
 
     def __iter__(self) -> Iterator[MultiAgentBatch]:
+        return self.iterator()
+
+    def iterator(self) -> Iterator[MultiAgentBatch]:
+        """The batches, until ``total_frames`` (TorchRL's name for iterating the collector)."""
         if self._closed:
             raise shmbuf.PipelineClosed("this MultiAgentCollector was shut down")
         assert self.pool is not None  # started in __init__, or __init__ raised

@@ -46,8 +46,10 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import shmbuf
-from workers._collector import CollectedBatch, checked_sources, progress, weights_of
+from workers._collector import checked_sources, progress, weights_of
 from workers._pool import default_start_method
+from workers._ray_batch import NodeFailure, RayBatch  # workers.RayBatch, workers.NodeFailure come from here
+from workers._ray_multiagent import MultiAgentNodes
 from workers._ray_nodes import OWNER_SLICE, LocalNode, NodeOwner  # NodeOwner: workers.NodeOwner comes from here
 from workers._ray_weights import Ack, check_acks, done, send_weights
 from workers._ray_wire import unpack_batch, unpack_header
@@ -57,51 +59,6 @@ logger = logging.getLogger(__name__)
 WAIT_SLICE = 0.1
 # How long the learner waits on its own node's batches before it looks at the other nodes' again.
 LOCAL_SLICE = 0.002
-
-
-class RayBatch(CollectedBatch):
-    """A :class:`workers.CollectedBatch` that came through Ray, with where it came from.
-
-    ``node``: the index of the node in ``RayCollector.nodes``; ``node_id``: Ray's node id (hex);
-    ``incarnation``: 0 for the node's first owner, one more each time Ray restarts it (a new
-    pipeline, whose lanes count from 0 again). ``lane``/``epoch``/``seq`` are per pipeline, as in
-    :class:`workers.CollectedBatch` (an actor process restarted on a node takes its lane with a new
-    ``epoch``): ``(node, incarnation, lane, epoch, seq)`` names one rollout for the collector's life.
-
-    Lifetime: ``data``'s arrays are read-only views of the batch's Ray object: in the object
-    store's shared memory of the learner's node from about 100 KiB up, in the learner's heap
-    below (Ray returns small objects inline). They stay valid as long as you hold them, and the
-    next batch does not overwrite them; the object is freed when the last of them goes.
-    ``RayCollector(copy=True)`` gives writable arrays of your own instead.
-    """
-
-    __slots__ = ("node", "node_id", "incarnation")
-    node: int
-    node_id: str
-    incarnation: int
-
-    def __init__(self, **kw: Any):
-        for k in CollectedBatch.__slots__ + RayBatch.__slots__:
-            setattr(self, k, kw.get(k))
-
-    def __repr__(self) -> str:
-        return (f"RayBatch(node {self.node}.{self.incarnation}, {self.batch_mode}, frames={self.frames}, "
-                f"episodes={len(self.episode_returns)}, lag={self.policy_lag.tolist()})")
-
-
-@dataclass
-class NodeFailure:
-    """A node owner's call that failed: which node, Ray's error (with the remote traceback), and what followed."""
-
-    node: int
-    node_id: str
-    error: BaseException
-    lost_batches: int  # its calls in flight when it failed, the failed one too: their batches were never delivered
-    restarting: bool
-
-    def __str__(self) -> str:
-        then = "Ray restarts it" if self.restarting else "its node is out of the collection"
-        return f"node {self.node} ({self.node_id[:12]}): {type(self.error).__name__}: {self.error}; {then}"
 
 
 @dataclass
@@ -146,6 +103,12 @@ class RayCollector:
         local_node: collect on the learner's own node (when it is one of ``nodes``) in this process,
             as ``Collector`` does: its batches are views of shared memory, with no Ray object and no
             copy in between. False: through a node owner and a Ray object, like every other node.
+        policies, policy_factories: multi-agent envs (PettingZoo parallel envs): ``{policy_id: policy}`` or
+            ``{policy_id: factory}`` (a dict as the second argument is taken as ``policies``), with
+            :class:`workers.MultiAgentCollector`'s other settings (``policy_mapping_fn``, ``count_steps_by``,
+            ``align``, ``serve``...) passed on. Each node then runs a MultiAgentCollector; each batch is one node's
+            :class:`workers.MultiAgentBatch` (``batch.node``), each policy's part a :class:`RayBatch`, and weights,
+            versions and lag are per policy (see workers._ray_multiagent and docs/ray.md).
 
     Each batch comes from one node (``batch.node``); ``frames_per_batch`` is per batch, as in
     ``Collector``. Seeds: node ``k`` uses ``seed + 10**7 * k`` (then ``Collector``'s per-actor rule).
@@ -158,7 +121,8 @@ class RayCollector:
                  ready_timeout: float = 300.0, copy: bool = False, weights: Any = None, seed: int | None = 0,
                  start_method: str | None = None, stop_timeout: float = 5.0, progress: bool = False,
                  owner_options: dict[str, Any] | None = None, raise_on_node_failure: bool = False,
-                 local_node: bool = True,
+                 local_node: bool = True, policies: dict[Any, Any] | None = None,
+                 policy_factories: dict[Any, Callable[[], Any]] | None = None,
                  create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None, **collector_kwargs: Any):
         if not ray.is_initialized():
             raise shmbuf.UsageError("RayCollector needs a Ray cluster: call ray.init() (or ray.init(address=...)) first")
@@ -173,9 +137,18 @@ class RayCollector:
                                     "owners' concurrency groups, one owner pinned per node; use restart=/max_restarts=)")
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise shmbuf.UsageError(f"max_in_flight: expected an int >= 1, got {max_in_flight!r}")
-        # The owners hand these on to actor processes the way Collector does: check here, not on each node.
-        env_fns = checked_sources(create_env_fn, create_env_kwargs, policy, policy_factory,
-                                  start_method or default_start_method())
+        if isinstance(policy, dict) and not callable(policy) and policies is None and policy_factories is None:
+            policy, policies = None, policy  # RayCollector(make_env, {"red": red, ...}): MultiAgentCollector's order
+        self._ma: MultiAgentNodes | None = None
+        if policies is not None or policy_factories is not None:
+            if policy is not None or policy_factory is not None or create_env_kwargs is not None:
+                raise shmbuf.UsageError("RayCollector: multi-agent envs take policies= (or policy_factories=), not "
+                                        "policy/policy_factory/create_env_kwargs")
+            self._ma = MultiAgentNodes(policies, policy_factories, collector_kwargs.get("policy_mapping_fn"))
+            env_fns: Any = create_env_fn
+        else:  # the owners hand these on to actor processes the way Collector does: check here, not on each node
+            env_fns = checked_sources(create_env_fn, create_env_kwargs, policy, policy_factory,
+                                      start_method or default_start_method())
         alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
         ids = list(alive) if nodes is None else list(nodes)
         if not ids:
@@ -213,7 +186,9 @@ class RayCollector:
         owner_cls = ray.remote(concurrency_groups={"control": 1})(NodeOwner)  # one: publishes never overlap
         options = {"num_cpus": 0, "max_restarts": max_restarts if restart else 0, "max_task_retries": 0,
                    **(owner_options or {})}
-        base = dict(policy=policy, policy_factory=policy_factory, frames_per_batch=frames_per_batch,
+        sources = (dict(policy=policy, policy_factory=policy_factory) if self._ma is None
+                   else dict(policies=policies, policy_factories=policy_factories))
+        base = dict(**sources, frames_per_batch=frames_per_batch,
                     num_actors=actors_per_node, weights=weights, start_method=start_method, restart=restart,
                     max_restarts=max_restarts, timeout=OWNER_SLICE, stop_timeout=stop_timeout, copy=False,
                     **collector_kwargs)
@@ -257,6 +232,19 @@ class RayCollector:
 
     def _took_description(self, n: _Node, raw: bytes) -> None:
         info = unpack_header(raw, f"node {n.index}'s description")
+        if bool(info.get("multiagent")) != (self._ma is not None):
+            raise shmbuf.SchemaError(f"node {n.index}: a {'multi' if info.get('multiagent') else 'single'}-agent "
+                                     "collector described itself to a collector of the other kind")
+        if self._ma is not None:
+            first = next((m for m in self.nodes if m.info is not None), n)
+            self._ma.took(n, info, first)
+            if self.schema is None:
+                self.schema = next(iter(self._ma.schemas.values()))
+                self.batch_mode, self.num_envs = info["batch_mode"], info["num_envs"]
+                self.rollout_len, self.rollouts_per_batch = info["rollout_len"], info["rounds_per_batch"]
+                self._broadcast = any(self._ma.broadcast.values())
+            self._took_info(n, info)
+            return
         schema = shmbuf.Schema.from_msgpack(info["schema"])
         if self.schema is None:
             self.schema = schema
@@ -269,18 +257,47 @@ class RayCollector:
             raise shmbuf.UsageError(f"node {n.index} ({n.node_id[:12]}) lays rollouts out differently from node "
                                     f"{self.nodes[0].index}: {self.schema.first_difference(schema)}; every node must "
                                     "build the same envs and policy")
+        self._took_info(n, info)
+
+    @staticmethod
+    def _took_info(n: _Node, info: dict[str, Any]) -> None:
         if n.info is None or n.info.get("token") != info.get("token"):
             n.incarnation += 1  # a new owner process, with a new pipeline (not one that was only unreachable)
         n.info, n.host, n.state, n.describe_ref = info, info["host"], "running", None
 
+    @property
+    def policy_versions(self) -> dict[Any, int]:
+        """Multi-agent: each policy's current weights version (UsageError for a single-agent collector)."""
+        if self._ma is None:
+            raise shmbuf.UsageError("policy_versions: a multi-agent RayCollector's; this one has policy_version")
+        return dict(self._ma.versions)
+
+    @property
+    def rows(self) -> Any:
+        """Multi-agent: the agents' rows, as :attr:`workers.MultiAgentCollector.rows` (``rows.policies[pid][k]`` is the
+        ``(env, agent)`` of row ``k`` of every actor, on every node)."""
+        if self._ma is None:
+            raise shmbuf.UsageError("rows: a multi-agent RayCollector's (policies=...)")
+        return self._ma.rows
+
     # -- weights ------------------------------------------------------------
 
-    def update_policy_weights(self, policy_or_weights: Any = None, *, version: int | None = None) -> int:
+    def update_policy_weights(self, policy_or_weights: Any = None, *, version: int | None = None) -> Any:
         """Send new weights to every node (one ``ray.put``); each owner republishes them on its node.
 
         Accepts what :meth:`workers.Collector.update_policy_weights` does. Returns the new version.
         The learner does not wait: an owner that has failed is skipped, one that restarts gets them again.
+        Multi-agent: ``{policy_id: weights}`` (as :meth:`workers.MultiAgentCollector.update_policy_weights`; one
+        object per policy), each policy's version one more than its last; returns ``{policy_id: version}``.
         """
+        if self._ma is not None:
+            if version is not None:
+                raise shmbuf.UsageError("update_policy_weights(version=...): multi-agent versions count per policy, "
+                                        "each one more than its last")
+            self._check_acks()
+            versions = self._ma.update(policy_or_weights, self.nodes, self._weight_acks)
+            self.policy_version = max(self._ma.versions.values())
+            return versions
         if not self._broadcast:
             raise shmbuf.StateError(
                 "this RayCollector has no weight broadcast: pass weights=... (or a torch policy) at construction")
@@ -323,8 +340,9 @@ class RayCollector:
             batch = self._next()
             self.frames += batch.frames
             self.batches += 1
-            self._lags.extend(batch.policy_lag.tolist())
-            self._returns.extend(batch.episode_returns.tolist())
+            for b in batch.values() if self._ma is not None else (batch,):
+                self._lags.extend(b.policy_lag.tolist())
+                self._returns.extend(b.episode_returns.tolist())
             if self._bar is not None:
                 self._bar.update(batch.frames)
                 self._bar.set_postfix(self._rates(), refresh=False)
@@ -338,7 +356,7 @@ class RayCollector:
         for _ in range(self.max_in_flight - have):
             self._pending[n.owner.next_batch.remote()] = n
 
-    def _next(self) -> RayBatch:
+    def _next(self) -> Any:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         local = next((n for n in self.nodes if n.local is not None and n.state == "running"), None)
         if local is not None:
@@ -374,7 +392,7 @@ class RayCollector:
                 raise shmbuf.SlotTimeout(f"no batch from any node within timeout={self.timeout} s "
                                          f"(RayCollector(timeout=...)): {self._states()}")
 
-    def _remote(self, ref: Any) -> RayBatch | None:
+    def _remote(self, ref: Any) -> Any:
         """The batch behind a finished next_batch call, or None (its node failed, or was stopped)."""
         n = self._pending.pop(ref)
         try:
@@ -393,13 +411,15 @@ class RayCollector:
         return self._counted(n, batch)
 
     @staticmethod
-    def _counted(n: _Node, batch: RayBatch) -> RayBatch:
+    def _counted(n: _Node, batch: Any) -> Any:
         now = time.monotonic()
         n.first = n.first if n.first is not None else now
         n.last, n.batches, n.frames = now, n.batches + 1, n.frames + batch.frames
         return batch
 
-    def _from_local(self, n: _Node, b: CollectedBatch) -> RayBatch:
+    def _from_local(self, n: _Node, b: Any) -> Any:
+        if self._ma is not None:
+            return self._ma.from_local(n, b)
         return RayBatch(data=b.data, fill=b.fill, policy_version=b.policy_version,
                         policy_lag=self.policy_version - b.policy_version, lane=b.lane, epoch=b.epoch, seq=b.seq,
                         frames=b.frames,
@@ -452,6 +472,10 @@ class RayCollector:
                 continue
             info = n.info
             assert info is not None
+            if self._ma is not None:  # every policy it is behind on (awaiting: all), each its latest or its first
+                self._ma.send(n, self._ma.behind(info), self._weight_acks)
+                self._fill(n)
+                continue
             # A restarted owner's actors collect nothing until it has weights from here: the latest version,
             # or (never published) the ones it started from. One that has them already is not sent them again.
             if info.get("awaiting_weights") or (self._weights_ref is not None
@@ -466,13 +490,15 @@ class RayCollector:
         n.state, n.describe_ref = "dead", None
         ray.kill(n.owner, no_restart=True)  # its janitor removes what it had made
 
-    def _unpack(self, n: _Node, got: Any) -> RayBatch:
+    def _unpack(self, n: _Node, got: Any) -> Any:
         """Check a batch against the schema and the wire format (it came over the network) and rebuild it.
 
         Raises:
             shmbuf.SchemaError: naming the node and what is wrong (the node is then taken out).
         """
         assert self.schema is not None
+        if self._ma is not None:
+            return self._ma.unpack(n, got, self.batch_mode, self.copy)
         w = unpack_batch(got, self.schema, self.batch_mode, self.copy, f"a batch from node {n.index}")
         meta = w.meta
         version = meta["policy_version"]
@@ -499,6 +525,7 @@ class RayCollector:
                        "local": n.local is not None}
                       for n in self.nodes],
             "failures": [str(f) for f in self.failures],
+            **({"policy_versions": dict(self._ma.versions)} if self._ma is not None else {}),
         }
 
     def shutdown(self, timeout: float | None = None) -> None:

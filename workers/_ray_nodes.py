@@ -21,12 +21,11 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import ray
 
 import shmbuf
-from workers._collector import CollectedBatch, Collector
-from workers._ray_wire import pack_batch, pack_description
+from workers._collector import Collector
+from workers._ray_wire import pack_batch, pack_description, pack_multiagent_batch, pack_multiagent_description
 
 # How long a node owner's next_batch waits for its Collector before looking at its stop flag again.
 OWNER_SLICE = 0.25
@@ -44,15 +43,24 @@ class _NodeCollector:
         # died, or that ray.kill hits (at any point, this constructor included).
         self.janitor_pid = _start_janitor()
         self._stop = threading.Event()
-        self._iter: Iterator[CollectedBatch] | None = None
+        self._iter: Iterator[Any] | None = None
+        self.multiagent = "policies" in kwargs or "policy_factories" in kwargs  # see RayCollector(policies=...)
         try:
-            self.collector = Collector(*args, **kwargs)
+            if self.multiagent:
+                from workers._multiagent_collector import MultiAgentCollector
+
+                self.collector: Any = MultiAgentCollector(*args, **kwargs)
+            else:
+                self.collector = Collector(*args, **kwargs)
         except BaseException:
             self._janitor_done()
             raise
         try:
             c = self.collector
-            self.names = [c.reader.name] + ([c.publisher.name] if c.publisher is not None else [])
+            if self.multiagent:
+                self.names = [r.name for r in c.readers.values()] + [p.name for p in c.publishers.values()]
+            else:
+                self.names = [c.reader.name] + ([c.publisher.name] if c.publisher is not None else [])
             try:
                 c.pool.wait_ready(ready_timeout)  # the constructor returns once the actor processes are up
             except TimeoutError as exc:
@@ -69,12 +77,14 @@ class _NodeCollector:
 
     def describe(self) -> bytes:
         """Who and where this node's collector is, and the rollout layout: msgpack."""
-        return pack_description(self.collector, self.names, self.janitor_pid, self.token,
+        pack = pack_multiagent_description if self.multiagent else pack_description
+        return pack(self.collector, self.names, self.janitor_pid, self.token,
                                 node_id=ray.get_runtime_context().get_node_id(), host=ray.util.get_node_ip_address(),
                                 pid=os.getpid())
 
-    def _next(self) -> CollectedBatch | None:
-        """The collector's next batch (it releases the one before), or None once stopped."""
+    def _next(self) -> Any:
+        """The collector's next batch (a CollectedBatch, or a MultiAgentBatch), releasing the one before; None once
+        stopped."""
         while not self._stop.is_set():
             if self._iter is None:
                 self._iter = self.collector.iterator()
@@ -105,28 +115,38 @@ class NodeOwner(_NodeCollector):
             kwargs = dict(kwargs, await_weights=True)
         self._lock = threading.Lock()  # set_weights (control group) against shutdown (default group)
         super().__init__(args, kwargs, ready_timeout, f"node {node}")
-        self.schema: shmbuf.Schema = self.collector.reader.schema
+        self.schemas: dict[Any, shmbuf.Schema] = (
+            {pid: r.schema for pid, r in self.collector.readers.items()} if self.multiagent
+            else {None: self.collector.reader.schema})
 
-    def next_batch(self) -> tuple[bytes, list[np.ndarray]] | None:
-        """The next batch from this node's pipeline: (msgpack header, arrays), or None once stopped.
+    def next_batch(self) -> tuple[bytes, list[Any]] | None:
+        """The next batch from this node's pipeline: (msgpack header, arrays), or None once stopped. Multi-agent:
+        (msgpack header, [(header, arrays) of each policy's batch]) (see workers._ray_wire).
 
         The arrays are views of the node's shared memory. Ray copies them into its object store
         after this method returns and before it runs the next call of the default group (this
         owner's next ``next_batch``, which releases them, or ``shutdown``, which unmaps them).
         """
         b = self._next()
-        return None if b is None else pack_batch(self.schema, b)
+        if b is None:
+            return None
+        return pack_multiagent_batch(self.schemas, b) if self.multiagent else pack_batch(self.schemas[None], b)
 
-    def set_weights(self, weights: Any, version: int) -> int:
+    def set_weights(self, weights: Any, version: int, policy_id: Any = None) -> int:
         """Republish ``weights`` (fetched once to this node by Ray) in the node's shared-memory broadcast.
 
         Idempotent: a version this node already has (sent again after a restart the learner had not
         yet seen) is not published twice. A stopped owner takes nothing. Returns the node's version.
         ``weights=None`` (the learner never published, and this restarted owner awaits weights):
-        the weights the collector started from, as ``version``.
+        the weights the collector started from, as ``version``. Multi-agent: policy ``policy_id``'s.
         """
         with self._lock:
             c = self.collector
+            if self.multiagent:
+                awaiting = policy_id in c.awaited_weights
+                if self._stop.is_set() or (not awaiting and version <= c.policy_versions[policy_id]):
+                    return int(c.policy_versions[policy_id])
+                return int(c.update_policy_weights({policy_id: weights}, versions={policy_id: version})[policy_id])
             awaiting = c.publisher is not None and c.publisher.version is None
             if self._stop.is_set() or (not awaiting and version <= c.policy_version):
                 return c.policy_version
@@ -173,8 +193,9 @@ class LocalNode(_NodeCollector):
         except BaseException as exc:  # noqa: BLE001  # the learner reports it as this node's failure
             self._ready.put(exc)
 
-    def take(self, timeout: float) -> CollectedBatch | None:
-        """This node's next batch, waiting up to ``timeout``; None if none came. Raises what the collector raised."""
+    def take(self, timeout: float) -> Any:
+        """This node's next batch (a CollectedBatch, or a MultiAgentBatch), waiting up to ``timeout``; None if none
+        came. Raises what the collector raised."""
         try:
             got = self._ready.get(timeout=timeout) if timeout > 0 else self._ready.get_nowait()
         except queue.Empty:
@@ -190,7 +211,9 @@ class LocalNode(_NodeCollector):
             self.held = False
             self._given_back.release()
 
-    def set_weights(self, weights: Any, version: int) -> int:
+    def set_weights(self, weights: Any, version: int, policy_id: Any = None) -> int:
+        if self.multiagent:
+            return int(self.collector.update_policy_weights({policy_id: weights}, versions={policy_id: version})[policy_id])
         return self.collector.update_policy_weights(weights, version=version)
 
     def shutdown(self, timeout: float) -> None:

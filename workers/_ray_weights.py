@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 # How long a refused weights version waits for the other nodes' answers to it, to raise them as one error.
 ACK_WAIT = 5.0
 
-# A set_weights call followed: (its Ray ref, its node, the node's incarnation when sent, the weights version).
-Ack = tuple[Any, "_Node", int, int]
+# A set_weights call followed: (its Ray ref, its node, the node's incarnation when sent, the weights version: an int,
+# or for a multi-agent collector a workers._ray_multiagent.PolicyVersion, ordered the same way).
+Ack = tuple[Any, "_Node", int, Any]
 
 
 def send_weights(n: _Node, weights_ref: Any, version: int) -> Ack:

@@ -4,7 +4,10 @@ Per batch, one Ray object: ``(header, arrays)``. The header is msgpack (magic, :
 frames, whether fill columns follow); the arrays, which Ray's serialiser carries as out-of-band buffers,
 are in this order: the data's leaves (per timescale, in the schema's leaf order), one fill column per
 timescale (truncate-episodes only), then :data:`META` and :data:`EPISODES`. Per node, once: its
-description (:func:`pack_description`: the schema as msgpack, the layout, its processes). Weights travel
+description (:func:`pack_description`: the schema as msgpack, the layout, its processes). A multi-agent node
+(:class:`workers.MultiAgentCollector`) sends ``(header, [(header, arrays) of each policy's batch])``, the outer
+header naming the policies in that order with the batch's env and agent steps, and describes every policy's
+schema and rows (:func:`pack_multiagent_description`, :func:`unpack_multiagent_batch`). Weights travel
 as one ``ray.put`` object per version; nothing of shmbuf's is pickled. What arrives is checked field by
 field (:func:`unpack_header`, :func:`unpack_batch`); anything malformed is a :class:`shmbuf.SchemaError`
 naming the node and the leaf.
@@ -24,9 +27,10 @@ from shmbuf.layout import COMPLETE_EPISODES, STEP
 
 if TYPE_CHECKING:
     from workers._collector import CollectedBatch, Collector
+    from workers._multiagent_collector import MultiAgentBatch, MultiAgentCollector
 
 WIRE_MAGIC = "shmbuf-ray-batch"
-WIRE_VERSION = 2  # 2: each rollout's epoch (its writer's claim of the lane) in META
+WIRE_VERSION = 3  # 2: each rollout's epoch (its writer's claim of the lane) in META; 3: multi-agent batches
 # Per rollout, in this order, after the data leaves and (truncate-episodes) one fill column per timescale.
 META = ("policy_version", "lane", "epoch", "seq", "lengths")
 EPISODES = ("episode_returns", "episode_lengths")
@@ -134,3 +138,73 @@ def unpack_batch(got: Any, schema: shmbuf.Schema, batch_mode: str, copy: bool, w
     data = {ts.name: optree.tree_unflatten(ts.treespec, [next(it) for _ in ts.leaves]) for ts in schema.timescales}
     fill = {ts.name: next(it) for ts in schema.timescales} if has_fill else None
     return WireBatch(frames, data, fill, {k: next(it) for k in META + EPISODES})
+
+
+def _wire_id(x: Any, what: str) -> Any:
+    """A policy or agent id as it crosses in msgpack: a str or an int, which msgpack gives back as it was."""
+    if type(x) not in (str, int):
+        raise shmbuf.UsageError(f"{what} {x!r}: RayCollector sends ids in msgpack; expected a str or an int, got "
+                                f"{type(x).__name__}")
+    return x
+
+
+def pack_multiagent_batch(schemas: dict[Any, shmbuf.Schema], b: MultiAgentBatch) -> tuple[bytes, list[Any]]:
+    """A node's ``MultiAgentBatch`` as it crosses: (msgpack header naming the policies, [each policy's
+    :func:`pack_batch`]), policies in the schemas' order (a complete-episodes batch may lack some)."""
+    pids = [pid for pid in schemas if pid in b]
+    header = msgpack.packb({"magic": WIRE_MAGIC, "version": WIRE_VERSION, "multiagent": True, "policies": pids,
+                            "frames": int(b.frames), "env_steps": int(b.env_steps), "agent_steps": int(b.agent_steps),
+                            "aligned": bool(b.aligned), "sent": time.time()}, use_bin_type=True)
+    return header, [pack_batch(schemas[pid], b[pid]) for pid in pids]
+
+
+def pack_multiagent_description(c: MultiAgentCollector, names: list[str], janitor_pid: int, token: str, *,
+                                node_id: str, host: str, pid: int) -> bytes:
+    """A node's multi-agent collector described for the learner (msgpack): its policies (id, schema, rows, weights),
+    its agents and layout, its processes."""
+    policies = [[_wire_id(p, "policy id"), r.schema.to_msgpack(), p in c.publishers or p in c.served,
+                 int(c.policy_versions[p]), p in c.awaited_weights,
+                 [[e, _wire_id(a, "agent id")] for e, a in c.rows.policies[p]]]
+                for p, r in c.readers.items()]
+    return msgpack.packb({
+        "magic": WIRE_MAGIC, "version": WIRE_VERSION, "multiagent": True, "node_id": node_id, "host": host, "pid": pid,
+        "policies": policies, "batch_mode": c.batch_mode, "count_steps_by": c.count_steps_by,
+        "num_actors": c.num_actors, "num_envs": c.num_envs, "rollout_len": c.rollout_len,
+        "rounds_per_batch": c.rounds_per_batch, "actor_pids": list(c.pool.pids) if c.pool is not None else [],
+        "janitor_pid": janitor_pid,
+        "names": names, "token": token, "awaiting_weights": bool(c.awaited_weights),
+    }, use_bin_type=True)
+
+
+class WireMultiAgentBatch(NamedTuple):
+    """A multi-agent batch as it came off the wire, checked: each policy's :class:`WireBatch` and the counts."""
+
+    frames: int
+    env_steps: int
+    agent_steps: int
+    aligned: bool
+    policies: dict[Any, WireBatch]
+
+
+def unpack_multiagent_batch(got: Any, schemas: dict[Any, shmbuf.Schema], batch_mode: str, copy: bool,
+                            what: str) -> WireMultiAgentBatch:
+    """Check a multi-agent batch (see :func:`pack_multiagent_batch`) against every policy's schema and rebuild it.
+
+    Raises:
+        shmbuf.SchemaError: naming the sender, the policy and what is wrong.
+    """
+    if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[1], list)):
+        raise shmbuf.SchemaError(f"{what}: expected (header, list of policy batches), got {type(got).__name__}")
+    head = unpack_header(got[0], what)
+    pids = head.get("policies")
+    counts: list[Any] = [head.get(k) for k in ("frames", "env_steps", "agent_steps")]
+    if not head.get("multiagent") or not isinstance(pids, list) or not all(type(x) is int and x >= 0 for x in counts):
+        raise shmbuf.SchemaError(f"{what}: expected a multi-agent header (policies, frames, env_steps, agent_steps), "
+                                 f"got {str(head)[:120]!r}")
+    unknown = [p for p in pids if not isinstance(p, (str, int)) or p not in schemas]
+    if unknown or len(set(pids)) != len(pids) or len(got[1]) != len(pids):
+        raise shmbuf.SchemaError(f"{what}: policies {pids!r:.120} with {len(got[1])} batches; expected distinct "
+                                 f"policies of {sorted(map(str, schemas))}, one batch each")
+    parts = {p: unpack_batch(part, schemas[p], batch_mode, copy, f"{what}, policy {p!r}") for p, part in zip(pids, got[1])}
+    frames, env_steps, agent_steps = counts
+    return WireMultiAgentBatch(frames, env_steps, agent_steps, bool(head.get("aligned")), parts)

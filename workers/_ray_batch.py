@@ -1,0 +1,54 @@
+"""RayCollector's batches and failures as the learner sees them: :class:`RayBatch` (a :class:`workers.CollectedBatch`
+with the node it came from) and :class:`NodeFailure`; exported as ``workers.RayBatch`` and ``workers.NodeFailure``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from workers._collector import CollectedBatch
+
+
+class RayBatch(CollectedBatch):
+    """A :class:`workers.CollectedBatch` that came through Ray, with where it came from.
+
+    ``node``: the index of the node in ``RayCollector.nodes``; ``node_id``: Ray's node id (hex);
+    ``incarnation``: 0 for the node's first owner, one more each time Ray restarts it (a new
+    pipeline, whose lanes count from 0 again). ``lane``/``epoch``/``seq`` are per pipeline, as in
+    :class:`workers.CollectedBatch` (an actor process restarted on a node takes its lane with a new
+    ``epoch``): ``(node, incarnation, lane, epoch, seq)`` names one rollout for the collector's life.
+
+    Lifetime: ``data``'s arrays are read-only views of the batch's Ray object: in the object
+    store's shared memory of the learner's node from about 100 KiB up, in the learner's heap
+    below (Ray returns small objects inline). They stay valid as long as you hold them, and the
+    next batch does not overwrite them; the object is freed when the last of them goes.
+    ``RayCollector(copy=True)`` gives writable arrays of your own instead.
+    """
+
+    __slots__ = ("node", "node_id", "incarnation")
+    node: int
+    node_id: str
+    incarnation: int
+
+    def __init__(self, **kw: Any):
+        for k in CollectedBatch.__slots__ + RayBatch.__slots__:
+            setattr(self, k, kw.get(k))
+
+    def __repr__(self) -> str:
+        return (f"RayBatch(node {self.node}.{self.incarnation}, {self.batch_mode}, frames={self.frames}, "
+                f"episodes={len(self.episode_returns)}, lag={self.policy_lag.tolist()})")
+
+
+@dataclass
+class NodeFailure:
+    """A node owner's call that failed: which node, Ray's error (with the remote traceback), and what followed."""
+
+    node: int
+    node_id: str
+    error: BaseException
+    lost_batches: int  # its calls in flight when it failed, the failed one too: their batches were never delivered
+    restarting: bool
+
+    def __str__(self) -> str:
+        then = "Ray restarts it" if self.restarting else "its node is out of the collection"
+        return f"node {self.node} ({self.node_id[:12]}): {type(self.error).__name__}: {self.error}; {then}"
