@@ -41,7 +41,8 @@ DEADLINE = 180.0  # for one run: starting a local cluster takes ~5-10 s on a bus
 CLEANUP = 30.0  # for Ray's processes, the owners' actors and the janitors to be gone after a run returns
 
 # Which test runs each ```python block of docs/ray.md: a block is known by a line only it has.
-PYTHON_BLOCKS = {"cluster.add_node(num_cpus=1)": "test_first_run_block_collects_from_both_nodes_and_leaves_nothing"}
+PYTHON_BLOCKS = {"import cartpole_collect": "test_first_run_block_collects_from_both_nodes_and_leaves_nothing",
+                 "import mpe_tag": "test_multiagent_block_collects_both_teams_from_both_nodes_and_leaves_nothing"}
 
 
 def block(marker: str) -> str:
@@ -108,13 +109,28 @@ def test_first_run_block_collects_from_both_nodes_and_leaves_nothing(tmp_path: p
     """The block as a script, run from the repository's root as the doc says. No PYTHONPATH: the nodes import
     cartpole_collect only through the block's runtime_env py_modules (examples/ is on no path of theirs)."""
     script = tmp_path / "ray_doc_block.py"
-    script.write_text(block("cluster.add_node(num_cpus=1)"))
+    script.write_text(block("import cartpole_collect"))
     done = run([str(script)], cwd=ROOT, tmp_path=tmp_path)
     lines = re.findall(r"^node (\d) \((\w{12})\): (\d+) batches, (\d+) frames, (\d+) lost$", done.stdout, re.M)
     assert len(lines) == 2, done.stdout
     assert {n for n, *_ in lines} == {"0", "1"} and len({i for _, i, *_ in lines}) == 2
     assert all(int(b) > 0 and int(f) == 1024 * int(b) and lost == "0" for _, _, b, f, lost in lines), lines
     assert sum(int(b) for _, _, b, _, _ in lines) >= 20
+
+
+def test_multiagent_block_collects_both_teams_from_both_nodes_and_leaves_nothing(tmp_path: pathlib.Path) -> None:
+    """The multi-agent block as a script: both nodes deliver MultiAgentBatches, the chasers' weights move alone."""
+    pytest.importorskip("mpe2", reason="the `multiagent` extra (make test installs it)")
+    script = tmp_path / "ray_multiagent_block.py"
+    script.write_text(block("import mpe_tag"))
+    done = run([str(script)], cwd=ROOT, tmp_path=tmp_path)
+    assert "rows: 6 chasers, 2 runners" in done.stdout, done.stdout
+    versions = re.search(r"^versions: \{'chaser': (\d+), 'runner': 0\}$", done.stdout, re.M)
+    lines = re.findall(r"^node (\d): (\d+) batches, (\d+) env steps, (\d+) lost$", done.stdout, re.M)
+    assert versions and len(lines) == 2 and {n for n, *_ in lines} == {"0", "1"}, done.stdout
+    batches = sum(int(b) for _, b, _, _ in lines)
+    assert int(versions[1]) == batches >= 6  # one chaser update per batch taken
+    assert all(int(b) > 0 and int(f) == 100 * int(b) and lost == "0" for _, b, f, lost in lines), lines
 
 
 def test_ray_cartpole_example_runs_on_two_local_nodes_and_leaves_nothing(tmp_path: pathlib.Path) -> None:

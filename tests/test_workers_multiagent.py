@@ -745,3 +745,25 @@ def test_rounds_ended_early_by_agent_steps_leave_no_valid_row_past_their_fill():
                     assert not valid[i, n[i] :].any(), (x.seq[i], n[i])
                 assert x.frames == sum(int(valid[i, : n[i]].sum()) for i in range(len(n)))
             assert b.agent_steps == sum(x.frames for x in b.values())
+
+
+@pytest.mark.parametrize("entry", ["Collector", "AsyncBatchedCollector"])
+def test_collector_and_async_batched_collector_take_multiagent_envs_given_policies(entry):
+    """The single-agent entry points, given policies=, make a MultiAgentCollector (AsyncBatchedCollector: with each
+    policy served); its batches hold every policy's rows."""
+    import workers
+    from workers import MultiAgentCollector
+
+    cls = getattr(workers, entry)
+    with cls([partial(JoinLeaveEnv, 0)] * 2, policies=POLICIES, policy_mapping_fn=mapping, frames_per_batch=16,
+             copy=True, timeout=60, start_method="fork") as c:
+        assert isinstance(c, MultiAgentCollector) and not isinstance(c, workers.Collector)
+        assert bool(c.served) == (entry == "AsyncBatchedCollector")
+        b = next(iter(c))
+        assert set(b) == {"red", "blue"} and b.env_steps == 16
+        assert b["blue"].data["step"]["obs"].shape[2:] == (1, 5)
+        if c.served:
+            assert "policy_version" in b["red"].data["step"]
+    with cls([partial(JoinLeaveEnv, 0)] * 2, POLICIES, policy_mapping_fn=mapping, frames_per_batch=16,
+             timeout=60, start_method="fork") as c:  # a dict of policies in the policy's place
+        assert isinstance(c, MultiAgentCollector) and set(next(iter(c))) == {"red", "blue"}

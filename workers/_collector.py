@@ -280,6 +280,22 @@ class Collector:
             it changes nothing.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Multi-agent envs: given ``policies=`` or ``policy_factories=`` (or a dict of policies as the second
+        argument), a :class:`workers.MultiAgentCollector` with these arguments is made instead (for
+        :class:`workers.AsyncBatchedCollector`: with ``serve=True``, each policy behind its inference server)."""
+        policy = args[1] if len(args) > 1 else kwargs.get("policy")
+        if "policies" in kwargs or "policy_factories" in kwargs or (isinstance(policy, dict) and not callable(policy)):
+            from workers._inference import AsyncBatchedCollector
+            from workers._multiagent_collector import MultiAgentCollector
+
+            if "policy" in kwargs:
+                kwargs["policies"] = kwargs.pop("policy")
+            if issubclass(cls, AsyncBatchedCollector):
+                kwargs = {"serve": True, **kwargs}
+            return MultiAgentCollector(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
                  policy_factory: Callable[[], Any] | None = None, frames_per_batch: int, total_frames: int = -1,
                  num_actors: int | None = None, rollout_len: int | None = None,

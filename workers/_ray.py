@@ -114,6 +114,8 @@ class RayCollector:
     ``Collector``. Seeds: node ``k`` uses ``seed + 10**7 * k`` (then ``Collector``'s per-actor rule).
     """
 
+    _ma: MultiAgentNodes | None = None  # multi-agent envs (policies=...): the learner's side of it
+
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
                  policy_factory: Callable[[], Any] | None = None, frames_per_batch: int, total_frames: int = -1,
                  nodes: Sequence[str] | None = None, actors_per_node: int | None = None, max_in_flight: int = 2,
@@ -139,7 +141,6 @@ class RayCollector:
             raise shmbuf.UsageError(f"max_in_flight: expected an int >= 1, got {max_in_flight!r}")
         if isinstance(policy, dict) and not callable(policy) and policies is None and policy_factories is None:
             policy, policies = None, policy  # RayCollector(make_env, {"red": red, ...}): MultiAgentCollector's order
-        self._ma: MultiAgentNodes | None = None
         if policies is not None or policy_factories is not None:
             if policy is not None or policy_factory is not None or create_env_kwargs is not None:
                 raise shmbuf.UsageError("RayCollector: multi-agent envs take policies= (or policy_factories=), not "
