@@ -62,6 +62,21 @@ def no_episodes() -> dict[str, Any]:
     return {"got": [], "versions": [], "lanes": [], "epochs": [], "seqs": [], "lengths": [], "frames": 0}
 
 
+def rounds_batch(data: Any, fill: dict[str, np.ndarray], *, policy_version: np.ndarray, lane: np.ndarray,
+                 epoch: np.ndarray, seq: np.ndarray, learner_version: int, frames: int) -> CollectedBatch:
+    """A truncate-episodes batch of ``B`` rollouts (leaves ``(B, T, ...)``, ``fill`` each timescale's count per
+    rollout), with the episodes they recorded concatenated; ``learner_version``: the learner's, for the lag."""
+    ep_n = fill[EPISODE]
+    rows = range(len(ep_n))
+    return CollectedBatch(
+        data=data, fill=fill, policy_version=policy_version, policy_lag=learner_version - policy_version, lane=lane,
+        epoch=epoch, seq=seq, frames=frames,
+        episode_returns=np.concatenate([data[EPISODE][RETURN][i, : ep_n[i]] for i in rows]),
+        episode_lengths=np.concatenate([data[EPISODE][LENGTH][i, : ep_n[i]] for i in rows]), lengths=fill[STEP],
+        batch_mode=TRUNCATE_EPISODES,
+    )
+
+
 def episodes_batch(part: dict[str, Any], policy_version: int) -> CollectedBatch:
     """A complete-episodes batch from the episodes gathered in ``part`` (see :func:`no_episodes`): every episode's
     steps concatenated, ``(N, ...)``, split by ``lengths``; ``policy_version``: the learner's, for the lag."""
@@ -465,16 +480,8 @@ class Collector:
         B = self.rollouts_per_batch
         b = self._wait(lambda: self.reader.get_batch(B, WAIT_SLICE, copy=self.copy))
         self._check_actors()
-        fill = b.fill
-        ep_n = fill[EPISODE]
-        rets = [b.data[EPISODE][RETURN][i, : ep_n[i]] for i in range(B)]
-        lens = [b.data[EPISODE][LENGTH][i, : ep_n[i]] for i in range(B)]
-        return CollectedBatch(
-            data=b.data, fill=fill, policy_version=b.policy_version, policy_lag=self.policy_version - b.policy_version,
-            lane=b.lane, epoch=b.epoch, seq=b.seq, frames=int(fill[STEP].sum()) * self.num_envs,
-            episode_returns=np.concatenate(rets),
-            episode_lengths=np.concatenate(lens), lengths=fill[STEP], batch_mode=self.batch_mode,
-        )
+        return rounds_batch(b.data, b.fill, policy_version=b.policy_version, lane=b.lane, epoch=b.epoch, seq=b.seq,
+                            learner_version=self.policy_version, frames=int(b.fill[STEP].sum()) * self.num_envs)
 
     def _complete(self) -> CollectedBatch:
         # The episodes taken so far live on the collector, not in this frame: an exception between two of

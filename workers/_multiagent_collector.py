@@ -24,9 +24,9 @@ import numpy as np
 import optree
 
 import shmbuf
-from shmbuf.layout import COMPLETE_EPISODES, EPISODE, LENGTH, RETURN, STEP, TRUNCATE_EPISODES, VALID, check_batch_mode
+from shmbuf.layout import COMPLETE_EPISODES, STEP, TRUNCATE_EPISODES, VALID, check_batch_mode
 from shmbuf.lowlevel import int_setting, timeout_setting
-from workers._collector import CollectedBatch, episodes_batch, no_episodes, progress, take_episode, weights_of
+from workers._collector import episodes_batch, no_episodes, progress, rounds_batch, take_episode, weights_of
 from workers._multiagent import AGENT_STEPS_COUNT, COUNT_STEPS_BY, ENV_STEPS_COUNT, multiagent_examples
 from workers._multiagent_actor import MultiAgentSpec, envs_of, run_multiagent_actor
 from workers._pool import ActorPool, default_start_method
@@ -381,20 +381,13 @@ class MultiAgentCollector:
         for pid in self.readers:
             b = self._get(pid)
             fill = b.fill
-            ep_n = fill[EPISODE]
-            B = len(ep_n)
             valid = b.data[STEP][VALID]
-            frames = sum(int(valid[i, : fill[STEP][i]].sum()) for i in range(B))
+            frames = sum(int(valid[i, : fill[STEP][i]].sum()) for i in range(len(fill[STEP])))
             agent_steps += frames
             if not env_steps:  # the first policy's rollouts: each round's rollouts of every policy cover the same steps
                 env_steps = int(fill[STEP].sum()) * self.num_envs
-            out[pid] = CollectedBatch(
-                data=b.data, fill=fill, policy_version=b.policy_version,
-                policy_lag=self.policy_versions[pid] - b.policy_version, lane=b.lane, epoch=b.epoch, seq=b.seq,
-                frames=frames,
-                episode_returns=np.concatenate([b.data[EPISODE][RETURN][i, : ep_n[i]] for i in range(B)]),
-                episode_lengths=np.concatenate([b.data[EPISODE][LENGTH][i, : ep_n[i]] for i in range(B)]),
-                lengths=fill[STEP], batch_mode="truncate_episodes")
+            out[pid] = rounds_batch(b.data, fill, policy_version=b.policy_version, lane=b.lane, epoch=b.epoch,
+                                    seq=b.seq, learner_version=self.policy_versions[pid], frames=frames)
             self._lags.extend(out[pid].policy_lag.tolist())
             self._returns.extend(out[pid].episode_returns.tolist())
         self._check_actors()
@@ -455,16 +448,11 @@ class MultiAgentCollector:
             data: Any = optree.tree_map(lambda *xs: np.stack(xs), *[g[0] for g in got])  # Any: optree types it opaque
             fill = {name: np.array([g[1][name] for g in got], np.int64) for name in got[0][1]}
             lane, epoch, seq, version = (np.array([g[i] for g in got], np.int64) for i in (2, 3, 4, 5))
-            ep_n = fill[EPISODE]
             valid = data[STEP][VALID]
             frames = int(sum(valid[i, : fill[STEP][i]].sum() for i in range(B)))
             agent_steps += frames
-            out[pid] = b = CollectedBatch(
-                data=data, fill=fill, policy_version=version, policy_lag=self.policy_versions[pid] - version, lane=lane,
-                epoch=epoch, seq=seq, frames=frames,
-                episode_returns=np.concatenate([data[EPISODE][RETURN][i, : ep_n[i]] for i in range(B)]),
-                episode_lengths=np.concatenate([data[EPISODE][LENGTH][i, : ep_n[i]] for i in range(B)]),
-                lengths=fill[STEP], batch_mode=TRUNCATE_EPISODES)
+            out[pid] = b = rounds_batch(data, fill, policy_version=version, lane=lane, epoch=epoch, seq=seq,
+                                        learner_version=self.policy_versions[pid], frames=frames)
             self._lags.extend(b.policy_lag.tolist())
             self._returns.extend(b.episode_returns.tolist())
         for k in keys:
