@@ -251,6 +251,20 @@ COLORS = {"floor_vec": "#7f7f7f", "floor_hand": "#c7c7c7", "gym_async": "#9467bd
 
 def plot(res: dict[str, Any], path: str) -> bool:
     """Frames/s per system (its fastest configuration) for each env x policy, the floors as lines; CPU per frame."""
+    return bars_and_cpu(res, path, colors=COLORS, unit="frame", rate_label="frames/s (median window)",
+                        floors=[("floor_vec", "-", "floor: SyncVectorEnv(16) loop"),
+                                ("floor_hand", "--", "floor: 16 envs by hand")],
+                        title=f"16 envs, {res['machine']['cores']} cores: frames/s per system (its fastest configuration)",
+                        cpu_title="CPU per frame: child processes (actors, env workers); stacked on them, this process "
+                                  "(learner, or the loop)")
+
+
+def bars_and_cpu(res: dict[str, Any], path: str, *, colors: dict[str, str], unit: str, rate_label: str,
+                 floors: list[tuple[str, str, str | None]], title: str, cpu_title: str | None = None) -> bool:
+    """The collection benchmarks' figure: above, each system's rate (its fastest configuration) as a bar per env x
+    policy, log scale, with each floor system as a line across its group (``floors``: system, line style, legend
+    label or None); below, CPU µs per ``unit``, child processes solid with this process stacked on them, hatched.
+    ``res`` is a results dict of ``benchmarks.collect``'s shape. Returns False without matplotlib or rows."""
     try:
         import matplotlib
 
@@ -270,36 +284,41 @@ def plot(res: dict[str, Any], path: str) -> bool:
     for i, s in enumerate(systems):
         xs = [g + (i - (len(systems) - 1) / 2) * width for g in range(len(groups))]
         got = [by.get((e, p, s)) for e, p in groups]
-        fps = [r["fps"]["median"] if r else 0 for r in got]
-        bars = ax_f.bar(xs, fps, width, color=COLORS.get(s, "k"), label=c["labels"][s])
-        for b, f, r in zip(bars, fps, got):
+        rate = [r["fps"]["median"] if r else 0 for r in got]
+        bars = ax_f.bar(xs, rate, width, color=colors.get(s, "k"), label=c["labels"][s])
+        for b, f, r in zip(bars, rate, got):
             if r:
                 k = f"{f / 1000:.0f}k" if f >= 10_000 else f"{f / 1000:.1f}k"
                 ax_f.annotate(f"{k} {r['variant']}", (b.get_x() + b.get_width() / 2, f),
                               ha="center", va="bottom", fontsize=7, rotation=90, xytext=(0, 2), textcoords="offset points")
-        learner = [r["cpu_us_per_frame"]["learner"] if r else 0 for r in got]
         kids = [r["cpu_us_per_frame"]["children"] if r else 0 for r in got]
-        ax_c.bar(xs, kids, width, color=COLORS.get(s, "k"))
-        ax_c.bar(xs, learner, width, bottom=kids, color=COLORS.get(s, "k"), alpha=0.45, hatch="//", edgecolor="white")
+        learner = [r["cpu_us_per_frame"]["learner"] if r else 0 for r in got]
+        ax_c.bar(xs, kids, width, color=colors.get(s, "k"))
+        ax_c.bar(xs, learner, width, bottom=kids, color=colors.get(s, "k"), alpha=0.45, hatch="//", edgecolor="white")
     for g, (e, p) in enumerate(groups):
-        for floor, style in (("floor_vec", "-"), ("floor_hand", "--")):
+        for floor, style, _ in floors:
             r = by.get((e, p, floor))
             if r:
                 ax_f.hlines(r["fps"]["median"], g - 0.45, g + 0.45, colors="k", linestyles=style, linewidth=1)
-    ax_f.hlines([], 0, 0, colors="k", linestyles="-", linewidth=1, label="floor: SyncVectorEnv(16) loop")
-    ax_f.hlines([], 0, 0, colors="k", linestyles="--", linewidth=1, label="floor: 16 envs by hand")
-    ax_f.set_ylabel("frames/s (median window)")
+    for _, style, label in floors:
+        if label:
+            ax_f.hlines([], 0, 0, colors="k", linestyles=style, linewidth=1, label=label)
+    ax_f.set_ylabel(rate_label)
     ax_f.set_yscale("log")
-    lo, hi = ax_f.get_ylim()
-    ax_f.set_ylim(lo, hi * 12)  # room for the labels above the bars, under the legend
+    _, hi = ax_f.get_ylim()
+    ax_f.set_ylim(min(r["fps"]["median"] for r in rows) / 3, hi * 12)  # every bar's foot in view; room for the labels
     ax_f.grid(axis="y", which="both", alpha=0.3)
-    ax_f.set_title(f"16 envs, {res['machine']['cores']} cores: frames/s per system (its fastest configuration)")
+    ax_f.set_title(title)
     ax_f.legend(fontsize=8, ncol=4, loc="upper right")
-    ax_c.set_ylabel("CPU µs per frame\n(solid: child processes; hatched: this process)")
+    ax_c.set_ylabel(f"CPU µs per {unit}\n(solid: child processes; hatched: this process)")
     ax_c.set_yscale("log")
+    lowest = min((r["cpu_us_per_frame"][k] for r in rows for k in ("learner", "children") if r["cpu_us_per_frame"][k] > 0),
+                 default=1.0)
+    ax_c.set_ylim(bottom=lowest / 3)  # a log axis would start at the smallest bar's top
     ax_c.grid(axis="y", which="both", alpha=0.3)
     ax_c.set_xticks(range(len(groups)), [f"{e}\n{p}" for e, p in groups])
-    ax_c.set_title("CPU per frame: child processes (actors, env workers); stacked on them, this process (learner, or the loop)")
+    if cpu_title:
+        ax_c.set_title(cpu_title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

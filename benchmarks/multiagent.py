@@ -376,59 +376,10 @@ def tables(res: dict[str, Any]) -> str:
 
 def plot(res: dict[str, Any], path: str) -> bool:
     """Agent steps/s per system (its fastest configuration) for each env x policy, the loop as a line; CPU per step."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    c = res["config"]
-    rows = [r for r in res.get("rows", []) if r["shown"]]
-    groups = [(e, p) for e in c["envs"] for p in c["policies"] if any(r["env"] == e and r["policy"] == p for r in rows)]
-    systems = [s for s in c["labels"] if any(r["system"] == s for r in rows)]
-    if not groups:
-        return False
-    by = {(r["env"], r["policy"], r["system"]): r for r in rows}
-    fig, (ax_s, ax_c) = plt.subplots(2, 1, figsize=(max(8.0, 2.0 * len(groups) + 3), 9), sharex=True)
-    width = 0.8 / max(1, len(systems))
-    for i, s in enumerate(systems):
-        xs = [g + (i - (len(systems) - 1) / 2) * width for g in range(len(groups))]
-        got = [by.get((e, p, s)) for e, p in groups]
-        sps = [r["fps"]["median"] if r else 0 for r in got]
-        bars = ax_s.bar(xs, sps, width, color=COLORS.get(s, "k"), label=c["labels"][s])
-        for b, f, r in zip(bars, sps, got):
-            if r:
-                ax_s.annotate(f"{f / 1000:.1f}k {r['variant']}", (b.get_x() + b.get_width() / 2, f), ha="center",
-                              va="bottom", fontsize=7, rotation=90, xytext=(0, 2), textcoords="offset points")
-        kids = [r["cpu_us_per_frame"]["children"] if r else 0 for r in got]
-        learner = [r["cpu_us_per_frame"]["learner"] if r else 0 for r in got]
-        ax_c.bar(xs, kids, width, color=COLORS.get(s, "k"))
-        ax_c.bar(xs, learner, width, bottom=kids, color=COLORS.get(s, "k"), alpha=0.45, hatch="//", edgecolor="white")
-    for g, (e, p) in enumerate(groups):
-        r = by.get((e, p, "floor"))
-        if r:
-            ax_s.hlines(r["fps"]["median"], g - 0.45, g + 0.45, colors="k", linestyles="--", linewidth=1)
-    ax_s.set_ylabel("agent steps/s delivered (median window)")
-    ax_s.set_yscale("log")
-    _, hi = ax_s.get_ylim()
-    lo = min(r["fps"]["median"] for r in rows) / 3  # every bar's foot in view
-    ax_s.set_ylim(lo, hi * 12)  # room for the labels above the bars, under the legend
-    ax_s.grid(axis="y", which="both", alpha=0.3)
-    ax_s.set_title(f"{c['num_envs']} multi-agent envs, {res['machine']['cores']} cores: agent steps/s (dashed: the "
-                   "one-process loop)")
-    ax_s.legend(fontsize=8, ncol=3, loc="upper right")
-    ax_c.set_ylabel("CPU µs per agent step\n(solid: child processes; hatched: this process)")
-    ax_c.set_yscale("log")
-    lowest = min((r["cpu_us_per_frame"][k] for r in rows for k in ("learner", "children") if r["cpu_us_per_frame"][k] > 0),
-                 default=1.0)
-    ax_c.set_ylim(bottom=lowest / 3)  # every bar's foot in view: a log axis would start at the smallest bar's top
-    ax_c.grid(axis="y", which="both", alpha=0.3)
-    ax_c.set_xticks(range(len(groups)), [f"{e}\n{p}" for e, p in groups])
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True
+    return creport.bars_and_cpu(res, path, colors=COLORS, unit="agent step",
+                                rate_label="agent steps/s delivered (median window)", floors=[("floor", "--", None)],
+                                title=f"{res['config']['num_envs']} multi-agent envs, {res['machine']['cores']} cores: "
+                                      "agent steps/s (dashed: the one-process loop)")
 
 
 def write(res: dict[str, Any], stem: str, draw: bool) -> None:
