@@ -241,6 +241,8 @@ def test_complete_episodes_call_the_hook_once_per_agent_episode_with_no_other_ag
     for batch, _ in calls:
         done = batch["terminateds"] | batch["truncateds"]
         assert done[-1] and not done[:-1].any() and np.array_equal(batch["t"], np.arange(len(done)))
+        assert np.array_equal(batch["new_obs"][:-1], batch["obs"][1:])  # successors: the next step's obs, then the
+        assert batch["new_obs"][-1][2] == batch["obs"][-1][2] + 1  # final observation (one env step later: obs[2] is t)
 
 
 def test_settings_none_true_false_and_per_policy_dicts():

@@ -227,7 +227,7 @@ class MultiAgentPostprocessor:
                     def piece(x: Any, t0: int = t0, t1: int = t1, row: int = row) -> Any:
                         return x[t0:t1, row]
 
-                    batch = {name: optree.tree_map(piece, step[leaf]) for name, leaf in given.items()}
+                    batch: dict[str, Any] = {name: optree.tree_map(piece, step[leaf]) for name, leaf in given.items()}
                     batch[NEW_OBS] = optree.tree_map(piece, cols[NEW_OBS])
                     batch[T_COLUMN] = np.arange(t0, t1)
                     passed = dict(batch)
@@ -249,7 +249,7 @@ class MultiAgentPostprocessor:
             ts = t0 + np.flatnonzero(valid[t0:t1, row])
             if not len(ts):
                 continue
-            batch = {name: optree.tree_map(lambda x, ts=ts, row=row: x[ts, row], v) for name, v in cols.items()}
+            batch: dict[str, Any] = {name: optree.tree_map(lambda x, ts=ts, row=row: x[ts, row], v) for name, v in cols.items()}
             batch[T_COLUMN] = ts
             out[agent] = (pid, self.policies[pid], batch)
         return out
@@ -266,7 +266,7 @@ class MultiAgentPostprocessor:
         def piece(x: Any) -> Any:
             return x[:n]
 
-        batch = {name: optree.tree_map(piece, step[leaf]) for name, leaf in given.items()}
+        batch: dict[str, Any] = {name: optree.tree_map(piece, step[leaf]) for name, leaf in given.items()}
         batch[NEW_OBS] = successors(view, {STEP: n}, batch_mode=COMPLETE_EPISODES)
         batch[T_COLUMN] = np.arange(n)
         passed = dict(batch)
