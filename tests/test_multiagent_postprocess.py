@@ -361,3 +361,20 @@ def test_the_docs_block_runs_a_centralised_critic_hook(tmp_path):
 
 
 DOCS_PRINTS = ["(2, 25, 3, 2, 18) True"] * 2  # docs/multiagent.md says so
+
+
+def test_served_policies_take_a_hook_given_as_a_function_and_refuse_their_own_method():
+    """serve=True: the policies stay in the learner; a hook given as a function runs in the actors (its added column
+    is no extra the server is asked for), a served policy's own method is refused by name."""
+    from workers import MultiAgentCollector
+
+    with MultiAgentCollector(partial(JoinLeaveEnv, 0), POLICIES, policy_mapping_fn=mapping, frames_per_batch=16,
+                             serve=True, timeout=60, start_method="fork", postprocess={"red": central}) as c:
+        b = next(iter(c))
+        red = b["red"].data["step"]
+        assert red["central"].shape[-1] == 2 and "policy_version" in red
+        v = red["valid"]
+        assert (red["central"][..., 0][v] >= 1).all()  # blue_0 acts at every step red_0 or red_1 does
+    with pytest.raises(shmbuf.UsageError, match="policy 'red' has a postprocess_trajectory method, but with serve=True"):
+        MultiAgentCollector(partial(JoinLeaveEnv, 0), {"red": RedWithHook(), "blue": blue_policy},
+                            policy_mapping_fn=mapping, frames_per_batch=16, serve=True, start_method="fork")
