@@ -12,7 +12,8 @@ the row's policy is called on each piece with:
   slot, ``new_obs`` each step's successor), plus ``t``: each step's env step index within the round;
 - ``other_agent_batches``: ``{agent_id: (policy_id, policy, batch)}`` for every other agent of the same env with a
   valid step in the piece's env-step window (``t[0] .. t[-1]``), ``batch`` holding those steps only (copies, taken
-  before any hook of the round ran: never a column a hook adds), with its own ``t``, so that ``t`` lines steps up
+  before any hook of the round ran: never a column a hook adds; shared by the calls of that env's agents, as RLlib
+  shares them, so read-only for a hook), with its own ``t``, so that ``t`` lines steps up
   across agents as RLlib's ``t`` does (RLlib counts it from the episode's start, here from the round's);
 - ``episode``: None (no Episode object).
 
@@ -216,6 +217,7 @@ class MultiAgentPostprocessor:
                     for name, leaf in self._given(pid, step).items()}
             cols[NEW_OBS] = successors(view, fills[pid], batch_mode=TRUNCATE_EPISODES)
             pre[pid] = (cols, np.asarray(step[VALID][:n]))
+        windows: dict[tuple[int, int, int], dict[Any, Any]] = {}
         for pid, hook in self.hooks.items():
             step = views[pid][STEP]
             given = self._given(pid, step)
@@ -231,28 +233,33 @@ class MultiAgentPostprocessor:
                     batch[NEW_OBS] = optree.tree_map(piece, cols[NEW_OBS])
                     batch[T_COLUMN] = np.arange(t0, t1)
                     passed = dict(batch)
-                    others = self._others(pre, env_i, me, t0, t1)
+                    others = self._others(pre, env_i, me, t0, t1, windows)
                     out = call_hook(hook, batch, others, who=who, error=SchemaError)
                     self.calls += 1
                     store(self.columns[pid], step, out, passed, given, piece, t1 - t0, who=who,
                           derived=(NEW_OBS, T_COLUMN))
 
-    def _others(self, pre: Mapping[Any, tuple[dict[str, Any], np.ndarray]], env_i: int, me: Any, t0: int,
-                t1: int) -> dict[Any, tuple[Any, Any, dict[str, Any]]]:
+    def _others(self, pre: Mapping[Any, tuple[dict[str, Any], np.ndarray]], env_i: int, me: Any, t0: int, t1: int,
+                windows: dict[tuple[int, int, int], dict[Any, Any]]) -> dict[Any, tuple[Any, Any, dict[str, Any]]]:
         """RLlib's ``other_agent_batches``: every other agent of env ``env_i`` with valid steps in ``t0 .. t1 - 1``,
-        ``{agent: (policy_id, policy, batch of those steps)}``."""
-        out = {}
-        for agent, pid, row in self._env_agents[env_i]:
-            if agent == me:
-                continue
-            cols, valid = pre[pid]
-            ts = t0 + np.flatnonzero(valid[t0:t1, row])
-            if not len(ts):
-                continue
-            batch: dict[str, Any] = {name: optree.tree_map(lambda x, ts=ts, row=row: x[ts, row], v) for name, v in cols.items()}
-            batch[T_COLUMN] = ts
-            out[agent] = (pid, self.policies[pid], batch)
-        return out
+        ``{agent: (policy_id, policy, batch of those steps)}``. The batches of a window are made once a round (in
+        ``windows``) and shared by the calls of the agents of that env and window, as RLlib shares its batches."""
+        every = windows.get((env_i, t0, t1))
+        if every is None:
+            every = windows[(env_i, t0, t1)] = {}
+            for agent, pid, row in self._env_agents[env_i]:
+                cols, valid = pre[pid]
+                ts = t0 + np.flatnonzero(valid[t0:t1, row])
+                if not len(ts):
+                    continue
+
+                def at(x: Any, ts: np.ndarray = ts, row: int = row) -> Any:
+                    return x[ts, row]
+
+                batch = {name: at(v) if type(v) is np.ndarray else optree.tree_map(at, v) for name, v in cols.items()}
+                batch[T_COLUMN] = ts
+                every[agent] = (pid, self.policies[pid], batch)
+        return {agent: v for agent, v in every.items() if agent != me}
 
     def apply_episode(self, pid: Any, view: Mapping[str, Any], n: int) -> None:
         """Postprocess one agent's complete episode of ``n`` steps in policy ``pid``'s slot ``view``, in place
