@@ -66,7 +66,7 @@ class RedWithHook:
 
 
 def run_post_loop(n_envs, rounds, postprocess, *, rollout_len=4, batch_mode="truncate_episodes", policies=POLICIES,
-                  record=None):
+                  record=None, count_steps_by="env_steps"):
     """A MultiAgentLoop in a thread, postprocessing set up as MultiAgentCollector does (discover, then the columns as
     step leaves); ``record`` (a list) gets the loop, for a hook to read ``loop.rounds``. Returns ``({policy:
     [rollout, ...]}, rows, loop)``, rollouts as copies in commit order."""
@@ -93,7 +93,7 @@ def run_post_loop(n_envs, rounds, postprocess, *, rollout_len=4, batch_mode="tru
             ready.set()
             loop = MultiAgentLoop([JoinLeaveEnv(i) for i in range(n_envs)], policies, writers, rollout_len=rollout_len,
                                   policy_mapping_fn=mapping, seed=0, batch_mode=batch_mode, postprocess=specs,
-                                  should_stop=stop.is_set)
+                                  should_stop=stop.is_set, count_steps_by=count_steps_by)
             box.append(loop)
             loop.run(rounds)
         except BaseException as exc:  # noqa: BLE001  # surfaced by the main thread
@@ -199,16 +199,21 @@ def test_the_hook_sees_each_agents_valid_steps_and_the_other_agents_of_its_env_o
     assert loop.postprocess.calls == len(calls)
 
 
-def test_a_centralised_critic_column_from_the_other_agents_lands_in_the_stored_rollouts():
+@pytest.mark.parametrize("count_steps_by", ["env_steps", "agent_steps"])
+def test_a_centralised_critic_column_from_the_other_agents_lands_in_the_stored_rollouts(count_steps_by):
     """The hook adds a column from the other agents' obs (lined up by t); recomputed from the stored rollouts of the
-    same round, agent by agent, it is the same: other_agent_batches held the same env's agents at the same steps."""
+    same round, agent by agent, it is the same: other_agent_batches held the same env's agents at the same steps.
+    Counting agent steps, rounds end before T env steps: the pieces end at the fill."""
     n_envs, rounds, T = 2, 10, 5
-    out, rows, _ = run_post_loop(n_envs, rounds, {"red": central, "blue": central}, rollout_len=T)
+    out, rows, _ = run_post_loop(n_envs, rounds, {"red": central, "blue": central}, rollout_len=T,
+                                 count_steps_by=count_steps_by)
+    if count_steps_by == "agent_steps":
+        assert any(r["fill"]["step"] < T for r in out["red"])
     checked = 0
     for r in range(rounds):
         steps = {pid: out[pid][r]["data"]["step"] for pid in out}
         for pid, st in steps.items():
-            assert st["central"].shape == (T, len(rows.policies[pid]), 2)
+            assert st["central"].shape[1:] == (len(rows.policies[pid]), 2)
             for row, (env, me) in enumerate(rows.policies[pid]):
                 for t in np.flatnonzero(st["valid"][:, row]):
                     want = np.zeros(2)
@@ -218,7 +223,7 @@ def test_a_centralised_critic_column_from_the_other_agents_lands_in_the_stored_r
                     assert np.array_equal(st["central"][t, row], want), (r, pid, env, me, t)
                     checked += 1
                 assert not st["central"][~st["valid"][:, row], row].any()  # zeros where the agent is away
-    assert checked > 100
+    assert checked > 50
 
 
 def test_complete_episodes_call_the_hook_once_per_agent_episode_with_no_other_agents():
