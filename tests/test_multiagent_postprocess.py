@@ -317,15 +317,22 @@ def test_a_hook_that_breaks_the_contract_is_named_with_its_policy_and_column(how
         run_post_loop(1, 2, {"blue": Flaky(how)}, rollout_len=4)
 
 
-def test_the_collector_runs_the_hooks_in_its_actors_and_the_columns_reach_the_learner():
-    """Through actor processes: red's own postprocess_trajectory (postprocess=None) and blue's centralised column
-    (a dict entry); with align=True the learner recomputes blue's column from every agent's stored obs."""
+def make_blue():
+    return blue_policy
+
+
+@pytest.mark.parametrize("given", ["policies", "policy_factories"])
+def test_the_collector_runs_the_hooks_in_its_actors_and_the_columns_reach_the_learner(given):
+    """Through actor processes: red's own postprocess_trajectory (postprocess=None; the actor's own policy, made there
+    by its factory) and blue's centralised column (a dict entry); with align=True the learner recomputes blue's
+    column from every agent's stored obs."""
     from workers import MultiAgentCollector
 
-    policies = {"red": RedWithHook(), "blue": blue_policy}
-    with MultiAgentCollector([partial(JoinLeaveEnv, 0), partial(JoinLeaveEnv, 1)], policies, policy_mapping_fn=mapping,
+    kw = ({"policies": {"red": RedWithHook(), "blue": blue_policy}} if given == "policies" else
+          {"policy_factories": {"red": RedWithHook, "blue": make_blue}})
+    with MultiAgentCollector([partial(JoinLeaveEnv, 0), partial(JoinLeaveEnv, 1)], policy_mapping_fn=mapping,
                              frames_per_batch=16, align=True, timeout=60, start_method="fork",
-                             postprocess={"blue": central}) as c:
+                             postprocess={"blue": central}, **kw) as c:
         it = iter(c)
         for _ in range(3):
             b = next(it)
