@@ -169,6 +169,11 @@ class MultiAgentLoop:
             those policies are called with a dict of views of their agents' streams instead of the bare
             observations (see :class:`workers.ActorViews`; rows in place of sub-envs, one agent's stream per
             row: an agent that joins starts with zeros behind it).
+        postprocess: ``{policy_id: PostprocessSpec}`` (:func:`workers._multiagent_postprocess.discover_policies`;
+            ``MultiAgentCollector(postprocess=...)`` makes it): RLlib's ``postprocess_trajectory`` with
+            ``other_agent_batches`` on every agent's episode pieces before a round's commits (complete-episodes:
+            on each agent episode before its commit), its added columns written into the slots (see
+            workers/_multiagent_postprocess.py).
 
     A policy without a broadcast that knows which weights version answered it (``policy_version``, as
     :class:`workers.RemotePolicy` has) stamps its rollouts with that version.
@@ -178,7 +183,8 @@ class MultiAgentLoop:
                  policy_mapping_fn: Callable[..., Any] | None = None, count_steps_by: str = ENV_STEPS_COUNT,
                  seed: int | None = None, weights: dict[Any, Any] | None = None,
                  should_stop: Callable[[], bool] | None = None, batch_mode: str = TRUNCATE_EPISODES,
-                 every_row: bool = False, view_requirements: dict[Any, Any] | None = None):
+                 every_row: bool = False, view_requirements: dict[Any, Any] | None = None,
+                 postprocess: dict[Any, Any] | None = None):
         check_batch_mode(batch_mode)
         self.mode = batch_mode
         self.every_row = every_row
@@ -209,6 +215,12 @@ class MultiAgentLoop:
         self.driver = ParallelDriver(self.envs, self.rows)
         self.policies = policies
         self._calls = {pid: as_numpy_policy(p) for pid, p in policies.items()}
+        self.postprocess = None
+        if postprocess:  # the hooks' added columns are zeros until the hooks fill them before the commits
+            from workers._multiagent_postprocess import MultiAgentPostprocessor
+
+            self.postprocess = MultiAgentPostprocessor(postprocess, policies, self.rows, batch_mode=batch_mode)
+            self._calls = self.postprocess.wrap(self._calls)
         self.writers = writers
         self.T = rollout_len
         self.count_agent_steps = count_steps_by == AGENT_STEPS_COUNT
@@ -383,6 +395,10 @@ class MultiAgentLoop:
                 k = len(s.last_ends)
                 s.boot[s.last_ends] = s.ep[FINAL_OBS][s.n_ep - k : s.n_ep]
             s.env_steps[...] = self.env_steps
+        if self.postprocess is not None:  # every policy's hooks, with the other agents' data, before any commit
+            self.postprocess.apply_round({pid: w.slot() for pid, w in self.writers.items()},
+                                         {pid: {STEP: t + 1, EPISODE: s.n_ep} for pid, s in slots.items()})
+        for pid, s in slots.items():
             self.writers[pid].commit(self.versions[pid], fill={STEP: t + 1, EPISODE: s.n_ep})
         self.rounds += 1
         return True
@@ -449,6 +465,8 @@ class MultiAgentLoop:
                     ep[ENV][...] = row
                     s.boot[...] = finals[pid][row]
                     s.env_steps[...] = self.env_steps
+                    if self.postprocess is not None:
+                        self.postprocess.apply_episode(pid, self.writers[pid][row].slot(), int(ep_len[row]))
                     self.writers[pid][row].commit(int(ep_version[pid][row]), fill={STEP: int(ep_len[row])})
                     slots[row] = None
                     ep_ret[row] = 0.0

@@ -40,6 +40,7 @@ class MultiAgentSpec:
     inference: dict[Any, str] | None = None  # served policies: each policy's inference table
     view_requirements: dict[Any, Any] | None = None
     await_weights: bool = False  # collect nothing until every broadcast policy has a version (a restarted Ray node)
+    postprocess: dict[Any, Any] | None = None  # {policy_id: workers._postprocess.PostprocessSpec}
 
 
 def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
@@ -81,7 +82,8 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
         loop = MultiAgentLoop(envs, policies, writers, rollout_len=spec.rollout_len,
                               policy_mapping_fn=spec.policy_mapping_fn, count_steps_by=spec.count_steps_by, seed=seed,
                               weights=subs, should_stop=lambda: ctx.stop_requested, batch_mode=spec.batch_mode,
-                              every_row=spec.inference is not None, view_requirements=spec.view_requirements)
+                              every_row=spec.inference is not None, view_requirements=spec.view_requirements,
+                              postprocess=spec.postprocess)
         loop.run()
     except BaseException as exc:
         quiet = (KeyboardInterrupt, SystemExit, shmbuf.PipelineClosed, shmbuf.BrokenPipeline)

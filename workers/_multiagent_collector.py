@@ -29,6 +29,8 @@ from shmbuf.lowlevel import int_setting, timeout_setting
 from workers._collector import episodes_batch, no_episodes, progress, rounds_batch, take_episode, weights_of
 from workers._multiagent import AGENT_STEPS_COUNT, COUNT_STEPS_BY, ENV_STEPS_COUNT, multiagent_examples
 from workers._multiagent_actor import MultiAgentSpec, envs_of, run_multiagent_actor
+from workers._multiagent_postprocess import add_columns, discover_policies
+from workers._multiagent_postprocess import check_setting as check_postprocess
 from workers._pool import ActorPool, default_start_method
 from workers._remote import VERSION_KEY
 from workers._views import check_view_requirements
@@ -118,6 +120,12 @@ class MultiAgentCollector:
             its rows, and the server answers the actors' requests in batches. The policies are never pickled;
             ``weights`` does not apply (:meth:`update_policy_weights` copies into the served policy), and every
             rollout gets the step leaf ``policy_version``: the version that chose each action.
+        postprocess: RLlib's ``Policy.postprocess_trajectory(sample_batch, other_agent_batches, episode)``, called in
+            the actors on every agent's episode pieces before a round's commits, ``other_agent_batches`` the other
+            agents of the same env over the same env steps (see docs/multiagent.md); the columns it adds become
+            step leaves of the policy's pipeline, found at set-up on a dummy batch. None: each policy's own
+            ``postprocess_trajectory`` if it has one; True: every policy must have one; False: none; a callable:
+            the hook of every policy; or ``{policy_id: one of those}`` (a policy absent: None).
         max_batch_size, min_batch_size, server_timeout, device, server_threads: each server's, as
             :class:`workers.AsyncBatchedCollector`'s (with ``serve=True``).
         await_weights: publish nothing at start: the actors start and wait until every broadcast policy has a
@@ -138,7 +146,7 @@ class MultiAgentCollector:
                  timeout: float | None = None, serve: bool = False, max_batch_size: int = 64,
                  min_batch_size: int = 1, server_timeout: float = 0.01, device: Any = None,
                  server_threads: int | None = 1, view_requirements: dict[Any, Any] | None = None,
-                 align: bool = False, await_weights: bool = False):
+                 align: bool = False, await_weights: bool = False, postprocess: Any = None):
         self._closed = False
         self.awaited_weights: dict[Any, Any] = {}  # await_weights: each broadcast policy's version 0, not yet published
         self.served: dict[Any, Any] = {}  # serve=True: each policy's ServedPolicy (its server and table)
@@ -186,6 +194,7 @@ class MultiAgentCollector:
         self.stop_timeout = stop_timeout
         self.ready_timeout = ready_timeout
         self.policies = policies if policies is not None else {pid: make() for pid, make in given.items()}
+        check_postprocess(postprocess, self.policies)
         if serve:
             if view_requirements is not None:
                 raise shmbuf.UsageError("view_requirements= with serve=True: a served policy answers a request of its rows' "
@@ -227,6 +236,9 @@ class MultiAgentCollector:
                 envs, probe_policies, policy_mapping_fn, rollout_len=T, seed=seed, batch_mode=batch_mode,
                 extra_leaves={VERSION_KEY: np.zeros((), np.int64)} if serve else None,
                 view_requirements=view_requirements)
+            post = discover_policies(postprocess, self.policies, examples, self.rows, batch_mode=batch_mode,
+                                     served=serve)
+            add_columns(examples, post, batch_mode=batch_mode)
         finally:
             for env in envs:
                 env.close()
@@ -254,7 +266,7 @@ class MultiAgentCollector:
                 probed = {"num_envs": n_rows[pid], "obs": ex["obs"][(0,) * lead], "action": ex["action"][(0,) * lead],
                           "extras": {k: v[(0,) * lead] for k, v in ex.items()
                                      if k not in ("obs", "action", "reward", "terminated", "truncated", VALID,
-                                                  VERSION_KEY)}}
+                                                  VERSION_KEY) and k not in (post[pid].columns if pid in post else ())}}
                 inference[pid] = sp.start(probed, n_actors)["inference"]
             for pid, policy in ({} if serve else self.policies).items():  # served policies take no broadcast
                 w = (weights or {}).get(pid)
@@ -273,7 +285,8 @@ class MultiAgentCollector:
                                   weights={pid: p.name for pid, p in self.publishers.items()} or None, seed=seed,
                                   torch_threads=torch_threads, batch_mode=batch_mode, rows=n_rows,
                                   inference=inference or None, view_requirements=view_requirements,
-                                  await_weights=await_weights and bool(self.publishers))
+                                  await_weights=await_weights and bool(self.publishers),
+                                  postprocess=post or None)
             self.pool = ActorPool(run_multiagent_actor, n_actors, args=(spec,),
                                   start_method=start_method or default_start_method(), restart=restart,
                                   max_restarts=max_restarts, name="shmbuf-multiagent", on_failure=self._retire)

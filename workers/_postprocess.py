@@ -90,12 +90,49 @@ def resolve(postprocess: Any, policy: Any) -> Callable[..., Any] | None:
     return method
 
 
-def _call(hook: Callable[..., Any], batch: dict[str, Any]) -> Mapping[str, Any]:
-    out = hook(batch, None, None)
+def call_hook(hook: Callable[..., Any], batch: dict[str, Any], others: Any = None, *, who: str = "",
+              error: type[Exception] = UsageError) -> Mapping[str, Any]:
+    """``hook(batch, others, None)``, checked to return a mapping (``error`` otherwise; ``who`` prefixes the message)."""
+    out = hook(batch, others, None)
     if not isinstance(out, Mapping):
-        raise UsageError(f"{METHOD} returned {type(out).__name__}; as in RLlib it must return the (postprocessed) "
-                         "sample batch, e.g. `return sample_batch`")
+        raise error(f"{who}{METHOD} returned {type(out).__name__}; as in RLlib it must return the (postprocessed) "
+                    "sample batch, e.g. `return sample_batch`")
     return out
+
+
+def dummy_batch(obs: Any, action: Any, extras: Mapping[str, Any], n: int = DUMMY_STEPS) -> dict[str, Any]:
+    """A batch of ``n`` steps of zeros in RLlib's column names, from one item of each step leaf (no episode end)."""
+    def rows(x: Any) -> Any:
+        return optree.tree_map(lambda a: np.zeros((n, *np.shape(a)), np.asarray(a).dtype), x)
+
+    batch: dict[str, Any] = {"obs": rows(obs), "actions": rows(action), "rewards": np.zeros(n, np.float32),
+                             "terminateds": np.zeros(n, bool), "truncateds": np.zeros(n, bool), NEW_OBS: rows(obs)}
+    batch.update({k: rows(v) for k, v in extras.items()})
+    return batch
+
+
+def added_columns(out: Mapping[str, Any], given: set[str], extras: Mapping[str, Any], n: int, *,
+                  who: str = "") -> dict[str, tuple[tuple[int, ...], str]]:
+    """The columns a hook added to a dummy batch of ``n`` steps (``given``: its columns), as (item shape, dtype).
+
+    Raises:
+        UsageError: an added column that is not a numeric array with one row per step, or whose name is a step
+            leaf or a policy extra.
+    """
+    columns: dict[str, tuple[tuple[int, ...], str]] = {}
+    for k, v in out.items():
+        if k in given:
+            continue
+        if not isinstance(k, str) or not k or "/" in k:
+            raise UsageError(f"{who}{METHOD} added column {k!r}: a column name is a non-empty str without '/'")
+        if k in STEP_KEYS or k in extras:
+            raise UsageError(f"{who}{METHOD} added column {k!r}, which is already a step leaf; rename it")
+        a = np.asarray(v)
+        if a.ndim < 1 or a.shape[0] != n or a.dtype.kind not in "biufc":
+            raise UsageError(f"{who}{METHOD} added column {k!r}: expected a numeric array with one row per step "
+                             f"({n} on the dummy batch), got {a.dtype} {a.shape}")
+        columns[k] = (tuple(a.shape[1:]), a.dtype.str)
+    return columns
 
 
 def discover(postprocess: Any, policy: Any, probed: Mapping[str, Any]) -> PostprocessSpec | None:
@@ -109,31 +146,10 @@ def discover(postprocess: Any, policy: Any, probed: Mapping[str, Any]) -> Postpr
     hook = resolve(postprocess, policy)
     if hook is None:
         return None
-    n = DUMMY_STEPS
     extras = dict(probed.get("extras") or {})
-
-    def rows(x: Any) -> Any:
-        return optree.tree_map(lambda a: np.zeros((n, *np.shape(a)), np.asarray(a).dtype), x)
-
-    batch: dict[str, Any] = {"obs": rows(probed[OBS]), "actions": rows(probed[ACTION]),
-                             "rewards": np.zeros(n, np.float32), "terminateds": np.zeros(n, bool),
-                             "truncateds": np.zeros(n, bool), NEW_OBS: rows(probed[OBS])}
-    batch.update({k: rows(v) for k, v in extras.items()})
+    batch = dummy_batch(probed[OBS], probed[ACTION], extras)
     given = set(batch)
-    out = _call(hook, batch)
-    columns: dict[str, tuple[tuple[int, ...], str]] = {}
-    for k, v in out.items():
-        if k in given:
-            continue
-        if not isinstance(k, str) or not k or "/" in k:
-            raise UsageError(f"{METHOD} added column {k!r}: a column name is a non-empty str without '/'")
-        if k in STEP_KEYS or k in extras:
-            raise UsageError(f"{METHOD} added column {k!r}, which is already a step leaf; rename it")
-        a = np.asarray(v)
-        if a.ndim < 1 or a.shape[0] != n or a.dtype.kind not in "biufc":
-            raise UsageError(f"{METHOD} added column {k!r}: expected a numeric array with one row per step "
-                             f"({n} on the dummy batch), got {a.dtype} {a.shape}")
-        columns[k] = (tuple(a.shape[1:]), a.dtype.str)
+    columns = added_columns(call_hook(hook, batch), given, extras, DUMMY_STEPS)
     return PostprocessSpec(hook if callable(postprocess) and not isinstance(postprocess, bool) else None, columns)
 
 
@@ -212,38 +228,44 @@ class Postprocessor:
             batch = {name: optree.tree_map(piece, step[leaf]) for name, leaf in given.items()}
             batch[NEW_OBS] = optree.tree_map(piece, new_obs)
             passed = dict(batch)
-            out = _call(self.hook, batch)
+            out = call_hook(self.hook, batch)
             self.calls += 1
-            self._store(step, out, passed, given, piece, t1 - t0)
+            store(self.columns, step, out, passed, given, piece, t1 - t0)
 
-    def _store(self, step: Mapping[str, Any], out: Mapping[str, Any], passed: dict[str, Any], given: dict[str, str],
-               piece: Callable[[Any], Any], length: int) -> None:
-        """Check every column to store, then write them all: the added ones, and replaced step leaves."""
-        todo = []
-        for k, (shape, dt) in self.columns.items():
-            if k not in out:
-                raise SchemaError(f"{METHOD} did not add column {k!r} on this piece of {length} steps; it added it at "
-                                  "set-up (the pipeline has it as a step leaf): add it on every call")
-            todo.append((k, piece(step[k]), self._checked(k, out[k], (length, *shape), dt)))
-        for k, v in out.items():
-            if k in self.columns or (k in passed and v is passed[k]):
-                continue
-            if k == NEW_OBS:
-                raise UsageError(f"{METHOD} replaced {NEW_OBS!r}: it is derived from obs and the episode table, not "
-                                 "stored; change 'obs' instead, or add a column of your own")
-            if k not in given:
-                raise SchemaError(f"{METHOD} added column {k!r}, which it did not add at set-up (on the dummy batch): "
-                                  "the pipeline's layout has no room for it; add it on every call, the first included")
-            dst = optree.tree_map(piece, step[given[k]])
-            if isinstance(dst, np.ndarray):
-                todo.append((k, dst, self._checked(k, v, dst.shape, dst.dtype)))
-        for _, dst, x in todo:
-            dst[...] = x
 
-    @staticmethod
-    def _checked(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        a = np.asarray(value)
-        if a.shape != shape or not np.can_cast(a.dtype, dtype, "same_kind"):
-            raise SchemaError(f"{METHOD}: column {name!r}: expected {dtype} {shape} (one row per step of the piece), got "
-                              f"{a.dtype} {a.shape}")
-        return a
+def store(columns: Mapping[str, tuple[tuple[int, ...], np.dtype]], step: Mapping[str, Any], out: Mapping[str, Any],
+          passed: Mapping[str, Any], given: Mapping[str, str], piece: Callable[[Any], Any], length: int, *,
+          who: str = "", derived: tuple[str, ...] = (NEW_OBS,)) -> None:
+    """Check every column of a hook's output ``out`` to store, then write them all into the step leaves ``step``
+    (``piece`` selects a piece's steps of a leaf, as views): the added ``columns``, and the replaced step leaves
+    (``given``: column -> step leaf; ``passed``: what the hook was given; ``derived``: columns given but not stored).
+    ``who`` prefixes the messages."""
+    todo = []
+    for k, (shape, dt) in columns.items():
+        if k not in out:
+            raise SchemaError(f"{who}{METHOD} did not add column {k!r} on this piece of {length} steps; it added it at "
+                              "set-up (the pipeline has it as a step leaf): add it on every call")
+        todo.append((k, piece(step[k]), checked(k, out[k], (length, *shape), dt, who=who)))
+    for k, v in out.items():
+        if k in columns or (k in passed and v is passed[k]):
+            continue
+        if k in derived:
+            raise UsageError(f"{who}{METHOD} replaced {k!r}: it is derived from obs and the episode table, not "
+                             "stored; change 'obs' instead, or add a column of your own")
+        if k not in given:
+            raise SchemaError(f"{who}{METHOD} added column {k!r}, which it did not add at set-up (on the dummy batch): "
+                              "the pipeline's layout has no room for it; add it on every call, the first included")
+        dst = optree.tree_map(piece, step[given[k]])
+        if isinstance(dst, np.ndarray):
+            todo.append((k, dst, checked(k, v, dst.shape, dst.dtype, who=who)))
+    for _, dst, x in todo:
+        dst[...] = x
+
+
+def checked(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype, *, who: str = "") -> np.ndarray:
+    """``value`` as an array, SchemaError unless it has ``shape`` and casts to ``dtype``."""
+    a = np.asarray(value)
+    if a.shape != shape or not np.can_cast(a.dtype, dtype, "same_kind"):
+        raise SchemaError(f"{who}{METHOD}: column {name!r}: expected {dtype} {shape} (one row per step of the piece), "
+                          f"got {a.dtype} {a.shape}")
+    return a

@@ -1,0 +1,392 @@
+"""RLlib's postprocess_trajectory with other_agent_batches in multi-agent actors (workers/_multiagent_postprocess.py).
+
+JoinLeaveEnv (tests/test_workers_multiagent.py) makes every transition known: red observations are ``[env, agent, t]``,
+blue ones ``[env, agent, t, episode, 1]``, and red_1 joins at step 2 and terminates at step 5. The hook is checked
+against the plain PettingZoo loop, and other_agent_batches against the stored rollouts of the same round."""
+
+from __future__ import annotations
+
+import threading
+import time
+from functools import partial
+from typing import Any
+
+import numpy as np
+import optree
+import pytest
+
+pettingzoo = pytest.importorskip("pettingzoo")
+
+import shmbuf  # noqa: E402  # after the importorskip: the module needs pettingzoo
+from tests.test_workers_multiagent import (  # noqa: E402  # same
+    POLICIES,
+    JoinLeaveEnv,
+    assert_same_streams,
+    blue_policy,
+    mapping,
+    plain_streams,
+    red_policy,
+    stored_streams,
+)
+from workers._multiagent import MultiAgentLoop, multiagent_examples  # noqa: E402  # same
+from workers._multiagent_postprocess import add_columns, discover_policies  # noqa: E402  # same
+
+AGENT_INDEX = {"red_0": 0, "red_1": 1, "blue_0": 2}
+
+
+def who(batch: dict[str, Any]) -> tuple[int, str]:
+    """The (env, agent) of a piece, from its first observation (``[env, agent index, ...]``)."""
+    env, k = batch["obs"][0][:2]
+    return int(env), ["red_0", "red_1", "blue_0"][int(k)]
+
+
+def central(sample_batch, other_agent_batches=None, episode=None):
+    """A centralised-critic-style hook: at each of the agent's steps, how many other agents acted at that env step
+    and the sum of their agent indices (obs[1]), found by lining their ``t`` up with the agent's."""
+    out = np.zeros((len(sample_batch["rewards"]), 2), np.float64)
+    for _, _, other in (other_agent_batches or {}).values():
+        at = {int(t): i for i, t in enumerate(other["t"])}
+        for j, t in enumerate(sample_batch["t"]):
+            if int(t) in at:
+                out[j] += (1.0, float(other["obs"][at[int(t)]][1]))
+    sample_batch["central"] = out
+    return sample_batch
+
+
+class RedWithHook:
+    """red_policy with RLlib's postprocess_trajectory method (reward-to-go within the piece)."""
+
+    def __call__(self, obs):
+        return red_policy(obs)
+
+    def postprocess_trajectory(self, sample_batch, other_agent_batches=None, episode=None):
+        r = sample_batch["rewards"]
+        sample_batch["to_go"] = np.cumsum(r[::-1])[::-1].astype(np.float32)
+        return sample_batch
+
+
+def run_post_loop(n_envs, rounds, postprocess, *, rollout_len=4, batch_mode="truncate_episodes", policies=POLICIES,
+                  record=None, count_steps_by="env_steps"):
+    """A MultiAgentLoop in a thread, postprocessing set up as MultiAgentCollector does (discover, then the columns as
+    step leaves); ``record`` (a list) gets the loop, for a hook to read ``loop.rounds``. Returns ``({policy:
+    [rollout, ...]}, rows, loop)``, rollouts as copies in commit order."""
+    probe_envs = [JoinLeaveEnv(i) for i in range(n_envs)]
+    examples, rows = multiagent_examples(probe_envs, policies, mapping, rollout_len=rollout_len, seed=0,
+                                         batch_mode=batch_mode)
+    specs = discover_policies(postprocess, policies, examples, rows, batch_mode=batch_mode)
+    add_columns(examples, specs, batch_mode=batch_mode)
+    complete = batch_mode == "complete_episodes"
+    n_writers = {pid: len(rows.policies[pid]) if complete else 1 for pid in examples}
+    readers = {pid: shmbuf.create(ex, slots=4 * n_writers[pid] + 4, max_writers=n_writers[pid])
+               for pid, ex in examples.items()}
+    errors: list[BaseException] = []
+    box: list[MultiAgentLoop] = record if record is not None else []
+    ready = threading.Event()
+    stop = threading.Event()
+
+    def actor():
+        writers = {}
+        try:
+            for pid, r in readers.items():
+                made = [shmbuf.Writer(r.handle, timeout=20) for _ in range(n_writers[pid])]
+                writers[pid] = made if complete else made[0]
+            ready.set()
+            loop = MultiAgentLoop([JoinLeaveEnv(i) for i in range(n_envs)], policies, writers, rollout_len=rollout_len,
+                                  policy_mapping_fn=mapping, seed=0, batch_mode=batch_mode, postprocess=specs,
+                                  should_stop=stop.is_set, count_steps_by=count_steps_by)
+            box.append(loop)
+            loop.run(rounds)
+        except BaseException as exc:  # noqa: BLE001  # surfaced by the main thread
+            errors.append(exc)
+        finally:
+            ready.set()
+            for ws in writers.values():
+                for w in ws if isinstance(ws, list) else [ws]:
+                    w.close()
+
+    th = threading.Thread(target=actor, daemon=True)
+    th.start()
+    out: dict[Any, list[dict[str, Any]]] = {pid: [] for pid in readers}
+    try:
+        assert ready.wait(20)
+        deadline = time.monotonic() + 60
+        while sum(len(v) for v in out.values()) < rounds if complete else any(len(v) < rounds for v in out.values()):
+            if errors:
+                raise errors[0]
+            assert time.monotonic() < deadline, f"{ {p: len(v) for p, v in out.items()} } of {rounds} rollouts in 60 s"
+            for pid, reader in readers.items():
+                try:
+                    r = reader.get(timeout=0.02)
+                except shmbuf.SlotTimeout:
+                    continue
+                with r:
+                    out[pid].append({"seq": r.seq, "lane": r.lane, "fill": dict(r.fill), "data": r.copy()})
+        th.join(20)
+        assert not th.is_alive()
+        if errors:
+            raise errors[0]
+    finally:
+        stop.set()
+        th.join(20)
+        for r in readers.values():
+            r.close()
+    return out, rows, box[0]
+
+
+def copied(x):
+    return optree.tree_map(np.array, x)
+
+
+def test_the_hook_sees_each_agents_valid_steps_and_the_other_agents_of_its_env_over_the_same_steps():
+    """Every call: one agent's valid steps of one piece (equal, concatenated per agent, to the plain PettingZoo loop's
+    stream, flags only at a piece's end), and other_agent_batches = exactly the other agents of the same env with a
+    valid step in the piece's window, (policy_id, policy, batch) with the stored data at their valid steps."""
+    calls = []
+    box: list[Any] = []
+
+    def hook(sample_batch, other_agent_batches=None, episode=None):
+        if box:  # not the set-up call on the dummy batch
+            calls.append((box[0].rounds, copied(sample_batch), {a: (p, pol, copied(b)) for a, (p, pol, b)
+                                                                 in other_agent_batches.items()}))
+        return sample_batch
+
+    n_envs, rounds, T = 2, 12, 4
+    out, rows, loop = run_post_loop(n_envs, rounds, hook, rollout_len=T, record=box)
+    want = plain_streams(n_envs, rounds * T)
+    # the hook changed nothing stored
+    assert_same_streams(stored_streams(out, rows), want)
+    got: dict[Any, list[dict[str, Any]]] = {}
+    saw_red_1_joined = saw_red_1_away = False
+    for r, batch, others in calls:
+        env, me = who(batch)
+        pid, row = rows.where[(env, me)]
+        ts = batch["t"]
+        t0, t1 = int(ts[0]), int(ts[-1]) + 1
+        assert np.array_equal(ts, np.arange(t0, t1))  # contiguous env steps of the round
+        done = batch["terminateds"] | batch["truncateds"]
+        assert not done[:-1].any()  # a piece never holds an episode end but at its last step
+        st = out[pid][r]["data"]["step"]
+        assert st["valid"][t0:t1, row].all()
+        for col, leaf in (("obs", "obs"), ("actions", "action"), ("rewards", "reward")):
+            assert np.array_equal(batch[col], st[leaf][t0:t1, row]), (col, r, env, me)
+        for j in range(len(ts)):
+            got.setdefault((env, me), []).append(
+                {"obs": batch["obs"][j], "action": int(batch["actions"][j]), "reward": batch["rewards"][j],
+                 "terminated": bool(batch["terminateds"][j]), "truncated": bool(batch["truncateds"][j]),
+                 "succ": batch["new_obs"][j], **({"value": batch["value"][j]} if "value" in batch else {})})
+        expected = set()
+        for (e, agent), (opid, orow) in rows.where.items():
+            if e == env and agent != me and out[opid][r]["data"]["step"]["valid"][t0:t1, orow].any():
+                expected.add(agent)
+        assert set(others) == expected, (r, env, me, t0, t1)
+        for agent, (opid, policy, ob) in others.items():
+            ostep = out[opid][r]["data"]["step"]
+            orow = rows.where[(env, agent)][1]
+            valid_ts = t0 + np.flatnonzero(ostep["valid"][t0:t1, orow])
+            assert opid == mapping(agent, None) and policy is POLICIES[opid]
+            assert np.array_equal(ob["t"], valid_ts)
+            assert np.array_equal(ob["obs"], ostep["obs"][valid_ts, orow])
+            assert np.array_equal(ob["actions"], ostep["action"][valid_ts, orow])
+            assert {int(o[0]) for o in ob["obs"]} == {env}  # the same env's agent
+        if me != "red_1":
+            saw_red_1_joined |= "red_1" in others
+            saw_red_1_away |= "red_1" not in others
+    assert saw_red_1_joined and saw_red_1_away  # red_1 joins and leaves
+    assert set(got) == set(want)
+    for key in want:
+        assert len(got[key]) == len(want[key]), key  # every valid step in exactly one piece
+    assert_same_streams(got, want)
+    assert loop.postprocess.calls == len(calls)
+
+
+@pytest.mark.parametrize("count_steps_by", ["env_steps", "agent_steps"])
+def test_a_centralised_critic_column_from_the_other_agents_lands_in_the_stored_rollouts(count_steps_by):
+    """The hook adds a column from the other agents' obs (lined up by t); recomputed from the stored rollouts of the
+    same round, agent by agent, it is the same: other_agent_batches held the same env's agents at the same steps.
+    Counting agent steps, rounds end before T env steps: the pieces end at the fill."""
+    n_envs, rounds, T = 2, 10, 5
+    out, rows, _ = run_post_loop(n_envs, rounds, {"red": central, "blue": central}, rollout_len=T,
+                                 count_steps_by=count_steps_by)
+    if count_steps_by == "agent_steps":
+        assert any(r["fill"]["step"] < T for r in out["red"])
+    checked = 0
+    for r in range(rounds):
+        steps = {pid: out[pid][r]["data"]["step"] for pid in out}
+        for pid, st in steps.items():
+            assert st["central"].shape[1:] == (len(rows.policies[pid]), 2)
+            for row, (env, me) in enumerate(rows.policies[pid]):
+                for t in np.flatnonzero(st["valid"][:, row]):
+                    want = np.zeros(2)
+                    for (e, agent), (opid, orow) in rows.where.items():
+                        if e == env and agent != me and steps[opid]["valid"][t, orow]:
+                            want += (1.0, AGENT_INDEX[agent])
+                    assert np.array_equal(st["central"][t, row], want), (r, pid, env, me, t)
+                    checked += 1
+                assert not st["central"][~st["valid"][:, row], row].any()  # zeros where the agent is away
+    assert checked > 50
+
+
+def test_complete_episodes_call_the_hook_once_per_agent_episode_with_no_other_agents():
+    calls = []
+    box: list[Any] = []
+
+    def hook(sample_batch, other_agent_batches=None, episode=None):
+        if box:
+            calls.append((copied(sample_batch), other_agent_batches))
+        sample_batch["twice"] = (sample_batch["rewards"] * 2).astype(np.float64)
+        return sample_batch
+
+    out, rows, loop = run_post_loop(2, 20, {"red": hook}, rollout_len=12, batch_mode="complete_episodes", record=box)
+    assert len(calls) == len(out["red"]) and "twice" not in out["blue"][0]["data"]["step"]
+    assert all(others == {} for _, others in calls)
+    for r in out["red"]:
+        n = r["fill"]["step"]
+        st = r["data"]["step"]
+        np.testing.assert_array_equal(st["twice"][:n], st["reward"][:n] * 2)
+    for batch, _ in calls:
+        done = batch["terminateds"] | batch["truncateds"]
+        assert done[-1] and not done[:-1].any() and np.array_equal(batch["t"], np.arange(len(done)))
+        assert np.array_equal(batch["new_obs"][:-1], batch["obs"][1:])  # successors: the next step's obs, then the
+        assert batch["new_obs"][-1][2] == batch["obs"][-1][2] + 1  # final observation (one env step later: obs[2] is t)
+
+
+def test_settings_none_true_false_and_per_policy_dicts():
+    examples, rows = multiagent_examples([JoinLeaveEnv(0)], {"red": RedWithHook(), "blue": blue_policy}, mapping,
+                                         rollout_len=4, seed=0)
+    pols = {"red": RedWithHook(), "blue": blue_policy}
+
+    def specs(setting, policies=pols):
+        return discover_policies(setting, policies, examples, rows, batch_mode="truncate_episodes")
+
+    assert set(specs(None)) == {"red"} and specs(None)["red"].hook is None  # the policy's own method, in the actor
+    assert specs(None)["red"].columns == {"to_go": ((), "<f4")}
+    assert specs(False) == {}
+    assert specs({"red": False}) == {}
+    both = specs(central)
+    assert set(both) == {"red", "blue"} and both["blue"].columns == {"central": ((2,), "<f8")}
+    assert set(specs({"blue": central})) == {"red", "blue"}  # red absent from the dict: None, its own method
+    with pytest.raises(shmbuf.UsageError, match=r"postprocess=True: the policy \(function\) has no postprocess_traj"):
+        specs(True)
+    with pytest.raises(shmbuf.UsageError, match=r"postprocess: keyed by policy id; \['green'\] are not in policies"):
+        specs({"green": central})
+    with pytest.raises(shmbuf.UsageError, match=r"postprocess\['red'\]: postprocess: expected None"):
+        specs({"red": 3})
+    with pytest.raises(shmbuf.UsageError, match="with serve=True the policies stay in this process"):
+        discover_policies(None, pols, examples, rows, batch_mode="truncate_episodes", served=True)
+    with pytest.raises(shmbuf.SchemaError, match=r"policy 'blue': postprocess_trajectory returned NoneType"):
+        specs({"blue": lambda b, o=None, e=None: None})
+    with pytest.raises(shmbuf.UsageError, match=r"policy 'blue': postprocess_trajectory added column 'action'.*step leaf"):
+        specs({"blue": lambda b, o=None, e=None: {**b, "action": b["actions"]}})
+
+
+class Flaky:
+    """A hook right on the dummy batch (set-up) and wrong on the first real piece, as ``how`` says."""
+
+    def __init__(self, how):
+        self.how, self.n = how, 0
+
+    def __call__(self, sample_batch, other_agent_batches=None, episode=None):
+        self.n += 1
+        n = len(sample_batch["rewards"])
+        sample_batch["adv"] = np.zeros(n, np.float32)
+        if self.n == 1:
+            return sample_batch
+        if self.how == "none":
+            return None
+        if self.how == "length":
+            sample_batch["adv"] = np.zeros(n + 1, np.float32)
+        if self.how == "shape":
+            sample_batch["adv"] = np.zeros((n, 2), np.float32)
+        if self.how == "dtype":
+            sample_batch["adv"] = np.zeros(n, np.complex64)
+        if self.how == "t":
+            sample_batch["t"] = sample_batch["t"] + 1
+        return sample_batch
+
+
+@pytest.mark.parametrize(("how", "error", "says"), [
+    ("none", shmbuf.SchemaError, r"policy 'blue': postprocess_trajectory returned NoneType"),
+    ("length", shmbuf.SchemaError, r"policy 'blue': postprocess_trajectory: column 'adv': expected float32 \(\d+,\) .*"
+                                   r"got float32 \(\d+,\)"),
+    ("shape", shmbuf.SchemaError, r"policy 'blue': .*column 'adv': expected float32 \(\d+,\) .*got float32 \(\d+, 2\)"),
+    ("dtype", shmbuf.SchemaError, r"policy 'blue': .*column 'adv': expected float32 .*got complex64"),
+    ("t", shmbuf.UsageError, r"policy 'blue': postprocess_trajectory replaced 't'"),
+])
+def test_a_hook_that_breaks_the_contract_is_named_with_its_policy_and_column(how, error, says):
+    with pytest.raises(error, match=says):
+        run_post_loop(1, 2, {"blue": Flaky(how)}, rollout_len=4)
+
+
+def make_blue():
+    return blue_policy
+
+
+@pytest.mark.parametrize("given", ["policies", "policy_factories"])
+def test_the_collector_runs_the_hooks_in_its_actors_and_the_columns_reach_the_learner(given):
+    """Through actor processes: red's own postprocess_trajectory (postprocess=None; the actor's own policy, made there
+    by its factory) and blue's centralised column (a dict entry); with align=True the learner recomputes blue's
+    column from every agent's stored obs."""
+    from workers import MultiAgentCollector
+
+    kw = ({"policies": {"red": RedWithHook(), "blue": blue_policy}} if given == "policies" else
+          {"policy_factories": {"red": RedWithHook, "blue": make_blue}})
+    with MultiAgentCollector([partial(JoinLeaveEnv, 0), partial(JoinLeaveEnv, 1)], policy_mapping_fn=mapping,
+                             frames_per_batch=16, align=True, timeout=60, start_method="fork",
+                             postprocess={"blue": central}, **kw) as c:
+        it = iter(c)
+        for _ in range(3):
+            b = next(it)
+            red, blue = b["red"].data["step"], b["blue"].data["step"]
+            assert "to_go" in red and "central" not in red and "central" in blue and "to_go" not in blue
+            for i in range(len(b["red"].seq)):
+                n = b["red"].fill["step"][i]
+                for row in range(red["valid"].shape[2]):
+                    v = red["valid"][i, :n, row]
+                    done = (red["terminated"][i, :n, row] | red["truncated"][i, :n, row]) & v
+                    ends = [*np.flatnonzero(done).tolist()]
+                    idx = np.flatnonzero(v)
+                    pieces = np.split(idx, [np.searchsorted(idx, e) + 1 for e in ends])
+                    for p in pieces:
+                        if len(p):
+                            r = red["reward"][i, p, row]
+                            np.testing.assert_allclose(red["to_go"][i, p, row], np.cumsum(r[::-1])[::-1], rtol=1e-6)
+            cols = b.agents("obs")
+            (ob, vb) = cols[(0, "blue_0")]
+            want = np.zeros((*vb.shape, 2))
+            for agent in ("red_0", "red_1"):
+                _, va = cols[(0, agent)]
+                want[va & vb] += (1.0, AGENT_INDEX[agent])
+            got = blue["central"][:, :, 0]
+            assert np.array_equal(got[vb], want[vb])
+    with pytest.raises(shmbuf.UsageError, match="postprocess=True: the policy"):
+        MultiAgentCollector(partial(JoinLeaveEnv, 0), POLICIES, policy_mapping_fn=mapping, frames_per_batch=16,
+                            postprocess=True, start_method="fork")
+
+
+def test_the_docs_block_runs_a_centralised_critic_hook(tmp_path):
+    from tests.helpers import doc_blocks, run_doc_block
+
+    blocks = doc_blocks("multiagent.md")
+    k = next(i for i, b in enumerate(blocks) if "other_agent_batches" in b)
+    lines = run_doc_block("multiagent.md", k, tmp_path).splitlines()
+    assert lines == DOCS_PRINTS, lines
+
+
+DOCS_PRINTS = ["(2, 25, 3, 2, 18) True"] * 2  # docs/multiagent.md says so
+
+
+def test_served_policies_take_a_hook_given_as_a_function_and_refuse_their_own_method():
+    """serve=True: the policies stay in the learner; a hook given as a function runs in the actors (its added column
+    is no extra the server is asked for), a served policy's own method is refused by name."""
+    from workers import MultiAgentCollector
+
+    with MultiAgentCollector(partial(JoinLeaveEnv, 0), POLICIES, policy_mapping_fn=mapping, frames_per_batch=16,
+                             serve=True, timeout=60, start_method="fork", postprocess={"red": central}) as c:
+        b = next(iter(c))
+        red = b["red"].data["step"]
+        assert red["central"].shape[-1] == 2 and "policy_version" in red
+        v = red["valid"]
+        assert (red["central"][..., 0][v] >= 1).all()  # blue_0 acts at every step red_0 or red_1 does
+    with pytest.raises(shmbuf.UsageError, match="policy 'red' has a postprocess_trajectory method, but with serve=True"):
+        MultiAgentCollector(partial(JoinLeaveEnv, 0), {"red": RedWithHook(), "blue": blue_policy},
+                            policy_mapping_fn=mapping, frames_per_batch=16, serve=True, start_method="fork")
