@@ -309,7 +309,7 @@ def test_the_collector_runs_the_policys_postprocess_trajectory_in_its_actors() -
 
     T = 6
     with Collector([make_counting], PostprocessingPolicy(), frames_per_batch=2 * T, total_frames=4 * T, rollout_len=T,
-                   timeout=60) as collector:
+                   timeout=60, copy=True) as collector:  # copies: the batches are kept past the next one
         batches = [b for b in collector]
     assert batches
     for b in batches:
