@@ -34,6 +34,9 @@ Systems:
    2 requests kept in flight on each runner), and one local env runner
    of 4 envs in this process (``num_env_runners=0``). Counted: ``sum(episode.agent_steps())`` of what ``sample()``
    returned to the driver. Ray is started for each run (``ray.init``, every core) and shut down after it.
+4. ``shmbuf_ray``: ``workers.RayCollector`` with the same envs and policies on that one-node Ray, 2 actors x 2 envs:
+   behind a node owner (each batch a Ray object, what another node's batches are) or on the learner's own node.
+   Counted: ``batch.agent_steps``.
 
 Each figure is taken as benchmarks/collect.py takes it (its :func:`benchmarks.collect.run_one` and sweep are used
 as they are): warm-up and start-up dropped, ``--windows`` windows of at least ``--window-s`` each cut at a delivery,
@@ -68,7 +71,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_ENVS = 4  # envs in every system
 ROLLOUT_LEN = 50  # env steps per rollout (the floor's, each actor's round, each RLlib env runner's sample())
 # Seconds a run takes besides its windows (start-up, first delivery, shutdown), for the estimate printed at the start.
-OVERHEAD_S = {"floor": 1.0, "shmbuf": 6.0, "rllib": 25.0}  # quick runs on the busy 2-core machine
+OVERHEAD_S = {"floor": 1.0, "shmbuf": 6.0, "shmbuf_ray": 20.0, "rllib": 25.0}  # quick runs on the busy 2-core machine
 
 
 # ------------------------------------------------------------------ the one-process loop
@@ -145,6 +148,71 @@ class Shmbuf(Run):
             yield int(b.agent_steps)
 
 
+class ShmbufRay(Run):
+    """``workers.RayCollector`` with the multi-agent envs on a one-node local Ray: a MultiAgentCollector behind a node
+    owner (each batch one Ray object, as from another node), or in this process (the learner's own node)."""
+
+    LABEL = "shmbuf RayCollector"
+    IMPORTS = ("workers", "pettingzoo", "ray")
+    VARIANTS: ClassVar[dict[str, str]] = {
+        "2x2-owner": "2 actors x 2 envs behind a node owner (local_node=False): each batch one Ray object, as from "
+                     "another node; copy=False",
+        "2x2-local": "2 actors x 2 envs, the learner's own node (local_node=True): views of shared memory through a "
+                     "thread, no Ray object; copy=False"}
+
+    def __init__(self, env: str, policy: str, variant: str, frames_per_batch: int):
+        super().__init__(env, policy, variant, frames_per_batch)
+        self.ray = RayRun()
+
+    def batches(self) -> Iterator[int]:
+        from workers import RayCollector
+
+        self.ray.start()
+        self.c = RayCollector(functools.partial(me.make_envs, self.env, NUM_ENVS // 2),
+                              me.make_policies(self.env, self.policy), policy_mapping_fn=me.mapping(self.policy),
+                              frames_per_batch=ROLLOUT_LEN * NUM_ENVS, rollout_len=ROLLOUT_LEN, actors_per_node=2,
+                              local_node=self.variant.endswith("-local"), seed=me.SEED)
+        for b in self.c:
+            yield int(b.agent_steps)
+
+    def close(self) -> None:
+        try:
+            if self.c is not None:
+                self.c.close()
+        finally:
+            self.ray.stop()
+
+
+class RayRun:
+    """A local Ray for one run (every core, this checkout on the workers' path), and its processes gone after it."""
+
+    STOP_S = 20.0  # how long stop() waits for Ray's processes to leave after ray.shutdown() (longer on a busy machine)
+
+    def __init__(self) -> None:
+        self.started = False
+        self.before: set[int] = set()
+
+    def start(self) -> None:
+        import ray
+
+        self.before = set(descendants())
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))}})
+        self.started = True
+
+    def stop(self) -> None:
+        if not self.started:
+            return
+        import ray
+
+        ray.shutdown()
+        # Ray's daemons and workers leave on their own, after it returns: wait for them (polling, with a deadline),
+        # so that the run's reaping finds nothing of Ray's left to kill.
+        deadline = time.monotonic() + self.STOP_S
+        while set(descendants()) - self.before and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
 # ------------------------------------------------------------------ RLlib
 
 
@@ -214,12 +282,9 @@ class RLlib(Run):
                      "foreach_env_runner_async + fetch_ready_async_reqs)",
         "local-1x4": "one MultiAgentEnvRunner of 4 envs in this process (num_env_runners=0), no Ray workers"}
 
-    STOP_S = 20.0  # how long close() waits for Ray's processes to leave after ray.shutdown() (longer on a busy machine)
-
     def __init__(self, env: str, policy: str, variant: str, frames_per_batch: int):
         super().__init__(env, policy, variant, frames_per_batch)
-        self.ray_started = False
-        self.before: set[int] = set()
+        self.ray = RayRun()
 
     def batches(self) -> Iterator[int]:
         if self.variant == "local-1x4":
@@ -228,14 +293,10 @@ class RLlib(Run):
             runner = self.c = MultiAgentEnvRunner(config=rllib_config(self.env, self.policy, 0, NUM_ENVS))
             while True:
                 yield _agent_steps(runner.sample())
-        import ray
         from ray.rllib.env.env_runner_group import EnvRunnerGroup
         from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
 
-        self.before = set(descendants())
-        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))}})
-        self.ray_started = True
+        self.ray.start()
         config = rllib_config(self.env, self.policy, 2, NUM_ENVS // 2, in_flight=2 if self.variant == "2x2-async" else 1)
         group = self.c = EnvRunnerGroup(config=config, local_env_runner=False)
         if self.variant == "2x2-sync":
@@ -254,20 +315,12 @@ class RLlib(Run):
             if self.c is not None:
                 self.c.stop()
         finally:
-            if self.ray_started:
-                import ray
-
-                ray.shutdown()
-                # Ray's daemons and workers leave on their own, after it returns: wait for them (polling, with a
-                # deadline), so that the run's reaping finds nothing of Ray's left to kill.
-                deadline = time.monotonic() + self.STOP_S
-                while set(descendants()) - self.before and time.monotonic() < deadline:
-                    time.sleep(0.1)
+            self.ray.stop()
 
 
 # name -> class; the order is the order of the tables, the plot and each pass of the sweep
-SYSTEMS: dict[str, type[Run]] = {"floor": Floor, "shmbuf": Shmbuf, "rllib": RLlib}
-COLORS = {"floor": "#7f7f7f", "shmbuf": "#d62728", "rllib": "#1f77b4"}
+SYSTEMS: dict[str, type[Run]] = {"floor": Floor, "shmbuf": Shmbuf, "shmbuf_ray": ShmbufRay, "rllib": RLlib}
+COLORS = {"floor": "#7f7f7f", "shmbuf": "#d62728", "shmbuf_ray": "#ff9896", "rllib": "#1f77b4"}
 
 
 # ------------------------------------------------------------------ report
@@ -302,10 +355,11 @@ def summarize(res: dict[str, Any]) -> None:
                       "sps_ratio": r["fps"]["median"] / f["fps"]["median"],
                       "cpu_ratio": r["cpu_us_per_frame"]["total"] / f["cpu_us_per_frame"]["total"]}
                      for (env, pol, s), r in best.items() if s != "floor" and (f := best.get((env, pol, "floor")))]
-    res["ratios"] += [{"env": env, "policy": pol, "system": "shmbuf", "against": "rllib",
+    res["ratios"] += [{"env": env, "policy": pol, "system": s, "against": "rllib",
                        "sps_ratio": r["fps"]["median"] / x["fps"]["median"],
                        "cpu_ratio": r["cpu_us_per_frame"]["total"] / x["cpu_us_per_frame"]["total"]}
-                      for (env, pol, s), r in best.items() if s == "shmbuf" and (x := best.get((env, pol, "rllib")))]
+                      for (env, pol, s), r in best.items()
+                      if s in ("shmbuf", "shmbuf_ray") and (x := best.get((env, pol, "rllib")))]
 
 
 def tables(res: dict[str, Any]) -> str:
@@ -350,8 +404,10 @@ def tables(res: dict[str, Any]) -> str:
     vs = [x for x in res.get("ratios", []) if x["against"] == "rllib"]
     if vs:
         lines += ["## shmbuf against RLlib (each one's fastest configuration)", "",
-                  "| env | policy | agent steps/s, shmbuf / RLlib | CPU per agent step, shmbuf / RLlib |", "|---|---|---:|---:|"]
-        lines += [f"| {x['env']} | {x['policy']} | {x['sps_ratio']:.2f}x | {x['cpu_ratio']:.2f}x |" for x in vs]
+                  "| env | policy | shmbuf system | agent steps/s, shmbuf / RLlib | CPU per agent step, shmbuf / RLlib |",
+                  "|---|---|---|---:|---:|"]
+        lines += [f"| {x['env']} | {x['policy']} | {c['labels'][x['system']]} | {x['sps_ratio']:.2f}x | "
+                  f"{x['cpu_ratio']:.2f}x |" for x in vs]
         lines.append("")
     lines += ["## Every configuration (in bold, each system's row above)", "",
               "| env | policy | system | configuration | agent steps/s | CPU µs/agent step this process / children | "

@@ -47,9 +47,10 @@ def _finite_positive(x: object) -> bool:
 def test_quick_run_measures_every_system_and_leaves_nothing(tmp_path: pathlib.Path) -> None:
     before = shm_objects()
     rllib = _rllib_importable()
-    runs = {("floor", "loop"), ("shmbuf", "2x2")} | ({("rllib", "2x2-sync"), ("rllib", "local-1x4")} if rllib else set())
+    runs = {("floor", "loop"), ("shmbuf", "2x2"), ("shmbuf_ray", "2x2-owner")} | (
+        {("rllib", "2x2-sync"), ("rllib", "local-1x4")} if rllib else set())
     cmd = [sys.executable, "-m", "benchmarks.multiagent", "--quick", "--envs", "synthetic", "--policies", "linear2",
-           "--variants", "floor:loop,shmbuf:2x2,rllib:2x2-sync,rllib:local-1x4", "--out", str(tmp_path),
+           "--variants", "floor:loop,shmbuf:2x2,shmbuf_ray:2x2-owner,rllib:2x2-sync,rllib:local-1x4", "--out", str(tmp_path),
            "--windows", "2", "--window-s", "0.25", "--warmup-s", "0.25", "--stall-s", "60"]
     code, out, left, ray_left = run_bench(cmd, ROOT, timeout=280, grace=10.0, others=_ray_session_processes)
     assert code == 0, out[-5000:]
@@ -97,7 +98,7 @@ def test_quick_run_measures_every_system_and_leaves_nothing(tmp_path: pathlib.Pa
     for k, r in rows.items():
         assert _finite_positive(r["fps"]["median"]) and r["fps"]["min"] <= r["fps"]["median"] <= r["fps"]["max"], k
         assert _finite_positive(r["cpu_us_per_frame"]["total"]), k
-    for k in (("shmbuf", "2x2"), ("rllib", "2x2-sync")):  # the actors and the remote env runners are child processes
+    for k in (("shmbuf", "2x2"), ("shmbuf_ray", "2x2-owner"), ("rllib", "2x2-sync")):  # actors, owners, env runners: children
         if k in rows:
             assert _finite_positive(rows[k]["cpu_us_per_frame"]["children"]), k
     shown = {r["system"]: r for r in saved["rows"] if r["shown"]}
@@ -107,8 +108,8 @@ def test_quick_run_measures_every_system_and_leaves_nothing(tmp_path: pathlib.Pa
         if s != "floor":
             assert ratios[(s, "floor")]["sps_ratio"] == pytest.approx(shown[s]["fps"]["median"] / shown["floor"]["fps"]["median"])
     if rllib:
-        assert ratios[("shmbuf", "rllib")]["sps_ratio"] == pytest.approx(
-            shown["shmbuf"]["fps"]["median"] / shown["rllib"]["fps"]["median"])
+        for s in ("shmbuf", "shmbuf_ray"):
+            assert ratios[(s, "rllib")]["sps_ratio"] == pytest.approx(shown[s]["fps"]["median"] / shown["rllib"]["fps"]["median"])
         assert "## shmbuf against RLlib" in md
     assert "## synthetic, linear2" in md and "Quick run" in md
 
