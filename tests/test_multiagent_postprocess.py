@@ -6,8 +6,6 @@ against the plain PettingZoo loop, and other_agent_batches against the stored ro
 
 from __future__ import annotations
 
-import threading
-import time
 from functools import partial
 from typing import Any
 
@@ -26,10 +24,11 @@ from tests.test_workers_multiagent import (  # noqa: E402  # same
     mapping,
     plain_streams,
     red_policy,
+    run_loop,
     stored_streams,
 )
-from workers._multiagent import MultiAgentLoop, multiagent_examples  # noqa: E402  # same
-from workers._multiagent_postprocess import add_columns, discover_policies  # noqa: E402  # same
+from workers._multiagent import multiagent_examples  # noqa: E402  # same
+from workers._multiagent_postprocess import discover_policies  # noqa: E402  # same
 
 AGENT_INDEX = {"red_0": 0, "red_1": 1, "blue_0": 2}
 
@@ -67,70 +66,10 @@ class RedWithHook:
 
 def run_post_loop(n_envs, rounds, postprocess, *, rollout_len=4, batch_mode="truncate_episodes", policies=POLICIES,
                   record=None, count_steps_by="env_steps"):
-    """A MultiAgentLoop in a thread, postprocessing set up as MultiAgentCollector does (discover, then the columns as
-    step leaves); ``record`` (a list) gets the loop, for a hook to read ``loop.rounds``. Returns ``({policy:
-    [rollout, ...]}, rows, loop)``, rollouts as copies in commit order."""
-    probe_envs = [JoinLeaveEnv(i) for i in range(n_envs)]
-    examples, rows = multiagent_examples(probe_envs, policies, mapping, rollout_len=rollout_len, seed=0,
-                                         batch_mode=batch_mode)
-    specs = discover_policies(postprocess, policies, examples, rows, batch_mode=batch_mode)
-    add_columns(examples, specs, batch_mode=batch_mode)
-    complete = batch_mode == "complete_episodes"
-    n_writers = {pid: len(rows.policies[pid]) if complete else 1 for pid in examples}
-    readers = {pid: shmbuf.create(ex, slots=4 * n_writers[pid] + 4, max_writers=n_writers[pid])
-               for pid, ex in examples.items()}
-    errors: list[BaseException] = []
-    box: list[MultiAgentLoop] = record if record is not None else []
-    ready = threading.Event()
-    stop = threading.Event()
-
-    def actor():
-        writers = {}
-        try:
-            for pid, r in readers.items():
-                made = [shmbuf.Writer(r.handle, timeout=20) for _ in range(n_writers[pid])]
-                writers[pid] = made if complete else made[0]
-            ready.set()
-            loop = MultiAgentLoop([JoinLeaveEnv(i) for i in range(n_envs)], policies, writers, rollout_len=rollout_len,
-                                  policy_mapping_fn=mapping, seed=0, batch_mode=batch_mode, postprocess=specs,
-                                  should_stop=stop.is_set, count_steps_by=count_steps_by)
-            box.append(loop)
-            loop.run(rounds)
-        except BaseException as exc:  # noqa: BLE001  # surfaced by the main thread
-            errors.append(exc)
-        finally:
-            ready.set()
-            for ws in writers.values():
-                for w in ws if isinstance(ws, list) else [ws]:
-                    w.close()
-
-    th = threading.Thread(target=actor, daemon=True)
-    th.start()
-    out: dict[Any, list[dict[str, Any]]] = {pid: [] for pid in readers}
-    try:
-        assert ready.wait(20)
-        deadline = time.monotonic() + 60
-        while sum(len(v) for v in out.values()) < rounds if complete else any(len(v) < rounds for v in out.values()):
-            if errors:
-                raise errors[0]
-            assert time.monotonic() < deadline, f"{ {p: len(v) for p, v in out.items()} } of {rounds} rollouts in 60 s"
-            for pid, reader in readers.items():
-                try:
-                    r = reader.get(timeout=0.02)
-                except shmbuf.SlotTimeout:
-                    continue
-                with r:
-                    out[pid].append({"seq": r.seq, "lane": r.lane, "fill": dict(r.fill), "data": r.copy()})
-        th.join(20)
-        assert not th.is_alive()
-        if errors:
-            raise errors[0]
-    finally:
-        stop.set()
-        th.join(20)
-        for r in readers.values():
-            r.close()
-    return out, rows, box[0]
+    """A MultiAgentLoop in a thread, postprocessing set up as MultiAgentCollector does (see
+    tests/test_workers_multiagent.py's ``run_loop``). Returns ``({policy: [rollout, ...]}, rows, loop)``."""
+    return run_loop(n_envs, rounds, postprocess=postprocess, rollout_len=rollout_len, batch_mode=batch_mode,
+                    policies=policies, record=record, count_steps_by=count_steps_by)
 
 
 def copied(x):

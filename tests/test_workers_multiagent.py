@@ -114,19 +114,29 @@ def plain_streams(n_envs, n_steps, env_ids=None):
 
 
 def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=None, policies=POLICIES,
-             batch_mode="truncate_episodes", view_requirements=None):
+             batch_mode="truncate_episodes", view_requirements=None, postprocess=None, record=None):
     """Run a MultiAgentLoop in a thread for ``rounds`` rounds (complete-episodes: agent episodes, in all); return
-    ``({policy: [rollout, ...]}, rows, loop)``."""
+    ``({policy: [rollout, ...]}, rows, loop)``, rollouts as copies in commit order. ``postprocess``: the hook setting,
+    set up as MultiAgentCollector does (discovered, its columns made step leaves); ``record`` (a list) gets the loop
+    as soon as it exists, for a hook to read ``loop.rounds``."""
+    from workers._multiagent_postprocess import add_columns, discover_policies
+
     envs = envs or [JoinLeaveEnv(i) for i in range(n_envs)]
     examples, rows = multiagent_examples([JoinLeaveEnv(i) for i in range(len(envs))], policies, mapping,
                                          rollout_len=rollout_len, seed=0, batch_mode=batch_mode,
                                          view_requirements=view_requirements)
+    specs = None
+    if postprocess is not None:
+        specs = discover_policies(postprocess, policies, examples, rows, batch_mode=batch_mode)
+        add_columns(examples, specs, batch_mode=batch_mode)
     complete = batch_mode == "complete_episodes"
     n_writers = {pid: len(rows.policies[pid]) if complete else 1 for pid in examples}
     readers = {pid: shmbuf.create(ex, slots=4 * n_writers[pid] + 4, max_writers=n_writers[pid])
                for pid, ex in examples.items()}
-    errors, box = [], []
+    errors = []
+    box = record if record is not None else []
     ready = threading.Event()
+    stop = threading.Event()
 
     def actor():
         writers = {}
@@ -137,7 +147,7 @@ def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=
             ready.set()
             loop = MultiAgentLoop(envs, policies, writers, rollout_len=rollout_len, policy_mapping_fn=mapping,
                                   count_steps_by=count_steps_by, seed=0, batch_mode=batch_mode,
-                                  view_requirements=view_requirements)
+                                  view_requirements=view_requirements, postprocess=specs, should_stop=stop.is_set)
             box.append(loop)
             loop.run(rounds)
         except BaseException as exc:  # noqa: BLE001  # surfaced by the main thread
@@ -170,6 +180,8 @@ def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=
         if errors:
             raise errors[0]
     finally:
+        stop.set()
+        th.join(20)
         for r in readers.values():
             r.close()
     return out, rows, box[0]
