@@ -171,7 +171,8 @@ class ParallelDriver:
             term[pid][...] = False
             trunc[pid][...] = False
         finals: dict[Any, dict[int, Any]] = {pid: {} for pid in out}
-        away = {pid for pid, v in valid.items() if not v.all()}  # policies with a row not live: checked env by env
+        # policies with a row not live: checked env by env (count_nonzero: a bool array's cheapest reduction)
+        away = {pid for pid, v in valid.items() if np.count_nonzero(v) != len(v)}
         for i, env in enumerate(self.envs):
             plan, names = self._plan(i, env.agents)
             acts: dict[Any, Any] = {}
@@ -193,9 +194,12 @@ class ParallelDriver:
                 except KeyError as exc:
                     raise UsageError(f"envs[{i}].step: expected a reward, a termination and a truncation for every "
                                      f"agent that acted, got none for {exc.args[0]!r}") from None
-                term[pid][rows] = te_p
-                trunc[pid][rows] = tr_p
-                if any(te_p) or any(tr_p):
+                ended_p = any(te_p), any(tr_p)
+                if ended_p[0]:  # else the rows keep the zeros (False) they were given above
+                    term[pid][rows] = te_p
+                if ended_p[1]:
+                    trunc[pid][rows] = tr_p
+                if ended_p[0] or ended_p[1]:
                     row_ids = range(rows.start, rows.stop) if isinstance(rows, slice) else rows.tolist()
                     for a, row, x, y in zip(agents, row_ids, te_p, tr_p, strict=True):
                         if x or y:
