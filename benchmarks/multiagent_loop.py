@@ -145,6 +145,7 @@ def run(windows: int, scale: float, progress: Any = print) -> dict[str, Any]:
             "env": env, "policy": policy, "agents": me.AGENTS[env], "rollouts_per_window": k,
             "floor_us_per_agent_step": statistics.median(w["floor"]), "loop_us_per_agent_step": statistics.median(w["loop"]),
             "loop_over_floor": ratio, "windows": w}
+    results["loadavg_end"] = list(os.getloadavg())
     return results
 
 
@@ -152,7 +153,9 @@ def markdown(r: dict[str, Any]) -> str:
     lines = [f"# MultiAgentLoop against the one-process PettingZoo loop, one process, {r['num_envs']} envs, "
              f"T={r['rollout_len']}", "", machine.line(r["machine"]), "",
              f"CPU per agent step (median of {r['windows']} rounds, the two systems back to back in each; ratio: the "
-             "median of the rounds' ratios), microseconds:", "",
+             "median of the rounds' ratios), microseconds. Load average at the start "
+             f"{r['machine']['loadavg_start'][0]:.2f}, at the end {r['loadavg_end'][0]:.2f} (on "
+             f"{r['machine']['cores']} cores; CPU time per step grows when other processes share them):", "",
              "| env | agents | policies | floor (one-process loop) | MultiAgentLoop | loop / floor |",
              "|---|---:|---|---:|---:|---:|"]
     for c in r["cases"].values():
