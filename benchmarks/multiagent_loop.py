@@ -126,20 +126,21 @@ def loop_at(rev: str) -> Any:
     import tempfile
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tmp = tempfile.mkdtemp(prefix="multiagent-loop-")
     mods = []
-    for name, path in (("_bench_agent_rows", "workers/_agent_rows.py"), ("_bench_multiagent", "workers/_multiagent.py")):
-        src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True, text=True).stdout
-        src = src.replace("from workers._agent_rows import", "from _bench_agent_rows import")
-        file = os.path.join(tmp, name + ".py")
-        with open(file, "w") as f:
-            f.write(src)
-        spec = importlib.util.spec_from_file_location(name, file)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        mods.append(mod)
+    with tempfile.TemporaryDirectory(prefix="multiagent-loop-") as tmp:  # the files are not needed once loaded
+        for name, path in (("_bench_agent_rows", "workers/_agent_rows.py"), ("_bench_multiagent", "workers/_multiagent.py")):
+            src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True,
+                                 text=True).stdout
+            src = src.replace("from workers._agent_rows import", "from _bench_agent_rows import")
+            file = os.path.join(tmp, name + ".py")
+            with open(file, "w") as f:
+                f.write(src)
+            spec = importlib.util.spec_from_file_location(name, file)
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+            mods.append(mod)
     return mods[1].MultiAgentLoop
 
 
