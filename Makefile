@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo demo-ray test test-slow test-core lint bench bench-quick bench-storage bench-inference bench-collect bench-ray bench-multiagent clean-shm clean
+.PHONY: demo demo-ray test test-slow test-core lint bench bench-quick bench-storage bench-inference bench-collect bench-ray bench-multiagent bench-multiagent-loop clean-shm clean
 
 # One stamp per set of extras, refreshed when pyproject.toml changes. The tests also get rsl_rl's own code, the
 # reference for 002's GAE (tests/_rsl_rl.py), with --no-deps: its torch pin would pull a CUDA build of GBs.
@@ -107,6 +107,11 @@ bench-ray: $(VENV)/.stamp-bench
 # Results in benchmarks/results/<date>-<host>-multiagent.*
 bench-multiagent: $(VENV)/.stamp-bench
 	$(PY) -m benchmarks.multiagent
+
+# workers.lowlevel.MultiAgentLoop against the one-process loop of bench-multiagent, in one process, CPU per agent step
+# (synthetic and simple_spread envs): about a minute. Results in benchmarks/results/<date>-<host>-multiagent-loop.*
+bench-multiagent-loop: $(VENV)/.stamp-bench
+	$(PY) -m benchmarks.multiagent_loop
 
 clean-shm: $(VENV)/.stamp-demo
 	$(PY) -m shmbuf clean

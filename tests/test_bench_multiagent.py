@@ -116,3 +116,33 @@ def test_quick_run_measures_every_system_and_leaves_nothing(tmp_path: pathlib.Pa
     again = copy.deepcopy(saved)  # the figures are the runs' figures: what --render does gives the same rows
     multiagent.summarize(again)
     assert again["rows"] == saved["rows"] and again["ratios"] == saved["ratios"]
+
+
+def test_the_in_process_loop_benchmark_measures_each_case_and_leaves_nothing(tmp_path: pathlib.Path) -> None:
+    """``python -m benchmarks.multiagent_loop`` at its smallest: MultiAgentLoop and the one-process loop on every
+    case, alternated; every window's figure is positive and finite, each ratio is the median of the rounds' ratios,
+    and the run leaves no process and no shmbuf object behind. No timing assertions."""
+    import statistics
+
+    before = shm_objects()
+    cmd = [sys.executable, "-m", "benchmarks.multiagent_loop", "--quick", "--windows", "2", "--scale", "0.1",
+           "--out", str(tmp_path)]
+    code, out, left, _ = run_bench(cmd, ROOT, timeout=280)
+    assert code == 0, out[-5000:]
+    assert left == [], f"processes of the run outlived it: {left}"
+    deadline = time.monotonic() + 5.0
+    while (leaked := leaked_since(before)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leaked == [], f"the run left shmbuf objects in /dev/shm: {[f.name for f in leaked]}"
+    [path] = list(tmp_path.glob("*-multiagent-loop-quick.json"))
+    saved = json.loads(path.read_text())
+    md = path.with_suffix(".md").read_text()
+    assert saved["num_envs"] == multiagent.NUM_ENVS and saved["rollout_len"] == multiagent.ROLLOUT_LEN
+    assert set(saved["cases"]) == {"synthetic/linear", "synthetic/linear2", "spread/linear"}
+    for name, c in saved["cases"].items():
+        w = c["windows"]
+        assert len(w["floor"]) == len(w["loop"]) == 2 and all(_finite_positive(x) for x in w["floor"] + w["loop"]), name
+        assert c["floor_us_per_agent_step"] == statistics.median(w["floor"]), name
+        assert c["loop_us_per_agent_step"] == statistics.median(w["loop"]), name
+        assert c["loop_over_floor"] == pytest.approx(statistics.median(x / y for x, y in zip(w["loop"], w["floor"]))), name
+        assert f"| {c['env']} | {c['agents']} |" in md and f"{c['loop_over_floor']:.2f} |" in md, name

@@ -779,3 +779,66 @@ def test_collector_and_async_batched_collector_take_multiagent_envs_given_polici
     with cls([partial(JoinLeaveEnv, 0)] * 2, POLICIES, policy_mapping_fn=mapping, frames_per_batch=16,
              timeout=60, start_method="fork") as c:  # a dict of policies in the policy's place
         assert isinstance(c, MultiAgentCollector) and set(next(iter(c))) == {"red", "blue"}
+
+
+class CastObsEnv(JoinLeaveEnv):
+    """JoinLeaveEnv's observations, but none of them an array of its rows' exact dtype: red's float32 (its rows are
+    float64), blue's plain lists. The driver's one-store-per-policy path takes only exact arrays, so these go the
+    checked path, agent by agent, casting as it stores."""
+
+    def _obs(self, agent):
+        o = super()._obs(agent)
+        return o.astype(np.float32) if agent.startswith("red") else o.tolist()
+
+
+def _rollout_bytes(out):
+    """Every leaf of every rollout of every policy as (dtype, shape, bytes), rollouts in commit order."""
+    got = {}
+    for pid, rollouts in out.items():
+        for r in sorted(rollouts, key=lambda r: r["seq"]):
+            leaves, spec = optree.tree_flatten(r["data"])
+            got.setdefault(pid, []).append((r["fill"], str(spec), [(a.dtype, a.shape, a.tobytes()) for a in leaves]))
+    return got
+
+
+@pytest.mark.parametrize("cast", [[0, 1], [1]])
+def test_the_one_store_path_and_the_checked_path_store_the_same_bytes(cast):
+    """The driver stores a policy's observations of an env in one store when they are arrays of its rows' shape and
+    dtype, else agent by agent through the checked path (a same-kind cast). Both give the same rollouts, bit for bit,
+    through agents joining (red_1 at step 2), leaving (terminated at 5), episode ends and resets, with every env on
+    the checked path, or one env on each path at the same steps."""
+    rounds, T = 12, 4
+    want, _, plain = run_loop(2, rounds, rollout_len=T)
+    envs = [CastObsEnv(i) if i in cast else JoinLeaveEnv(i) for i in range(2)]
+    got, _, loop = run_loop(2, rounds, rollout_len=T, envs=envs)
+    assert _rollout_bytes(got) == _rollout_bytes(want)
+    assert (loop.env_steps, loop.agent_steps, loop.episodes) == (plain.env_steps, plain.agent_steps, plain.episodes)
+
+
+class MuteJoinEnv(JoinLeaveEnv):
+    """red_1 joins (is in env.agents) without an observation to act on."""
+
+    def step(self, actions):
+        obs, *rest = super().step(actions)
+        if "red_1" not in actions:
+            obs.pop("red_1", None)
+        return (obs, *rest)
+
+
+class NoFinalEnv(JoinLeaveEnv):
+    """red_1 terminates without a final observation."""
+
+    def step(self, actions):
+        obs, rew, term, *rest = super().step(actions)
+        if term.get("red_1"):
+            obs.pop("red_1")
+        return (obs, rew, term, *rest)
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    (MuteJoinEnv, "agent 'red_1' is live, but it was in no observation the env returned, so it has nothing to act on"),
+    (NoFinalEnv, "agent 'red_1' ended without a final observation"),
+])
+def test_an_agent_without_an_observation_to_act_on_or_to_end_with_is_named(env, says):
+    with pytest.raises(shmbuf.UsageError, match=says):
+        run_loop(1, 4, envs=[env(0)])

@@ -5,6 +5,7 @@ whose loop uses them, and docs/multiagent.md)."""
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -110,9 +111,10 @@ class ParallelDriver:
             dst[row] = o
             valid[pid][row] = True
 
-    def _plan(self, i: int, live: list[Any]) -> tuple[dict[Any, tuple[tuple[Any, ...], Any]], Any]:
-        """Env ``i``'s live agents grouped by policy, ``{policy: (agents, rows)}``, and their names as a set: made
-        again only when the live agents change (agents join or leave), else the last step's."""
+    def _plan(self, i: int, live: list[Any]) -> tuple[dict[Any, tuple[tuple[Any, ...], Any, Any]], Any]:
+        """Env ``i``'s live agents grouped by policy, ``{policy: (agents, rows, get)}`` (``get(d)``: the tuple of
+        ``d[agent]`` for those agents, in order), and their names as a set: made again only when the live agents
+        change (agents join or leave), else the last step's."""
         cached = self._plans[i]
         if cached is not None and cached[0] == live:
             return cached[1], cached[2]
@@ -123,18 +125,18 @@ class ParallelDriver:
             g = groups.setdefault(pid, ([], []))
             g[0].append(agent)
             g[1].append(row)
-        plan = {pid: (tuple(agents), _rows_index(rows)) for pid, (agents, rows) in groups.items()}
+        plan = {pid: (tuple(agents), _rows_index(rows), _getter(agents)) for pid, (agents, rows) in groups.items()}
         names = {a for a in live}
         self._plans[i] = (list(live), plan, names)
         return plan, names
 
-    def _place_plan(self, plan: dict[Any, tuple[tuple[Any, ...], Any]], obs: dict[Any, Any],
+    def _place_plan(self, plan: dict[Any, tuple[tuple[Any, ...], Any, Any]], obs: dict[Any, Any],
                     out: dict[Any, np.ndarray], valid: dict[Any, np.ndarray], i: int) -> None:
         """Every live agent's observation into its row, one store per policy (the checked path for anything else)."""
-        for pid, (agents, rows) in plan.items():
+        for pid, (agents, rows, get) in plan.items():
             dst = out[pid]
-            try:
-                stacked = np.stack([obs[a] for a in agents])
+            try:  # one array of the policy's observations: its shape and dtype are the rows' only if each one's are
+                stacked = np.array(get(obs))
             except ValueError:  # observations of different shapes: the checked path names the agent
                 stacked = None
             if stacked is None or stacked.shape[1:] != dst.shape[1:] or stacked.dtype != dst.dtype:
@@ -169,29 +171,35 @@ class ParallelDriver:
             term[pid][...] = False
             trunc[pid][...] = False
         finals: dict[Any, dict[int, Any]] = {pid: {} for pid in out}
+        # policies with a row not live: checked env by env (count_nonzero: a bool array's cheapest reduction)
+        away = {pid for pid, v in valid.items() if np.count_nonzero(v) != len(v)}
         for i, env in enumerate(self.envs):
             plan, names = self._plan(i, env.agents)
             acts: dict[Any, Any] = {}
-            for pid, (agents, rows) in plan.items():
-                ok = valid[pid][rows]
-                if not ok.all():
-                    agent = agents[int(np.flatnonzero(~ok)[0])]
-                    raise UsageError(f"envs[{i}]: agent {agent!r} is live, but it was in no observation the env "
-                                     "returned, so it has nothing to act on")
+            for pid, (agents, rows, _) in plan.items():
+                if pid in away:
+                    ok = valid[pid][rows]
+                    if not ok.all():
+                        agent = agents[int(np.flatnonzero(~ok)[0])]
+                        raise UsageError(f"envs[{i}]: agent {agent!r} is live, but it was in no observation the env "
+                                         "returned, so it has nothing to act on")
                 acts.update(zip(agents, actions[pid][rows]))
             obs, r, te, tr, _ = env.step(acts)
-            ended = set()
-            for pid, (agents, rows) in plan.items():
+            ended: set[Any] = set()
+            for pid, (agents, rows, get) in plan.items():
                 try:
-                    rew[pid][rows] = [r[a] for a in agents]
-                    te_p = [te[a] for a in agents]
-                    tr_p = [tr[a] for a in agents]
+                    rew[pid][rows] = get(r)
+                    te_p = get(te)
+                    tr_p = get(tr)
                 except KeyError as exc:
                     raise UsageError(f"envs[{i}].step: expected a reward, a termination and a truncation for every "
                                      f"agent that acted, got none for {exc.args[0]!r}") from None
-                term[pid][rows] = te_p
-                trunc[pid][rows] = tr_p
-                if any(te_p) or any(tr_p):
+                ended_p = any(te_p), any(tr_p)
+                if ended_p[0]:  # else the rows keep the zeros (False) they were given above
+                    term[pid][rows] = te_p
+                if ended_p[1]:
+                    trunc[pid][rows] = tr_p
+                if ended_p[0] or ended_p[1]:
                     row_ids = range(rows.start, rows.stop) if isinstance(rows, slice) else rows.tolist()
                     for a, row, x, y in zip(agents, row_ids, te_p, tr_p, strict=True):
                         if x or y:
@@ -210,6 +218,15 @@ class ParallelDriver:
                 obs, _ = env.reset()
                 self._place(i, obs, out, out_valid)
         return finals
+
+
+def _getter(agents: list[Any]) -> Callable[[Any], tuple[Any, ...]]:
+    """``d -> (d[a] for a in agents)`` as a tuple, in one C call (``operator.itemgetter``; KeyError names the agent
+    missing, as ``d[a]`` does)."""
+    if len(agents) == 1:
+        agent = agents[0]
+        return lambda d: (d[agent],)
+    return operator.itemgetter(*agents)
 
 
 def _rows_index(rows: list[int]) -> Any:

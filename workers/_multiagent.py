@@ -293,37 +293,41 @@ class MultiAgentLoop:
                 break
         return self.rounds - start
 
-    def _act_policy(self, pid: Any, obs: np.ndarray, valid: np.ndarray) -> None:
-        """Call policy ``pid`` once on its live rows: their actions and extras into the loop's buffers (``_act``,
-        ``_ext``), zeros in the other rows."""
+    def _act_policy(self, pid: Any, obs: np.ndarray, valid: np.ndarray, n_live: int | None = None) -> None:
+        """Call policy ``pid`` once on its live rows (``n_live`` of them, if the caller counted them): their actions
+        and extras into the loop's buffers (``_act``, ``_ext``), zeros in the other rows."""
         act, ext = self._act[pid], self._ext[pid]
-        every = self.every_row or bool(valid.all())
+        k = len(valid)
+        if n_live is None:
+            n_live = int(np.count_nonzero(valid))
+        every = self.every_row or n_live == k
         if not every:  # rows of agents away hold zeros
             act[...] = 0
             for dst in ext.values():
                 dst[...] = 0
-        live = np.arange(len(valid)) if every else np.flatnonzero(valid)
-        if not len(live):
-            return
+            if not n_live:
+                return
+        n = k if every else n_live
         views = self._views.get(pid)
         x: Any = obs if views is None else views.inputs()
         if not every:
-            x = x[live] if views is None else {k: v[live] for k, v in x.items()}
+            live = np.flatnonzero(valid)
+            x = x[live] if views is None else {name: v[live] for name, v in x.items()}
         action, extras = split_policy_output(self._calls[pid](x))
-        a = self._check(f"{pid}/{ACTION}", action, (len(live), *act.shape[1:]), act.dtype)
+        a = self._check(f"{pid}/{ACTION}", action, (n, *act.shape[1:]), act.dtype)
         if every:
             act[...] = a
         else:
             act[live] = a
         if extras or ext:
             check_extras(extras, ext)
-            for k, dst in ext.items():
-                v = self._check(f"{pid}/{k}", extras[k], (len(live), *dst.shape[1:]), dst.dtype)
+            for name, dst in ext.items():
+                v = self._check(f"{pid}/{name}", extras[name], (n, *dst.shape[1:]), dst.dtype)
                 if every:
                     dst[...] = v
                 else:
                     dst[live] = v
-        if self.every_row and not valid.all():  # the rows of agents away keep zeros, as without a server
+        if self.every_row and n_live < k:  # the rows of agents away keep zeros, as without a server
             away = ~valid
             act[away] = 0
             for dst in ext.values():
@@ -346,19 +350,22 @@ class MultiAgentLoop:
                     w.reset()
                 return False
             cur, nxt, valid, nvalid = self._cur, self._nxt, self._valid, self._nvalid
+            live = {}
             for pid, s in slots.items():
+                v = valid[pid]
+                live[pid] = n = int(np.count_nonzero(v))
                 s.obs[t] = cur[pid]
-                s.valid[t] = valid[pid]
-                self._act_policy(pid, cur[pid], valid[pid])
+                s.valid[t] = v
+                self._act_policy(pid, cur[pid], v, n)
                 s.act[t] = self._act[pid]
                 for k, dst in s.extras.items():
                     dst[t] = self._ext[pid][k]
             finals = self.driver.step(self._act, valid, nxt, nvalid, self._rew, self._term, self._trunc)
             self.env_steps += len(self.envs)
-            self._advance_views()
+            if self._views:
+                self._advance_views()
             for pid, s in slots.items():
-                v = valid[pid]
-                n = int(np.count_nonzero(v))
+                n = live[pid]
                 steps_here += n
                 self.agent_steps += n
                 rew, term, trunc = self._rew[pid], self._term[pid], self._trunc[pid]
@@ -366,20 +373,22 @@ class MultiAgentLoop:
                 s.term[t] = term
                 s.trunc[t] = trunc
                 ep_ret, ep_len = self.ep_ret[pid], self.ep_len[pid]
-                if n == len(v):  # every row acted: no gather
+                if n == len(rew):  # every row acted: no gather
                     ep_ret += rew
                     ep_len += 1
                 else:
+                    v = valid[pid]
                     ep_ret[v] += rew[v]
                     ep_len[v] += 1
-                s.last_ends = sorted(finals[pid])
+                ends = finals[pid]
+                s.last_ends = sorted(ends) if ends else []
                 for row in s.last_ends:
                     k = s.n_ep
                     ep = s.ep
                     ep[RETURN][k], ep[LENGTH][k] = ep_ret[row], ep_len[row]
                     ep[TERMINATED][k], ep[TRUNCATED][k] = term[row], trunc[row]
                     ep[ENV][k], ep[END][k] = row, t
-                    ep[FINAL_OBS][k] = finals[pid][row]
+                    ep[FINAL_OBS][k] = ends[row]
                     s.n_ep += 1
                     ep_ret[row] = 0.0
                     ep_len[row] = 0
