@@ -329,3 +329,34 @@ def test_served_policies_take_a_hook_given_as_a_function_and_refuse_their_own_me
     with pytest.raises(shmbuf.UsageError, match="policy 'red' has a postprocess_trajectory method, but with serve=True"):
         MultiAgentCollector(partial(JoinLeaveEnv, 0), {"red": RedWithHook(), "blue": blue_policy},
                             policy_mapping_fn=mapping, frames_per_batch=16, serve=True, start_method="fork")
+
+
+def test_other_agent_batches_under_a_per_episode_mapping_name_the_policy_of_that_episode():
+    """With red_0 and red_1 mapped to opposite red policies in every episode, a red policy's hook sees the other red
+    agent under the other red policy, and blue under blue: each other agent once, from the rows it was valid in."""
+    from tests.test_workers_multiagent import LEAGUE, league
+
+    calls = []
+
+    def hook_of(pid):
+        def hook(batch, others, episode):
+            # which agent: the one others lack (the set-up's dummy call has every other agent), else its obs says
+            absent = [a for a in ("red_0", "red_1", "blue_0") if a not in others]
+            me = absent[0] if len(absent) == 1 else ("red_0", "red_1", "blue_0")[int(batch["obs"][0][1])]
+            calls.append((pid, me, {a: p for a, (p, _, _) in others.items()}))
+            return batch
+        return hook
+
+    run_loop(1, 10, postprocess={pid: hook_of(pid) for pid in LEAGUE}, policies=LEAGUE, policy_mapping_fn=league,
+             remap_each_episode=True)
+    seen = {"red_a": set(), "red_b": set()}
+    for pid, me, others in calls:
+        if pid == "blue":
+            assert me == "blue_0" and set(others) <= {"red_0", "red_1"}
+            assert len(set(others.values())) == len(others) and set(others.values()) <= {"red_a", "red_b"}
+            continue
+        seen[pid].add(me)
+        assert others.get("blue_0", "blue") == "blue", (pid, me, others)
+        other_red = "red_1" if me == "red_0" else "red_0"
+        assert others.get(other_red, "red_b" if pid == "red_a" else "red_a") != pid, (pid, me, others)
+    assert seen == {"red_a": {"red_0", "red_1"}, "red_b": {"red_0", "red_1"}}

@@ -238,6 +238,30 @@ def test_complete_episodes_and_aligned_batches_come_through_ray() -> None:
         assert both.any() and np.array_equal(g[(0, "red_0")][both], g[(0, "blue_0")][both])  # the same env steps
 
 
+def swapping(agent_id: str, episode: Any) -> str:
+    """Blue plays blue; red agents alternate between red and red2, episode by episode (a per-episode mapping)."""
+    return "blue" if agent_id.startswith("blue") else ("red", "red2")[episode.count % 2]
+
+
+def test_a_per_episode_mapping_comes_through_ray_with_the_rows_the_learner_rebuilds() -> None:
+    """remap_each_episode on the other node: the learner rebuilds every policy's rows (all agents in each) and accepts
+    the node's; both red policies get red_0's steps."""
+    policies = {"red": Versioned(100), "red2": Versioned(300), "blue": Versioned(200)}
+    with RayCollector(CountingEnv, policies, policy_mapping_fn=swapping, remap_each_episode=True, frames_per_batch=4 * T,
+                      rollout_len=2 * T, actors_per_node=1, local_node=False, timeout=60) as rc:
+        assert rc.rows.remap and all(len(r) == 3 for r in rc.rows.policies.values())
+        got = {pid: 0 for pid in policies}
+        it = iter(rc)
+        deadline = time.monotonic() + 60
+        while not (got["red"] and got["red2"]):
+            assert time.monotonic() < deadline, got
+            b = next(it)
+            for pid, x in b.items():
+                row = rc.rows.policies[pid].index((0, "red_0"))
+                got[pid] += int(x.data["step"]["valid"][:, :, row].sum())
+        assert got["blue"] == 0  # red_0 never plays blue
+
+
 def test_multiagent_usage_errors_name_the_setting() -> None:
     with pytest.raises(shmbuf.UsageError, match=r"policies: policy id \('red', 1\): .*expected a str or an int, got tuple"):
         RayCollector(CountingEnv, {("red", 1): Versioned(0)}, frames_per_batch=2 * T, rollout_len=T)

@@ -15,7 +15,7 @@ import pytest
 pettingzoo = pytest.importorskip("pettingzoo")
 
 import shmbuf  # noqa: E402  # after the importorskip: the module needs pettingzoo
-from workers._agent_rows import AgentRows  # noqa: E402  # same
+from workers._agent_rows import AgentRows, Episode  # noqa: E402  # same
 from workers._multiagent import MultiAgentLoop, multiagent_examples  # noqa: E402  # same
 
 AGENTS = ["red_0", "red_1", "blue_0"]
@@ -114,7 +114,8 @@ def plain_streams(n_envs, n_steps, env_ids=None):
 
 
 def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=None, policies=POLICIES,
-             batch_mode="truncate_episodes", view_requirements=None, postprocess=None, record=None):
+             batch_mode="truncate_episodes", view_requirements=None, postprocess=None, record=None,
+             policy_mapping_fn=mapping, remap_each_episode=False):
     """Run a MultiAgentLoop in a thread for ``rounds`` rounds (complete-episodes: agent episodes, in all); return
     ``({policy: [rollout, ...]}, rows, loop)``, rollouts as copies in commit order. ``postprocess``: the hook setting,
     set up as MultiAgentCollector does (discovered, its columns made step leaves); ``record`` (a list) gets the loop
@@ -122,9 +123,9 @@ def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=
     from workers._multiagent_postprocess import add_columns, discover_policies
 
     envs = envs or [JoinLeaveEnv(i) for i in range(n_envs)]
-    examples, rows = multiagent_examples([JoinLeaveEnv(i) for i in range(len(envs))], policies, mapping,
+    examples, rows = multiagent_examples([JoinLeaveEnv(i) for i in range(len(envs))], policies, policy_mapping_fn,
                                          rollout_len=rollout_len, seed=0, batch_mode=batch_mode,
-                                         view_requirements=view_requirements)
+                                         view_requirements=view_requirements, remap_each_episode=remap_each_episode)
     specs = None
     if postprocess is not None:
         specs = discover_policies(postprocess, policies, examples, rows, batch_mode=batch_mode)
@@ -145,9 +146,10 @@ def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=
                 made = [shmbuf.Writer(r.handle, timeout=20) for _ in range(n_writers[pid])]
                 writers[pid] = made if complete else made[0]
             ready.set()
-            loop = MultiAgentLoop(envs, policies, writers, rollout_len=rollout_len, policy_mapping_fn=mapping,
+            loop = MultiAgentLoop(envs, policies, writers, rollout_len=rollout_len, policy_mapping_fn=policy_mapping_fn,
                                   count_steps_by=count_steps_by, seed=0, batch_mode=batch_mode,
-                                  view_requirements=view_requirements, postprocess=specs, should_stop=stop.is_set)
+                                  view_requirements=view_requirements, postprocess=specs, should_stop=stop.is_set,
+                                  remap_each_episode=remap_each_episode)
             box.append(loop)
             loop.run(rounds)
         except BaseException as exc:  # noqa: BLE001  # surfaced by the main thread
@@ -189,7 +191,8 @@ def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=
 
 def stored_streams(out, rows):
     """Each ``(env, agent)``'s transitions as stored: its row's valid steps, rollout after rollout, with each one's
-    successor (the next valid step, the episode table's final observation, or the bootstrap)."""
+    successor (the next valid step, the episode table's final observation, or the bootstrap), its ``policy`` and
+    ``at`` (round, step): in that order across policies (a per-episode mapping puts an agent in several)."""
     streams = {}
     for pid, rollouts in out.items():
         for r in sorted(rollouts, key=lambda r: r["seq"]):
@@ -212,12 +215,12 @@ def stored_streams(out, rows):
                         succ = d["bootstrap"]["obs"][row]
                     tr = {"obs": st["obs"][t, row], "action": int(st["action"][t, row]), "reward": st["reward"][t, row],
                           "terminated": bool(st["terminated"][t, row]), "truncated": bool(st["truncated"][t, row]),
-                          "succ": succ}
+                          "succ": succ, "policy": pid, "at": (int(r["seq"]), t)}
                     if "value" in st:
                         tr["value"] = st["value"][t, row]
                     streams.setdefault(key, []).append(tr)
             assert not finals, f"episode records of no stored end: {finals}"
-    return streams
+    return {key: sorted(stream, key=lambda tr: tr["at"]) for key, stream in streams.items()}
 
 
 def assert_same_streams(got, want):
@@ -842,3 +845,132 @@ class NoFinalEnv(JoinLeaveEnv):
 def test_an_agent_without_an_observation_to_act_on_or_to_end_with_is_named(env, says):
     with pytest.raises(shmbuf.UsageError, match=says):
         run_loop(1, 4, envs=[env(0)])
+
+
+# -- a mapping per episode (RLlib's policy_mapping_fn(agent_id, episode)) ------------------------------------------------
+
+LEAGUE = {"red_a": red_policy, "red_b": red_policy, "blue": blue_policy}
+
+
+def league(agent_id, episode, worker=None, **kwargs):  # RLlib's old-stack signature
+    """Blue always plays blue; each red agent alternates between red_a and red_b, episode by episode, out of phase."""
+    if agent_id.startswith("blue"):
+        return "blue"
+    return "red_a" if (episode.count + int(agent_id[-1])) % 2 == 0 else "red_b"
+
+
+def env_episodes(streams, env):
+    """``{at: the env's episode count}`` for every step of env ``env``, from red_0's stream (it acts at every step)."""
+    out, k = {}, 0
+    for tr in streams[(env, "red_0")]:
+        out[tr["at"]] = k
+        k += bool(tr["terminated"] or tr["truncated"])
+    return out
+
+
+@pytest.mark.parametrize("n_envs", [1, 2])
+def test_a_per_episode_mapping_puts_each_agents_episode_in_the_policy_it_was_mapped_to(n_envs):
+    """Every agent's stored steps, across the policies' rows, equal the plain loop's; each red agent's steps of an
+    episode are in the rows of the policy the mapping named for that episode, and both red policies got both agents."""
+    rounds, T = 12, 4
+    out, rows, loop = run_loop(n_envs, rounds, rollout_len=T, policies=LEAGUE, policy_mapping_fn=league,
+                               remap_each_episode=True)
+    assert rows.remap and all(len(r) == 3 * n_envs for r in rows.policies.values())  # every (env, agent) in each
+    got = stored_streams(out, rows)
+    want = plain_streams(n_envs, rounds * T)
+    assert set(got) == set(want)
+    for key in want:
+        assert len(got[key]) == len(want[key]), key
+    assert_same_streams(got, want)
+    for env in range(n_envs):
+        episode_of = env_episodes(got, env)
+        assert max(episode_of.values()) >= 3, "too few episodes to see the mapping change"
+        for agent in ("red_0", "red_1", "blue_0"):
+            for tr in got[(env, agent)]:
+                want_pid = league(agent, Episode(env, episode_of[tr["at"]], 0))
+                assert tr["policy"] == want_pid, (env, agent, tr["at"], tr["policy"], want_pid)
+    for agent in ("red_0", "red_1"):
+        assert {tr["policy"] for tr in got[(0, agent)]} == {"red_a", "red_b"}
+    assert loop.agent_steps == sum(len(s) for s in want.values())
+
+
+def test_a_per_episode_mapping_gets_each_episode_once_with_rllibs_arguments():
+    """The mapping is called once per agent per env episode, with an Episode (count, a 63-bit id, its hex id_)."""
+    seen = []
+
+    def recording(agent_id, episode):
+        seen.append((agent_id, episode))
+        return league(agent_id, episode)
+
+    rounds, T = 6, 4
+    run_loop(1, rounds, rollout_len=T, policies=LEAGUE, policy_mapping_fn=recording, remap_each_episode=True)
+    live = [(a, e) for a, e in seen if e.episode_id != 0]  # the set-up's calls have episode id 0
+    counts = [e.count for a, e in live if a == "red_0"]
+    assert counts == list(range(len(counts))) and len(counts) >= 3
+    assert all(sorted(a for a, e in live if e.count == k) == sorted(AGENTS) for k in counts)
+    ids = {e.count: e.episode_id for _, e in live}
+    assert len(set(ids.values())) == len(ids) and all(0 < i < 2**63 for i in ids.values())
+    assert all(e.id_ == f"{e.episode_id:016x}" for _, e in live)
+
+
+def test_a_per_episode_mapping_to_a_policy_of_another_shape_or_none_is_refused_by_name():
+    def swap(agent_id, episode):  # blue joins red_a in the second episode: (5,) float32 into (3,) float64 rows
+        return "red_a" if episode.count == 1 or agent_id.startswith("red") else "blue"
+
+    with pytest.raises(shmbuf.SchemaError, match=r"agent 'blue_0''s observation: expected shape \(3,\) and dtype float64 "
+                                                 r"\(policy 'red_a''s rows\), got shape \(5,\) and dtype float32"):
+        run_loop(1, 8, policies={"red_a": red_policy, "blue": blue_policy}, policy_mapping_fn=swap,
+                 remap_each_episode=True)
+
+    def stray(agent_id, episode):
+        return "green" if episode.count == 1 else league(agent_id, episode)
+
+    with pytest.raises(shmbuf.UsageError, match=r"policy_mapping_fn\('red_0', episode 1 of env 0\) returned 'green', "
+                                                r"which is not one of the policies \['blue', 'red_a', 'red_b'\]"):
+        run_loop(1, 8, policies=LEAGUE, policy_mapping_fn=stray, remap_each_episode=True)
+
+
+def test_the_collector_remaps_each_episode_in_its_actors_and_agents_lines_the_policies_up():
+    """Through actor processes: both red policies get both red agents' steps; aligned batches' agents() give each red
+    agent's steps from whichever policy held them, valid at every step it acted; complete-episodes rollouts of each
+    red policy hold both red agents' whole episodes."""
+    from workers import MultiAgentCollector
+
+    with MultiAgentCollector([partial(JoinLeaveEnv, 0)] * 2, LEAGUE, policy_mapping_fn=league, frames_per_batch=32,
+                             rollout_len=8, remap_each_episode=True, align=True, copy=True, timeout=60,
+                             start_method="fork") as c:
+        held = {pid: set() for pid in LEAGUE}
+        it = iter(c)
+        for _ in range(4):
+            b = next(it)
+            for pid, x in b.items():
+                v = x.data["step"]["valid"]
+                held[pid] |= {c.rows.policies[pid][row][1] for row in np.flatnonzero(v.any(axis=(0, 1)))}
+            lined = b.agents("action")
+            acts, valid = lined[(0, "red_0")]
+            assert valid.all()  # red_0 acts at every env step, for one red policy or the other
+            red_a = b["red_a"].data["step"]
+            row = c.rows.policies["red_a"].index((0, "red_0"))
+            mine = red_a["valid"][:, :, row]
+            assert np.array_equal(acts[mine], red_a["action"][:, :, row][mine])
+    assert held == {"red_a": {"red_0", "red_1"}, "red_b": {"red_0", "red_1"}, "blue": {"blue_0"}}
+    with MultiAgentCollector([partial(JoinLeaveEnv, 0)] * 2, LEAGUE, policy_mapping_fn=league, frames_per_batch=40,
+                             rollout_len=12, batch_mode="complete_episodes", count_steps_by="agent_steps",
+                             remap_each_episode=True, timeout=60, start_method="fork") as c:
+        agents = {pid: set() for pid in LEAGUE}
+        it = iter(c)
+        for _ in range(4):
+            for pid, x in next(it).items():
+                agents[pid] |= {c.rows.policies[pid][int(row)][1] for row in x.data["episode"]["env"]}
+    assert agents == {"red_a": {"red_0", "red_1"}, "red_b": {"red_0", "red_1"}, "blue": {"blue_0"}}
+
+
+def test_the_docs_per_episode_block_sends_the_chasers_to_the_old_policy_every_other_episode(tmp_path):
+    """docs/multiagent.md's per-episode block, as written: two 25-step episodes per rollout, one per chaser policy."""
+    from tests.helpers import doc_blocks, run_doc_block
+
+    k = next(i for i, b in enumerate(doc_blocks("multiagent.md")) if "remap_each_episode=True" in b)
+    lines = run_doc_block("multiagent.md", k, tmp_path).splitlines()
+    batch = ["chaser (2, 50, 8, 26) 300 agent steps", "chaser_old (2, 50, 8, 26) 300 agent steps",
+             "runner (2, 50, 8, 24) 200 agent steps"]
+    assert lines == batch * 2, lines

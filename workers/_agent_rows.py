@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import inspect
 import operator
+import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,20 +39,78 @@ def mapping_of(policy_mapping_fn: Callable[..., Any] | None) -> Callable[[Any], 
     return policy_mapping_fn
 
 
+@dataclass(frozen=True)
+class Episode:
+    """What a per-episode policy mapping is given as RLlib's ``episode`` argument
+    (``MultiAgentCollector(remap_each_episode=True)``): one episode of one env of one actor.
+
+    ``env_index``: the env in the actor; ``count``: that env's episodes before this one in this actor (0, 1, ...);
+    ``episode_id``: a 63-bit id drawn from the actor's seed (RLlib's old stack's ``episode.episode_id``); ``id_``: the
+    same as a hex string (its new stack's ``episode.id_``).
+    """
+
+    env_index: int
+    count: int
+    episode_id: int
+
+    @property
+    def id_(self) -> str:
+        return f"{self.episode_id:016x}"
+
+
+def episode_mapping_of(policy_mapping_fn: Callable[..., Any] | None) -> Callable[[Any, Episode], Any]:
+    """A policy mapping called as RLlib calls it, once per agent per episode: ``fn(agent_id, episode)`` (None for any
+    further required positional argument, e.g. the old stack's ``worker``); a function of the agent id alone (and no
+    ``episode`` keyword) gets the agent id."""
+    if policy_mapping_fn is None:
+        return lambda agent, episode: "default_policy"
+    if not callable(policy_mapping_fn):
+        raise UsageError(f"policy_mapping_fn: expected a function of the agent id and the episode, got {policy_mapping_fn!r}")
+    try:
+        params = list(inspect.signature(policy_mapping_fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: called with the agent id alone
+        return lambda agent, episode: policy_mapping_fn(agent)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 2:
+        rest = (None,) * sum(1 for p in positional[2:] if p.default is p.empty)
+        return lambda agent, episode: policy_mapping_fn(agent, episode, *rest)
+    if any(p.name == "episode" or p.kind == p.VAR_KEYWORD for p in params):
+        return lambda agent, episode: policy_mapping_fn(agent, episode=episode)
+    return lambda agent, episode: policy_mapping_fn(agent)
+
+
 class AgentRows:
-    """The fixed row of every ``(env, agent)`` in its policy's rollouts (see the module doc).
+    """The row of every ``(env, agent)`` in its policy's rollouts (see the module doc).
 
     ``policies``: ``{policy_id: [(env_index, agent_id), ...]}``, each list in row order (env by env, agents
     in ``possible_agents`` order); ``where``: ``{(env_index, agent_id): (policy_id, row)}``.
+
+    ``remap_ids`` (a per-episode mapping, ``MultiAgentCollector(remap_each_episode=True)``): every one of these
+    policies has a row for every ``(env, agent)``, the same row in each; ``where`` is then the mapping of each env's
+    current episode, set by :meth:`assign` when the episode starts (before that, the mapping of an episode 0 with
+    id 0), and an agent's stream in a policy's row holds the episodes it was mapped to that policy.
     """
 
-    def __init__(self, possible_agents: Sequence[Any], num_envs: int, policy_mapping_fn: Callable[..., Any] | None):
+    def __init__(self, possible_agents: Sequence[Any], num_envs: int, policy_mapping_fn: Callable[..., Any] | None,
+                 *, remap_ids: Sequence[Any] | None = None):
         if not possible_agents:
             raise UsageError("possible_agents: expected the env's agent ids (PettingZoo's env.possible_agents), got none")
-        mapping = mapping_of(policy_mapping_fn)
-        self.policy_of = {agent: mapping(agent) for agent in possible_agents}
+        self.remap = remap_ids is not None
         self.policies: dict[Any, list[tuple[int, Any]]] = {}
         self.where: dict[tuple[int, Any], tuple[Any, int]] = {}
+        if remap_ids is not None:
+            if not remap_ids:
+                raise UsageError("remap_each_episode: expected the policies an agent may be mapped to, got none")
+            self.episode_mapping = episode_mapping_of(policy_mapping_fn)
+            pairs = [(i, agent) for i in range(num_envs) for agent in possible_agents]
+            self.policies = {pid: list(pairs) for pid in remap_ids}
+            self.row_of = {pair: k for k, pair in enumerate(pairs)}
+            for i in range(num_envs):
+                self.assign(i, Episode(i, 0, 0))
+            self.policy_of = {agent: self.where[(0, agent)][0] for agent in possible_agents}  # env 0's first episode
+            return
+        mapping = mapping_of(policy_mapping_fn)
+        self.policy_of = {agent: mapping(agent) for agent in possible_agents}
         for i in range(num_envs):
             for agent in possible_agents:
                 pid = self.policy_of[agent]
@@ -58,8 +118,32 @@ class AgentRows:
                 self.where[(i, agent)] = (pid, len(rows))
                 rows.append((i, agent))
 
+    def assign(self, i: int, episode: Episode) -> dict[Any, tuple[Any, int]]:
+        """(Per-episode mapping) Map env ``i``'s agents for ``episode``: ``where`` updated, and env ``i``'s ``{agent:
+        (policy_id, row)}`` returned.
+
+        Raises:
+            UsageError: the mapping names a policy that has no rows (not one of ``remap_ids``).
+        """
+        out = {}
+        for (e, agent), row in self.row_of.items():
+            if e != i:
+                continue
+            pid = self.episode_mapping(agent, episode)
+            if pid not in self.policies:
+                raise UsageError(f"policy_mapping_fn({agent!r}, episode {episode.count} of env {i}) returned {pid!r}, "
+                                 f"which is not one of the policies {sorted(map(str, self.policies))}")
+            out[agent] = self.where[(i, agent)] = (pid, row)
+        return out
+
+    def homes(self) -> dict[tuple[int, Any], list[tuple[Any, int]]]:
+        """Every ``(env, agent)``'s rows: ``[(policy_id, row), ...]``, one per policy it may be mapped to."""
+        if not self.remap:
+            return {k: [v] for k, v in self.where.items()}
+        return {pair: [(pid, row) for pid in self.policies] for pair, row in self.row_of.items()}
+
     def __repr__(self) -> str:
-        return f"AgentRows({ {pid: len(rows) for pid, rows in self.policies.items()} })"
+        return f"AgentRows({ {pid: len(rows) for pid, rows in self.policies.items()} }{', remapped' if self.remap else ''})"
 
 
 def agents_of(env: Any) -> list[Any]:
@@ -76,9 +160,11 @@ class ParallelDriver:
     Observations must be arrays (one per agent, the shape and dtype its policy's rows have).
     """
 
-    def __init__(self, envs: Sequence[Any], rows: AgentRows):
+    def __init__(self, envs: Sequence[Any], rows: AgentRows, seed: int | None = None):
         self.envs = list(envs)
         self.rows = rows
+        self._episodes = [0] * len(self.envs)  # (per-episode mapping) each env's episodes started
+        self._ids = random.Random(seed)  # (per-episode mapping) the episodes' ids
         agents = agents_of(self.envs[0])
         for i, env in enumerate(self.envs[1:], 1):
             if agents_of(env) != agents:
@@ -87,6 +173,14 @@ class ParallelDriver:
         # per env: agent -> (policy, row); and the last step's live agents grouped by policy (see _plan)
         self._at = [{agent: rows.where[(i, agent)] for agent in agents} for i in range(len(self.envs))]
         self._plans: list[Any] = [None] * len(self.envs)
+
+    def _new_episode(self, i: int) -> None:
+        """Env ``i`` starts an episode: with a per-episode mapping, its agents are mapped again (and its plans go)."""
+        if not self.rows.remap:
+            return
+        self._at[i] = self.rows.assign(i, Episode(i, self._episodes[i], self._ids.getrandbits(63)))
+        self._episodes[i] += 1
+        self._plans[i] = None
 
     def _row(self, i: int, agent: Any) -> tuple[Any, int]:
         try:
@@ -152,6 +246,7 @@ class ParallelDriver:
             valid[pid][...] = False
         for i, env in enumerate(self.envs):
             obs, _ = env.reset(seed=None if seed is None else seed + i)
+            self._new_episode(i)
             self._place(i, obs, out, valid)
 
     def step(self, actions: dict[Any, np.ndarray], valid: dict[Any, np.ndarray], out: dict[Any, np.ndarray],
@@ -216,6 +311,7 @@ class ParallelDriver:
                 self._place(i, obs, out, out_valid, skip=ended)
             if not env.agents:  # the env's episode is over: its agents start again
                 obs, _ = env.reset()
+                self._new_episode(i)
                 self._place(i, obs, out, out_valid)
         return finals
 

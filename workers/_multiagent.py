@@ -50,7 +50,7 @@ from shmbuf.layout import (
     rollout_example,
 )
 from workers._actor import apply_weights, as_numpy_policy, split_policy_output
-from workers._agent_rows import AgentRows, ParallelDriver, agents_of
+from workers._agent_rows import AgentRows, Episode, ParallelDriver, agents_of
 from workers._truncate import OutputCheck, check_extras
 from workers._views import ActorViews, check_view_requirements
 
@@ -69,7 +69,8 @@ def _array_obs(pid: Any, obs: Any) -> np.ndarray:
 def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_mapping_fn: Callable[..., Any] | None,
                         *, rollout_len: int, seed: int | None = None, batch_mode: str = TRUNCATE_EPISODES,
                         extra_leaves: dict[str, Any] | None = None,
-                        view_requirements: dict[Any, Any] | None = None) -> tuple[dict[Any, Any], AgentRows]:
+                        view_requirements: dict[Any, Any] | None = None,
+                        remap_each_episode: bool = False) -> tuple[dict[Any, Any], AgentRows]:
     """Each policy's rollout example (schema) and the rows, from one reset of ``envs`` and one call of each policy.
 
     Truncate-episodes: :func:`shmbuf.layout.rollout_example` with ``num_envs`` = the policy's rows and the
@@ -77,12 +78,16 @@ def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_ma
     complete-episodes layout (every stored step is valid). ``extra_leaves``: step leaves every policy's
     rollouts get besides the policy's extras (one item each, e.g. the served policies' ``policy_version``).
     ``view_requirements``: ``{policy_id: {name: ViewRequirement}}``: those policies are probed with the input
-    dict of an episode's first step, as the loop will call them.
+    dict of an episode's first step, as the loop will call them. ``remap_each_episode``: the mapping is RLlib's
+    per-episode one, every policy has a row for every ``(env, agent)`` (see :class:`workers._agent_rows.AgentRows`),
+    and each policy is laid out from an agent the mapping sends to it (in the first of :data:`PROBE_EPISODES`
+    episodes that sends one; else from the first agent).
     Raises UsageError for a policy id the mapping names that ``policies`` lacks (or the other way round),
     SchemaError for extras that clash with the layout.
     """
     check_batch_mode(batch_mode)
-    rows = AgentRows(agents_of(envs[0]), len(envs), policy_mapping_fn)
+    agents = agents_of(envs[0])
+    rows = AgentRows(agents, len(envs), policy_mapping_fn, remap_ids=list(policies) if remap_each_episode else None)
     missing = sorted(map(str, set(rows.policies) - set(policies)))
     if missing:
         raise UsageError(f"policies: policy_mapping_fn maps agents to {missing}, which policies= does not have "
@@ -95,17 +100,17 @@ def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_ma
     for i, env in enumerate(envs):
         obs, _ = env.reset(seed=None if seed is None else seed + i)
         for agent, o in obs.items():
-            first.setdefault(rows.policy_of[agent], _array_obs(rows.policy_of[agent], np.asarray(o)))
+            pid = rows.where[(i, agent)][0]
+            first.setdefault(pid, _array_obs(pid, np.asarray(o)))
     examples = {}
     for pid, agent_rows in rows.policies.items():
+        env_i, agent = agent_rows[0] if not rows.remap else (0, _probe_agent(rows, agents, pid))
         if pid not in first:
-            env_i, agent = agent_rows[0]
             space = envs[env_i].observation_space(agent)
             first[pid] = np.zeros(space.shape, space.dtype)
         x: Any = first[pid][None]
         reqs = (view_requirements or {}).get(pid)
         if reqs is not None:
-            env_i, agent = agent_rows[0]
             x = ActorViews(reqs, x, 1, envs[env_i].action_space(agent)).inputs()
         action, extras = split_policy_output(as_numpy_policy(policies[pid])(x))
         action = np.asarray(action)
@@ -125,6 +130,18 @@ def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_ma
         examples[pid] = rollout_example(first[pid], np.array(action[0]), rollout_len=rollout_len,
                                         num_envs=len(agent_rows), extras=ex)
     return examples, rows
+
+
+PROBE_EPISODES = 64  # (per-episode mapping) episodes the mapping is asked about, to lay each policy out from its agents
+
+
+def _probe_agent(rows: AgentRows, agents: list[Any], pid: Any) -> Any:
+    """(Per-episode mapping) An agent the mapping sends to ``pid`` in one of the first probe episodes; else the first."""
+    for k in range(PROBE_EPISODES):
+        for agent in agents:
+            if rows.episode_mapping(agent, Episode(0, k, k)) == pid:
+                return agent
+    return agents[0]
 
 
 class _PolicyRollout:
@@ -174,6 +191,10 @@ class MultiAgentLoop:
             ``other_agent_batches`` on every agent's episode pieces before a round's commits (complete-episodes:
             on each agent episode before its commit), its added columns written into the slots (see
             workers/_multiagent_postprocess.py).
+        remap_each_episode: call ``policy_mapping_fn(agent_id, episode)`` at every env's episode start, as RLlib does
+            (``episode`` a :class:`workers._agent_rows.Episode`), instead of once per agent id: every policy has a
+            row for every ``(env, agent)``, and an agent's steps of an episode go to the row of the policy it was
+            mapped to for that episode (its rows in the other policies are not valid meanwhile).
 
     A policy without a broadcast that knows which weights version answered it (``policy_version``, as
     :class:`workers.RemotePolicy` has) stamps its rollouts with that version.
@@ -184,7 +205,7 @@ class MultiAgentLoop:
                  seed: int | None = None, weights: dict[Any, Any] | None = None,
                  should_stop: Callable[[], bool] | None = None, batch_mode: str = TRUNCATE_EPISODES,
                  every_row: bool = False, view_requirements: dict[Any, Any] | None = None,
-                 postprocess: dict[Any, Any] | None = None):
+                 postprocess: dict[Any, Any] | None = None, remap_each_episode: bool = False):
         check_batch_mode(batch_mode)
         self.mode = batch_mode
         self.every_row = every_row
@@ -193,7 +214,8 @@ class MultiAgentLoop:
         self.envs = list(envs) if isinstance(envs, (list, tuple)) else [envs]
         if not self.envs:
             raise UsageError("envs: expected a PettingZoo ParallelEnv or a list of them, got an empty list")
-        self.rows = AgentRows(agents_of(self.envs[0]), len(self.envs), policy_mapping_fn)
+        self.rows = AgentRows(agents_of(self.envs[0]), len(self.envs), policy_mapping_fn,
+                              remap_ids=list(policies) if remap_each_episode else None)
         if set(writers) != set(self.rows.policies) or set(policies) != set(self.rows.policies):
             want = sorted(map(str, self.rows.policies))
             raise UsageError(f"policies and writers: expected one of each for the policies {want}, got policies "
@@ -212,7 +234,7 @@ class MultiAgentLoop:
         for reqs in self.view_requirements.values():
             check_view_requirements(reqs)
         self._views: dict[Any, ActorViews] = {}
-        self.driver = ParallelDriver(self.envs, self.rows)
+        self.driver = ParallelDriver(self.envs, self.rows, seed)
         self.policies = policies
         self._calls = {pid: as_numpy_policy(p) for pid, p in policies.items()}
         self.postprocess = None

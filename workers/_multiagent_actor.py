@@ -41,6 +41,7 @@ class MultiAgentSpec:
     view_requirements: dict[Any, Any] | None = None
     await_weights: bool = False  # collect nothing until every broadcast policy has a version (a restarted Ray node)
     postprocess: dict[Any, Any] | None = None  # {policy_id: workers._postprocess.PostprocessSpec}
+    remap_each_episode: bool = False
 
 
 def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
@@ -83,7 +84,7 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
                               policy_mapping_fn=spec.policy_mapping_fn, count_steps_by=spec.count_steps_by, seed=seed,
                               weights=subs, should_stop=lambda: ctx.stop_requested, batch_mode=spec.batch_mode,
                               every_row=spec.inference is not None, view_requirements=spec.view_requirements,
-                              postprocess=spec.postprocess)
+                              postprocess=spec.postprocess, remap_each_episode=spec.remap_each_episode)
         loop.run()
     except BaseException as exc:
         quiet = (KeyboardInterrupt, SystemExit, shmbuf.PipelineClosed, shmbuf.BrokenPipeline)

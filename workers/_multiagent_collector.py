@@ -69,13 +69,26 @@ class MultiAgentBatch(dict):
         if not self.aligned:
             raise shmbuf.UsageError("agents(): the policies' rollouts of this batch are not the same rounds; collect with "
                                     "MultiAgentCollector(align=True) to line agents up across policies")
-        out = {}
+        out: dict[tuple[int, Any], tuple[np.ndarray, np.ndarray]] = {}
         for pid, b in self.items():
             step = b.data[STEP]
             if key not in step:
                 raise shmbuf.UsageError(f"agents({key!r}): not a step leaf of policy {pid!r} (it has {sorted(step)})")
             for row, who in enumerate(self.rows.policies[pid]):
-                out[who] = (step[key][:, :, row], step[VALID][:, :, row])
+                values, valid = step[key][:, :, row], step[VALID][:, :, row]
+                if who in out:  # a per-episode mapping: the agent has a row in every policy; each step is valid in one
+                    was, was_valid = out[who]
+                    if was.shape != values.shape or was.dtype != values.dtype:
+                        if not valid.any():
+                            continue
+                        if was_valid.any():
+                            raise shmbuf.UsageError(f"agents({key!r}): agent {who[1]!r} of env {who[0]} acted for policies "
+                                                    f"of different {key!r} shapes in this batch ({was.dtype} "
+                                                    f"{was.shape[2:]} and {values.dtype} {values.shape[2:]})")
+                    else:
+                        mask = valid.reshape(valid.shape + (1,) * (values.ndim - 2))
+                        values, valid = np.where(mask, values, was), valid | was_valid
+                out[who] = (values, valid)
         return out
 
     def __repr__(self) -> str:
@@ -128,6 +141,10 @@ class MultiAgentCollector:
             the hook of every policy; or ``{policy_id: one of those}`` (a policy absent: None).
         max_batch_size, min_batch_size, server_timeout, device, server_threads: each server's, as
             :class:`workers.AsyncBatchedCollector`'s (with ``serve=True``).
+        remap_each_episode: call ``policy_mapping_fn(agent_id, episode)`` at each env's episode start, as RLlib does,
+            instead of once per agent id (self-play, leagues): every policy then has a row for every ``(env,
+            agent)``, and an agent's steps of an episode are valid in the rows of the policy it was mapped to for
+            that episode (see docs/multiagent.md, "A mapping per episode").
         await_weights: publish nothing at start: the actors start and wait until every broadcast policy has a
             version from :meth:`update_policy_weights` (what each would have published as version 0 is kept in
             ``awaited_weights``), as ``Collector(await_weights=True)``; what a restarted ``RayCollector`` node does.
@@ -146,7 +163,8 @@ class MultiAgentCollector:
                  timeout: float | None = None, serve: bool = False, max_batch_size: int = 64,
                  min_batch_size: int = 1, server_timeout: float = 0.01, device: Any = None,
                  server_threads: int | None = 1, view_requirements: dict[Any, Any] | None = None,
-                 align: bool = False, await_weights: bool = False, postprocess: Any = None):
+                 align: bool = False, await_weights: bool = False, postprocess: Any = None,
+                 remap_each_episode: bool = False):
         self._closed = False
         self.awaited_weights: dict[Any, Any] = {}  # await_weights: each broadcast policy's version 0, not yet published
         self.served: dict[Any, Any] = {}  # serve=True: each policy's ServedPolicy (its server and table)
@@ -235,7 +253,7 @@ class MultiAgentCollector:
             examples, self.rows = multiagent_examples(
                 envs, probe_policies, policy_mapping_fn, rollout_len=T, seed=seed, batch_mode=batch_mode,
                 extra_leaves={VERSION_KEY: np.zeros((), np.int64)} if serve else None,
-                view_requirements=view_requirements)
+                view_requirements=view_requirements, remap_each_episode=remap_each_episode)
             post = discover_policies(postprocess, self.policies, examples, self.rows, batch_mode=batch_mode,
                                      served=serve)
             add_columns(examples, post, batch_mode=batch_mode)
@@ -286,7 +304,7 @@ class MultiAgentCollector:
                                   torch_threads=torch_threads, batch_mode=batch_mode, rows=n_rows,
                                   inference=inference or None, view_requirements=view_requirements,
                                   await_weights=await_weights and bool(self.publishers),
-                                  postprocess=post or None)
+                                  postprocess=post or None, remap_each_episode=remap_each_episode)
             self.pool = ActorPool(run_multiagent_actor, n_actors, args=(spec,),
                                   start_method=start_method or default_start_method(), restart=restart,
                                   max_restarts=max_restarts, name="shmbuf-multiagent", on_failure=self._retire)

@@ -128,7 +128,8 @@ def discover_policies(postprocess: Any, policies: Mapping[Any, Any], examples: M
             raise UsageError(f"postprocess: policy {pid!r} has a {METHOD} method, but with serve=True the policies stay "
                              f"in this process and the hook runs in the actors: pass the hook as a picklable function, "
                              f"postprocess={{{pid!r}: fn}}, or postprocess={{{pid!r}: False}}")
-        env_i, me = rows.policies[pid][0]
+        # an agent the policy has (a per-episode mapping: one it has in the first episode), and its env's others
+        env_i, me = next(((e, a) for (e, a), (p, _) in rows.where.items() if p == pid), rows.policies[pid][0])
         others = {}
         for (e, agent), (other, _) in rows.where.items():
             if lead == 2 and e == env_i and agent != me:
@@ -182,8 +183,9 @@ class MultiAgentPostprocessor:
                        for pid, cols in self.columns.items() if cols}
         # per env: its (agent, policy, row), to find an agent's others
         self._env_agents: dict[int, list[tuple[Any, Any, int]]] = {}
-        for (e, agent), (pid, row) in rows.where.items():
-            self._env_agents.setdefault(e, []).append((agent, pid, row))
+        for (e, agent), homes in rows.homes().items():  # a per-episode mapping: a row in every policy
+            for pid, row in homes:
+                self._env_agents.setdefault(e, []).append((agent, pid, row))
         self.calls = 0
 
     def wrap(self, calls: Mapping[Any, Callable[[Any], Any]]) -> dict[Any, Callable[[Any], Any]]:

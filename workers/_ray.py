@@ -145,7 +145,8 @@ class RayCollector:
             if policy is not None or policy_factory is not None or create_env_kwargs is not None:
                 raise shmbuf.UsageError("RayCollector: multi-agent envs take policies= (or policy_factories=), not "
                                         "policy/policy_factory/create_env_kwargs")
-            self._ma = MultiAgentNodes(policies, policy_factories, collector_kwargs.get("policy_mapping_fn"))
+            self._ma = MultiAgentNodes(policies, policy_factories, collector_kwargs.get("policy_mapping_fn"),
+                                       bool(collector_kwargs.get("remap_each_episode")))
             env_fns: Any = create_env_fn
         else:  # the owners hand these on to actor processes the way Collector does: check here, not on each node
             env_fns = checked_sources(create_env_fn, create_env_kwargs, policy, policy_factory,

@@ -64,7 +64,7 @@ class MultiAgentNodes:
     node's, each policy's weights version, batches rebuilt as :class:`RayMultiAgentBatch`."""
 
     def __init__(self, policies: dict[Any, Any] | None, policy_factories: dict[Any, Callable[[], Any]] | None,
-                 policy_mapping_fn: Callable[..., Any] | None):
+                 policy_mapping_fn: Callable[..., Any] | None, remap_each_episode: bool = False):
         given = policies if policies is not None else policy_factories
         if (policies is None) == (policy_factories is None) or not isinstance(given, dict) or not given:
             raise shmbuf.UsageError("RayCollector with multi-agent envs: give exactly one of policies={policy_id: policy} "
@@ -73,6 +73,7 @@ class MultiAgentNodes:
             _wire_id(pid, "policies: policy id")
         self.held = policies or {}  # the learner's own copies, read by update_policy_weights(None)
         self.mapping = policy_mapping_fn
+        self.remap = remap_each_episode
         self.schemas: dict[Any, shmbuf.Schema] = {}
         self.rows: AgentRows | None = None
         self.versions: dict[Any, int] = dict.fromkeys(given, 0)
@@ -91,7 +92,8 @@ class MultiAgentNodes:
             self.schemas = schemas
             self.broadcast = {e[0]: bool(e[2]) for e in entries}
             agents = list(dict.fromkeys(agent for r in rows.values() for _, agent in r))
-            self.rows = AgentRows(agents, int(info["num_envs"]), self.mapping)
+            self.rows = AgentRows(agents, int(info["num_envs"]), self.mapping,
+                                  remap_ids=list(self.schemas) if self.remap else None)
             if self.rows.policies != rows:
                 raise shmbuf.SchemaError(f"node {n.index} puts the agents in other rows than this process's "
                                          f"policy_mapping_fn: {rows} against {self.rows.policies}")
