@@ -6,6 +6,7 @@ against the plain PettingZoo loop, and other_agent_batches against the stored ro
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Any
 
@@ -165,28 +166,41 @@ def test_a_centralised_critic_column_from_the_other_agents_lands_in_the_stored_r
     assert checked > 50
 
 
-def test_complete_episodes_call_the_hook_once_per_agent_episode_with_no_other_agents():
+def test_complete_episodes_give_each_agent_the_other_agents_whole_episodes_of_its_env_episode():
+    """Complete episodes are held until their env's episode is over: each red agent's hook then gets every other agent
+    of that env episode (blue_0, red_0, and red_1 when it joined) over its whole episode, each with ``t`` the env step
+    (the env's own step count, obs[2]); the hook's column is stored; every agent episode is committed once."""
     calls = []
     box: list[Any] = []
 
     def hook(sample_batch, other_agent_batches=None, episode=None):
         if box:
-            calls.append((copied(sample_batch), other_agent_batches))
+            others = {a: (pid, np.array(b["t"]), np.array(b["obs"])) for a, (pid, _, b) in other_agent_batches.items()}
+            calls.append((copied(sample_batch), others))
         sample_batch["twice"] = (sample_batch["rewards"] * 2).astype(np.float64)
         return sample_batch
 
     out, rows, loop = run_post_loop(2, 20, {"red": hook}, rollout_len=12, batch_mode="complete_episodes", record=box)
     assert len(calls) == len(out["red"]) and "twice" not in out["blue"][0]["data"]["step"]
-    assert all(others == {} for _, others in calls)
     for r in out["red"]:
         n = r["fill"]["step"]
         st = r["data"]["step"]
         np.testing.assert_array_equal(st["twice"][:n], st["reward"][:n] * 2)
-    for batch, _ in calls:
+    joined = 0
+    for batch, others in calls:
         done = batch["terminateds"] | batch["truncateds"]
-        assert done[-1] and not done[:-1].any() and np.array_equal(batch["t"], np.arange(len(done)))
+        assert done[-1] and not done[:-1].any()
+        assert np.array_equal(batch["t"], batch["obs"][:, 2])  # t: the env step, from the env episode's start
         assert np.array_equal(batch["new_obs"][:-1], batch["obs"][1:])  # successors: the next step's obs, then the
         assert batch["new_obs"][-1][2] == batch["obs"][-1][2] + 1  # final observation (one env step later: obs[2] is t)
+        env, me = int(batch["obs"][0][0]), ("red_0", "red_1")[int(batch["obs"][0][1])]
+        assert "blue_0" in others and ("red_0" in others) == (me == "red_1") and me not in others
+        joined += "red_1" in others
+        for agent, (pid, t, obs) in others.items():
+            assert pid == mapping(agent, None) and np.array_equal(t, obs[:, 2]) and (obs[:, 0] == env).all()
+            if agent != "red_1":  # red_0 and blue_0 act over the whole env episode: the same steps as red_0's
+                assert t[0] == 0
+    assert joined > 0  # some env episodes lasted long enough for red_1 to join
 
 
 def test_settings_none_true_false_and_per_policy_dicts():
@@ -360,3 +374,89 @@ def test_other_agent_batches_under_a_per_episode_mapping_name_the_policy_of_that
         other_red = "red_1" if me == "red_0" else "red_0"
         assert others.get(other_red, "red_b" if pid == "red_a" else "red_a") != pid, (pid, me, others)
     assert seen == {"red_a": {"red_0", "red_1"}, "red_b": {"red_0", "red_1"}}
+
+
+def red0_actions(sample_batch, other_agent_batches=None, episode=None):
+    """Blue's hook: red_0's action at each of blue's steps (-1 where red_0 did not act), from the other agents."""
+    out = np.full(len(sample_batch["rewards"]), -1, np.int64)
+    got = (other_agent_batches or {}).get("red_0")
+    if got is not None:
+        at = {int(t): int(a) for t, a in zip(got[2]["t"], got[2]["actions"])}
+        out[:] = [at.get(int(t), -1) for t in sample_batch["t"]]
+    sample_batch["red0_action"] = out
+    return sample_batch
+
+
+def test_policies_not_trained_act_take_weights_and_show_in_other_agent_batches_but_are_not_handed_out():
+    """policies_to_train=["blue"]: only blue's pipeline exists and only blue's rollouts come; red still acts (the env
+    refuses a step without every live agent's action), takes new weights (scale 2 doubles its actions), and its
+    actions reach blue's hook through other_agent_batches."""
+    from tests.conftest import shm_objects
+    from tests.test_workers_multiagent import Scaled
+    from workers import MultiAgentCollector
+
+    before = len(shm_objects())
+    with MultiAgentCollector(partial(JoinLeaveEnv, 0), {"red": Scaled(1), "blue": blue_policy}, policy_mapping_fn=mapping,
+                             frames_per_batch=16, weights={"red": {"scale": np.array(1)}}, policies_to_train=["blue"],
+                             postprocess={"blue": red0_actions}, copy=True, timeout=60, start_method="fork") as c:
+        assert list(c.readers) == ["blue"] and c.trained == ["blue"]
+        it = iter(c)
+        b = next(it)
+        assert set(b) == {"blue"} and b.agent_steps == int(b["blue"].data["step"]["valid"].sum())
+        st = b["blue"].data["step"]
+        seen = st["red0_action"][..., 0][st["valid"][..., 0]]
+        t_obs = st["obs"][..., 0, 2][st["valid"][..., 0]]  # blue's obs[2] is the env's step t; red_0's action is 0*100 + t
+        assert ((seen == t_obs.astype(np.int64)) | (seen == -1)).all() and (seen >= 0).any()
+        assert c.update_policy_weights({"red": {"scale": np.array(2)}}) == {"red": 1}
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "red's new weights never showed in blue's hook"
+            st = next(it)["blue"].data["step"]
+            v = st["valid"][..., 0]
+            seen, t_obs = st["red0_action"][..., 0][v], st["obs"][..., 0, 2][v].astype(np.int64)
+            if ((seen == 2 * t_obs) & (t_obs > 0)).any():
+                break
+    assert len(shm_objects()) <= before
+
+
+@pytest.mark.parametrize(("setting", "says"), [(["green"], r"policies_to_train: \['green'\] are not in policies"),
+                                               (lambda pid: False, "policies_to_train: no policy selected"),
+                                               ("red", "policies_to_train: expected policy ids or a function")])
+def test_policies_to_train_is_checked_by_name(setting, says):
+    from workers import MultiAgentCollector
+
+    with pytest.raises(shmbuf.UsageError, match=says):
+        MultiAgentCollector(partial(JoinLeaveEnv, 0), POLICIES, policy_mapping_fn=mapping, frames_per_batch=16,
+                            policies_to_train=setting, start_method="fork")
+
+
+class RejoinEnv(JoinLeaveEnv):
+    """red_1 leaves at step 5 (terminated) and comes back at step 7 of an episode long enough: two of its episodes in
+    one env episode."""
+
+    def step(self, actions):
+        obs, rew, term, trunc, info = super().step(actions)
+        if self.t == 7 and self.t < self.length and "red_1" not in self.agents:
+            self.agents.append("red_1")
+            obs["red_1"] = self._obs("red_1")
+        return obs, rew, term, trunc, info
+
+
+def test_an_agent_back_in_the_same_env_episode_gets_its_first_episode_committed_whole_first():
+    """Complete episodes held for their env episode's end: an agent that comes back before it has its earlier episode
+    postprocessed and committed first (with the others ended by then), so neither episode overwrites the other."""
+    calls = []
+
+    def hook(sample_batch, other_agent_batches=None, episode=None):
+        calls.append((np.array(sample_batch["obs"]), set(other_agent_batches)))
+        return sample_batch
+
+    envs = [RejoinEnv(0)]
+    out, rows, _ = run_loop(1, 24, envs=envs, postprocess={"red": hook}, rollout_len=12, batch_mode="complete_episodes")
+    red1 = [r["data"]["step"]["obs"][: r["fill"]["step"]] for r in out["red"]
+            if rows.policies["red"][int(r["data"]["episode"]["env"])][1] == "red_1"]
+    starts = sorted(int(o[0, 2]) for o in red1)
+    assert 7 in starts and 2 in starts  # both of red_1's episodes of an env episode arrived
+    for o in red1:
+        assert np.array_equal(o[:, 2], np.arange(o[0, 2], o[0, 2] + len(o)))  # each one whole, its own steps
+    assert any(o[0, 1] == 1 and o[0, 2] == 2 for o, _ in calls)  # the first one was postprocessed too

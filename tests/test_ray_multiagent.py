@@ -262,6 +262,16 @@ def test_a_per_episode_mapping_comes_through_ray_with_the_rows_the_learner_rebui
         assert got["blue"] == 0  # red_0 never plays blue
 
 
+def test_policies_not_trained_stay_on_their_node_and_still_take_weights() -> None:
+    """policies_to_train=["red"] through an owner: batches hold red only, and blue, which acts on the node, takes an
+    update (its broadcast is described even though its rollouts are not)."""
+    with collector(policies_to_train=["red"], local_node=False) as rc:
+        it = iter(rc)
+        assert set(next(it)) == {"red"}
+        assert rc.update_policy_weights({"blue": weights(1)}) == {"blue": 1}
+        assert set(next(it)) == {"red"} and rc.policy_versions == {"red": 0, "blue": 1}
+
+
 def test_multiagent_usage_errors_name_the_setting() -> None:
     with pytest.raises(shmbuf.UsageError, match=r"policies: policy id \('red', 1\): .*expected a str or an int, got tuple"):
         RayCollector(CountingEnv, {("red", 1): Versioned(0)}, frames_per_batch=2 * T, rollout_len=T)

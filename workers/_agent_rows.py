@@ -165,6 +165,7 @@ class ParallelDriver:
         self.rows = rows
         self._episodes = [0] * len(self.envs)  # (per-episode mapping) each env's episodes started
         self._ids = random.Random(seed)  # (per-episode mapping) the episodes' ids
+        self.reset_envs: list[int] = []  # the envs the last step() reset (their episode was over)
         agents = agents_of(self.envs[0])
         for i, env in enumerate(self.envs[1:], 1):
             if agents_of(env) != agents:
@@ -266,6 +267,7 @@ class ParallelDriver:
             term[pid][...] = False
             trunc[pid][...] = False
         finals: dict[Any, dict[int, Any]] = {pid: {} for pid in out}
+        self.reset_envs = []
         # policies with a row not live: checked env by env (count_nonzero: a bool array's cheapest reduction)
         away = {pid for pid, v in valid.items() if np.count_nonzero(v) != len(v)}
         for i, env in enumerate(self.envs):
@@ -310,6 +312,7 @@ class ParallelDriver:
                     raise UsageError(f"envs[{i}].step: agent {gone[0]!r} goes on without an observation")
                 self._place(i, obs, out, out_valid, skip=ended)
             if not env.agents:  # the env's episode is over: its agents start again
+                self.reset_envs.append(i)
                 obs, _ = env.reset()
                 self._new_episode(i)
                 self._place(i, obs, out, out_valid)

@@ -448,6 +448,24 @@ class MultiAgentLoop:
         assert self._cur is not None  # set just above
         self.update_weights()
         ep_version = {pid: np.full(k, self.versions[pid], np.int64) for pid, k in rows.items()}
+        # With a postprocess hook, ended agent episodes are held until their env's episode is over (the hooks then
+        # see one another's): per env, [(policy, row, steps)], and each row's first env step within its env episode.
+        hold = self.postprocess is not None
+        held: dict[int, list[tuple[Any, int, int]]] = {i: [] for i in range(len(self.envs))}
+        env_t = [0] * len(self.envs)
+        first_t = {pid: np.zeros(k, np.int64) for pid, k in rows.items()}
+
+        def release(i: int) -> None:
+            """Postprocess env ``i``'s held agent episodes together, then commit them."""
+            eps = held[i]
+            assert self.postprocess is not None  # held only with a hook
+            self.postprocess.apply_env_episode([(pid, self.rows.policies[pid][row][1], self.writers[pid][row].slot(), n,
+                                                 int(first_t[pid][row])) for pid, row, n in eps])
+            for pid, row, n in eps:
+                self.writers[pid][row].commit(int(ep_version[pid][row]), fill={STEP: n})
+                self.rounds += 1
+            held[i] = []
+
         while until is None or self.rounds < until:
             if self.should_stop():
                 for ws in self.writers.values():
@@ -471,8 +489,12 @@ class MultiAgentLoop:
                 for row in live:
                     s = slots[row]
                     if s is None:  # the agent's episode starts: its rollout carries the version acting now
+                        env_i = self.rows.policies[pid][row][0]
+                        if hold and any(p == pid and r == row for p, r, _ in held[env_i]):
+                            release(env_i)  # back in the same env episode: its last episode's slot is committed first
                         s = slots[row] = _PolicyRollout(self.writers[pid][row].slot())
                         ep_version[pid][row] = self.versions[pid]
+                        first_t[pid][row] = env_t[env_i]
                     t = int(ep_len[row]) - 1
                     if t >= self.T or (t == self.T - 1 and row not in finals[pid]):
                         env_i, agent = self.rows.policies[pid][row]
@@ -496,14 +518,22 @@ class MultiAgentLoop:
                     ep[ENV][...] = row
                     s.boot[...] = finals[pid][row]
                     s.env_steps[...] = self.env_steps
-                    if self.postprocess is not None:
-                        self.postprocess.apply_episode(pid, self.writers[pid][row].slot(), int(ep_len[row]))
-                    self.writers[pid][row].commit(int(ep_version[pid][row]), fill={STEP: int(ep_len[row])})
+                    if hold:
+                        held[self.rows.policies[pid][row][0]].append((pid, row, int(ep_len[row])))
+                    else:
+                        self.writers[pid][row].commit(int(ep_version[pid][row]), fill={STEP: int(ep_len[row])})
+                        self.rounds += 1
                     slots[row] = None
                     ep_ret[row] = 0.0
                     ep_len[row] = 0
-                    self.rounds += 1
                     self.episodes += 1
+            for i in range(len(self.envs)):
+                if i in self.driver.reset_envs:  # its episode is over: every agent of it has ended
+                    env_t[i] = 0
+                    if held[i]:
+                        release(i)
+                else:
+                    env_t[i] += 1
             self._cur, self._nxt, self._valid, self._nvalid = nxt, cur, nvalid, valid
             if any(finals.values()):
                 self.update_weights()  # at episode ends, as the single-agent complete-episodes loop does

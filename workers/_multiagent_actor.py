@@ -42,6 +42,30 @@ class MultiAgentSpec:
     await_weights: bool = False  # collect nothing until every broadcast policy has a version (a restarted Ray node)
     postprocess: dict[Any, Any] | None = None  # {policy_id: workers._postprocess.PostprocessSpec}
     remap_each_episode: bool = False
+    scratch: dict[Any, bytes] | None = None  # policies not trained: their schema (msgpack), for a slot of the actor's own
+
+
+class ScratchWriter:
+    """What a policy not trained (``MultiAgentCollector(policies_to_train=...)``) writes its rollouts through: a slot
+    of the actor's own, in its heap, never committed anywhere; the loop uses it as it uses a :class:`shmbuf.Writer`."""
+
+    def __init__(self, schema: shmbuf.Schema):
+        self._slot = schema.zeros()
+
+    def slot(self) -> dict[str, Any]:
+        return self._slot
+
+    def commit(self, version: int, fill: dict[str, int] | None = None) -> None:
+        pass  # nothing is handed out: the slot is written again by the next rollout
+
+    def reset(self) -> None:
+        pass
+
+    def report_error(self, exc: BaseException) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
@@ -61,6 +85,11 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
                                 for k in range((spec.rows or {})[pid])]
             else:
                 writers[pid] = shmbuf.Writer(name, timeout=None, label=f"{spec.label}-{ctx.index}/{pid}")
+        for pid, raw in (spec.scratch or {}).items():  # policies not trained act, and their rollouts stay here
+            schema = shmbuf.Schema.from_msgpack(raw)
+            n = (spec.rows or {})[pid] if spec.batch_mode == COMPLETE_EPISODES else 1
+            made = [ScratchWriter(schema) for _ in range(n)]
+            writers[pid] = made if spec.batch_mode == COMPLETE_EPISODES else made[0]
         for pid, name in (spec.weights or {}).items():
             subs[pid] = shmbuf.WeightSubscriber(name)
         ready = getattr(ctx, "ready", None)
@@ -90,7 +119,7 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
         quiet = (KeyboardInterrupt, SystemExit, shmbuf.PipelineClosed, shmbuf.BrokenPipeline)
         if writers and not isinstance(exc, quiet):
             try:
-                first = next(iter(writers.values()))
+                first = writers[next(iter(spec.pipelines))]  # a real pipeline's: a scratch writer tells no one
                 (first[0] if isinstance(first, list) else first).report_error(exc)
             except Exception:  # noqa: BLE001  # whatever a gone pipeline raises: the pool's channel still carries it
                 pass

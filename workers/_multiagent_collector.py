@@ -38,6 +38,32 @@ from workers._views import check_view_requirements
 WAIT_SLICE = 0.05
 
 
+def trained_policies(policies_to_train: Any, pids: list[Any]) -> list[Any]:
+    """The policy ids ``policies_to_train`` selects from ``pids`` (RLlib's setting: None, ids, or ``id -> bool``).
+
+    Raises:
+        shmbuf.UsageError: an id that is not a policy, a function that is not one of an id, or none selected.
+    """
+    if policies_to_train is None:
+        return list(pids)
+    if callable(policies_to_train):
+        try:
+            chosen = [pid for pid in pids if policies_to_train(pid, None)]  # RLlib's (policy_id, batch)
+        except TypeError:
+            chosen = [pid for pid in pids if policies_to_train(pid)]
+    elif isinstance(policies_to_train, (list, tuple, set, frozenset)):
+        unknown = sorted(str(pid) for pid in policies_to_train if pid not in pids)
+        if unknown:
+            raise shmbuf.UsageError(f"policies_to_train: {unknown} are not in policies ({sorted(map(str, pids))})")
+        chosen = [pid for pid in pids if pid in policies_to_train]
+    else:
+        raise shmbuf.UsageError(f"policies_to_train: expected policy ids or a function of one, got {policies_to_train!r:.80}")
+    if not chosen:
+        raise shmbuf.UsageError(f"policies_to_train: no policy selected (policies: {sorted(map(str, pids))}); a collector "
+                                "with nothing to hand out has nothing to do")
+    return chosen
+
+
 class MultiAgentBatch(dict):
     """One batch of a :class:`MultiAgentCollector`: ``{policy_id: CollectedBatch}`` (RLlib's ``MultiAgentBatch``).
 
@@ -145,6 +171,11 @@ class MultiAgentCollector:
             instead of once per agent id (self-play, leagues): every policy then has a row for every ``(env,
             agent)``, and an agent's steps of an episode are valid in the rows of the policy it was mapped to for
             that episode (see docs/multiagent.md, "A mapping per episode").
+        policies_to_train: RLlib's: the policies whose rollouts the learner gets (a collection of policy ids, or a
+            function ``policy_id -> bool``; None: all). The others still act in the actors (a frozen opponent, an
+            old copy in a league), and take weights, but nothing of theirs is written to shared memory or handed
+            out: each batch holds the trained policies only, and ``agent_steps`` counts theirs. Their data is in
+            ``other_agent_batches`` of a postprocess hook (see docs/multiagent.md).
         await_weights: publish nothing at start: the actors start and wait until every broadcast policy has a
             version from :meth:`update_policy_weights` (what each would have published as version 0 is kept in
             ``awaited_weights``), as ``Collector(await_weights=True)``; what a restarted ``RayCollector`` node does.
@@ -164,7 +195,7 @@ class MultiAgentCollector:
                  min_batch_size: int = 1, server_timeout: float = 0.01, device: Any = None,
                  server_threads: int | None = 1, view_requirements: dict[Any, Any] | None = None,
                  align: bool = False, await_weights: bool = False, postprocess: Any = None,
-                 remap_each_episode: bool = False):
+                 remap_each_episode: bool = False, policies_to_train: Any = None):
         self._closed = False
         self.awaited_weights: dict[Any, Any] = {}  # await_weights: each broadcast policy's version 0, not yet published
         self.served: dict[Any, Any] = {}  # serve=True: each policy's ServedPolicy (its server and table)
@@ -254,9 +285,12 @@ class MultiAgentCollector:
                 envs, probe_policies, policy_mapping_fn, rollout_len=T, seed=seed, batch_mode=batch_mode,
                 extra_leaves={VERSION_KEY: np.zeros((), np.int64)} if serve else None,
                 view_requirements=view_requirements, remap_each_episode=remap_each_episode)
+            self.trained = trained_policies(policies_to_train, list(self.policies))
             post = discover_policies(postprocess, self.policies, examples, self.rows, batch_mode=batch_mode,
                                      served=serve)
+            post = {pid: sp for pid, sp in post.items() if pid in self.trained}  # a frozen policy's data is not kept
             add_columns(examples, post, batch_mode=batch_mode)
+            self.schemas = {pid: shmbuf.Schema.from_example(ex) for pid, ex in examples.items()}
         finally:
             for env in envs:
                 env.close()
@@ -266,7 +300,7 @@ class MultiAgentCollector:
         writers_of = {pid: n_actors * (n_rows[pid] if batch_mode == COMPLETE_EPISODES else 1) for pid in n_rows}
         if slots is None and batch_mode == TRUNCATE_EPISODES:
             slots = -(-max(3 * B, 2 * B + 2 * n_actors) // B) * B  # two batches and two per writer, whole batches
-        self._partial = {pid: no_episodes() for pid in n_rows}  # complete-episodes: what the next batch has so far
+        self._partial = {pid: no_episodes() for pid in self.trained}  # complete-episodes: what the next batch has so far
         self.frames = self.batches = self.env_steps = self.agent_steps = 0
         self.policy_versions = dict.fromkeys(self.policies, 0)
         self._lags: deque[int] = deque(maxlen=10_000)
@@ -275,6 +309,8 @@ class MultiAgentCollector:
         self.failures: list[Any] = []
         try:
             for pid, ex in examples.items():
+                if pid not in self.trained:  # its actors write into a scratch slot of their own (see run_multiagent_actor)
+                    continue
                 n = slots if slots is not None else 2 * writers_of[pid] + 4  # complete: two episodes per writer
                 self.readers[pid] = shmbuf.create(ex, n, max_writers=writers_of[pid], raise_writer_errors=False)
             inference = {}
@@ -304,7 +340,9 @@ class MultiAgentCollector:
                                   torch_threads=torch_threads, batch_mode=batch_mode, rows=n_rows,
                                   inference=inference or None, view_requirements=view_requirements,
                                   await_weights=await_weights and bool(self.publishers),
-                                  postprocess=post or None, remap_each_episode=remap_each_episode)
+                                  postprocess=post or None, remap_each_episode=remap_each_episode,
+                                  scratch={pid: self.schemas[pid].to_msgpack() for pid in self.policies
+                                           if pid not in self.trained} or None)
             self.pool = ActorPool(run_multiagent_actor, n_actors, args=(spec,),
                                   start_method=start_method or default_start_method(), restart=restart,
                                   max_restarts=max_restarts, name="shmbuf-multiagent", on_failure=self._retire)

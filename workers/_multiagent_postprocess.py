@@ -19,9 +19,11 @@ the row's policy is called on each piece with:
 
 Every policy's rollout of a round covers the same env steps, so the other agents' data is at hand whatever their
 policy: the round's hooks all run before the first of its commits. Complete-episodes rollouts (one agent's episode
-each, committed when it ends) get ``other_agent_batches={}``: the other agents' episodes are in other rollouts,
-committed at other times. The columns a hook adds are found at set-up (:func:`discover_policies`, a dummy batch
-with a dummy batch of every other agent of an env) and become step leaves of its policy's pipeline.
+each) are held, when a hook is set, until their env's episode is over, as RLlib postprocesses at the episode's end:
+then every agent's hook gets every other agent's whole episode of that env episode, ``t`` counting env steps from
+the env episode's start (:meth:`MultiAgentPostprocessor.apply_env_episode`), and they are committed. The columns a
+hook adds are found at set-up (:func:`discover_policies`, a dummy batch with a dummy batch of every other agent of
+an env) and become step leaves of its policy's pipeline.
 """
 
 from __future__ import annotations
@@ -263,26 +265,38 @@ class MultiAgentPostprocessor:
                 every[agent] = (pid, self.policies[pid], batch)
         return {agent: v for agent, v in every.items() if agent != me}
 
-    def apply_episode(self, pid: Any, view: Mapping[str, Any], n: int) -> None:
-        """Postprocess one agent's complete episode of ``n`` steps in policy ``pid``'s slot ``view``, in place
-        (``other_agent_batches`` is ``{}``: see the module doc)."""
-        hook = self.hooks.get(pid)
-        if hook is None or not n:
-            return
-        step = view[STEP]
-        given = self._given(pid, step)
+    def apply_env_episode(self, episodes: list[tuple[Any, Any, Mapping[str, Any], int, int]]) -> None:
+        """Postprocess the agents' complete episodes of one env episode, in place: ``episodes`` is ``[(policy_id,
+        agent, slot view, steps, first env step), ...]``, every agent of that env episode, and each hooked one's hook
+        gets the others' whole episodes as ``other_agent_batches`` (copies, taken before any hook ran), ``t`` the env
+        step from the env episode's start."""
+        pre = []
+        for pid, agent, view, n, t0 in episodes:
+            step = view[STEP]
+            cols: dict[str, Any] = {name: optree.tree_map(lambda x, n=n: np.array(x[:n]), step[leaf])
+                                    for name, leaf in self._given(pid, step).items()}
+            cols[NEW_OBS] = successors(view, {STEP: n}, batch_mode=COMPLETE_EPISODES)
+            cols[T_COLUMN] = t0 + np.arange(n)
+            pre.append((agent, (pid, self.policies[pid], cols)))
+        for pid, agent, view, n, t0 in episodes:
+            hook = self.hooks.get(pid)
+            if hook is None or not n:
+                continue
+            step = view[STEP]
+            given = self._given(pid, step)
 
-        def piece(x: Any) -> Any:
-            return x[:n]
+            def piece(x: Any, n: int = n) -> Any:
+                return x[:n]
 
-        batch: dict[str, Any] = {name: optree.tree_map(piece, step[leaf]) for name, leaf in given.items()}
-        batch[NEW_OBS] = successors(view, {STEP: n}, batch_mode=COMPLETE_EPISODES)
-        batch[T_COLUMN] = np.arange(n)
-        passed = dict(batch)
-        who = f"policy {pid!r}: "
-        out = call_hook(hook, batch, {}, who=who, error=SchemaError)
-        self.calls += 1
-        store(self.columns[pid], step, out, passed, given, piece, n, who=who, derived=(NEW_OBS, T_COLUMN))
+            batch: dict[str, Any] = {name: optree.tree_map(piece, step[leaf]) for name, leaf in given.items()}
+            batch[NEW_OBS] = successors(view, {STEP: n}, batch_mode=COMPLETE_EPISODES)
+            batch[T_COLUMN] = t0 + np.arange(n)
+            passed = dict(batch)
+            who = f"policy {pid!r}: "
+            others = {a: v for a, v in pre if a != agent}
+            out = call_hook(hook, batch, others, who=who, error=SchemaError)
+            self.calls += 1
+            store(self.columns[pid], step, out, passed, given, piece, n, who=who, derived=(NEW_OBS, T_COLUMN))
 
 
 def _pieces(valid: np.ndarray, done: np.ndarray) -> list[tuple[int, int]]:

@@ -84,16 +84,16 @@ class MultiAgentNodes:
     def took(self, n: _Node, info: dict[str, Any], first: _Node) -> None:
         """A node's description: the first sets the layout; every later one must lay every policy out the same."""
         entries = info.get("policies")
-        if not isinstance(entries, list) or not all(isinstance(e, list) and len(e) == 6 for e in entries):
+        if not isinstance(entries, list) or not all(isinstance(e, list) and len(e) == 7 for e in entries):
             raise shmbuf.SchemaError(f"node {n.index}: expected a multi-agent description, got {str(info)[:120]!r}")
-        schemas = {e[0]: shmbuf.Schema.from_msgpack(e[1]) for e in entries}
+        schemas = {e[0]: shmbuf.Schema.from_msgpack(e[1]) for e in entries if e[6]}  # the trained policies' (sent)
         rows = {e[0]: [(env, agent) for env, agent in e[5]] for e in entries}
         if not self.schemas:
             self.schemas = schemas
             self.broadcast = {e[0]: bool(e[2]) for e in entries}
             agents = list(dict.fromkeys(agent for r in rows.values() for _, agent in r))
             self.rows = AgentRows(agents, int(info["num_envs"]), self.mapping,
-                                  remap_ids=list(self.schemas) if self.remap else None)
+                                  remap_ids=list(rows) if self.remap else None)
             if self.rows.policies != rows:
                 raise shmbuf.SchemaError(f"node {n.index} puts the agents in other rows than this process's "
                                          f"policy_mapping_fn: {rows} against {self.rows.policies}")

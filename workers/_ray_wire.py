@@ -162,10 +162,10 @@ def pack_multiagent_description(c: MultiAgentCollector, names: list[str], janito
                                 node_id: str, host: str, pid: int) -> bytes:
     """A node's multi-agent collector described for the learner (msgpack): its policies (id, schema, rows, weights),
     its agents and layout, its processes."""
-    policies = [[_wire_id(p, "policy id"), r.schema.to_msgpack(), p in c.publishers or p in c.served,
+    policies = [[_wire_id(p, "policy id"), c.schemas[p].to_msgpack(), p in c.publishers or p in c.served,
                  int(c.policy_versions[p]), p in c.awaited_weights,
-                 [[e, _wire_id(a, "agent id")] for e, a in c.rows.policies[p]]]
-                for p, r in c.readers.items()]
+                 [[e, _wire_id(a, "agent id")] for e, a in c.rows.policies[p]], p in c.readers]
+                for p in c.policy_versions]
     return msgpack.packb({
         "magic": WIRE_MAGIC, "version": WIRE_VERSION, "multiagent": True, "node_id": node_id, "host": host, "pid": pid,
         "policies": policies, "batch_mode": c.batch_mode, "count_steps_by": c.count_steps_by,
