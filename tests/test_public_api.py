@@ -42,7 +42,7 @@ TIERS = {
         "Collector", "MultiAgentBatch", "MultiAgentCollector", "probe", "run_actor", "to_tensordict",
     ],
     "workers.lowlevel": [
-        "ActorViews", "EnvDriver", "InferenceServer", "MultiAgentLoop", "RemotePolicy", "ThreadActorPool",
+        "ActorViews", "EnvDriver", "Episode", "InferenceServer", "MultiAgentLoop", "RemotePolicy", "ThreadActorPool",
         "apply_weights", "default_start_method", "multiagent_examples",
     ],
 }

@@ -192,7 +192,7 @@ class MultiAgentLoop:
             on each agent episode before its commit), its added columns written into the slots (see
             workers/_multiagent_postprocess.py).
         remap_each_episode: call ``policy_mapping_fn(agent_id, episode)`` at every env's episode start, as RLlib does
-            (``episode`` a :class:`workers._agent_rows.Episode`), instead of once per agent id: every policy has a
+            (``episode`` a :class:`workers.lowlevel.Episode`), instead of once per agent id: every policy has a
             row for every ``(env, agent)``, and an agent's steps of an episode go to the row of the policy it was
             mapped to for that episode (its rows in the other policies are not valid meanwhile).
 

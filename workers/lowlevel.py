@@ -1,12 +1,14 @@
 """workers' lower tier: the parts the collectors are built from, public and supported, for a program that owns its
 processes or builds its own collector (the env driver, actor-side views, the inference server and the env worker's
-remote policy, the thread pool, weights application, the start method pools use, and the multi-agent loop).
+remote policy, the thread pool, weights application, the start method pools use, and the multi-agent loop with the
+``Episode`` a per-episode policy mapping is given).
 
 ``NodeOwner`` (the Ray node's collector) is imported on first use, as the Ray names at the top level are (and,
 like them, is not in ``__all__``), so that importing this module never imports ray.
 """
 
 from workers._actor import apply_weights
+from workers._agent_rows import Episode
 from workers._envs import EnvDriver
 from workers._multiagent import MultiAgentLoop, multiagent_examples
 from workers._pool import default_start_method
@@ -18,6 +20,7 @@ from workers._views import ActorViews
 __all__ = [
     "ActorViews",
     "EnvDriver",
+    "Episode",
     "InferenceServer",
     "MultiAgentLoop",
     "RemotePolicy",
