@@ -316,13 +316,18 @@ def main(argv: list[str] | None = None) -> int:
     r = run(a.num_envs, steps, windows)
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"{time.strftime('%Y-%m-%d')}-{r['machine']['host']}-loop" + ("-quick" if a.quick else ""))
+    write(stem, r, markdown(r))
+    return 0
+
+
+def write(stem: str, r: dict, page: str) -> None:
+    """An in-process benchmark's results: ``stem.json`` (every figure) and ``stem.md`` (``page``), printed too."""
     with open(stem + ".json", "w") as f:
         json.dump(r, f, indent=1)
     with open(stem + ".md", "w") as f:
-        f.write(markdown(r))
-    print(markdown(r))
+        f.write(page)
+    print(page)
     print(f"written: {stem}.json, {stem}.md")
-    return 0
 
 
 if __name__ == "__main__":

@@ -29,13 +29,12 @@ every round: the change since then, measured in one process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from typing import Any
 
-from benchmarks import machine
+from benchmarks import actor_loop, machine
 from benchmarks import multiagent_envs as me
 from benchmarks.multiagent import NUM_ENVS, ROLLOUT_LEN, Floor
 
@@ -250,12 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"{time.strftime('%Y-%m-%d')}-{r['machine']['host']}-multiagent-loop"
                         + ("-quick" if a.quick else ""))
-    with open(stem + ".json", "w") as f:
-        json.dump(r, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(r))
-    print(markdown(r))
-    print(f"written: {stem}.json, {stem}.md")
+    actor_loop.write(stem, r, markdown(r))
     if a.profile:
         profile(max(16, int(64 * scale)))
     return 0
