@@ -330,16 +330,21 @@ class Scaled:
         self.scale = int(params["scale"])
 
 
-def collect_batches(n, **kw):
+def collect_batches(n, *, every_lane=False, **kw):
+    """``n`` batches from two actors (env 0 and env 1); ``every_lane``: and more, until both actors' rollouts of both
+    policies came (a batch takes whichever rollouts are ready: one actor slow to start can fill the first ones)."""
     from workers._multiagent_collector import MultiAgentCollector
 
     batches = []
+    deadline = time.monotonic() + 60
     with MultiAgentCollector([partial(JoinLeaveEnv, 0), partial(JoinLeaveEnv, 1)], POLICIES, policy_mapping_fn=mapping,
                              frames_per_batch=16, copy=True, timeout=60, **kw) as c:
         for b in c:
             batches.append(b)
-            if len(batches) == n:
+            lanes = {(pid, int(lane)) for x in batches for pid, y in x.items() for lane in y.lane}
+            if len(batches) >= n and (not every_lane or len(lanes) == 4):
                 break
+            assert time.monotonic() < deadline, f"not every actor's rollouts of every policy in 60 s: {sorted(lanes)}"
         stats = c.stats()
     return batches, c, stats
 
@@ -347,9 +352,10 @@ def collect_batches(n, **kw):
 def test_the_collector_delivers_every_policys_rollouts_once_as_a_plain_loop_makes_them():
     """Two actors (env 0 and env 1), two policies: each batch has both policies' rollouts, each rollout once, and
     each actor's agent streams, read back in sequence order, equal the plain PettingZoo loop's."""
-    batches, c, stats = collect_batches(6)
+    batches, c, stats = collect_batches(6, every_lane=True)
+    n = len(batches)
     assert c.rollout_len == 8 and c.rounds_per_batch == 2  # 16 env steps a batch: one round of 8 steps per actor
-    assert [b.env_steps for b in batches] == [16] * 6 and stats["env_steps"] == 96
+    assert [b.env_steps for b in batches] == [16] * n and stats["env_steps"] == 16 * n
     per_lane = {}
     for b in batches:
         assert set(b) == {"red", "blue"}
@@ -361,7 +367,7 @@ def test_the_collector_delivers_every_policys_rollouts_once_as_a_plain_loop_make
                 fill = {"step": int(x.fill["step"][i]), "episode": int(x.fill["episode"][i])}
                 per_lane.setdefault((pid, int(x.lane[i])), []).append((int(x.epoch[i]), int(x.seq[i]), data, fill))
     keys = [(pid, lane, e, s) for (pid, lane), rs in per_lane.items() for e, s, _, _ in rs]
-    assert len(keys) == len(set(keys)) == 2 * 6 * 2  # exactly once: 2 policies x 6 batches x 2 rollouts
+    assert len(keys) == len(set(keys)) == 2 * n * 2  # exactly once: 2 policies x n batches x 2 rollouts
     lanes = sorted({lane for _, lane in per_lane})
     assert len(lanes) == 2
     for lane in lanes:
