@@ -22,6 +22,7 @@ pettingzoo = pytest.importorskip("pettingzoo", reason="the `multiagent` extra (m
 
 import shmbuf  # noqa: E402  (after the importorskips above)
 from tests.conftest import wait_until  # noqa: E402  (same)
+from tests.test_ray import Ledger as RolloutLedger  # noqa: E402  (same)
 from tests.test_ray import cluster, described, gone, on_shm, pids_of, remote  # noqa: E402, F401  # cluster: the fixture below
 from workers import MultiAgentBatch, RayCollector, _ray, _ray_multiagent, _ray_wire  # noqa: E402  # they import ray
 
@@ -105,11 +106,12 @@ def collector(**kw: Any) -> RayCollector:
     return RayCollector(CountingEnv, {pid: Versioned(b) for pid, b in BASE.items()}, **args)
 
 
-class Ledger:
+class Ledger(RolloutLedger):
     """Every delivered policy rollout, checked as it comes: each (node, incarnation, policy, lane, epoch, seq) and each
-    agent's env step at most once; actions match the version each rollout says it was taken with; lag per policy."""
+    agent's env step at most once (test_ray's check, keyed by policy and agent too); actions match the version each
+    rollout says it was taken with; lag per policy."""
 
-    def __init__(self, rc: RayCollector) -> None:
+    def __init__(self, rc: RayCollector) -> None:  # the base's fields, keyed by policy and agent too (not its __init__)
         self.rc = rc
         self.seqs: dict[tuple, list[int]] = defaultdict(list)
         self.steps: dict[tuple[float, str], list[np.ndarray]] = defaultdict(list)
@@ -140,11 +142,7 @@ class Ledger:
                         self.steps[(float(o[0, 0]), AGENTS[int(o[0, 2])])].append(o[:, 1].copy())
 
     def check_once(self) -> None:
-        for key, seqs in self.seqs.items():
-            assert len(seqs) == len(set(seqs)), f"{key}: a rollout delivered twice"
-        for who, parts in self.steps.items():
-            g = np.concatenate(parts)
-            assert len(g) == len(np.unique(g)), f"env/agent {who}: an agent step delivered twice"
+        super().check_once()
         assert {a for _, a in self.steps} == set(AGENTS)
 
 

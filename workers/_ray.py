@@ -245,24 +245,19 @@ class RayCollector:
                 self.batch_mode, self.num_envs = info["batch_mode"], info["num_envs"]
                 self.rollout_len, self.rollouts_per_batch = info["rollout_len"], info["rounds_per_batch"]
                 self._broadcast = any(self._ma.broadcast.values())
-            self._took_info(n, info)
-            return
-        schema = shmbuf.Schema.from_msgpack(info["schema"])
-        if self.schema is None:
-            self.schema = schema
-            self.batch_mode = info["batch_mode"]
-            self.num_envs = info["num_envs"]
-            self.rollout_len = info["rollout_len"]
-            self.rollouts_per_batch = info["rollouts_per_batch"]
-            self._broadcast = info["broadcast"]
-        elif schema != self.schema:
-            raise shmbuf.UsageError(f"node {n.index} ({n.node_id[:12]}) lays rollouts out differently from node "
-                                    f"{self.nodes[0].index}: {self.schema.first_difference(schema)}; every node must "
-                                    "build the same envs and policy")
-        self._took_info(n, info)
-
-    @staticmethod
-    def _took_info(n: _Node, info: dict[str, Any]) -> None:
+        else:
+            schema = shmbuf.Schema.from_msgpack(info["schema"])
+            if self.schema is None:
+                self.schema = schema
+                self.batch_mode = info["batch_mode"]
+                self.num_envs = info["num_envs"]
+                self.rollout_len = info["rollout_len"]
+                self.rollouts_per_batch = info["rollouts_per_batch"]
+                self._broadcast = info["broadcast"]
+            elif schema != self.schema:
+                raise shmbuf.UsageError(f"node {n.index} ({n.node_id[:12]}) lays rollouts out differently from node "
+                                        f"{self.nodes[0].index}: {self.schema.first_difference(schema)}; every node "
+                                        "must build the same envs and policy")
         if n.info is None or n.info.get("token") != info.get("token"):
             n.incarnation += 1  # a new owner process, with a new pipeline (not one that was only unreachable)
         n.info, n.host, n.state, n.describe_ref = info, info["host"], "running", None
@@ -422,11 +417,7 @@ class RayCollector:
     def _from_local(self, n: _Node, b: Any) -> Any:
         if self._ma is not None:
             return self._ma.from_local(n, b)
-        return RayBatch(data=b.data, fill=b.fill, policy_version=b.policy_version,
-                        policy_lag=self.policy_version - b.policy_version, lane=b.lane, epoch=b.epoch, seq=b.seq,
-                        frames=b.frames,
-                        episode_returns=b.episode_returns, episode_lengths=b.episode_lengths, lengths=b.lengths,
-                        batch_mode=b.batch_mode, node=n.index, node_id=n.node_id, incarnation=n.incarnation)
+        return RayBatch.of(b, n, learner_version=self.policy_version)
 
     def _failed(self, n: _Node, exc: BaseException) -> None:
         """A call of node ``n`` failed: count its lost calls, report it, and follow it as restarting or stop it."""
@@ -502,13 +493,7 @@ class RayCollector:
         if self._ma is not None:
             return self._ma.unpack(n, got, self.batch_mode, self.copy)
         w = unpack_batch(got, self.schema, self.batch_mode, self.copy, f"a batch from node {n.index}")
-        meta = w.meta
-        version = meta["policy_version"]
-        return RayBatch(data=w.data, fill=w.fill, policy_version=version, policy_lag=self.policy_version - version,
-                        lane=meta["lane"], epoch=meta["epoch"], seq=meta["seq"], frames=w.frames,
-                        episode_returns=meta["episode_returns"], episode_lengths=meta["episode_lengths"],
-                        lengths=meta["lengths"], batch_mode=self.batch_mode, node=n.index, node_id=n.node_id,
-                        incarnation=n.incarnation)
+        return RayBatch.from_wire(w, n, batch_mode=self.batch_mode, learner_version=self.policy_version)
 
     # -- introspection and shutdown -----------------------------------------
 

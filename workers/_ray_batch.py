@@ -4,9 +4,12 @@ with the node it came from) and :class:`NodeFailure`; exported as ``workers.RayB
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers._collector import CollectedBatch
+
+if TYPE_CHECKING:
+    from workers._ray_wire import WireBatch
 
 
 class RayBatch(CollectedBatch):
@@ -33,6 +36,27 @@ class RayBatch(CollectedBatch):
     def __init__(self, **kw: Any):
         for k in CollectedBatch.__slots__ + RayBatch.__slots__:
             setattr(self, k, kw.get(k))
+
+    @classmethod
+    def from_wire(cls, w: WireBatch, n: Any, *, batch_mode: str, learner_version: int) -> RayBatch:
+        """A batch that came over the wire (:func:`workers._ray_wire.unpack_batch`) from node ``n`` (its ``index``,
+        ``node_id``, ``incarnation``), its lag against ``learner_version``."""
+        meta = w.meta
+        version = meta["policy_version"]
+        return cls(data=w.data, fill=w.fill, policy_version=version, policy_lag=learner_version - version,
+                   lane=meta["lane"], epoch=meta["epoch"], seq=meta["seq"], frames=w.frames,
+                   episode_returns=meta["episode_returns"], episode_lengths=meta["episode_lengths"],
+                   lengths=meta["lengths"], batch_mode=batch_mode, node=n.index, node_id=n.node_id,
+                   incarnation=n.incarnation)
+
+    @classmethod
+    def of(cls, b: CollectedBatch, n: Any, *, learner_version: int) -> RayBatch:
+        """A batch of the learner's own node ``n`` (its collector's, views of shared memory), its lag against
+        ``learner_version``."""
+        out = cls(**{k: getattr(b, k) for k in CollectedBatch.__slots__}, node=n.index, node_id=n.node_id,
+                  incarnation=n.incarnation)
+        out.policy_lag = learner_version - b.policy_version
+        return out
 
     def __repr__(self) -> str:
         return (f"RayBatch(node {self.node}.{self.incarnation}, {self.batch_mode}, frames={self.frames}, "

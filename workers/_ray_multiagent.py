@@ -25,10 +25,10 @@ import ray
 
 import shmbuf
 from workers._agent_rows import AgentRows
-from workers._collector import CollectedBatch, weights_of
+from workers._collector import weights_of
 from workers._multiagent_collector import MultiAgentBatch
 from workers._ray_batch import RayBatch
-from workers._ray_weights import Ack
+from workers._ray_weights import Ack, send_weights
 from workers._ray_wire import _wire_id, unpack_multiagent_batch
 
 if TYPE_CHECKING:
@@ -159,9 +159,8 @@ class MultiAgentNodes:
     def send(self, n: _Node, pids: list[Any], acks: list[Ack]) -> None:
         """Each of ``pids``' latest weights (None: never updated, the ones the node started from) to node ``n``."""
         for pid in pids:
-            ref = n.owner.set_weights.options(concurrency_group="control").remote(self.latest.get(pid),
-                                                                                   self.versions[pid], pid)
-            acks.append((ref, n, n.incarnation, PolicyVersion(self.sends, repr(pid), self.versions[pid])))
+            acks.append(send_weights(n, self.latest.get(pid), self.versions[pid], policy_id=pid,
+                                     ack=PolicyVersion(self.sends, repr(pid), self.versions[pid])))
 
     # -- batches ------------------------------------------------------------
 
@@ -176,23 +175,13 @@ class MultiAgentNodes:
     def unpack(self, n: _Node, got: Any, batch_mode: str, copy: bool) -> RayMultiAgentBatch:
         """A batch from node ``n``'s owner, checked (see :func:`workers._ray_wire.unpack_multiagent_batch`)."""
         w = unpack_multiagent_batch(got, self.schemas, batch_mode, copy, f"a batch from node {n.index}")
-        parts = {}
-        for pid, p in w.policies.items():
-            meta, version = p.meta, p.meta["policy_version"]
-            parts[pid] = RayBatch(data=p.data, fill=p.fill, policy_version=version,
-                                  policy_lag=self.versions[pid] - version, lane=meta["lane"], epoch=meta["epoch"],
-                                  seq=meta["seq"], frames=p.frames, episode_returns=meta["episode_returns"],
-                                  episode_lengths=meta["episode_lengths"], lengths=meta["lengths"],
-                                  batch_mode=batch_mode, node=n.index, node_id=n.node_id, incarnation=n.incarnation)
+        parts = {pid: RayBatch.from_wire(p, n, batch_mode=batch_mode, learner_version=self.versions[pid])
+                 for pid, p in w.policies.items()}
         return self._batch(n, parts, frames=w.frames, env_steps=w.env_steps, agent_steps=w.agent_steps,
                            aligned=w.aligned)
 
     def from_local(self, n: _Node, mb: MultiAgentBatch) -> RayMultiAgentBatch:
         """A batch of the learner's own node: its MultiAgentCollector's, each policy's batch as a RayBatch."""
-        parts = {}
-        for pid, b in mb.items():
-            parts[pid] = RayBatch(**{k: getattr(b, k) for k in CollectedBatch.__slots__},
-                                  node=n.index, node_id=n.node_id, incarnation=n.incarnation)
-            parts[pid].policy_lag = self.versions[pid] - b.policy_version
+        parts = {pid: RayBatch.of(b, n, learner_version=self.versions[pid]) for pid, b in mb.items()}
         return self._batch(n, parts, frames=mb.frames, env_steps=mb.env_steps, agent_steps=mb.agent_steps,
                            aligned=mb.aligned)

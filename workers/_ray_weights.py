@@ -25,11 +25,13 @@ ACK_WAIT = 5.0
 Ack = tuple[Any, "_Node", int, Any]
 
 
-def send_weights(n: _Node, weights_ref: Any, version: int) -> Ack:
+def send_weights(n: _Node, weights_ref: Any, version: int, *, policy_id: Any = None, ack: Any = None) -> Ack:
     """Send ``version``'s object to node ``n``'s owner (through its control group, so that it arrives while the owner
-    waits for a batch); the call to follow."""
-    ref = n.owner.set_weights.options(concurrency_group="control").remote(weights_ref, version)
-    return (ref, n, n.incarnation, version)
+    waits for a batch); the call to follow. Multi-agent: policy ``policy_id``'s, followed as ``ack`` (a
+    ``PolicyVersion``; default: ``version``)."""
+    args = (weights_ref, version) if policy_id is None else (weights_ref, version, policy_id)
+    ref = n.owner.set_weights.options(concurrency_group="control").remote(*args)
+    return (ref, n, n.incarnation, version if ack is None else ack)
 
 
 def check_acks(acks: list[Ack]) -> None:
