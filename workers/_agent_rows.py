@@ -17,26 +17,12 @@ from shmbuf import SchemaError, UsageError
 
 
 def mapping_of(policy_mapping_fn: Callable[..., Any] | None) -> Callable[[Any], Any]:
-    """A policy mapping as a function of the agent id alone.
-
-    RLlib's ``policy_mapping_fn(agent_id, episode, **kwargs)`` (or its older ``(agent_id, episode, worker,
-    **kwargs)``) is called with None for all but the agent id: the mapping is decided once per agent id (each
-    agent's row is fixed), not per episode. None maps every agent to
-    ``"default_policy"`` (RLlib's default policy id).
+    """A policy mapping as a function of the agent id alone: :func:`episode_mapping_of`'s, with None for the episode
+    (and for the old stack's ``worker``). The mapping is then decided once per agent id (each agent's row is fixed),
+    not per episode. None maps every agent to ``"default_policy"`` (RLlib's default policy id).
     """
-    if policy_mapping_fn is None:
-        return lambda agent: "default_policy"
-    if not callable(policy_mapping_fn):
-        raise UsageError(f"policy_mapping_fn: expected a function of the agent id, got {policy_mapping_fn!r}")
-    try:
-        params = inspect.signature(policy_mapping_fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: called with the agent id alone
-        return policy_mapping_fn
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-    if len(positional) >= 2:  # (agent_id, episode) or the old (agent_id, episode, worker): None for all but the id
-        rest = (None,) * (len(positional) - 1)
-        return lambda agent: policy_mapping_fn(agent, *rest)
-    return policy_mapping_fn
+    call = episode_mapping_of(policy_mapping_fn)
+    return lambda agent: call(agent, None)
 
 
 @dataclass(frozen=True)
@@ -58,14 +44,15 @@ class Episode:
         return f"{self.episode_id:016x}"
 
 
-def episode_mapping_of(policy_mapping_fn: Callable[..., Any] | None) -> Callable[[Any, Episode], Any]:
+def episode_mapping_of(policy_mapping_fn: Callable[..., Any] | None) -> Callable[[Any, Episode | None], Any]:
     """A policy mapping called as RLlib calls it, once per agent per episode: ``fn(agent_id, episode)`` (None for any
     further required positional argument, e.g. the old stack's ``worker``); a function of the agent id alone (and no
     ``episode`` keyword) gets the agent id."""
     if policy_mapping_fn is None:
         return lambda agent, episode: "default_policy"
     if not callable(policy_mapping_fn):
-        raise UsageError(f"policy_mapping_fn: expected a function of the agent id and the episode, got {policy_mapping_fn!r}")
+        raise UsageError(f"policy_mapping_fn: expected a function of the agent id (and the episode), got "
+                         f"{policy_mapping_fn!r}")
     try:
         params = list(inspect.signature(policy_mapping_fn).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: called with the agent id alone
@@ -105,6 +92,7 @@ class AgentRows:
             pairs = [(i, agent) for i in range(num_envs) for agent in possible_agents]
             self.policies = {pid: list(pairs) for pid in remap_ids}
             self.row_of = {pair: k for k, pair in enumerate(pairs)}
+            self._env_rows = [[(agent, self.row_of[(i, agent)]) for agent in possible_agents] for i in range(num_envs)]
             for i in range(num_envs):
                 self.assign(i, Episode(i, 0, 0))
             self.policy_of = {agent: self.where[(0, agent)][0] for agent in possible_agents}  # env 0's first episode
@@ -126,9 +114,7 @@ class AgentRows:
             UsageError: the mapping names a policy that has no rows (not one of ``remap_ids``).
         """
         out = {}
-        for (e, agent), row in self.row_of.items():
-            if e != i:
-                continue
+        for agent, row in self._env_rows[i]:
             pid = self.episode_mapping(agent, episode)
             if pid not in self.policies:
                 raise UsageError(f"policy_mapping_fn({agent!r}, episode {episode.count} of env {i}) returned {pid!r}, "

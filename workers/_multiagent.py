@@ -189,7 +189,8 @@ class MultiAgentLoop:
         postprocess: ``{policy_id: PostprocessSpec}`` (:func:`workers._multiagent_postprocess.discover_policies`;
             ``MultiAgentCollector(postprocess=...)`` makes it): RLlib's ``postprocess_trajectory`` with
             ``other_agent_batches`` on every agent's episode pieces before a round's commits (complete-episodes:
-            on each agent episode before its commit), its added columns written into the slots (see
+            on every agent episode of an env episode when it is over, before their commits), its added columns
+            written into the slots (see
             workers/_multiagent_postprocess.py).
         remap_each_episode: call ``policy_mapping_fn(agent_id, episode)`` at every env's episode start, as RLlib does
             (``episode`` a :class:`workers.lowlevel.Episode`), instead of once per agent id: every policy has a

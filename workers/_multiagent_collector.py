@@ -29,13 +29,19 @@ from shmbuf.lowlevel import int_setting, timeout_setting
 from workers._collector import episodes_batch, no_episodes, progress, rounds_batch, take_episode, weights_of
 from workers._multiagent import AGENT_STEPS_COUNT, COUNT_STEPS_BY, ENV_STEPS_COUNT, multiagent_examples
 from workers._multiagent_actor import MultiAgentSpec, envs_of, run_multiagent_actor
-from workers._multiagent_postprocess import add_columns, discover_policies
+from workers._multiagent_postprocess import add_columns, discover_policies, setting_for
 from workers._multiagent_postprocess import check_setting as check_postprocess
 from workers._pool import ActorPool, default_start_method
 from workers._remote import VERSION_KEY
 from workers._views import check_view_requirements
 
 WAIT_SLICE = 0.05
+
+
+def valid_steps(data: Any, fill: dict[str, np.ndarray]) -> int:
+    """The agent steps of truncate-episodes rollouts ``(B, T, K, ...)``: each one's valid rows up to its fill."""
+    valid = data[STEP][VALID]
+    return int(sum(valid[i, : fill[STEP][i]].sum() for i in range(len(fill[STEP]))))
 
 
 def trained_policies(policies_to_train: Any, pids: list[Any]) -> list[Any]:
@@ -244,6 +250,7 @@ class MultiAgentCollector:
         self.ready_timeout = ready_timeout
         self.policies = policies if policies is not None else {pid: make() for pid, make in given.items()}
         check_postprocess(postprocess, self.policies)
+        self.trained = trained_policies(policies_to_train, list(self.policies))
         if serve:
             if view_requirements is not None:
                 raise shmbuf.UsageError("view_requirements= with serve=True: a served policy answers a request of its rows' "
@@ -285,10 +292,9 @@ class MultiAgentCollector:
                 envs, probe_policies, policy_mapping_fn, rollout_len=T, seed=seed, batch_mode=batch_mode,
                 extra_leaves={VERSION_KEY: np.zeros((), np.int64)} if serve else None,
                 view_requirements=view_requirements, remap_each_episode=remap_each_episode)
-            self.trained = trained_policies(policies_to_train, list(self.policies))
-            post = discover_policies(postprocess, self.policies, examples, self.rows, batch_mode=batch_mode,
-                                     served=serve)
-            post = {pid: sp for pid, sp in post.items() if pid in self.trained}  # a frozen policy's data is not kept
+            hooked = {pid: setting_for(postprocess, pid) if pid in self.trained else False for pid in self.policies}
+            post = discover_policies(hooked, self.policies, examples, self.rows, batch_mode=batch_mode,
+                                     served=serve)  # a policy not trained has no hook: its data is not kept
             add_columns(examples, post, batch_mode=batch_mode)
             self.schemas = {pid: shmbuf.Schema.from_example(ex) for pid, ex in examples.items()}
         finally:
@@ -450,8 +456,7 @@ class MultiAgentCollector:
         for pid in self.readers:
             b = self._get(pid)
             fill = b.fill
-            valid = b.data[STEP][VALID]
-            frames = sum(int(valid[i, : fill[STEP][i]].sum()) for i in range(len(fill[STEP])))
+            frames = valid_steps(b.data, fill)
             agent_steps += frames
             if not env_steps:  # the first policy's rollouts: each round's rollouts of every policy cover the same steps
                 env_steps = int(fill[STEP].sum()) * self.num_envs
@@ -517,8 +522,7 @@ class MultiAgentCollector:
             data: Any = optree.tree_map(lambda *xs: np.stack(xs), *[g[0] for g in got])  # Any: optree types it opaque
             fill = {name: np.array([g[1][name] for g in got], np.int64) for name in got[0][1]}
             lane, epoch, seq, version = (np.array([g[i] for g in got], np.int64) for i in (2, 3, 4, 5))
-            valid = data[STEP][VALID]
-            frames = int(sum(valid[i, : fill[STEP][i]].sum() for i in range(B)))
+            frames = valid_steps(data, fill)
             agent_steps += frames
             out[pid] = b = rounds_batch(data, fill, policy_version=version, lane=lane, epoch=epoch, seq=seq,
                                         learner_version=self.policy_versions[pid], frames=frames)

@@ -215,19 +215,14 @@ class MultiAgentPostprocessor:
         place: every hooked policy's rows, piece by piece, with the other agents of the same env."""
         pre: dict[Any, tuple[dict[str, Any], np.ndarray]] = {}  # every policy's columns before any hook, and valid
         for pid, view in views.items():
-            n = int(fills[pid][STEP])
-            step = view[STEP]
-            cols = {name: optree.tree_map(lambda x, n=n: np.array(x[:n]), step[leaf])
-                    for name, leaf in self._given(pid, step).items()}
-            cols[NEW_OBS] = successors(view, fills[pid], batch_mode=TRUNCATE_EPISODES)
-            pre[pid] = (cols, np.asarray(step[VALID][:n]))
+            cols = self._columns(pid, view, fills[pid], TRUNCATE_EPISODES)
+            pre[pid] = (cols, np.asarray(view[STEP][VALID][: int(fills[pid][STEP])]))
         windows: dict[tuple[int, int, int], dict[Any, Any]] = {}
         for pid, hook in self.hooks.items():
             step = views[pid][STEP]
             given = self._given(pid, step)
             cols, valid = pre[pid]
             done = np.asarray(step[TERMINATED][: len(valid)]) | np.asarray(step[TRUNCATED][: len(valid)])
-            who = f"policy {pid!r}: "
             for row, (env_i, me) in enumerate(self.rows.policies[pid]):
                 for t0, t1 in _pieces(valid[:, row], done[:, row]):
                     def piece(x: Any, t0: int = t0, t1: int = t1, row: int = row) -> Any:
@@ -236,12 +231,8 @@ class MultiAgentPostprocessor:
                     batch: dict[str, Any] = {name: optree.tree_map(piece, step[leaf]) for name, leaf in given.items()}
                     batch[NEW_OBS] = optree.tree_map(piece, cols[NEW_OBS])
                     batch[T_COLUMN] = np.arange(t0, t1)
-                    passed = dict(batch)
-                    others = self._others(pre, env_i, me, t0, t1, windows)
-                    out = call_hook(hook, batch, others, who=who, error=SchemaError)
-                    self.calls += 1
-                    store(self.columns[pid], step, out, passed, given, piece, t1 - t0, who=who,
-                          derived=(NEW_OBS, T_COLUMN))
+                    self._call(pid, hook, step, given, batch, self._others(pre, env_i, me, t0, t1, windows), piece,
+                               t1 - t0)
 
     def _others(self, pre: Mapping[Any, tuple[dict[str, Any], np.ndarray]], env_i: int, me: Any, t0: int, t1: int,
                 windows: dict[tuple[int, int, int], dict[Any, Any]]) -> dict[Any, tuple[Any, Any, dict[str, Any]]]:
@@ -272,10 +263,7 @@ class MultiAgentPostprocessor:
         step from the env episode's start."""
         pre = []
         for pid, agent, view, n, t0 in episodes:
-            step = view[STEP]
-            cols: dict[str, Any] = {name: optree.tree_map(lambda x, n=n: np.array(x[:n]), step[leaf])
-                                    for name, leaf in self._given(pid, step).items()}
-            cols[NEW_OBS] = successors(view, {STEP: n}, batch_mode=COMPLETE_EPISODES)
+            cols = self._columns(pid, view, {STEP: n}, COMPLETE_EPISODES)
             cols[T_COLUMN] = t0 + np.arange(n)
             pre.append((agent, (pid, self.policies[pid], cols)))
         for pid, agent, view, n, t0 in episodes:
@@ -291,12 +279,27 @@ class MultiAgentPostprocessor:
             batch: dict[str, Any] = {name: optree.tree_map(piece, step[leaf]) for name, leaf in given.items()}
             batch[NEW_OBS] = successors(view, {STEP: n}, batch_mode=COMPLETE_EPISODES)
             batch[T_COLUMN] = t0 + np.arange(n)
-            passed = dict(batch)
-            who = f"policy {pid!r}: "
-            others = {a: v for a, v in pre if a != agent}
-            out = call_hook(hook, batch, others, who=who, error=SchemaError)
-            self.calls += 1
-            store(self.columns[pid], step, out, passed, given, piece, n, who=who, derived=(NEW_OBS, T_COLUMN))
+            self._call(pid, hook, step, given, batch, {a: v for a, v in pre if a != agent}, piece, n)
+
+    def _columns(self, pid: Any, view: Mapping[str, Any], fill: Mapping[str, int], batch_mode: str) -> dict[str, Any]:
+        """Policy ``pid``'s columns of a filled slot ``view`` as a hook sees them (each step's successor as
+        ``new_obs``), copies taken before any hook runs: what ``other_agent_batches`` are cut from."""
+        n = int(fill[STEP])
+        step = view[STEP]
+        cols: dict[str, Any] = {name: optree.tree_map(lambda x: np.array(x[:n]), step[leaf])
+                                for name, leaf in self._given(pid, step).items()}
+        cols[NEW_OBS] = successors(view, fill, batch_mode=batch_mode)
+        return cols
+
+    def _call(self, pid: Any, hook: Callable[..., Any], step: Mapping[str, Any], given: dict[str, str],
+              batch: dict[str, Any], others: dict[Any, Any], piece: Callable[[Any], Any], n: int) -> None:
+        """Call policy ``pid``'s hook on ``batch`` (``n`` steps, cut from ``step`` by ``piece``) and store the columns
+        it adds or replaces back into the slot."""
+        passed = dict(batch)
+        who = f"policy {pid!r}: "
+        out = call_hook(hook, batch, others, who=who, error=SchemaError)
+        self.calls += 1
+        store(self.columns[pid], step, out, passed, given, piece, n, who=who, derived=(NEW_OBS, T_COLUMN))
 
 
 def _pieces(valid: np.ndarray, done: np.ndarray) -> list[tuple[int, int]]:
