@@ -460,3 +460,17 @@ def test_an_agent_back_in_the_same_env_episode_gets_its_first_episode_committed_
     for o in red1:
         assert np.array_equal(o[:, 2], np.arange(o[0, 2], o[0, 2] + len(o)))  # each one whole, its own steps
     assert any(o[0, 1] == 1 and o[0, 2] == 2 for o, _ in calls)  # the first one was postprocessed too
+
+
+def test_a_hook_that_writes_its_own_new_obs_changes_no_other_agents_batch():
+    """``other_agent_batches`` are copies taken before any hook of the round ran: a hook that overwrites its own
+    ``new_obs`` in place (a view would do) leaves what later hooks get as that agent's batch untouched."""
+    seen = []
+
+    def scribble(sample_batch, other_agent_batches=None, episode=None):
+        seen.extend(np.asarray(b["new_obs"]).min() for _, _, b in (other_agent_batches or {}).values())
+        sample_batch["new_obs"][...] = -1
+        return sample_batch
+
+    run_loop(2, 8, postprocess={"red": scribble, "blue": scribble})
+    assert len(seen) > 20 and min(seen) >= 0  # every observation here is >= 0: no -1 reached another hook

@@ -229,7 +229,8 @@ class MultiAgentPostprocessor:
                         return x[t0:t1, row]
 
                     batch: dict[str, Any] = {name: optree.tree_map(piece, step[leaf]) for name, leaf in given.items()}
-                    batch[NEW_OBS] = optree.tree_map(piece, cols[NEW_OBS])
+                    batch[NEW_OBS] = optree.tree_map(lambda x: np.array(piece(x)), cols[NEW_OBS])  # its own: not
+                    # the copy other agents' batches are cut from (a hook may write it)
                     batch[T_COLUMN] = np.arange(t0, t1)
                     self._call(pid, hook, step, given, batch, self._others(pre, env_i, me, t0, t1, windows), piece,
                                t1 - t0)
