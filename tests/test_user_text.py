@@ -23,11 +23,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # An issue number: "issue 21", "Issue 18 item 3", "issues 21 and 22", "issue #21".
 ISSUE = re.compile(r"\bissues?\s*#?\d+", re.I)
-# A reference document's number used as a system's name: "002", "002's", "002 / rsl_rl", "(004)", "003-style".
+# A reference document's number used as a system's name: "002", "002's", "002 / rsl_rl", "(004)", "003-style", and
+# "002s" (an apostrophe dropped, as in a heading's anchor "#names-002s-rollout_files").
 # Allowed: the digits inside a longer number or word, i.e. preceded by a letter, digit, "_", "." or "," (0000, 2002,
 # 0x002, v003, 10,000, 1,001, 0.001) or by "<digit> " (a thousands space: 240 000), or followed by a letter, digit,
 # "_" or by "." / "," and a digit (004_x, 002.5, 003,5). Dates (2026-11-21) and versions (0.2.1) have no 00x run.
-REF_NUMBER = re.compile(r"(?<![\w.,])(?<!\d )00[0-4](?!\w|[.,]\d)")
+REF_NUMBER = re.compile(r"(?<![\w.,])(?<!\d )00[0-4](?:s\b)?(?!\w|[.,]\d)")
 # A reference document's file name (000_4f8b6edf590d0ed1.txt, or 004_* as a glob).
 REF_FILE = re.compile(r"\b00[0-4]_(?:\*|[0-9a-f]{16})")
 # A path outside the repository.
@@ -44,19 +45,21 @@ def pages() -> list[pathlib.Path]:
 
 
 def cited(pattern: str) -> set[pathlib.Path]:
-    """Files of the repository that a page names by a path matching ``pattern`` (a link or a mention)."""
+    """Files of the repository that a page names by a path matching ``pattern`` (a link or a mention); a name that
+    ends in ``.{json,md,png}`` or ``.*`` names its ``.md``."""
     out = set()
     for page in pages():
         for m in re.finditer(pattern, page.read_text()):
+            name = re.sub(r"\.(\{[\w,]*\}|\*)$", ".md", m.group(0))
             for base in (ROOT, page.parent):
-                path = (base / m.group(0)).resolve()
+                path = (base / name).resolve()
                 if path.is_file() and ROOT in path.parents:
                     out.add(path)
     return out
 
 
 def current_results_pages() -> list[pathlib.Path]:
-    return sorted(cited(r"(?:[\w./-]*/)?results/[\w.-]+\.md"))
+    return sorted(cited(r"(?:[\w./-]*/)?results/[\w.-]+?\.(?:md|\{[\w,]*\}|\*)"))
 
 
 def cited_tests() -> list[pathlib.Path]:
@@ -113,9 +116,10 @@ def test_the_scan_covers_what_it_says() -> None:
 def test_the_patterns_catch_the_names_and_spare_ordinary_numbers() -> None:
     caught = ["002's fork", "as 002 does", "(004)", "002 / rsl_rl", "002-style", "a 003 view", "000 = echo",
               "Issue 21 aimed at 1.7x", "(issue 23)", "issues 21 and 22", "issue #8",
-              "shared/reference/004_*", "../shared/DESIGN.md", "see 000_4f8b6edf590d0ed1.txt"]
+              "shared/reference/004_*", "../shared/DESIGN.md", "see 000_4f8b6edf590d0ed1.txt",
+              "files.md#names-002s-rollout_files"]
     spared = ["port 0000", "0x002", "0.001 s", "10,000 steps", "1,001 (8/call)", "240 000 env steps", "2026-11-21",
               "version 0.2.1", "v003", "LOCAL_SLICE = 0.002", "issue's", "an issue with it", "ray-project/ray#43434",
-              "1e-3", "2002", "the 0004th"]
+              "1e-3", "2002", "the 0004th", "0002s", "test_002s_constructor"]
     assert [t for t in caught if not findings(t)] == []
     assert {t: findings(t) for t in spared if findings(t)} == {}
