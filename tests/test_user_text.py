@@ -5,7 +5,7 @@ of the repository, so "002's fork", "issue 21's aim" or a path into ``shared/ref
 They read: InstaDeep echo, TorchRL, rsl_rl and its legged-robot forks, RLlib, embodichain; the aim or the figure
 itself; files of this repository.
 
-Scanned: README.md, CHANGELOG.md, the Makefile, pyproject.toml, every page under docs/, benchmarks/README.md, the
+Scanned: README.md, CHANGELOG.md, the Makefile, every page under docs/, benchmarks/README.md, the
 results pages a page of those names (the current ones), the strings and comments of every module of shmbuf/,
 workers/, benchmarks/ and examples/ (docstrings, error messages, printed and written text), and the module docstring
 of each test file a page cites (a reader following the citation reads it first).
@@ -36,7 +36,7 @@ OUTSIDE = re.compile(r"shared/reference|\.\./shared\b|/work/shared\b")
 PATTERNS = {"an issue number": ISSUE, "a reference number as a name": REF_NUMBER, "a reference file": REF_FILE,
             "a path outside the repository": OUTSIDE}
 
-PAGES = ("README.md", "CHANGELOG.md", "Makefile", "pyproject.toml", "benchmarks/README.md")
+PAGES = ("README.md", "CHANGELOG.md", "Makefile", "benchmarks/README.md")
 PACKAGES = ("shmbuf", "workers", "benchmarks", "examples")
 
 
