@@ -14,7 +14,6 @@ of each test file a page cites (a reader following the citation reads it first).
 from __future__ import annotations
 
 import ast
-import io
 import pathlib
 import re
 import tokenize
