@@ -1,14 +1,15 @@
 """What a user reads names the systems shmbuf learns from by their names, and nothing a user cannot open.
 
-The project was built against reference documents numbered 000 to 004 and against numbered issues; neither is part
-of the repository, so "002's fork", "issue 21's aim" or a path into ``shared/reference/`` means nothing to a user.
-They read: InstaDeep echo, TorchRL, rsl_rl and its legged-robot forks, RLlib, embodichain; the aim or the figure
-itself; files of this repository.
+The project was built against numbered reference documents and numbered issues; neither is part of the repository,
+so a three-digit document number standing for a system, an issue number standing for an aim, or a path into the
+folder those documents live in means nothing to a user. They read: InstaDeep echo, TorchRL, rsl_rl and its
+legged-robot forks, RLlib, embodichain; the aim or the figure itself; files of this repository. (The patterns,
+with examples of what they catch and what they spare, are below.)
 
-Scanned: README.md, CHANGELOG.md, the Makefile, every page under docs/, benchmarks/README.md, the
-results pages a page of those names (the current ones), the strings and comments of every module of shmbuf/,
-workers/, benchmarks/ and examples/ (docstrings, error messages, printed and written text), and the module docstring
-of each test file a page cites (a reader following the citation reads it first).
+Scanned: README.md, CHANGELOG.md, the Makefile, every page under docs/, benchmarks/README.md, the results pages
+those pages name (the current ones), the strings and comments of every module of shmbuf/, workers/, benchmarks/
+and examples/ (docstrings, error messages, printed and written text), and the module docstring of each test file
+a page cites (a reader following the citation reads it first), this one included.
 """
 
 from __future__ import annotations
