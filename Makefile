@@ -7,7 +7,8 @@ PIP := $(PY) -m pip
 .PHONY: demo demo-ray test test-slow test-core lint bench bench-quick bench-storage bench-inference bench-collect bench-ray bench-multiagent bench-multiagent-loop clean-shm clean
 
 # One stamp per set of extras, refreshed when pyproject.toml changes. The tests also get rsl_rl's own code, the
-# reference for 002's GAE (tests/_rsl_rl.py), with --no-deps: its torch pin would pull a CUDA build of GBs.
+# reference that shmbuf's rsl_rl-style GAE must equal (tests/_rsl_rl.py), with --no-deps: its torch pin would pull
+# a CUDA build of GBs.
 # PYTHONWARNINGS drops only setuptools' "Editable installation ... folders with the same name as your package" notice,
 # which is informational (this checkout is meant to be what `import shmbuf` finds); other warnings and errors still
 # print, and a failed install still fails the make.
@@ -100,7 +101,7 @@ bench-collect: $(VENV)/.stamp-bench
 bench-ray: $(VENV)/.stamp-bench
 	$(PY) -m benchmarks.on_ray
 
-# Multi-agent collection (issue 23): agent steps/s delivered to the learner from 4 PettingZoo envs (MPE2's simple_spread
+# Multi-agent collection: agent steps/s delivered to the learner from 4 PettingZoo envs (MPE2's simple_spread
 # with 8 agents, a synthetic env of 16), numpy linear policies: the one-process loop, workers.MultiAgentCollector and
 # RLlib's MultiAgentEnvRunner (Ray 2.60, remote env runners and a local one), in one run: about 20 minutes (--quick:
 # about 3; each RLlib run starts and stops Ray). RLlib's requirements come from the bench extra one by one: `ray[rllib]` would pin gymnasium==1.2.2.

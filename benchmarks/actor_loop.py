@@ -300,7 +300,7 @@ def markdown(r: dict[str, Any]) -> str:
               f"Two processes at once (CartPole, the bare loop in each): {r['side_by_side']['pair_us_per_step']:.1f} us "
               f"of CPU per vector step each, against {r['side_by_side']['solo_us_per_step']:.1f} alone: "
               f"{r['side_by_side']['pair_over_solo']:.2f}x, what sharing this machine costs any two processes.", "",
-              f"Aim (issue 21): ActorLoop within 15 % of the bare loop on CartPole: "
+              f"Aim: ActorLoop within 15 % of the bare loop on CartPole: "
               f"{'met' if r['aim']['actor_loop_within_15pct_of_bare_cartpole'] else 'not met'} "
               f"({r['ratio_actor_loop_to_bare']['cartpole']:.2f}x)."]
     return "\n".join(lines) + "\n"

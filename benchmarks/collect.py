@@ -7,7 +7,7 @@ shadows this one anywhere else)::
     make bench-collect
 
 writes ``<out>/<date>-<host>-collect[-quick].{json,md,png}``: every window of every run of every configuration, the
-machine, the settings (``.json``); the tables, the ratios and the issue's aims, each with its measured figure
+machine, the settings (``.json``); the tables, the ratios and the aims, each with its measured figure
 (``.md``); the plot (``.png``). ``--render FILE.json`` rewrites the ``.md`` and ``.png`` of a results file.
 
 Systems (``benchmarks/collect_systems.py``), 16 envs in each; envs and policies in ``benchmarks/collect_envs.py``:

@@ -1,4 +1,4 @@
-"""The collection benchmark's figures from its runs: rows, ratios, the issue's aims, the tables and the plot.
+"""The collection benchmark's figures from its runs: rows, ratios, the aims, the tables and the plot.
 
 Everything here is computed from the results file's raw runs (``--render`` redraws an old file): a row is one
 (env, policy, system, configuration), its windows pooled over the passes; a system's shown row is its fastest
@@ -102,7 +102,8 @@ def summarize(res: dict[str, Any]) -> None:
 
 
 def aims(best: dict[tuple[str, str, str], dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 21's aims for this bench, each with its measured figure, for every env (and floor) measured."""
+    """This bench's aims (Collector against the floors and PufferLib, AsyncBatchedCollector against Collector), each
+    with its measured figure, for every env (and floor) measured."""
     out: list[dict[str, Any]] = []
 
     def fps(k: tuple[str, str, str]) -> float:
@@ -187,7 +188,7 @@ def tables(res: dict[str, Any]) -> str:
                              f"{cpu['children']:.1f} / {cpu['total']:.1f} | {r['outside_cores']['mean']:.2f} |")
             lines.append("")
     if res.get("aims"):
-        lines += ["## The issue's aims (computed from the rows above)", "",
+        lines += ["## Aims (computed from the rows above)", "",
                   "| aim | env | policy | against | measured | goal | met |", "|---|---|---|---|---:|---:|---|"]
         for m in res["aims"]:
             lines.append(f"| {m['aim']} | {m['env']} | {m['policy']} | {m['against']} | {m['value']:.2f}x | {m['goal']}x | "

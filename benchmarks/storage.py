@@ -10,8 +10,8 @@ run, on the same rows, batch sizes and buffer sizes:
 
 1. **Replay in one process** (rows/s, median of ``--windows`` windows after a warm-up that also
    fills the buffer once): shmbuf's ``ReplayBuffer`` (shared memory) against TorchRL's
-   ``ReplayBuffer(storage=LazyTensorStorage(N))`` and a plain in-process numpy ring (002's
-   logic), inserting batches of ``INSERT_BATCH`` rows and sampling batches of ``SAMPLE_BATCH``
+   ``ReplayBuffer(storage=LazyTensorStorage(N))`` and a plain in-process numpy ring (the
+   logic of rsl_rl's legged-robot forks), inserting batches of ``INSERT_BATCH`` rows and sampling batches of ``SAMPLE_BATCH``
    rows, for a 64-float observation row and an 84x84x4 uint8 frame row (each with an int64
    action and a float32 reward). Each system gets its batch ready-made (numpy arrays, or a
    TensorDict for TorchRL), so only ``insert``/``extend`` and ``sample`` are timed. TorchRL runs
@@ -21,7 +21,7 @@ run, on the same rows, batch sizes and buffer sizes:
 2. **Inserting processes**: shmbuf with 1, 2 and 4 processes inserting at once (spawned, each
    attached by name), total rows/s over windows of wall time.
 3. **GAE**: ``shmbuf.storage.gae.compute_gae`` (numpy, vectorised over envs) against a per-step
-   torch loop over T, as 002/rsl_rl's ``compute_returns`` does, for T in 24, 128, 512, 1024 and
+   torch loop over T, as rsl_rl's ``compute_returns`` does, for T in 24, 128, 512, 1024 and
    4096 envs, float32, with terminations and time-outs; median of repeats, warm-up dropped, and
    the two results compared.
 """
@@ -81,7 +81,7 @@ def row_bytes(kind: str) -> int:
 
 
 class NumpyRing:
-    """002's ReplayBuffer over a dict of numpy arrays, in this process: the floor for any replay buffer."""
+    """The legged-robot forks' ReplayBuffer over a dict of numpy arrays, in this process: the floor for any replay buffer."""
 
     def __init__(self, row: dict[str, np.ndarray], n: int):
         self.data = {k: np.zeros((n, *v.shape), v.dtype) for k, v in row.items()}
@@ -277,7 +277,7 @@ def replay_processes(kind: str, procs: int, n: int, a: argparse.Namespace) -> di
 
 
 def gae_torch_loop(rewards: Any, values: Any, dones: Any, time_outs: Any, last_values: Any, gamma: float, lam: float) -> Any:
-    """002 / rsl_rl: time-outs bootstrap through the rewards, then one Python step per time step."""
+    """rsl_rl: time-outs bootstrap through the rewards, then one Python step per time step."""
     import torch
 
     t_len = rewards.shape[0]

@@ -53,7 +53,7 @@ def _now() -> np.ndarray:
 
 def _zero_copy_arg(reader: Any) -> str | None:
     """The name of this shmbuf's ``get_batch`` argument for zero-copy batches: ``zero_copy``, ``view`` (its name
-    before the renames of issue 20), or None (a shmbuf from before zero-copy batches)."""
+    before the structural pass renamed it), or None (a shmbuf from before zero-copy batches)."""
     import inspect
 
     params = inspect.signature(reader.get_batch).parameters

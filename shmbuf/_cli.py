@@ -153,7 +153,7 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    """002's pickled recording in SRC to a shmbuf recording in DST, once; only with --allow-pickle."""
+    """A pickled recording of an rsl_rl legged-robot fork in SRC to a shmbuf recording in DST, once; only with --allow-pickle."""
     from shmbuf._errors import SegmentError, UsageError
     from shmbuf.storage._pickled import convert_pickled_recording
 
@@ -195,14 +195,14 @@ def _parser() -> argparse.ArgumentParser:
                         "that may be killed)")
     p.add_argument("names", nargs="*", metavar="NAME", help="only these pipelines or weight broadcasts (default: all)")
     sub.add_parser("bench", help="run the benchmarks (arguments pass through; see shmbuf bench --help)", add_help=False)
-    p = sub.add_parser("convert", help="convert a 002 (rsl_rl fork) pickled recording into shmbuf's file format, once",
-                       description="Reads SRC, 002's recording (trajectory_<k>/traj_<a>_<b>.pickle), and writes DST as "
-                                   "shmbuf's own recording (.npy files, read without pickle). UNSAFE for files you do "
-                                   "not trust: unpickling runs code chosen by whoever wrote them; --allow-pickle is "
-                                   "required to say the files are trusted.",
+    p = sub.add_parser("convert", help="convert a pickled recording of an rsl_rl legged-robot fork into shmbuf's format, once",
+                       description="Reads SRC, a recording of an rsl_rl legged-robot fork (trajectory_<k>/"
+                                   "traj_<a>_<b>.pickle), and writes DST as shmbuf's own recording (.npy files, read "
+                                   "without pickle). UNSAFE for files you do not trust: unpickling runs code chosen "
+                                   "by whoever wrote them; --allow-pickle is required to say the files are trusted.",
                        formatter_class=defaults)
     p.add_argument("--allow-pickle", action="store_true", help="unpickle SRC's files (only for files you trust)")
-    p.add_argument("src", metavar="SRC", help="002's recording directory")
+    p.add_argument("src", metavar="SRC", help="the fork's recording directory")
     p.add_argument("dst", metavar="DST", help="a new (or empty) directory for the shmbuf recording")
     return parser
 

@@ -1,4 +1,4 @@
-"""Coming from RLlib (003): postprocess_trajectory in the actor, batch_repeat_value, rewards and dones in views.
+"""Coming from RLlib: postprocess_trajectory in the actor, batch_repeat_value, rewards and dones in views.
 
 postprocess_trajectory is checked against RLlib's documented guarantee: it is called at the end of every rollout
 fragment and of every episode, one call never sees two episodes' data, and the columns it adds are stored with the
@@ -410,3 +410,22 @@ def test_rewards_and_dones_in_the_mask_form_and_over_a_padded_batch() -> None:
     assert cols["done"].valid.tolist() == [[True] * 8, [True] * 5 + [False] * 3]
     cols = build_views(batch, {"obs": VR()}, fill=fill, rewards_and_dones=True)
     assert cols["done"].shape == (2, 8) and cols["reward"].shape == (2, 8)
+
+
+def test_the_page_maps_rllibs_multi_agent_names_to_multiagentcollector() -> None:
+    """Multi-agent sampling and count_steps_by are supported (workers.MultiAgentCollector, docs/multiagent.md): the
+    page says so, in a table of RLlib's multi-agent names, and each setting it names is MultiAgentCollector's."""
+    import inspect
+    import pathlib
+    import re
+
+    from workers import MultiAgentCollector
+
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "from-rllib.md").read_text()
+    assert "single-agent envs only" not in page and "has no meaning here" not in page
+    table = page.split("## Multi-agent: RLlib's names and shmbuf's\n", 1)[1].split("\n## ", 1)[0]
+    assert "(multiagent.md)" in table and "(multiagent.md#coming-from-rllib)" in table
+    settings = ("policies", "policy_mapping_fn", "policies_to_train", "count_steps_by", "postprocess", "remap_each_episode")
+    for name in (*settings, "policy_batches", "other_agent_batches", "MultiAgentBatch"):
+        assert re.search(rf"`[^`]*\b{name}\b[^`]*`", table), name
+    assert set(settings) <= set(inspect.signature(MultiAgentCollector).parameters)

@@ -1,7 +1,7 @@
-"""Coming from rsl_rl and 002's fork: their call sites with only the import changed (docs/from-rsl_rl.md).
+"""Coming from rsl_rl and its legged-robot forks: their call sites with only the import changed (docs/from-rsl_rl.md).
 
-002's fork is not installed: its storage is checked against its documented semantics (transcribed here in torch,
-line by line from what 002 does), and rsl_rl 5.5.1's GAE against rsl_rl's own code where it is installed.
+The forks are not installed: their storage is checked against its documented semantics (transcribed here in torch,
+line by line from what the forks do), and rsl_rl 5.5.1's GAE against rsl_rl's own code where it is installed.
 """
 
 from __future__ import annotations
@@ -408,7 +408,8 @@ def test_rollout_file_base_stays_abstract_and_checks_its_settings() -> None:
 def test_rsl_rl_2s_training_type_signature_is_refused_naming_the_one_to_use() -> None:
     from shmbuf.storage import RolloutStorage
 
-    with pytest.raises(shmbuf.UsageError, match=r"RolloutStorage\('rl', \.\.\.\): that is rsl_rl 2\+'s signature.*use 002's"):
+    with pytest.raises(shmbuf.UsageError,
+                       match=r"RolloutStorage\('rl', \.\.\.\): that is rsl_rl 2\+'s signature.*use rsl_rl 1\.x's"):
         RolloutStorage("rl", 4, 24, {"policy": torch.zeros(4, 3)}, (2,), "cpu")
 
 

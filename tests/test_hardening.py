@@ -1,4 +1,4 @@
-"""Defects that review and hostile testing found in the reader, the writer and their lane protocol (issue 8).
+"""Defects that review and hostile testing found in the reader, the writer and their lane protocol.
 
 Each test here failed on the code before the fix; the docstring says how.
 """

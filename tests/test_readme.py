@@ -258,10 +258,11 @@ import numpy as np
 batches = []
 
 
-def train(model, data):  # the README leaves train to the reader
+def train(w, data):  # the README leaves train to the reader: here it checks the batch and nudges the weights
     obs = data["step"]["obs"]
     assert obs.dtype == np.float32 and obs.shape[-1] == 4 and np.isfinite(obs).all()
     batches.append(int(np.prod(obs.shape[:-1])))
+    return w + np.float32(0.01)
 
 '''
 COLLECTOR_EPILOGUE = '''
@@ -276,7 +277,6 @@ def test_readme_collector_script_runs(tmp_path: pathlib.Path) -> None:
     each start method (workers' default pointed at it: see tests/helpers.py). The three runs go at once: each takes
     tens of seconds on 2 cores, collecting the block's 20,000 frames, mostly waiting."""
     pytest.importorskip("gymnasium")
-    pytest.importorskip("torch")
 
     def run(method: str, directory: pathlib.Path) -> subprocess.CompletedProcess:
         script = directory / "collect.py"
@@ -355,3 +355,46 @@ def test_readme_shows_no_command_line_that_no_test_runs() -> None:
     assert CLI_RUN <= set(lines)
     for args in lines:
         assert args in CLI_RUN or args in CLI_NOT_RUN, f"README shows `shmbuf {args}`: run it in test_readme_command_line_runs"
+
+
+# -- what a newcomer installs first ---------------------------------------------
+
+
+def _imports(block: str) -> set[str]:
+    """The top-level packages a block imports."""
+    out = set()
+    for node in ast.walk(ast.parse(block)):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_readme_first_workers_script_needs_only_the_demo_extra() -> None:
+    """The first workers script runs after `pip install -e ".[demo]"` (what `make demo` installs): it imports the
+    core, workers and the demo extra's packages, nothing of another extra (torch is the `examples` extra's)."""
+    block = python_block("from workers import Collector")
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    demo = re.search(r"^demo = \[(.*)\]$", pyproject, re.M)
+    assert demo, "pyproject.toml has no demo extra"
+    demo_packages = {re.split(r"[<>=!\[ ]", d.strip('" '))[0] for d in demo.group(1).split(",")}
+    assert _imports(block) <= {"numpy", "shmbuf", "workers"} | demo_packages, (_imports(block), demo_packages)
+    assert 'pip install -e ".[demo]"' in README
+
+
+def test_readme_first_screen_is_install_learner_actor_then_the_two_commands() -> None:
+    """STYLE.md's first screen: what it is in two lines, install, a learner and an actor block, then `make demo` and
+    `make test`, with no more than a line or two of prose between one and the next."""
+    top = README.split("\n## ", 1)[0]
+    parts = re.split(r"^```\w*\n.*?^```\n", top, flags=re.S | re.M)
+    fenced = re.findall(r"^```(\w*)\n(.*?)^```\n", top, flags=re.S | re.M)
+    kinds = [lang for lang, _ in fenced[:4]]
+    assert kinds == ["bash", "python", "python", "bash"], kinds
+    assert "pip install -e ." in fenced[0][1]
+    assert "shmbuf.create(" in fenced[1][1] and "def actor(handle):" in fenced[2][1]
+    assert [line.split()[:2] for line in fenced[3][1].splitlines()] == [["make", "demo"], ["make", "test"]]
+    prose = [[line for line in part.splitlines() if line.strip()] for part in parts[:4]]
+    assert prose[0][0] == "# shmbuf" and len(prose[0]) == 3, prose[0]  # the title, then two lines
+    for between in prose[1:]:
+        assert len(between) <= 3, between

@@ -1,5 +1,5 @@
 """compute_gae against the obvious per-step, per-env loop, on random data with terminations and time-outs, in both
-flag conventions (``time_outs=``: 002 / rsl_rl; ``truncated=``: gymnasium), and against rsl_rl's own arithmetic."""
+flag conventions (``time_outs=``: rsl_rl; ``truncated=``: gymnasium), and against rsl_rl's own arithmetic."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def test_the_issues_case_a_time_out_flagged_done_bootstraps_under_time_outs_not_
 
 def test_time_outs_and_truncated_together_are_refused() -> None:
     r = np.zeros((3, 2))
-    with pytest.raises(shmbuf.UsageError, match=r"both time_outs= \(002 / rsl_rl.*and truncated= \(gymnasium"):
+    with pytest.raises(shmbuf.UsageError, match=r"both time_outs= \(rsl_rl.*and truncated= \(gymnasium"):
         compute_gae(r, r, r, np.zeros(2), 0.9, 0.9, time_outs=r, truncated=r)
 
 

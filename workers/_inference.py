@@ -5,7 +5,7 @@
             train(batch.data)
             collector.update_policy_weights(trained)  # into the server's policy, between two forward passes
 
-The shape (TorchRL's ``AsyncBatchedCollector``, 001): each env worker (a
+The shape (TorchRL's ``AsyncBatchedCollector``): each env worker (a
 process, or a thread with ``env_backend="threading"``) runs the same
 :class:`workers.ActorLoop` as :class:`workers.Collector`'s actors, with a
 :class:`workers.RemotePolicy` instead of a policy copy; the policy stays here, in an

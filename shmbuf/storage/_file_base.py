@@ -1,4 +1,5 @@
-"""002's ``RolloutFileBase``: the abstract reader of recorded rollouts that 002 users subclass, and
+"""``RolloutFileBase`` of rsl_rl's legged-robot forks: the abstract reader of recorded rollouts that their users
+subclass, and
 :class:`~shmbuf.storage.dataset.RolloutDataset`'s base.
 
 A torch ``IterableDataset`` once torch is imported (a virtual subclass, registered when an instance is made or a
@@ -39,15 +40,15 @@ def time_row(buffer: Any, t: int) -> Any:
 
 
 class RolloutFileBase(abc.ABC):
-    """002's ``RolloutFileBase``: ``num_envs`` cursors over recorded trajectories, read a transition (or a time-major run
+    """The forks' ``RolloutFileBase``: ``num_envs`` cursors over recorded trajectories, read a transition (or a time-major run
     of them) per env at a time. Subclass it and define :meth:`reset_all`, :meth:`refresh_handlers`, :meth:`get_buffer`
     and :meth:`fill_transition`; :meth:`reset`, :meth:`get_batch`, :meth:`get_transition_batch` and iteration are built
-    on them as 002 builds them.
+    on them as the forks build them.
 
     Args:
         data_dir: where the recording is (kept as given).
         num_envs: how many envs are read side by side.
-        device: None (002's default is ``"cuda"``): ``all_env_ids`` is a numpy ``arange``; a device (``str`` or
+        device: None (the forks' default is ``"cuda"``): ``all_env_ids`` is a numpy ``arange``; a device (``str`` or
             ``torch.device``): a torch ``arange`` there, and ``device`` is a ``torch.device`` for the subclass to use.
 
     With torch imported, ``isinstance(x, torch.utils.data.IterableDataset)`` holds for every instance, so
@@ -66,7 +67,7 @@ class RolloutFileBase(abc.ABC):
         self.data_dir = data_dir
         self.num_envs = int_setting(f"{type(self).__name__}(num_envs=...)", num_envs, 1)
         self.device = None if device is None else device_setting(f"{type(self).__name__}(device=...)", device)
-        self._initialized = False  # the first get_batch resets (002: the subclass may not be ready at __init__)
+        self._initialized = False  # the first get_batch resets (the forks: the subclass may not be ready at __init__)
         if self.device is None:
             self.all_env_ids: Any = np.arange(self.num_envs)
         else:
@@ -85,7 +86,7 @@ class RolloutFileBase(abc.ABC):
     def get_batch(self, num_transitions_per_env: int | None = None) -> Any:
         """:meth:`get_buffer`, filled by :meth:`fill_transition`: once (``(num_envs, ...)``, no time dim) with None,
         else once per row of a ``(num_transitions_per_env, num_envs, ...)`` buffer (row ``t`` of every leaf: the
-        buffer may be a namedtuple, 002's namedarraytuple, a dict, a TensorDict or one array). The first call
+        buffer may be a namedtuple, the forks' namedarraytuple, a dict, a TensorDict or one array). The first call
         resets."""
         if num_transitions_per_env is not None:
             int_setting("get_batch(num_transitions_per_env=...) (None: one transition, no time dim)", num_transitions_per_env)
@@ -101,7 +102,7 @@ class RolloutFileBase(abc.ABC):
         return buffer
 
     def get_transition_batch(self) -> tuple[Any, dict[str, Any]]:
-        """One transition of every env, as 002 gives it to its runner: ``(buffer, infos)``, ``infos`` being
+        """One transition of every env, as the forks give it to their runner: ``(buffer, infos)``, ``infos`` being
         ``{"time_outs": buffer.timeout}`` when the buffer has a ``timeout`` field, else ``{}``."""
         buffer = self.get_batch()
         fields = getattr(buffer, "_fields", None)

@@ -1,4 +1,5 @@
-"""002's ``ReplayBuffer(obs_dim, buffer_size, device)``: an in-process ring of ``(state, next_state)`` pairs.
+"""The ``ReplayBuffer(obs_dim, buffer_size, device)`` of rsl_rl's legged-robot forks: an in-process ring of
+``(state, next_state)`` pairs.
 
 This is what ``shmbuf.storage.ReplayBuffer(obs_dim, buffer_size, device)`` makes (:meth:`ReplayBuffer.__new__
 <shmbuf.storage.replay.ReplayBuffer>` tells the two apart by the first argument: an int here, a segment name
@@ -19,14 +20,14 @@ from shmbuf.storage._torch import device_setting, host_array, is_tensor
 
 
 class LocalReplayBuffer:
-    """A ring of ``buffer_size`` ``(state, next_state)`` rows of ``obs_dim`` float32s (002's ``ReplayBuffer``).
+    """A ring of ``buffer_size`` ``(state, next_state)`` rows of ``obs_dim`` float32s (the forks' ``ReplayBuffer``).
 
     ``states`` / ``next_states`` ``[buffer_size, obs_dim]``: torch tensors on ``device``, or numpy arrays without
     one. :meth:`insert` writes a batch at ``step`` and wraps round, overwriting the oldest rows; ``num_samples``
     counts the rows filled (at most ``buffer_size``). :meth:`feed_forward_generator` draws uniformly, with
-    replacement, from the filled rows (002 uses ``np.random.choice``; here the buffer's own generator, ``seed``).
+    replacement, from the filled rows (the forks use ``np.random.choice``; here the buffer's own generator, ``seed``).
 
-    Differences from 002: a batch larger than the buffer keeps its last ``buffer_size`` rows (002 would fail);
+    Differences from the forks: a batch larger than the buffer keeps its last ``buffer_size`` rows (theirs would fail);
     sampling an empty buffer, a mis-shaped batch or a bad size is a UsageError / SchemaError naming it.
     Lifetime: a minibatch is gathered (a copy), the caller's to keep.
     """

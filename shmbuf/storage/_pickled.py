@@ -1,7 +1,7 @@
-"""002's own recordings (its ``DemonstrationSaver``: pickled trajectories), read only when asked to, and
-converted once into shmbuf's format (:mod:`shmbuf.storage._fileformat`).
+"""The recordings of rsl_rl's legged-robot forks (their ``DemonstrationSaver``: pickled trajectories), read only
+when asked to, and converted once into shmbuf's format (:mod:`shmbuf.storage._fileformat`).
 
-002's layout, as its saver writes it and its ``RolloutDataset`` reads it::
+Their layout, as their saver writes it and their ``RolloutDataset`` reads it::
 
     save_dir/
         metadata.json                      config, env, policy, ...; obs_segments and obs_disassemble_mapping
@@ -11,8 +11,8 @@ converted once into shmbuf's format (:mod:`shmbuf.storage._fileformat`).
 
 Each pickle holds ``privileged_observations [n, P]``, ``actions [n, A]``, ``rewards [n, 1]``, ``dones [n, 1]``
 (uint8; every episode end), ``values [n, 1]``, optionally ``timeouts [n]`` (bool), and either ``observations``
-(``[n, O]``, which 002's saver wraps in a 1-tuple) or ``obs_<component>`` per ``metadata.json``'s
-``obs_segments`` (``normalized_image`` components stored as uint8, decompressed as 002 does: ``/ 255``).
+(``[n, O]``, which the forks' saver wraps in a 1-tuple) or ``obs_<component>`` per ``metadata.json``'s
+``obs_segments`` (``normalized_image`` components stored as uint8, decompressed as the forks do: ``/ 255``).
 
 Unpickling runs code chosen by whoever wrote the file: nothing here reads a pickle unless
 ``allow_pickle=True`` says the files are trusted; even then only numpy arrays, dicts and tuples are
@@ -45,13 +45,13 @@ _ALLOWED = {
 
 def refuse_pickle(src: str, what: str) -> UsageError:
     return UsageError(
-        f"{what}: {src} is a pickled recording (002's traj_*.pickle files). Unpickling runs whatever code the file's "
-        "author put in it, so it is never done by default. If you trust these files, convert them once with "
+        f"{what}: {src} is a pickled recording (an rsl_rl fork's traj_*.pickle files). Unpickling runs whatever code "
+        "the file's author put in it, so it is never done by default. If you trust these files, convert them once with "
         f"`shmbuf convert --allow-pickle {src} <new dir>` (then read the new directory), or pass allow_pickle=True")
 
 
 def is_pickled_recording(path: str) -> bool:
-    """Does ``path`` hold 002-style trajectories (a ``trajectory_<k>`` directory with ``traj_<a>_<b>.pickle`` files)?"""
+    """Does ``path`` hold fork-style trajectories (a ``trajectory_<k>`` directory with ``traj_<a>_<b>.pickle`` files)?"""
     try:
         for root, dirs, _ in os.walk(path):
             for d in dirs:
@@ -74,12 +74,12 @@ def _load(path: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             data = _ArraysOnly(io.BytesIO(f.read())).load()
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
-        raise SegmentError(f"{path}: cannot be read as 002's pickled trajectory ({type(e).__name__}: {e})") from None
+        raise SegmentError(f"{path}: cannot be read as an rsl_rl fork's pickled trajectory ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict):
-        raise SegmentError(f"{path}: expected a pickled dict of arrays (002's trajectory), got {type(data).__name__}")
+        raise SegmentError(f"{path}: expected a pickled dict of arrays (an rsl_rl fork's trajectory), got {type(data).__name__}")
     out = {}
     for k, v in data.items():
-        if isinstance(v, tuple) and len(v) == 1:  # 002's saver writes `observations = (array,)` (a trailing comma)
+        if isinstance(v, tuple) and len(v) == 1:  # the forks' saver writes `observations = (array,)` (a trailing comma)
             v = v[0]
         if not isinstance(v, np.ndarray) or v.dtype.hasobject:
             raise SegmentError(f"{path}: {k!r} is a {type(v).__name__}, expected a numeric numpy array")
@@ -95,7 +95,7 @@ def _segments(meta: dict[str, Any] | None) -> tuple[list[tuple[str, int]], dict[
 
 
 def _observation(data: dict[str, Any], segs: Any, path: str) -> Any:
-    """``[n, O]``, or a dict of components ``[n, size]`` in ``obs_segments`` order, decompressed as 002 does."""
+    """``[n, O]``, or a dict of components ``[n, size]`` in ``obs_segments`` order, decompressed as the forks do."""
     if "observations" in data:
         return data.pop("observations")
     if segs is None:
@@ -118,8 +118,8 @@ def _observation(data: dict[str, Any], segs: Any, path: str) -> Any:
 
 def read_pickled_recording(src: str | os.PathLike[str], *, allow_pickle: bool = False
                            ) -> tuple[dict[str, Any] | None, Iterator[tuple[str, dict[str, Any]]]]:
-    """``(metadata, trajectories)`` of a 002 recording: each trajectory ``(its directory, arrays)`` with its chunks
-    joined in frame order, oldest directory first (002's order: modification time).
+    """``(metadata, trajectories)`` of a fork recording: each trajectory ``(its directory, arrays)`` with its chunks
+    joined in frame order, oldest directory first (the forks' order: modification time).
 
     .. warning:: This unpickles files. Unpickling runs code chosen by whoever wrote them: pass
        ``allow_pickle=True`` only for files you trust (yours); the default refuses. Even then only numpy arrays,
@@ -163,7 +163,7 @@ def _trajectories(dirs: list[str], segs: Any) -> Iterator[tuple[str, dict[str, A
             data["observations"] = _observation(data, segs, path)
             for k in ("actions", "rewards", "dones"):
                 if k not in data:
-                    raise SegmentError(f"{path}: missing {k!r} (002's trajectory has actions, rewards, dones, ...)")
+                    raise SegmentError(f"{path}: missing {k!r} (an rsl_rl fork's trajectory has actions, rewards, dones, ...)")
             for k, v in data.items():
                 n = len(next(iter(v.values()))) if isinstance(v, dict) else len(v)
                 if n != b - a:
@@ -182,7 +182,7 @@ def _trajectories(dirs: list[str], segs: Any) -> Iterator[tuple[str, dict[str, A
 
 
 class _Trajectory:
-    """One 002 trajectory as a truncate-episodes rollout of one env in the workers layout, for a Recorder."""
+    """One of the forks' trajectories as a truncate-episodes rollout of one env in the workers layout, for a Recorder."""
 
     def __init__(self, arrays: dict[str, Any], lane: int):
         obs = arrays["observations"]
@@ -216,7 +216,7 @@ class _Trajectory:
         starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64) if k else np.zeros(0, np.int64)
 
         def final(i: int) -> Any:
-            # 002 does not record the observation after an episode's last frame: its last frame stands in for it.
+            # The forks do not record the observation after an episode's last frame: its last frame stands in for it.
             return {c: last(v, i) for c, v in obs.items()} if isinstance(obs, dict) else last(obs, i)
 
         finals = [final(int(e)) for e in ends] or [final(n - 1)]
@@ -239,20 +239,20 @@ class _Trajectory:
 
 def convert_pickled_recording(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, allow_pickle: bool = False,
                               fsync: bool = True) -> int:
-    """Convert a 002 recording (pickled trajectories) in ``src`` into a shmbuf recording in ``dst`` (a new or empty
+    """Convert a fork recording (pickled trajectories) in ``src`` into a shmbuf recording in ``dst`` (a new or empty
     directory), once; return how many trajectories were written. ``shmbuf convert --allow-pickle SRC DST`` runs it.
 
     .. warning:: This unpickles ``src``'s files: unpickling runs code chosen by whoever wrote them. Pass
        ``allow_pickle=True`` only for files you trust; the default refuses. The result is plain ``.npy`` files,
        read from then on without pickle.
 
-    Each 002 trajectory becomes one env's stream, split into episodes at its ``dones``: ``terminated`` is
-    ``dones`` without ``timeouts``, ``truncated`` is ``timeouts`` (only if 002 recorded them); ``obs`` is the
+    Each of the forks' trajectories becomes one env's stream, split into episodes at its ``dones``: ``terminated`` is
+    ``dones`` without ``timeouts``, ``truncated`` is ``timeouts`` (only if the forks recorded them); ``obs`` is the
     observation (or the dict of its ``obs_segments`` components, decompressed), ``privileged_observations`` and
     ``value`` are kept as step leaves (a RolloutDataset gives them in ``extras``). A trajectory that did not end an
-    episode is published cut short (``ends_episode: false``). 002 does not record the observation after an
+    episode is published cut short (``ends_episode: false``). The forks do not record the observation after an
     episode's last frame: the last frame's own observation stands in for it (``next_observation`` there is that
-    stand-in; mask it with ``done``, as 002's own next observation there is the next trajectory's first).
+    stand-in; mask it with ``done``, as the forks' own next observation there is the next trajectory's first).
     """
     from shmbuf.storage.recorder import Recorder
 
@@ -266,9 +266,10 @@ def convert_pickled_recording(src: str | os.PathLike[str], dst: str | os.PathLik
     with Recorder(dst, fsync=fsync) as rec:
         for lane, (_, arrays) in enumerate(trajs):
             rec.write(_Trajectory(arrays, lane))
-            if (lane, 0) in rec._open:  # still running when 002 stopped: publish it cut short now, in 002's order
+            if (lane, 0) in rec._open:  # still running when the recording stopped: publish it cut short now, in the forks' order
                 rec._cut((lane, 0))
             count += 1
     if count == 0:
-        raise UsageError(f"convert_pickled_recording: {src} holds no 002 trajectory (trajectory_<k>/traj_<a>_<b>.pickle)")
+        raise UsageError(f"convert_pickled_recording: {src} holds no rsl_rl fork's trajectory "
+                         "(trajectory_<k>/traj_<a>_<b>.pickle)")
     return count

@@ -1,4 +1,4 @@
-"""PPO rollout storage (002 / rsl_rl's ``RolloutStorage``): time-major ``[T, N, ...]`` numpy arrays, GAE and
+"""PPO rollout storage (rsl_rl's ``RolloutStorage``): time-major ``[T, N, ...]`` numpy arrays, GAE and
 minibatches; the public module is :mod:`shmbuf.storage.rollout` (its docstring says the layout and flag rules)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from shmbuf.storage._transition import (
     shape_setting,
 )
 
-# Under other names: inside the class body, Transition and MiniBatch are the class attributes (002's
+# Under other names: inside the class body, Transition and MiniBatch are the class attributes (the forks'
 # RolloutStorage.Transition), which a type checker does not take as types in the methods' annotations.
 from shmbuf.storage._transition import MiniBatch as _MiniBatch
 from shmbuf.storage._transition import Transition as _Transition
@@ -35,7 +35,7 @@ from shmbuf.storage.gae import normalize_advantages as _normalize
 
 
 class RolloutStorage:
-    """PPO rollout storage: time-major ``[T, N, ...]`` numpy arrays (002 / rsl_rl's ``RolloutStorage``).
+    """PPO rollout storage: time-major ``[T, N, ...]`` numpy arrays (rsl_rl's ``RolloutStorage``).
 
     Arrays: ``observations``, ``privileged_observations`` (critic observations; None when not used),
     ``actions``, ``rewards``, ``dones``, ``time_outs`` (read as ``flag_convention`` says), ``values``,
@@ -48,19 +48,19 @@ class RolloutStorage:
     work on rows ``[0, step)``. Shuffling draws from ``rng`` (``np.random.default_rng(seed)``).
 
     ``flag_convention`` says how :meth:`compute_returns` reads the flags: ``"rsl_rl"`` for a storage made
-    here and filled by :meth:`add_transitions` (002 / rsl_rl: ``dones`` every episode end, and a
+    here and filled by :meth:`add_transitions` (rsl_rl: ``dones`` every episode end, and a
     ``time_outs`` step bootstraps whatever ``dones`` says), ``"gymnasium"`` for one made by
     :meth:`from_rollout` (``dones`` = terminated, ``time_outs`` = truncated; terminated wins). Set it to
     ``"gymnasium"`` to fill with gymnasium's ``terminated``/``truncated`` as they are.
 
-    ``device`` (002's sixth positional argument, or ``device=``; a ``str`` or ``torch.device`` there is a device,
-    never ``rnn_hidden_shape``): the storage speaks 002's torch idiom. Transitions may hold tensors on any device
-    (as without it); minibatches are torch tensors on ``device`` with 002's shapes (``values``, ``advantages``,
-    ``returns``, ``old_actions_log_prob`` ``[..., 1]``; ``hidden_states`` in torch's ``(num_layers, traj, H)``
-    layout, an LSTM's as ``(h, c)``, read from transitions in torch's ``(num_layers, N, H)`` layout);
-    :meth:`compute_returns` normalises the advantages unless told not to and the recurrent generator pads to
-    ``T`` (both as 002); :meth:`get_statistics` gives 0-d tensors. The arrays themselves stay host numpy
-    ``[T, N, ...]``. Without ``device`` everything is numpy, as it always was.
+    ``device`` (the sixth positional argument of rsl_rl's legged-robot forks, or ``device=``; a ``str`` or
+    ``torch.device`` there is a device, never ``rnn_hidden_shape``): the storage speaks the forks' torch idiom.
+    Transitions may hold tensors on any device (as without it); minibatches are torch tensors on ``device`` with the
+    forks' shapes (``values``, ``advantages``, ``returns``, ``old_actions_log_prob`` ``[..., 1]``; ``hidden_states``
+    in torch's ``(num_layers, traj, H)`` layout, an LSTM's as ``(h, c)``, read from transitions in torch's
+    ``(num_layers, N, H)`` layout); :meth:`compute_returns` normalises the advantages unless told not to and the
+    recurrent generator pads to ``T`` (both as the forks); :meth:`get_statistics` gives 0-d tensors. The arrays
+    themselves stay host numpy ``[T, N, ...]``. Without ``device`` everything is numpy, as it always was.
     """
 
     Transition: ClassVar[type[_Transition]] = _Transition
@@ -77,14 +77,14 @@ class RolloutStorage:
     hidden_states_actor: np.ndarray | None
     hidden_states_critic: np.ndarray | None
     device: Any  # None, or a torch.device (set in _setup, then by __init__)
-    obs_shape: tuple[int, ...] | None  # 002's shape attributes (checked; None before __init__ / from_rollout sets them)
+    obs_shape: tuple[int, ...] | None  # the forks' shape attributes (checked; None before __init__ / from_rollout sets them)
     privileged_obs_shape: tuple[int, ...] | None
     actions_shape: tuple[int, ...] | None
 
     def __init__(self, num_envs: int, num_transitions_per_env: int, obs_shape: Any, privileged_obs_shape: Any,
                  actions_shape: Any, rnn_hidden_shape: Any = None, *, dtype: Any = np.float32, seed: Any = None,
                  device: Any = None):
-        if is_device(rnn_hidden_shape):  # 002 / rsl_rl: RolloutStorage(..., actions_shape, device)
+        if is_device(rnn_hidden_shape):  # rsl_rl: RolloutStorage(..., actions_shape, device)
             if device is not None:
                 raise UsageError(f"{type(self).__name__}: a device was given twice ({rnn_hidden_shape!r} in the sixth place, "
                                  f"and device={device!r}); give it once")
@@ -92,7 +92,7 @@ class RolloutStorage:
         if isinstance(num_envs, str):
             raise UsageError(f"{type(self).__name__}({num_envs!r}, ...): that is rsl_rl 2+'s signature (training_type, num_envs, "
                              "num_transitions_per_env, obs TensorDict, actions_shape, device), which shmbuf does not take; "
-                             f"use 002's / rsl_rl 1.x's: {type(self).__name__}(num_envs, num_transitions_per_env, obs_shape, "
+                             f"use rsl_rl 1.x's: {type(self).__name__}(num_envs, num_transitions_per_env, obs_shape, "
                              "privileged_obs_shape, actions_shape, device) (docs/from-rsl_rl.md)")
         N = int_setting("num_envs", num_envs, 1)
         T = int_setting("num_transitions_per_env", num_transitions_per_env, 1)
@@ -109,7 +109,7 @@ class RolloutStorage:
             priv = None  # rsl_rl passes [None] for "no privileged observations"
         priv = None if priv is None else shape_setting("privileged_obs_shape", priv)
         hid = None if rnn_hidden_shape is None else shape_setting("rnn_hidden_shape", rnn_hidden_shape)
-        self.obs_shape, self.privileged_obs_shape, self.actions_shape = obs, priv, act  # 002's attributes (checked)
+        self.obs_shape, self.privileged_obs_shape, self.actions_shape = obs, priv, act  # the forks' attributes (checked)
         self.observations = np.zeros((T, N, *obs), f)
         self.privileged_observations = None if priv is None else np.zeros((T, N, *priv), f)
         self.actions = np.zeros((T, N, *act), f)
@@ -141,11 +141,11 @@ class RolloutStorage:
         self.time_out_observations: TimeOutObservations | None = None
         self.copied: tuple[str, ...] = ()
         self._borrowed: str | None = None
-        self.flag_convention = "rsl_rl"  # add_transitions: 002 / rsl_rl's dones and time_outs
-        self.device = None  # a torch.device: 002's torch idiom (see the class docstring)
-        self.obs_shape = self.privileged_obs_shape = self.actions_shape = None  # 002's: set by __init__ or from the arrays
+        self.flag_convention = "rsl_rl"  # add_transitions: rsl_rl's dones and time_outs
+        self.device = None  # a torch.device: the forks' torch idiom (see the class docstring)
+        self.obs_shape = self.privileged_obs_shape = self.actions_shape = None  # the forks': set by __init__ or from the arrays
         self._hidden_form: list[str | None] = [None, None]  # with a device: "gru" ((L, N, H)) or "lstm" ((h, c)), per side
-        # with a device: the containers hidden states came in (002's ActorCriticHiddenState / LstmHiddenState
+        # with a device: the containers hidden states came in (the forks' ActorCriticHiddenState / LstmHiddenState
         # namedarraytuples, or plain tuples), to give them back in the same types: (outer, [actor's, critic's (h, c)])
         self._hidden_types: tuple[Any, list[Any]] = (tuple, [tuple, tuple])
 
@@ -312,7 +312,7 @@ class RolloutStorage:
                 h, forms[i] = self._torch_hidden(name, h)
             h = array_of(name, h)
             dst = getattr(self, name)
-            if dst is None:  # first use without rnn_hidden_shape: allocate from the example, as 002 does
+            if dst is None:  # first use without rnn_hidden_shape: allocate from the example, as the forks do
                 if h.shape[:1] != (self.num_envs,):
                     raise SchemaError(f"Transition.hidden_states: expected a leading num_envs={self.num_envs}, got {h.shape}")
                 dst = np.zeros((self.num_transitions_per_env, *h.shape), self.values.dtype)
@@ -362,13 +362,13 @@ class RolloutStorage:
 
         ``last_values`` ``[N]`` (or ``[N, 1]``): the critic's value of the observation after the last row.
         Time-outs bootstrap from ``time_out_values`` ``[T, N]`` (the final observations' values, read only at
-        time-out steps; :meth:`time_out_values_from` builds it) or else from ``values`` (002's approximation);
+        time-out steps; :meth:`time_out_values_from` builds it) or else from ``values`` (the forks' approximation);
         terminations do not bootstrap. Which steps are time-outs follows ``flag_convention``: ``"rsl_rl"``
         (filled by :meth:`add_transitions`): every ``time_outs`` step, whatever ``dones`` says, as rsl_rl's
         PPO (``compute_gae(..., time_outs=)``); ``"gymnasium"`` (made by :meth:`from_rollout`): ``time_outs
         & ~dones`` (``compute_gae(..., truncated=)``). ``normalize_advantages``: then ``(A - mean) / (std +
         1e-8)`` over all rows, as rsl_rl does on every call (off by default: returns are computed before
-        normalising either way); None (the default) is off, or on for a storage with a ``device`` (002 always
+        normalising either way); None (the default) is off, or on for a storage with a ``device`` (the forks always
         normalises). ``last_values`` and ``time_out_values`` may be tensors on any device.
         ``gamma`` and ``lam``: real numbers from 0 to 1 (else UsageError naming the setting).
         """
@@ -378,7 +378,7 @@ class RolloutStorage:
         rule = self.flag_convention
         if rule not in ("rsl_rl", "gymnasium"):
             raise UsageError(f"{type(self).__name__}.compute_returns: flag_convention is {rule!r:.80}; expected "
-                             "'rsl_rl' (dones and time_outs as 002 / rsl_rl) or 'gymnasium' (terminated and truncated)")
+                             "'rsl_rl' (dones and time_outs as rsl_rl) or 'gymnasium' (terminated and truncated)")
         n = self._filled()
         lv = np.asarray(host_array(last_values))
         if lv.shape == (self.num_envs, 1):
@@ -455,7 +455,7 @@ class RolloutStorage:
         per epoch; ``hidden_states`` are ``(actor, critic)`` as stored at each trajectory's first step,
         ``[traj, *rnn_hidden_shape]`` (None without hidden states). The other fields are ``[T, envs, ...]``:
         :func:`unpad_trajectories` (with ``num_steps=T``) maps a network's padded output onto them.
-        ``pad_to=None``: ``"longest"``, or ``"rollout"`` for a storage with a ``device`` (002's padding, which its
+        ``pad_to=None``: ``"longest"``, or ``"rollout"`` for a storage with a ``device`` (the forks' padding, which its
         ``unpad_trajectories`` needs).
         """
         if pad_to is None:
@@ -497,11 +497,11 @@ class RolloutStorage:
                     h = tuple(None if x is None else x[t0[j], env[j]] for x in hid)
                 yield self._out(self.MiniBatch(**out, hidden_states=h, masks=masks))
 
-    # 002's spelling, for users who search for it
+    # the forks' spelling, for users who search for it
     reccurent_mini_batch_generator = recurrent_mini_batch_generator
 
     def _out(self, mb: Any) -> Any:
-        """A minibatch as given (no device), or as 002 gives it: tensors on the device, per-step scalars ``[..., 1]``,
+        """A minibatch as given (no device), or as the forks give it: tensors on the device, per-step scalars ``[..., 1]``,
         hidden states in torch's ``(num_layers, traj, H)`` layout (``(h, c)`` for an LSTM)."""
         if self.device is None:
             return mb
@@ -528,7 +528,7 @@ class RolloutStorage:
         """``(mean trajectory length, mean reward)`` over rows ``[0, step)``, as rsl_rl computes them: trajectories
         are cut at episode ends (dones or time_outs) and at the last row (so unfinished episodes count with
         their length so far); the reward mean is over every step and env. Nothing is modified (rsl_rl's
-        version sets ``dones[-1] = 1`` in the storage). With a ``device``: 0-d tensors there, as 002 gives."""
+        version sets ``dones[-1] = 1`` in the storage). With a ``device``: 0-d tensors there, as the forks give."""
         n = self._filled()
         _, _, lengths = trajectories(self.dones[:n] | self.time_outs[:n])
         out = float(lengths.mean()), float(self.rewards[:n].mean())
@@ -545,7 +545,7 @@ class RolloutStorage:
 
 
 def _same_type(kind: Any, items: list[Any]) -> Any:
-    """``items`` in a container of type ``kind``: a namedtuple (002's namedarraytuples are namedtuples) by its fields,
+    """``items`` in a container of type ``kind``: a namedtuple (the forks' namedarraytuples are namedtuples) by its fields,
     a list, or else a tuple."""
     if isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_make"):
         return kind._make(items)

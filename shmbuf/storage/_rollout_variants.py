@@ -1,6 +1,6 @@
-"""002's variants of the PPO storage: :class:`QueueRolloutStorage` (a rolling buffer that grows, then loops), its
-:class:`ActionLabelRollout` (with action labels), and :class:`SarsaRolloutStorage` (next observations as a view of one
-T+1-row buffer)."""
+"""The variants of the PPO storage in rsl_rl's legged-robot forks: :class:`QueueRolloutStorage` (a rolling buffer
+that grows, then loops), its :class:`ActionLabelRollout` (with action labels), and :class:`SarsaRolloutStorage`
+(next observations as a view of one T+1-row buffer)."""
 
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ from shmbuf.storage._transition import Transition as _Transition
 
 
 class QueueRolloutStorage(RolloutStorage):
-    """A rolling buffer (002's ``QueueRolloutStorage``): it starts with one rollout's rows and, at each
+    """A rolling buffer (the forks' ``QueueRolloutStorage``): it starts with one rollout's rows and, at each
     :meth:`clear` after a full rollout, grows by one rollout (:meth:`expand_buffer_once`) up to
     ``int(buffer_dilation_ratio * num_transitions_per_env)`` rows; from then on it loops, the newest rows
-    overwriting the oldest. ``num_transitions_per_env`` is the current buffer length, as in 002, and
+    overwriting the oldest. ``num_transitions_per_env`` is the current buffer length, as in the forks, and
     ``num_timesteps_each_rollout`` the rollout length. ``buffer_full`` becomes true when it first loops.
 
     :meth:`compute_returns` and the recurrent generator first :meth:`untie_buffer_loop` (the time order GAE
-    and trajectories need; 002 unties only for the recurrent generator). All of them work on the valid rows:
+    and trajectories need; the forks untie only for the recurrent generator). All of them work on the valid rows:
     every row once the buffer has looped, else rows ``[0, step)``.
     """
 
@@ -77,7 +77,7 @@ class QueueRolloutStorage(RolloutStorage):
                 self.step = 0
 
     def clear(self) -> None:
-        """Keep the data: grow if a rollout filled the buffer and it may still grow (002's ``clear``)."""
+        """Keep the data: grow if a rollout filled the buffer and it may still grow (the forks' ``clear``)."""
         if self.step >= self.num_transitions_per_env and not self.buffer_full:
             self.expand_buffer_once()
 
@@ -85,7 +85,7 @@ class QueueRolloutStorage(RolloutStorage):
         return self.num_transitions_per_env if self.buffer_full else self.step
 
     def swap_from_cursor(self, buffer: Any) -> Any:
-        """002's helper: ``buffer`` (an array or tensor with the buffer's rows first) rotated so that row ``step`` comes
+        """The forks' helper: ``buffer`` (an array or tensor with the buffer's rows first) rotated so that row ``step`` comes
         first, as a new array (or tensor); as it is when ``step`` is 0 or past the end."""
         s = self.step
         if s == 0 or s >= len(buffer):
@@ -141,14 +141,14 @@ class QueueRolloutStorage(RolloutStorage):
 
 
 class SarsaRolloutStorage(RolloutStorage):
-    """Storage with next observations (002's ``SarsaRolloutStorage``): one ``all_observations`` buffer of T+1
+    """Storage with next observations (the forks' ``SarsaRolloutStorage``): one ``all_observations`` buffer of T+1
     rows; ``observations = all_observations[:-1]`` and ``next_observations = all_observations[1:]`` are views
     of it, so ``(s, a, r, s')`` stay aligned without a second copy; the same for privileged observations.
     The last row is the observation after the rollout: set by :meth:`set_bootstrap_observations`, by the
     last :class:`SarsaTransition`'s ``next_observations``, or by :meth:`from_rollout` from ``data["bootstrap"]``.
 
     ``next_observations[t]`` at an episode end is the next episode's first observation (the env reset), as in
-    002: mask with ``dones | time_outs``; a truncated episode's final observation is in ``time_out_observations``.
+    As in the forks: mask with ``dones | time_outs``; a truncated episode's final observation is in ``time_out_observations``.
     """
 
     Transition = SarsaTransition
@@ -207,7 +207,7 @@ class SarsaRolloutStorage(RolloutStorage):
     def add_transitions(self, transition: _Transition) -> None:
         nxt = getattr(transition, "next_observations", None)
         nxt_critic = getattr(transition, "next_critic_observations", None)
-        if nxt_critic is None:  # 002's name for it
+        if nxt_critic is None:  # the forks' name for it
             nxt_critic = getattr(transition, "next_privileged_observations", None)
         last = self.step + 1 == self.num_transitions_per_env and nxt is not None and self._borrowed is None
         if last:  # checked before the row is written, like every other field
@@ -234,7 +234,7 @@ class SarsaRolloutStorage(RolloutStorage):
 
 
 class ActionLabelRollout(QueueRolloutStorage):
-    """A :class:`QueueRolloutStorage` that also keeps an action label per step (002's ``ActionLabelRollout``, e.g. a
+    """A :class:`QueueRolloutStorage` that also keeps an action label per step (the forks' ``ActionLabelRollout``, e.g. a
     teacher's action for imitation): ``action_labels`` ``[T, N, *actions_shape]``, filled from each
     :class:`ActionLabelTransition`'s ``action_labels`` (required, shaped like ``actions``), grown, looped and untied
     with the other arrays; its minibatches are :class:`ActionLabelMiniBatch` es (every field of :class:`MiniBatch`,

@@ -53,7 +53,7 @@ def unpad_trajectories(padded: Any, masks: Any, num_steps: int | None = None) ->
 
 
 def aliases(arrays: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Split off the fields that are the same array as an earlier one (002's ``critic_obs = obs`` when there
+    """Split off the fields that are the same array as an earlier one (rsl_rl's ``critic_obs = obs`` when there
     are no privileged observations): they are gathered once and yielded as the same object."""
     own: dict[str, Any] = {}
     alias: dict[str, str] = {}

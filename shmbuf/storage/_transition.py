@@ -26,11 +26,11 @@ REQUIRED = ("observations", "actions", "rewards", "dones", "values", "actions_lo
 
 @dataclass
 class Transition:
-    """One step of every env, as 002's ``RolloutStorage.Transition`` (plus ``time_outs``): arrays with a
+    """One step of every env, as ``RolloutStorage.Transition`` of rsl_rl's legged-robot forks (plus ``time_outs``): arrays with a
     leading ``N``. ``critic_observations``, ``time_outs`` (False), ``action_mean``/``action_sigma`` and
     ``hidden_states`` (``(actor, critic)``, each ``[N, *rnn_hidden_shape]``) may stay None.
 
-    Flags as 002 / rsl_rl: ``dones`` ends the episode, ``time_outs`` says it hit its time limit and is
+    Flags as rsl_rl: ``dones`` ends the episode, ``time_outs`` says it hit its time limit and is
     bootstrapped whatever ``dones`` says (rsl_rl's envs set both). From gymnasium's ``terminated`` and
     ``truncated``: ``dones=terminated | truncated``, ``time_outs=truncated & ~terminated``."""
 
@@ -54,7 +54,7 @@ class Transition:
 @dataclass
 class SarsaTransition(Transition):
     """A :class:`Transition` that also carries the next observation; read only at the storage's last row.
-    ``next_privileged_observations`` is 002's name for ``next_critic_observations`` (either may be set)."""
+    ``next_privileged_observations`` is the forks' name for ``next_critic_observations`` (either may be set)."""
 
     next_observations: Any = None
     next_critic_observations: Any = None
@@ -63,7 +63,7 @@ class SarsaTransition(Transition):
 
 @dataclass
 class ActionLabelTransition(Transition):
-    """A :class:`Transition` with ``action_labels`` (shaped like ``actions``): 002's ``ActionLabelRollout.Transition``."""
+    """A :class:`Transition` with ``action_labels`` (shaped like ``actions``): the forks' ``ActionLabelRollout.Transition``."""
 
     action_labels: Any = None
 
@@ -82,7 +82,7 @@ class _ToTorch:
 class MiniBatch(_ToTorch, namedtuple("MiniBatch", ["obs", "critic_obs", "actions", "values", "advantages", "returns",
                                                    "old_actions_log_prob", "old_mu", "old_sigma", "hidden_states",
                                                    "masks"])):
-    """One minibatch, 002's field names. Flat (:meth:`RolloutStorage.mini_batch_generator`): every array
+    """One minibatch, the forks' field names. Flat (:meth:`RolloutStorage.mini_batch_generator`): every array
     ``[batch, ...]``, ``hidden_states`` and ``masks`` None. Recurrent: ``obs``/``critic_obs`` ``[L, traj, ...]``
     padded, ``masks`` ``[L, traj]``, ``hidden_states`` ``(actor, critic)`` ``[traj, *rnn_hidden_shape]`` (or
     None), the other fields ``[T, envs, ...]`` unpadded. ``critic_obs`` is ``obs`` when there are no privileged
@@ -104,7 +104,7 @@ class ActionLabelMiniBatch(_ToTorch, namedtuple("ActionLabelMiniBatch", ["obs", 
                                                                          "advantages", "returns", "old_actions_log_prob",
                                                                          "old_mu", "old_sigma", "hidden_states", "masks",
                                                                          "action_labels"])):
-    """A :class:`MiniBatch` with ``action_labels`` shaped like ``actions`` (002's ``ActionLabelRollout.MiniBatch``)."""
+    """A :class:`MiniBatch` with ``action_labels`` shaped like ``actions`` (the forks' ``ActionLabelRollout.MiniBatch``)."""
 
     __slots__ = ()
 

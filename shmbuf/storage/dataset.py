@@ -1,5 +1,5 @@
-"""002's :class:`RolloutDataset` over a directory a :class:`~shmbuf.storage.recorder.Recorder` wrote: per-env
-trajectory cursors, batches of :class:`FileTransition`.
+"""The :class:`RolloutDataset` of rsl_rl's legged-robot forks over a directory a
+:class:`~shmbuf.storage.recorder.Recorder` wrote: per-env trajectory cursors, batches of :class:`FileTransition`.
 
 Trajectory files are read as read-only memory maps (:func:`~shmbuf.storage._fileformat.load_npy`); a
 batch copies what it takes from them. numpy only; torch is imported when ``device=`` or
@@ -41,7 +41,7 @@ from shmbuf.storage._torch import to_torch
 
 
 def get_frame_range(name: str) -> tuple[int, int]:
-    """002's ``get_frame_range``: ``(start, end)`` (end exclusive) from ``traj_100_200`` or ``trajectory_100_200``."""
+    """The forks' ``get_frame_range``: ``(start, end)`` (end exclusive) from ``traj_100_200`` or ``trajectory_100_200``."""
     m = TRAJ_DIR.match(name) or CHUNK_DIR.match(os.path.basename(name).split(".")[0])
     if m is None:
         raise UsageError(f"get_frame_range: {name!r} is not named traj_<start>_<end> or trajectory_<start>_<end>")
@@ -89,7 +89,7 @@ class _Traj:
         self.ends_episode = self.info["ends_episode"]
         # A boundary the step leaves do not show: a trajectory cut short by the recording, or one whose last frame
         # has neither flag (an episode truncated in a recording without a truncated field; a soft horizon recorded
-        # by an older Recorder). Readers mark it as a timeout (002's done, play's truncated): never run on across it.
+        # by an older Recorder). Readers mark it as a timeout (the forks' done, play's truncated): never run on across it.
         flags = [self.data[f][-1][-1] for f in (meta["keys"].get(TERMINATED), meta["keys"].get(TRUNCATED))
                  if f in self.data]
         self.unflagged_end = not self.ends_episode or not any(bool(np.any(x != 0)) for x in flags)
@@ -127,7 +127,7 @@ class FileTransition(NamedTuple):
     ``observation``/``next_observation``: the recorded observation tree (an array, or a dict/tuple
     of components reassembled per metadata.json; one array with ``concat_obs=True``).
     ``next_observation`` is the true successor: the next frame, or at a trajectory's last frame
-    its final observation. ``done`` (002's): True at the first frame an env reads of each
+    its final observation. ``done`` (the forks'): True at the first frame an env reads of each
     trajectory, where the episode ended (terminated or truncated), and where a trajectory ran out
     cut short. ``timeout``: truncated, or cut short; None if the recording has no truncated field.
     ``terminated``: as recorded (the MDP ended). ``first``: the first frame an env reads of its
@@ -153,11 +153,12 @@ class _Handler:
 
 
 class RolloutDataset(RolloutFileBase):
-    """002's RolloutDataset over a directory a :class:`Recorder` wrote: per-env trajectory cursors, batches of transitions.
+    """The legged-robot forks' RolloutDataset over a directory a :class:`Recorder` wrote: per-env trajectory cursors,
+    batches of transitions.
 
     shmbuf's subclass of :class:`~shmbuf.storage.files.RolloutFileBase`: its :meth:`get_buffer` is the raw per-leaf
     buffer that :meth:`fill_transition` fills, and :meth:`get_batch` makes a :class:`FileTransition` of it.
-    :meth:`get_transition_batch` gives ``(s, a, r, d, info)`` (002's base gives ``(buffer, infos)``).
+    :meth:`get_transition_batch` gives ``(s, a, r, d, info)`` (the forks' base gives ``(buffer, infos)``).
 
     Args:
         data_dir: the recording (it may still be being written).
@@ -173,17 +174,17 @@ class RolloutDataset(RolloutFileBase):
         device: None: numpy outputs. A torch device (``"cpu"``, ``"cuda"``): torch tensors there.
         obs_key: the step leaf that is the observation.
         concat_obs: reassemble a dict/tuple observation as one array: every component flattened to
-            ``(..., -1)`` and concatenated in metadata.json's order (002's ``assemble_obs_components``).
+            ``(..., -1)`` and concatenated in metadata.json's order (the forks' ``assemble_obs_components``).
         seed: for shuffling and starting frames.
         wait_timeout: how long to wait for enough trajectories (``max(num_envs, keep_latest_n_trajs)``)
             before :class:`shmbuf.SlotTimeout` (None: for ever).
         poll_interval: how often to rescan while waiting.
-        allow_pickle: ``data_dir`` may be 002's own recording (pickled trajectories): it is converted once into a
+        allow_pickle: ``data_dir`` may be the forks' own recording (pickled trajectories): it is converted once into a
             temporary shmbuf recording (removed with this dataset) and read from there. **Unsafe for files you do
             not trust**: unpickling runs code chosen by whoever wrote them. Off by default; a pickled recording is
             then refused, naming ``shmbuf convert --allow-pickle`` (convert once, keep the result).
 
-    Each batch is new arrays, the caller's to keep (002 refills one buffer).
+    Each batch is new arrays, the caller's to keep (the forks refill one buffer).
     """
 
     def __init__(self, data_dir: str | os.PathLike[str], num_envs: int, dataset_loops: int = 1,
@@ -234,7 +235,7 @@ class RolloutDataset(RolloutFileBase):
         self._initialized = False
 
     get_frame_range = staticmethod(get_frame_range)
-    Transition = FileTransition  # 002's RolloutDataset.Transition (its fields: FileTransition's docstring)
+    Transition = FileTransition  # the forks' RolloutDataset.Transition (its fields: FileTransition's docstring)
 
     # -- the directory --------------------------------------------------------------------------------
 
@@ -304,7 +305,7 @@ class RolloutDataset(RolloutFileBase):
         self._reserved = {self.obs_key, ACTION, REWARD, self._term_key, self._timeout_key}
 
     def read_dataset_directory(self) -> bool:
-        """Rescan ``data_dir`` (002's name): True, with a fresh pool of unused trajectories, if there are enough."""
+        """Rescan ``data_dir`` (the forks' name): True, with a fresh pool of unused trajectories, if there are enough."""
         found = self._scan()
         if found is None:
             self._have = 0
@@ -355,7 +356,7 @@ class RolloutDataset(RolloutFileBase):
         self.refresh_handlers(None)
 
     def refresh_handlers(self, env_ids: Any = None) -> None:
-        """Give each env in ``env_ids`` (None: all) the next unused trajectory (002's; looping as :meth:`_next_traj`)."""
+        """Give each env in ``env_ids`` (None: all) the next unused trajectory (the forks'; looping as :meth:`_next_traj`)."""
         ids = self.all_env_ids if env_ids is None else np.asarray(env_ids).reshape(-1)
         if ids.size and ids.dtype.kind not in "iu":
             raise UsageError(f"RolloutDataset.reset(env_ids=...): expected None or env indices (ints), got {env_ids!r}")
@@ -420,7 +421,7 @@ class RolloutDataset(RolloutFileBase):
         term = out[self._term_key] != 0
         timeout = None
         if self._timeout_key is not None:
-            # 002's time_outs: ends to bootstrap. rsl_rl's rule bootstraps a time-out whatever dones says, so a step the
+            # The forks' time_outs: ends to bootstrap. rsl_rl's rule bootstraps a time-out whatever dones says, so a step the
             # recording marks both terminated and truncated (gymnasium: terminated wins) is no time-out here.
             timeout = ((out[self._timeout_key] != 0) | out["cut"]) & ~term
         done = out["first"] | term | out["cut"] | (timeout if timeout is not None else False)

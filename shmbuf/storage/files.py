@@ -1,6 +1,6 @@
 """Rollouts to and from files: a :class:`Recorder` that writes trajectories to a directory, a
-:class:`RolloutDataset` that serves them back (002's ``rollout_files``), and :func:`play`, which feeds
-them into a shmbuf pipeline in the workers rollout layout.
+:class:`RolloutDataset` that serves them back (the ``rollout_files`` of rsl_rl's legged-robot forks), and
+:func:`play`, which feeds them into a shmbuf pipeline in the workers rollout layout.
 
 The names live in their own modules and are imported here, where they have always been importable:
 
@@ -9,15 +9,15 @@ The names live in their own modules and are imported here, where they have alway
 - :mod:`shmbuf.storage.recorder`: :class:`Recorder`, which reads its input through
   :func:`shmbuf.layout.grid` (in :mod:`shmbuf.storage._rollout_units`, which checks what it is given and
   cuts it into per-lane units).
-- :mod:`shmbuf.storage._file_base`: :class:`RolloutFileBase`, 002's abstract reader to subclass.
+- :mod:`shmbuf.storage._file_base`: :class:`RolloutFileBase`, the forks' abstract reader to subclass.
 - :mod:`shmbuf.storage.dataset`: :class:`RolloutDataset` (a RolloutFileBase), :class:`FileTransition`,
   :func:`get_frame_range`.
 - :mod:`shmbuf.storage.playback`: :func:`play`, :func:`playback_example`.
-- :mod:`shmbuf.storage._pickled`: 002's own pickled recordings, read only with ``allow_pickle=True``
+- :mod:`shmbuf.storage._pickled`: the forks' own pickled recordings, read only with ``allow_pickle=True``
   (:func:`read_pickled_recording`) and converted once into this format (:func:`convert_pickled_recording`,
   ``shmbuf convert --allow-pickle SRC DST``).
 
-See docs/files.md for the mapping of 002's names.
+See docs/files.md for the mapping of the forks' names.
 """
 
 from shmbuf.storage._file_base import RolloutFileBase

@@ -6,7 +6,7 @@ An episode end at step ``t`` (``dones[t]``, or a time-out) stops both the next v
 step ``t + 1`` from flowing back into step ``t``. What differs is the bootstrap, and two conventions name
 the flags differently, so there are two keywords; pass one of them (or neither):
 
-- ``time_outs=`` (002 / rsl_rl): ``dones`` marks every episode end, time-outs included (rsl_rl's envs set
+- ``time_outs=`` (rsl_rl): ``dones`` marks every episode end, time-outs included (rsl_rl's envs set
   ``dones`` *and* ``time_outs`` at a time limit), and a time-out bootstraps **whatever** ``dones`` **says**:
   ``boot = time_outs``. A time-out not flagged done (rsl_rl's envs never send one) also ends the episode.
 - ``truncated=`` (gymnasium): ``dones`` is *terminated* (the MDP ended, the value after it is 0) and
@@ -15,7 +15,7 @@ the flags differently, so there are two keywords; pass one of them (or neither):
   (``RolloutStorage.from_rollout``).
 
 A bootstrapped step adds ``gamma * tv[t]``, the critic's value of the episode's final observation:
-``time_out_values[t]`` where given, else ``values[t]``, which is what 002 / rsl_rl do (``rewards += gamma *
+``time_out_values[t]`` where given, else ``values[t]``, which is what rsl_rl does (``rewards += gamma *
 values * time_outs``; it is exact only when the final observation's value equals the current one's).
 
 Per step, ``end = dones | time-out flag``, ``boot`` as above::
@@ -88,10 +88,10 @@ def compute_gae(rewards: Any, values: Any, dones: Any, last_values: Any, gamma: 
     Args:
         rewards, values: ``[T, N, *rest]``, float32 or float64 (the result has their common float type).
         dones: ``[T, N]`` (or ``values``' shape): bool, or numbers where nonzero means true. With
-            ``time_outs`` (002 / rsl_rl) every episode end; with ``truncated`` (gymnasium) terminated only.
+            ``time_outs`` (rsl_rl) every episode end; with ``truncated`` (gymnasium) terminated only.
         last_values: ``[N, *rest]``: the critic's value of the observation after the last step.
         gamma, lam: discount and GAE lambda: real numbers from 0 to 1 (else UsageError naming the setting).
-        time_outs: like ``dones``, 002 / rsl_rl's flag: the episode hit its time limit; such a step
+        time_outs: like ``dones``, rsl_rl's flag: the episode hit its time limit; such a step
             bootstraps **whatever** ``dones`` **says** (rsl_rl sets both at a time-out).
         truncated: like ``dones``, gymnasium's flag: the episode was cut by a time limit; such a step
             bootstraps unless ``dones`` (terminated) is also set. Give ``time_outs`` or ``truncated``, not both
@@ -106,7 +106,7 @@ def compute_gae(rewards: Any, values: Any, dones: Any, last_values: Any, gamma: 
     gamma = check_discount("compute_gae", "gamma", gamma)
     lam = check_discount("compute_gae", "lam", lam)
     if time_outs is not None and truncated is not None:
-        raise UsageError("compute_gae: got both time_outs= (002 / rsl_rl: a time-out bootstraps whatever dones says) "
+        raise UsageError("compute_gae: got both time_outs= (rsl_rl: a time-out bootstraps whatever dones says) "
                          "and truncated= (gymnasium: terminated wins); pass the one whose convention your flags follow")
     rewards = np.asarray(rewards)
     values = np.asarray(values)
@@ -125,7 +125,7 @@ def compute_gae(rewards: Any, values: Any, dones: Any, last_values: Any, gamma: 
     end = done
     boot = None
     if time_outs is not None:
-        boot = _mask("time_outs", time_outs, shape)  # 002 / rsl_rl: whatever dones says
+        boot = _mask("time_outs", time_outs, shape)  # rsl_rl: whatever dones says
         end = done | boot
     elif truncated is not None:
         to = _mask("truncated", truncated, shape)

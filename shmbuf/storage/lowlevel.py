@@ -1,6 +1,6 @@
 """shmbuf.storage's lower tier: the parts behind the storage classes, public and supported, for code that builds
 on them (the buffer's writer side and slots, the replay buffer's handle and info, view-shift parsing, and the
-rollout files' frame ranges, metadata and playback example), and 002's in-process replay ring that
+rollout files' frame ranges, metadata and playback example), and the in-process replay ring of rsl_rl's legged-robot forks that
 ``ReplayBuffer(obs_dim, buffer_size, device)`` makes."""
 
 from shmbuf.storage.buffer import RolloutBufferWriter, RolloutSlot

@@ -1,6 +1,6 @@
 """The :class:`Recorder`: rollouts to a directory, one trajectory (one episode of one sub-env) per directory.
 
-A *trajectory* is one episode of one sub-env of one writer lane (002's meaning): its frames are
+A *trajectory* is one episode of one sub-env of one writer lane (the meaning of rsl_rl's legged-robot forks): its frames are
 contiguous in time, it starts at the episode's first step (or where recording began) and ends at
 the episode's last step (or where recording stopped, where the lane's sequence had a gap, or where
 a new Writer took the lane: seq 0 again). An episode record with neither flag (a soft horizon) is no

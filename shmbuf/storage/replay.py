@@ -75,8 +75,8 @@ class ReplayBuffer(Closable):
     instance are serialised by a lock of its own, and other instances (in this process or others)
     insert concurrently.
 
-    002's constructor, ``ReplayBuffer(obs_dim, buffer_size, device)`` (an int first), makes a
-    :class:`~shmbuf.storage.lowlevel.LocalReplayBuffer` instead: 002's in-process ring of ``(state, next_state)``
+    The constructor of rsl_rl's legged-robot forks, ``ReplayBuffer(obs_dim, buffer_size, device)`` (an int first), makes a
+    :class:`~shmbuf.storage.lowlevel.LocalReplayBuffer` instead: the forks' in-process ring of ``(state, next_state)``
     pairs with ``insert(states, next_states)`` and ``feed_forward_generator`` yielding them, tensors on ``device``.
     The shared-memory buffer is made only by :meth:`create` and :meth:`attach`, as always.
     """
@@ -85,14 +85,15 @@ class ReplayBuffer(Closable):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # The constructor proper is internal (create / attach call it with a segment name first); an int first, or
-        # obs_dim=, is 002's ReplayBuffer(obs_dim, buffer_size, device), which is a different object.
+        # obs_dim=, is the forks' ReplayBuffer(obs_dim, buffer_size, device), which is a different object.
         first = args[0] if args else kwargs.get("obs_dim")
         if cls is ReplayBuffer and isinstance(first, (int, np.integer)) and not isinstance(first, bool):
             return LocalReplayBuffer(*args, **kwargs)
         if cls is ReplayBuffer and (not args or not isinstance(first, str)):
             raise UsageError("ReplayBuffer(...): make a shared-memory replay buffer with ReplayBuffer.create(example_row, "
                              "buffer_size) or attach to one with ReplayBuffer.attach(name); ReplayBuffer(obs_dim, "
-                             f"buffer_size, device) is 002's in-process one (obs_dim an int); got {first!r:.80} first")
+                             f"buffer_size, device) is the in-process one of rsl_rl's legged-robot forks (obs_dim an int); "
+                             f"got {first!r:.80} first")
         return super().__new__(cls)
 
     def __init__(self, name: str, mm: Any, fd: int, schema: Schema, lay: layout.ReplayLayout, owner: bool, creator: Owner,
@@ -273,12 +274,12 @@ class ReplayBuffer(Closable):
 
     @property
     def num_samples(self) -> int:
-        """Rows that can be sampled: grows with the inserts up to ``buffer_size`` and stays there (002's name)."""
+        """Rows that can be sampled: grows with the inserts up to ``buffer_size`` and stays there (the forks' name)."""
         return min(self.inserted, self.buffer_size)
 
     @property
     def step(self) -> int:
-        """The row the next insert starts at (002's write index)."""
+        """The row the next insert starts at (the forks' write index)."""
         return self.inserted % self.buffer_size
 
     def __len__(self) -> int:
@@ -380,7 +381,7 @@ class ReplayBuffer(Closable):
         return optree.tree_unflatten(self._treespec, self._gather(batch_size))
 
     def feed_forward_generator(self, num_mini_batch: int, mini_batch_size: int) -> Iterator[Any]:
-        """``num_mini_batch`` samples of ``mini_batch_size`` rows each (002's generator; see :meth:`sample`).
+        """``num_mini_batch`` samples of ``mini_batch_size`` rows each (the forks' generator; see :meth:`sample`).
 
         Every batch is a fresh copy. Settings are checked now, not at the first ``next``.
         """

@@ -1,4 +1,4 @@
-"""PPO rollout storage (002 / rsl_rl's ``RolloutStorage``), its rolling and next-observation variants, and
+"""PPO rollout storage (rsl_rl's ``RolloutStorage``), its rolling and next-observation variants, and
 filling one straight from shmbuf rollouts and batches.
 
 Layout: every per-step array is time-major ``[T, N, ...]`` (T = ``num_transitions_per_env``, N = ``num_envs``).
@@ -7,7 +7,7 @@ not rsl_rl's ``[T, N, 1]`` (a ``[N, 1]`` input is accepted and read as ``[N]``);
 
 The flags mean what the way in says (``flag_convention``; see :mod:`shmbuf.storage.gae` for the formulas):
 
-- ``add_transitions`` (``"rsl_rl"``): 002 / rsl_rl's ``dones`` (every episode end) and ``time_outs`` (hit the
+- ``add_transitions`` (``"rsl_rl"``): rsl_rl's ``dones`` (every episode end) and ``time_outs`` (hit the
   time limit); a time-out bootstraps whatever ``dones`` says, as rsl_rl's PPO does;
 - ``from_rollout`` (``"gymnasium"``): ``dones`` is gymnasium's ``terminated``, ``time_outs`` its
   ``truncated``; a step both terminated and truncated counts as terminated (no bootstrap).
@@ -22,8 +22,8 @@ Two ways in:
 Ways out: :meth:`~RolloutStorage.mini_batch_generator` (flat, shuffled) and
 :meth:`~RolloutStorage.recurrent_mini_batch_generator` (whole trajectories, padded, with masks); each yields a
 :class:`MiniBatch` of numpy arrays with ``to_torch(device=None)``. numpy only; torch is imported by ``to_torch``, and by a
-storage made with a ``device`` (002's sixth positional argument): its minibatches are torch tensors there, in 002's
-shapes (see :class:`RolloutStorage`).
+storage made with a ``device`` (the sixth positional argument of rsl_rl's legged-robot forks): its minibatches are
+torch tensors there, in the forks' shapes (see :class:`RolloutStorage`).
 """
 
 from shmbuf.storage._rollout_storage import RolloutStorage
