@@ -95,6 +95,10 @@ def test_a_factorys_own_set_seed_holds_frame_for_frame_as_under_torchrl() -> Non
             ref_c.shutdown()
         got, _ = shmbuf_frames(n, create_env_fn=[partial(seeded_cartpole, s)])
         assert_same(got[0], ref, f"factory seed {s}")
+        if s == 3:  # seed=None said outright: the same (the envs are left as their factories made them)
+            unseeded, answer = shmbuf_frames(n, create_env_fn=[partial(seeded_cartpole, s)], seed=None)
+            assert_same(unseeded[0], ref, "seed=None")
+            assert answer is None
         firsts.append(got[0]["observation"][0].tolist())
     assert len({tuple(f) for f in firsts}) == 3, firsts  # three seeds, three runs
 

@@ -296,6 +296,9 @@ class Collector(TorchRLNames):
             learner gave (RayCollector restarts its node owners so). The weights the collector
             would have published as version 0 are kept in ``awaited_weights``. Without a broadcast
             it changes nothing.
+
+    TorchRL's ``Collector`` methods (``update_policy_weights_``, ``set_seed``, ``shutdown``, ``state_dict``, ...)
+    are translations to these, from :class:`workers._torchrl_names.TorchRLNames` (docs/from-torchrl.md).
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
