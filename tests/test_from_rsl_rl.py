@@ -84,7 +84,7 @@ def test_the_sixth_positional_argument_is_a_device_and_minibatches_are_tensors_t
         assert b.obs.shape == (10, 3) and b.actions.shape == (10, 2)
         for f in ("values", "advantages", "returns", "old_actions_log_prob"):  # 002's [batch, 1]
             assert getattr(b, f).shape == (10, 1), f
-        assert b.hidden_states is None and b.masks is None
+        assert b.hidden_states == (None, None) and b.masks is None
         length, reward = storage.get_statistics()
         assert isinstance(length, torch.Tensor) and length.ndim == 0 and reward.ndim == 0
         storage.clear()

@@ -501,7 +501,9 @@ def test_the_other_names() -> None:
     c = collector(policy=policy, total_frames=64)
     try:
         assert c.policy is policy
-        assert c.set_seed(7) == 7 and c.set_seed(7, static_seed=True) == 7
+        assert c.set_seed(None) is None  # built without seed=: the envs keep their factories' seeds
+        with pytest.raises(shmbuf.UsageError, match=r"set_seed\(7\): the actors started at construction"):
+            c.set_seed(7)  # tests/test_torchrl_seeding.py: seed= at construction, against TorchRL's collectors
         with pytest.raises(shmbuf.UsageError, match="start"):
             c.start()  # no replay buffer
         with pytest.raises(shmbuf.UsageError, match="close_env=False"):

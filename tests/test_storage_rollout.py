@@ -187,7 +187,7 @@ def test_mini_batch_generator_yields_every_transition_exactly_once_per_epoch(T: 
         np.testing.assert_array_equal(b.advantages, s.advantages[t, n])
         np.testing.assert_array_equal(b.old_actions_log_prob, s.actions_log_prob[t, n])
         np.testing.assert_array_equal(b.old_mu, s.mu[t, n])
-        assert b.critic_obs is b.obs and b.hidden_states is None and b.masks is None
+        assert b.critic_obs is b.obs and b.hidden_states == (None, None) and b.masks is None
 
 
 def test_mini_batch_generator_reshuffles_each_epoch_and_carries_critic_obs() -> None:
@@ -205,7 +205,7 @@ def test_mini_batch_to_torch_shares_memory() -> None:
     s = filled(T=4, N=2)
     b = next(s.mini_batch_generator(1, 1))
     tb = b.to_torch()
-    assert isinstance(tb.obs, torch.Tensor) and tb.hidden_states is None
+    assert isinstance(tb.obs, torch.Tensor) and tb.hidden_states == (None, None)
     tb.obs[0, 0] = 123.0
     assert b.obs[0, 0] == 123.0  # torch.from_numpy: the same memory on CPU
     assert type(tb) is type(b)

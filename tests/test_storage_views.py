@@ -71,8 +71,10 @@ EXPECTED = {
     "next_obs": np.array([104, 105, 111, 112, 113, 121, 122, 123.0])[:, None],
     "a2": [0, 0, 0, 0, 1010, 0, 0, 1020],
     "r_list": [[0, 4.5], [3.5, 0], [0, 11.5], [10.5, 12.5], [11.5, 0], [0, 21.5], [20.5, 22.5], [21.5, 0]],
-    "frames": np.array([[0, 0, 103], [0, 103, 104], [0, 0, 110], [0, 110, 111], [110, 111, 112], [0, 0, 120],
-                        [0, 120, 121], [120, 121, 122.0]])[:, :, None],
+    # RLlib's rule: before an episode's first step, its first observation (the rollout's first one for episode 0,
+    # whose start this rollout does not hold)
+    "frames": np.array([[103, 103, 103], [103, 103, 104], [110, 110, 110], [110, 110, 111], [110, 111, 112],
+                        [120, 120, 120], [120, 120, 121], [120, 121, 122.0]])[:, :, None],
     "obs2": np.array([105, 0, 112, 113, 0, 122, 123, 0.0])[:, None],
 }
 
@@ -114,7 +116,7 @@ def test_prev_reaches_into_the_previous_rollout():
     np.testing.assert_array_equal(out["a2"], [1001, 1002, 0, 0, 1010, 0, 0, 1020])
     np.testing.assert_array_equal(out["frames"][:2, :, 0], [[101, 102, 103], [102, 103, 104]])
     np.testing.assert_array_equal(out["frames"][2:], EXPECTED["frames"][2:])
-    np.testing.assert_array_equal(out["long"][0, :, 0], [0, 0, 100, 101, 102, 103])  # episode 9's steps stay out
+    np.testing.assert_array_equal(out["long"][0, :, 0], [100, 100, 100, 101, 102, 103])  # episode 9's steps stay out
     np.testing.assert_array_equal(out["next_obs"], EXPECTED["next_obs"])
 
 
@@ -166,7 +168,8 @@ def test_every_shift_form_vector_env():
     np.testing.assert_array_equal(out["w"][:, 0], [[0, 100, 101], [100, 101, 0], [0, 110, 111], [110, 111, 0]])
     np.testing.assert_array_equal(out["w"][:, 1], [[0, 203, 204], [203, 204, 205], [204, 205, 0], [0, 300, 0]])
     assert out["r"].shape == (4, 2, 2, 1)
-    np.testing.assert_array_equal(out["r"][:, 1, :, 0], [[0, 0], [0, 203], [203, 204], [0, 0]])
+    # env 1's first observation before its episode's first step (203: this rollout's; 300: episode 2 at t=3)
+    np.testing.assert_array_equal(out["r"][:, 1, :, 0], [[203, 203], [203, 203], [203, 204], [300, 300]])
 
 
 def test_batch_of_rollouts_with_padding():
@@ -204,7 +207,7 @@ def test_complete_episodes_single_and_batch():
     out = build_views(data, reqs, fill={"step": 3, "episode": 1}, batch_mode="complete_episodes")
     np.testing.assert_array_equal(out["pa"], [0, 1000, 1001])
     np.testing.assert_array_equal(out["no"], [101, 102, 103])
-    np.testing.assert_array_equal(out["w"], [[0, 100, 102], [0, 101, 103], [100, 102, 0]])
+    np.testing.assert_array_equal(out["w"], [[100, 100, 102], [100, 101, 103], [100, 102, 0]])  # 100: the first obs
     batch = {ts: {k: np.stack([v, v]) for k, v in data[ts].items()} for ts in data}
     got = build_views(batch, reqs, fill={"step": np.array([3, 2]), "episode": np.array([1, 1])}, batch_mode="complete_episodes")
     np.testing.assert_array_equal(got["no"], [[101, 102, 103, 0, 0], [101, 103, 0, 0, 0]])  # row 1: cut at 2 steps
@@ -223,7 +226,7 @@ def test_complete_episodes_collected_batch_concatenated():
                          "bootstrap": {"obs": np.array([102, 113.0]), "env_steps": np.array([2, 5])}}
 
     out = build_views(Collected(), {"po": VR("obs", -1), "no": VR("obs", 1)})
-    np.testing.assert_array_equal(out["po"], [0, 100, 0, 110, 111])
+    np.testing.assert_array_equal(out["po"], [100, 100, 110, 110, 111])
     np.testing.assert_array_equal(out["no"], [101, 102, 111, 112, 113])
 
 
@@ -235,7 +238,7 @@ def test_used_for_training_false_is_left_out_only_for_training():
 
 def test_space_gives_the_fill_shape_check_and_a_dict_column():
     space = gym.spaces.Box(0, 1000, (1,), np.float32)
-    out = build_views(single(), {"po": VR("obs", -1, space=space)})
+    out = build_views(single(), {"po": VR("obs", -1, space=space, fill="zeros")})
     assert out["po"].dtype == np.float64 and out["po"][0, 0] == 0  # zeros of the column's dtype
     data = single()
     data["step"]["obs"] = {"pos": data["step"]["obs"], "t": np.arange(8)}
@@ -245,7 +248,7 @@ def test_space_gives_the_fill_shape_check_and_a_dict_column():
     out = build_views(data, {"no": VR("obs", 1, space=dspace), "tt": VR("obs/t", -1)})
     np.testing.assert_array_equal(out["no"]["pos"], EXPECTED["next_obs"])
     np.testing.assert_array_equal(out["no"]["t"], [1, 2, 3, 4, 5, 6, 7, 8])
-    np.testing.assert_array_equal(out["tt"], [0, 0, 0, 2, 3, 0, 5, 6])
+    np.testing.assert_array_equal(out["tt"], [0, 0, 2, 2, 3, 5, 5, 6])  # a leaf of obs: the episode's first value
 
 
 # -- the zero-copy form --------------------------------------------------------------------------------------
@@ -272,7 +275,8 @@ def test_mask_form_is_views_with_validity():
     np.testing.assert_array_equal(f.values[..., 0], [[103, 104, 110], [104, 110, 111], [110, 111, 112], [111, 112, 120],
                                                      [112, 120, 121], [120, 121, 122]])
     want = np.where(f.valid, f.values[..., 0], 0)
-    np.testing.assert_array_equal(want, EXPECTED["frames"][2:, :, 0])  # masked, it is the copied form
+    zeros = build_views(data, {"f": VR("obs", "-2:0", fill="zeros")})["f"]
+    np.testing.assert_array_equal(want, zeros[2:, :, 0])  # masked, it is the copied form of fill="zeros"
     e = out["e"]  # offsets [1, -1]: a negative stride
     assert e.steps == slice(1, 7)
     np.testing.assert_array_equal(np.where(e.valid, e.values, 0), np.asarray(EXPECTED["r_list"])[1:7, ::-1])
@@ -417,9 +421,15 @@ def synth_rollouts(lengths, kinds, E, cuts, vector):
 
 
 def truth(obs_row, L, t, o, n, col, reach):
-    """What position (step t, offset o) must hold: from the step's own (env, k, s) and its episode's length L."""
+    """What position (step t, offset o) must hold: from the step's own (env, k, s) and its episode's length L.
+
+    None: zeros. Before the episode's start, ``obs`` holds its first observation (RLlib's rule): the earliest step
+    of the episode the learner has (``reach`` steps before the rollout, given prev; else the rollout's first)."""
     e, k, s = (int(v) - 1 for v in obs_row)
     s2 = s + o
+    earliest = max(0, s - t - reach)  # the episode's step index of the earliest row the learner has of it
+    if col == "obs" and s2 < earliest:
+        return [e + 1, k + 1, earliest + 1]
     if s2 < 0 or t + o < -reach:
         return None
     if col == "obs":

@@ -91,19 +91,20 @@ def test_a_plan_is_frozen_and_the_default_actor_count() -> None:
 
 def test_async_batched_collector_only_gives_collector_a_served_policy() -> None:
     """Composition, not hooks: AsyncBatchedCollector is Collector with a served placement, plus TorchRL's collector
-    API (issue 22). It overrides exactly three of Collector's methods, each around Collector's own: ``iterator`` (to
-    give TorchRL's batches, or write them into a replay buffer), ``close`` (to stop background collection too) and
-    ``shutdown`` (TorchRL's signature, closing through ``close``)."""
+    API (issue 22). It overrides exactly four of Collector's methods, each around Collector's own: ``iterator`` (to
+    give TorchRL's batches, or write them into a replay buffer), ``close`` (to stop background collection too),
+    ``shutdown`` (TorchRL's signature, closing through ``close``, with the background collection's error) and
+    ``update_policy_weights_`` (TorchRL's forms for one served policy, where Collector broadcasts to its actors)."""
     import inspect
 
     from workers import AsyncBatchedCollector, Collector
 
     own = {k for k in vars(AsyncBatchedCollector) if not k.startswith("__")}
-    assert own & set(dir(Collector)) == {"close", "iterator", "shutdown"}
+    assert own & set(dir(Collector)) == {"close", "iterator", "shutdown", "update_policy_weights_"}
     assert "super().iterator()" in inspect.getsource(AsyncBatchedCollector.iterator)
     assert "super().close(timeout)" in inspect.getsource(AsyncBatchedCollector.close)
     assert "self.close(timeout)" in inspect.getsource(AsyncBatchedCollector.shutdown)
-    torchrl_api = {"async_shutdown", "collecting", "env", "pause", "policy", "receive_weights", "set_seed", "start",
-                   "update_policy_weights_"}
+    torchrl_api = {"async_shutdown", "collecting", "env", "pause", "policy", "receive_weights", "start",
+                   "update_policy_weights_"}  # set_seed, reset, state_dict, ...: Collector's (workers._torchrl_names)
     assert {k for k in own if not k.startswith("_")} == {"server", "table"} | torchrl_api | {"close", "iterator",
                                                                                           "shutdown"}

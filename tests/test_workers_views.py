@@ -2,8 +2,9 @@
 
 A recording policy keeps a copy of every input dict the ActorLoop hands it. CountingEnv's ground truth
 (tests/test_workers_envs.py) says what each column held at every step, so the expected input of every
-call is known: the column at each offset, zeros before the sub-env's episode start, never the previous
-episode's data. The learner side builds the same columns from the stored rollout: with
+call is known: the column at each offset; before the sub-env's episode start, RLlib's fill (the episode's
+first observation for obs, zeros for the other columns), never the previous episode's data. The learner
+side builds the same columns from the stored rollout: with
 ``shmbuf.storage.views.build_views`` given the previous rollout of the lane (``prev=``), on every step;
 without it (and in :func:`reference_views`, a small independent implementation of the same semantics)
 on every step whose episode started inside the rollout or whose window lies inside it: a learner has
@@ -93,11 +94,13 @@ def column_truth(tr: dict[str, Any], col: str) -> np.ndarray:
 
 
 def expected_input(truth: list[dict[str, Any]], i: int, vr: VR, key: str) -> np.ndarray:
-    """What requirement ``vr`` gives at step ``i`` of one sub-env's stream: the column at each offset, zeros before
-    the episode's start (step ``i`` is the ``truth[i]["obs"][2]``-th of its episode)."""
+    """What requirement ``vr`` gives at step ``i`` of one sub-env's stream: the column at each offset; before the
+    episode's start (step ``i`` is the ``truth[i]["obs"][2]``-th of its episode) its first obs, or zeros."""
     col = vr.column(key)
     start = i - int(truth[i]["obs"][2])
     zero = np.zeros_like(column_truth(truth[i], col), dtype=float)
+    if vr.fill_rule(key) == "first":
+        zero = column_truth(truth[start], col).astype(float)
     vals = [column_truth(truth[i + o], col).astype(float) if i + o >= start else zero for o in vr.offsets]
     return np.stack(vals) if vr.windowed else vals[0]
 
@@ -115,17 +118,17 @@ def check_inputs_against_truth(seen: list[dict[str, Any]], n_envs: int, reqs: di
 
 # -- hand-derived: the first calls of CountingEnv(1), written out ------------------------------------------
 
-Z = [0, 0, 0]
+F0, F1, F2 = [1, 0, 0], [1, 1, 0], [1, 2, 0]  # each episode's first observation: RLlib's fill of an obs stack
 HAND = [  # CountingEnv(1): episode 0 lasts 5 steps (terminated), episode 1 lasts 2 (truncated)
     # obs,      prev_actions, prev_rewards, stack
-    ([1, 0, 0], 0, 0.0, [Z, Z, Z, [1, 0, 0]]),
-    ([1, 0, 1], 0, 1.0, [Z, Z, [1, 0, 0], [1, 0, 1]]),
-    ([1, 0, 2], 1, 2.0, [Z, [1, 0, 0], [1, 0, 1], [1, 0, 2]]),
+    ([1, 0, 0], 0, 0.0, [F0, F0, F0, [1, 0, 0]]),
+    ([1, 0, 1], 0, 1.0, [F0, F0, [1, 0, 0], [1, 0, 1]]),
+    ([1, 0, 2], 1, 2.0, [F0, [1, 0, 0], [1, 0, 1], [1, 0, 2]]),
     ([1, 0, 3], 2, 3.0, [[1, 0, 0], [1, 0, 1], [1, 0, 2], [1, 0, 3]]),
     ([1, 0, 4], 3, 4.0, [[1, 0, 1], [1, 0, 2], [1, 0, 3], [1, 0, 4]]),
-    ([1, 1, 0], 0, 0.0, [Z, Z, Z, [1, 1, 0]]),  # a new episode: nothing of episode 0 (last action 4, reward 5)
-    ([1, 1, 1], 1000, 101.0, [Z, Z, [1, 1, 0], [1, 1, 1]]),
-    ([1, 2, 0], 0, 0.0, [Z, Z, Z, [1, 2, 0]]),  # and nothing of episode 1 (last action 1001, reward 102)
+    ([1, 1, 0], 0, 0.0, [F1, F1, F1, [1, 1, 0]]),  # a new episode: nothing of episode 0 (last action 4, reward 5)
+    ([1, 1, 1], 1000, 101.0, [F1, F1, [1, 1, 0], [1, 1, 1]]),
+    ([1, 2, 0], 0, 0.0, [F2, F2, F2, [1, 2, 0]]),  # and nothing of episode 1 (last action 1001, reward 102)
 ]
 
 
@@ -185,9 +188,10 @@ def reference_views(step: dict[str, Any], n: int, reqs: dict[str, VR], vector: b
     """brief10's learner-side views of one rollout: ``{key: (values, known)}``.
 
     ``values`` (n, E, [W], ...): the column at t + offset where that is at or after the episode's start
-    (the step after the last ``terminated | truncated`` before t, or the rollout's first step), zeros
-    where it is before a start inside the rollout. ``known`` (n, E): False where the window reaches
-    before the rollout's first step in an episode that started before it (the learner has no data).
+    (the step after the last ``terminated | truncated`` before t, or the rollout's first step); where it
+    is before a start inside the rollout, RLlib's fill: the episode's first obs for obs, zeros otherwise.
+    ``known`` (n, E): False where the window reaches before the rollout's first step in an episode that
+    started before it (the learner has no data).
     ``first_is_start``: the rollout's first step starts an episode (complete-episodes rollouts): all known.
     """
     def envs(a):
@@ -207,7 +211,7 @@ def reference_views(step: dict[str, Any], n: int, reqs: dict[str, VR], vector: b
             src = np.clip(np.arange(n) + o, 0, n - 1)
             v = col[src].copy()
             before = (np.arange(n)[:, None] + o) < start
-            v[before] = 0
+            v[before] = col[start, np.arange(E)][before] if vr.fill_rule(key) == "first" else 0
             vals.append(v)
         values = np.stack(vals, axis=2) if vr.windowed else vals[0]
         known = (start > 0) | (np.arange(n)[:, None] + min(vr.offsets) >= 0) | first_is_start
@@ -363,6 +367,8 @@ def test_views_never_show_a_previous_episode(E, n, seed, obs_shifts, act_shifts)
                     j = i + o
                     item = np.zeros_like(hist_obs[0][e] if vr.column(key) == "obs" else
                                          (np.zeros(3, np.float32) if vr.column(key) == "action" else np.float32(0)))
+                    if vr.column(key) == "obs":  # RLlib's fill: the episode's first observation
+                        item = hist_obs[start[e]][e]
                     want.append(hist[j][e] if j >= start[e] else item)
                 got = x[key][e]
                 assert np.array_equal(got, np.stack(want) if vr.windowed else want[0]), (key, i, e)
@@ -382,7 +388,7 @@ def test_windows_are_views_of_the_ring_and_lists_are_not():
     views = ActorViews({"stack": VR("obs", shift="-3:0"), "one": VR("obs", shift=-1), "sparse": VR("obs", shift=[-3, 0])},
                        np.zeros((2, 3)), 2)
     x = views.inputs()
-    ring = views.rings["obs"][1][0].buf
+    ring = views.rings["obs", "first"][1][0].buf
     assert np.shares_memory(x["stack"], ring) and np.shares_memory(x["one"], ring)
     assert not np.shares_memory(x["sparse"], ring)
     assert x["stack"].shape == (2, 4, 3) and x["sparse"].shape == (2, 2, 3)
@@ -397,7 +403,7 @@ def test_dict_observations_give_a_dict_per_view():
     nobs = {"pos": obs["pos"] + 10, "t": obs["t"] + 1}
     views.advance(np.zeros(2, np.int64), {}, np.zeros(2, np.float32), np.array([True, False]), np.zeros(2, bool), nobs)
     x = views.inputs()
-    assert x["stack"]["pos"][0].tolist() == [[0, 0, 0], nobs["pos"][0].tolist()]  # sub-env 0 started anew
+    assert x["stack"]["pos"][0].tolist() == [nobs["pos"][0].tolist()] * 2  # sub-env 0 started anew: its first obs
     assert x["stack"]["pos"][1].tolist() == [obs["pos"][1].tolist(), nobs["pos"][1].tolist()]
 
 
@@ -492,7 +498,7 @@ def _cartpole_episodes(policy: Any, steps: int, horizon: int | None = None) -> t
     episodes that end within ``steps`` steps, in order, and how many of them ``horizon`` cut."""
     env = gym.make("CartPole-v1")
     obs, _ = env.reset(seed=0)
-    prev = np.zeros(4)  # the view's fill before an episode's first step
+    prev = obs  # the view's fill before an episode's first step: its first observation (RLlib's)
     lengths, cut, t = [], 0, 0
     for _ in range(steps):
         a = policy(obs, prev)
@@ -505,7 +511,7 @@ def _cartpole_episodes(policy: Any, steps: int, horizon: int | None = None) -> t
         if term or trunc:
             lengths.append(t)
             obs, _ = env.reset()
-            prev, t = np.zeros(4), 0
+            prev, t = obs, 0
     env.close()
     return lengths, cut
 

@@ -74,6 +74,7 @@ from shmbuf.layout import (
 from workers._complete import SlotEpisodes
 from workers._envs import EnvDriver, tree_copy, tree_index
 from workers._postprocess import Postprocessor
+from workers._seeding import actor_seed
 from workers._truncate import SlotRollouts, usable
 from workers._views import ActorViews, check_view_requirements
 
@@ -568,7 +569,7 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
                 if ctx.stop_requested:
                     return
                 time.sleep(AWAIT_SLICE)
-        seed = None if spec.seed is None else spec.seed + 10_000 * ctx.index + 1_000_000 * ctx.incarnation
+        seed = actor_seed(env, spec.seed, ctx.index, ctx.incarnation)
         loop = ActorLoop(env, policy, writers, rollout_len=spec.rollout_len, batch_mode=spec.batch_mode,
                          max_episodes=spec.max_episodes, weights=sub, seed=seed,
                          should_stop=lambda: ctx.stop_requested, view_requirements=spec.view_requirements,

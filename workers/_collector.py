@@ -47,7 +47,9 @@ from workers._pool import default_start_method
 from workers._postprocess import check_setting as check_postprocess
 from workers._postprocess import discover
 from workers._postprocess import template as post_template
+from workers._seeding import actor_seed, next_base_seed
 from workers._settings import checked_sources
+from workers._torchrl_names import TorchRLNames
 from workers._views import check_view_requirements
 
 # checked_sources, progress and weights_of: workers._ray imports them from here
@@ -165,7 +167,7 @@ def probe_env(env_fn: Callable[[], Any], policy: Callable[[], Any], seed: int | 
     env = env_fn()
     try:
         pol = policy()
-        probed = probe(env, pol, seed, view_requirements=view_requirements)
+        probed = probe(env, pol, actor_seed(env, seed, 0, 0), view_requirements=view_requirements)
         max_steps = getattr(getattr(env, "spec", None), "max_episode_steps", None)
         probed["postprocess"] = discover(postprocess, pol, probed)
     finally:
@@ -236,7 +238,7 @@ class CollectedBatch:
                 f"lag={self.policy_lag.tolist()})")
 
 
-class Collector:
+class Collector(TorchRLNames):
     """An iterator of batches of rollouts, collected by actor processes into shared memory.
 
     Args:
@@ -269,7 +271,8 @@ class Collector:
         restart: restart a failed actor (its error is kept in ``failures``).
         progress: show a tqdm progress bar.
         copy: give each batch its own arrays (default: reuse one buffer).
-        seed: base seed for env resets (actor i, restart r: ``seed + 10000 i + 10**6 r``).
+        seed: base seed for env resets (actor i, restart r: ``seed + 10000 i + 10**6 r``; an env with its own
+            ``worker_seed`` rule, as AsyncBatchedCollector's TorchRL envs, follows that instead).
         timeout: longest wait for one batch before :class:`shmbuf.SlotTimeout` (None: no limit;
             a failed actor is raised at once either way).
         stop_timeout: the deadline :meth:`shutdown` gives the actors.
@@ -293,6 +296,9 @@ class Collector:
             learner gave (RayCollector restarts its node owners so). The weights the collector
             would have published as version 0 are kept in ``awaited_weights``. Without a broadcast
             it changes nothing.
+
+    TorchRL's ``Collector`` methods (``update_policy_weights_``, ``set_seed``, ``shutdown``, ``state_dict``, ...)
+    are translations to these, from :class:`workers._torchrl_names.TorchRLNames` (docs/from-torchrl.md).
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -364,6 +370,8 @@ class Collector:
                                  num_envs=probed["num_envs"], rollout_len=rollout_len, max_episode_steps=max_steps,
                                  slots=slots)
         example = rollout_layout(self.plan, probed, extras, max_episodes)
+        # the seeds the actors start with: (seed, static_seed, TorchRL's "next seed", static_seed allowed)
+        self._seeding: tuple[Any, bool, Any, bool] = (seed, False, next_base_seed(seed, self.plan.num_actors), False)
         actor = {"env_fns": env_fns, "rollout_len": self.plan.rollout_len, "batch_mode": batch_mode,
                  "max_episodes": max_episodes, "seed": seed, "view_requirements": view_requirements,
                  "horizon": horizon, "soft_horizon": soft_horizon, "no_done_at_end": no_done_at_end,
@@ -504,10 +512,6 @@ class Collector:
             "shmbuf": self.reader.stats() if self._t0 is not None and not self.reader.closed else {},
             **self._placement.stats(),
         }
-
-    def shutdown(self, timeout: float | None = None) -> None:
-        """TorchRL's name for :meth:`close`."""
-        self.close(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the actors, close the pipeline and what the placement made, all within ``timeout`` (default

@@ -98,6 +98,11 @@ class AsyncBatchedCollector(Collector):
         server_threads: torch's intra-op threads in the server thread (default 1: on a CPU, the
             env workers want the other cores; raise it for a large policy on many cores; None:
             torch's default, whose idle OpenMP threads spin between forward passes).
+        seed, static_seed: TorchRL envs: not given (the default), each env keeps the seed its factory gave it
+            (``env.set_seed(...)`` in the factory), as under TorchRL; given, env worker ``i`` calls
+            ``env.set_seed(s_i, static_seed)`` before its first reset, ``s_0 = seed`` and ``s_{i+1}`` what
+            ``set_seed(s_i)`` returned: TorchRL's ``set_seed`` chain (``workers._torchrl.TorchRLEnv``).
+            Gymnasium envs: :class:`workers.Collector`'s ``seed`` (default 0); ``static_seed`` is for TorchRL envs.
         **kwargs: :class:`workers.Collector`'s other settings (``rollout_len``, ``restart``,
             ``max_restarts``, ``progress``, ``seed``, ``timeout``, ``stop_timeout``,
             ``start_method``, ``copy``, ``slots``, ``horizon``, ...).
@@ -121,7 +126,7 @@ class AsyncBatchedCollector(Collector):
                  create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None, replay_buffer: Any = None,
                  exploration_type: Any = None, post_collect_hook: Callable[[Any], None] | None = None,
                  num_envs: int | None = None, num_workers: int | None = None, server_threads: int | None = 1,
-                 **kwargs: Any):
+                 static_seed: bool = False, **kwargs: Any):
         # TorchRL's None defaults (its server config's): the same figures
         max_batch_size = 64 if max_batch_size is None else max_batch_size
         min_batch_size = 1 if min_batch_size is None else min_batch_size
@@ -177,7 +182,8 @@ class AsyncBatchedCollector(Collector):
         factories: list[TorchRLFactory] = []
         if td_policy or _torchrl_loaded():  # a factory may return a TorchRL env: wrap them to step it through TorchRL
             given = create_env_fn if isinstance(create_env_fn, Sequence) else [create_env_fn]
-            factories = [TorchRLFactory(f, wrap_gym=td_policy) for f in given]
+            seeded = kwargs.get("seed") is not None  # given: TorchRL's set_seed chain; else the factories' own seeds
+            factories = [TorchRLFactory(f, wrap_gym=td_policy, seeded=seeded, static_seed=bool(static_seed)) for f in given]
             create_env_fn = factories if isinstance(create_env_fn, Sequence) else factories[0]
         if td_policy:
             from workers import _torchrl as torchrl
@@ -212,6 +218,22 @@ class AsyncBatchedCollector(Collector):
         self._pause_lock = threading.Lock()  # held by pause(); the replay writer holds it around each write
         self._paused_by: int | None = None  # the thread inside pause() (it holds the server's lock too)
         self._owned_replay: Any = None
+        self._seed_torchrl_envs(bool(dtypes), kwargs.get("seed"), static_seed)
+
+    def _seed_torchrl_envs(self, torchrl_envs: bool, seed: Any, static_seed: Any) -> None:
+        """Record the seeds the env workers started with (``set_seed`` answers from them); ``static_seed`` is refused
+        without TorchRL envs (shmbuf's rule seeds gymnasium envs)."""
+        if not isinstance(static_seed, bool):
+            self.close()
+            raise shmbuf.UsageError(f"static_seed: expected a bool, got {static_seed!r}")
+        if not torchrl_envs:
+            if static_seed:
+                self.close()
+                raise shmbuf.UsageError("static_seed=True: TorchRL's seed rule, for env factories that return TorchRL envs; "
+                                        "gymnasium envs take shmbuf's seeds (worker i resets with seed + 10000 i)")
+            return
+        nxt = None if seed is None else self._torchrl_module().chained_seed(int(seed), self.num_actors, static_seed)
+        self._seeding = (seed, static_seed, nxt, True)
 
     @property
     def server(self) -> InferenceServer | None:
@@ -454,11 +476,6 @@ class AsyncBatchedCollector(Collector):
         stops the workers.
         """
         return self.pool
-
-    def set_seed(self, seed: int, static_seed: bool = False) -> int:
-        """As TorchRL's: a no-op returning ``seed`` (the envs are seeded when they start: pass ``seed=`` to the
-        constructor; worker ``i`` resets with ``seed + 10000 i``)."""
-        return seed
 
     def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
         """Stop the background collection (if any), the server, the env workers, close the pipeline (TorchRL's

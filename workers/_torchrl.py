@@ -36,8 +36,8 @@ from shmbuf import SchemaError, UsageError
 from workers._tensordict import to_tensordict
 from workers._torchrl_factory import TorchRLFactory, is_torchrl_env
 
-__all__ = ["TensorDictBase", "TensorDictPolicy", "TorchRLEnv", "TorchRLFactory", "is_torchrl_env", "load_weights",
-           "numpy_tree", "same_weights", "torchrl_batch", "weights_td"]
+__all__ = ["TensorDictBase", "TensorDictPolicy", "TorchRLEnv", "TorchRLFactory", "chained_seed", "is_torchrl_env",
+           "load_weights", "numpy_tree", "same_weights", "torchrl_batch", "weights_td"]
 
 
 def _leaf_name(key: Any) -> str:
@@ -50,9 +50,16 @@ class TorchRLEnv:
     Observations: every leaf of ``env.observation_spec``; one ``observation`` leaf is handed out as an array,
     several as a dict keyed as in the spec (nested keys as nested dicts). ``terminated`` and ``truncated`` are
     the env's; an env with only ``done`` is terminated by it. ``reward_dtype``: the reward spec's dtype.
+
+    Seeds (:meth:`worker_seed`): TorchRL's rule, not gymnasium's reset seeds. ``seeded=False`` (the collector was
+    given no ``seed=``): the env is never seeded here, so a factory's own ``env.set_seed(...)`` holds, as under
+    TorchRL's ``AsyncBatchedCollector``. ``seeded=True``: env worker ``i`` calls ``env.set_seed(s_i, static_seed)``
+    once, before its first reset, ``s_0`` the collector's seed and ``s_{i+1}`` what ``set_seed(s_i)`` returns
+    (``EnvBase.set_seed``: ``torchrl._utils.seed_generator(s_i)``, or ``s_i`` with ``static_seed``): the seeds
+    TorchRL's multi-process collectors' ``set_seed`` hands their workers, one after the other.
     """
 
-    def __init__(self, env: Any):
+    def __init__(self, env: Any, *, seeded: bool = False, static_seed: bool = False):
         if tuple(env.batch_size) != ():
             raise UsageError(f"create_env_fn: a TorchRL env with batch_size={tuple(env.batch_size)} (a batched env) is not "
                              "stepped by AsyncBatchedCollector; give one factory per env (batch_size ())")
@@ -70,6 +77,8 @@ class TorchRLEnv:
         self.term_key = by_name.get("terminated", by_name.get("done", done_keys[0]))
         self.trunc_key = by_name.get("truncated")
         self.reward_dtype = env.reward_spec.dtype
+        self.seeded = seeded
+        self.static_seed = static_seed
         self._root: Any = None
         inner = getattr(env, "_env", None)  # GymEnv's gymnasium env: its time limit, for complete-episodes batches
         self.spec = getattr(inner, "spec", None)
@@ -86,11 +95,25 @@ class TorchRLEnv:
             d[path[-1]] = td.get(k).cpu().numpy()
         return out
 
+    def worker_seed(self, seed: int | None, index: int, incarnation: int) -> int | None:
+        """The seed env worker ``index`` (restart ``incarnation``) gives :meth:`reset`: None (the env keeps its own)
+        unless the collector was given one; else TorchRL's chain (see the class doc), plus ``10**6`` per restart
+        (TorchRL does not restart workers; a restarted worker must not replay its episodes)."""
+        if seed is None or not self.seeded:
+            return None
+        return chained_seed(int(seed), index, self.static_seed) + 1_000_000 * incarnation
+
     def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[Any, dict[str, Any]]:
         if options is not None:
             raise UsageError(f"TorchRLEnv.reset: options are not passed to a TorchRL env, got {options!r:.80}")
         if seed is not None:
-            self.env.set_seed(int(seed))
+            got = self.env.set_seed(int(seed), static_seed=self.static_seed)
+            want = chained_seed(int(seed), 1, self.static_seed)
+            if got != want:
+                raise UsageError(f"seed: {type(self.env).__name__}.set_seed({seed}) returned {got}, where EnvBase.set_seed "
+                                 f"returns {want}. TorchRL's collectors hand each worker the seed the previous worker's env "
+                                 "returned; env workers start together here, so their seeds follow EnvBase's rule, which this "
+                                 "env does not. Seed each env in its factory (and give no seed=)")
         self._root = self.env.reset()
         return self._obs(self._root), {}
 
@@ -109,6 +132,18 @@ class TorchRLEnv:
 
     def close(self) -> None:
         self.env.close(raise_if_closed=False)
+
+
+def chained_seed(seed: int, index: int, static_seed: bool = False) -> int:
+    """The seed of env ``index`` under TorchRL's chain from ``seed``: ``seed_generator`` applied ``index`` times
+    (``EnvBase.set_seed``'s "next seed"), or ``seed`` itself with ``static_seed``."""
+    from torchrl._utils import seed_generator
+
+    if static_seed:
+        return seed
+    for _ in range(index):
+        seed = seed_generator(seed)
+    return seed
 
 
 def _import_pandas_here() -> None:

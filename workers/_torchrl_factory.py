@@ -28,11 +28,14 @@ class TorchRLFactory:
     factory is. ``wrap_gym``: a plain gymnasium env (not a vector env) is wrapped in TorchRL's ``GymWrapper`` first,
     so that a TensorDict module's actions go through TorchRL's action spec as they would under TorchRL. Called in
     this process (the collector's probe), it records the env's reward dtype in ``reward_dtype`` (None: the factory
-    gave no TorchRL env)."""
+    gave no TorchRL env). ``seeded``, ``static_seed``: how its TorchRL envs take the collector's seed (see
+    :class:`workers._torchrl.TorchRLEnv`: not at all unless ``seeded``)."""
 
-    def __init__(self, fn: Callable[..., Any], *, wrap_gym: bool = False):
+    def __init__(self, fn: Callable[..., Any], *, wrap_gym: bool = False, seeded: bool = False, static_seed: bool = False):
         self.fn = fn
         self.wrap_gym = wrap_gym
+        self.seeded = seeded
+        self.static_seed = static_seed
         self.reward_dtype: Any = None
 
     def __call__(self, **kwargs: Any) -> Any:
@@ -45,12 +48,13 @@ class TorchRLFactory:
             return env
         from workers._torchrl import TorchRLEnv
 
-        wrapped = TorchRLEnv(env)
+        wrapped = TorchRLEnv(env, seeded=self.seeded, static_seed=self.static_seed)
         self.reward_dtype = wrapped.reward_dtype
         return wrapped
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"fn": self.fn, "wrap_gym": self.wrap_gym, "reward_dtype": None}
+        return {"fn": self.fn, "wrap_gym": self.wrap_gym, "seeded": self.seeded, "static_seed": self.static_seed,
+                "reward_dtype": None}
 
     def __repr__(self) -> str:
         return f"TorchRLFactory({self.fn!r})"

@@ -1,8 +1,9 @@
 """Actor-side trajectory views: a policy's input at every step, built from view requirements (RLlib's compute-actions views).
 
 The learner builds the same columns from the stored rollout with ``shmbuf.storage.build_views``; the
-rule both follow (docs/views.md): the value at step ``t`` is ``data[t + offset]`` of the same episode,
-zeros before the episode's first step. Here each column keeps a ring of its newest values per sub-env,
+rule both follow (docs/views.md): the value at step ``t`` is ``data[t + offset]`` of the same episode;
+before the episode's first step, RLlib's fill: its first observation for ``obs``, zeros for every other
+column (``ViewRequirement(fill="zeros")``: zeros for ``obs`` too). Here each column keeps a ring of its newest values per sub-env,
 allocated once, so that a window is a view of the ring (see :class:`_Ring`).
 """
 
@@ -17,6 +18,8 @@ from shmbuf import UsageError
 
 # The step leaves (the columns a view can read, with policy extras); the flags are per step and never observations.
 from shmbuf.layout import ACTION, FLAG_KEYS, OBS, REWARD, STEP_KEYS, TERMINATED, TRUNCATED
+
+FIRST = "first"  # ViewRequirement.fill_rule's name for RLlib's fill of observations (shmbuf.storage.views.FIRST)
 
 
 def _item_template(space: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -35,15 +38,19 @@ class _Ring:
     ``buf`` is ``(E, 2L, ...)``: the n-th value pushed sits at ``n % L`` and ``n % L + L``, so the newest
     ``L`` values, oldest first, are ``buf[:, p:p + L]`` (``p``: the next write position), a basic slice.
     Position ``p + L - 1`` holds the value at offset ``newest`` (0 for ``obs``, which is pushed before the
-    policy acts; -1 for what a step produces). Rows of a sub-env are zeroed where its episode starts, so a
-    position before the start reads as the fill value (zeros) without any mask. Allocated once.
+    policy acts; -1 for what a step produces). Where a sub-env's episode starts, its rows are zeroed, or with
+    ``first`` (an ``obs`` ring under RLlib's fill) filled with the episode's first value at its push, so a
+    position before the start reads as the fill value without any mask. Allocated once.
     """
 
-    def __init__(self, num_envs: int, depth: int, item_shape: tuple[int, ...], dtype: Any, newest: int):
+    def __init__(self, num_envs: int, depth: int, item_shape: tuple[int, ...], dtype: Any, newest: int,
+                 first: bool = False):
         self.L = depth
         self.newest = newest
         self.buf = np.zeros((num_envs, 2 * depth, *item_shape), dtype)
         self.p = 0
+        self.first = first
+        self.fresh = np.ones(num_envs, bool) if first else None  # sub-envs whose next push starts an episode
 
     def push(self, value: Any) -> None:
         """Append one value per sub-env (``(E, ...)``); views handed out before now are stale from here on."""
@@ -51,10 +58,18 @@ class _Ring:
         self.buf[:, p] = value
         self.buf[:, p + L] = value
         self.p = (p + 1) % L
+        fresh = self.fresh
+        if fresh is not None and fresh.any():  # an episode's first value: it is also every position before it
+            self.buf[fresh] = np.asarray(value)[fresh][:, None]
+            fresh[:] = False
 
     def clear(self, rows: np.ndarray) -> None:
-        """Zero the history of the sub-envs where ``rows`` (their episodes start anew)."""
-        self.buf[rows] = 0
+        """The sub-envs where ``rows`` start a new episode: zero their history (or, with ``first``, fill it with the
+        next value pushed)."""
+        if self.fresh is not None:
+            self.fresh |= rows
+        else:
+            self.buf[rows] = 0
 
     def position(self, offset: int) -> int:
         """Index on axis 1 of the value at ``offset`` (at least ``newest - L + 1``)."""
@@ -95,7 +110,9 @@ class ActorViews:
     For every requirement ``name -> ViewRequirement(data_col, shift)``: the column at the current step
     ``t`` plus each offset, batched over sub-envs: ``(E, ...)`` for an int shift, ``(E, W, ...)`` for a
     list or a range (the offsets on the new axis, in their order). A position before the sub-env's
-    episode start holds zeros (:meth:`ViewRequirement.fill_value`), never the previous episode's data.
+    episode start holds RLlib's fill (:meth:`ViewRequirement.fill_rule`): the episode's first observation
+    for ``obs``, zeros (:meth:`ViewRequirement.fill_value`) for every other column; never the previous
+    episode's data.
     Episodes start where the *recorded* ``terminated | truncated`` was set (what :meth:`advance` gets),
     so the learner building views from the stored rollout with the same requirements finds the same
     boundaries; a soft horizon is no boundary (nothing is recorded there).
@@ -121,31 +138,36 @@ class ActorViews:
     def __init__(self, requirements: Any, obs: Any, num_envs: int, action_space: Any = None):
         self.requirements = check_view_requirements(requirements)
         self.E = int(num_envs)
-        depth: dict[str, int] = {}
+        # one set of rings per (column, fill rule): obs under RLlib's fill ("first") and under "zeros" differ
+        self._ring_of = {key: (vr.column(key), vr.fill_rule(key)) for key, vr in self.requirements.items()}
+        depth: dict[tuple[str, str], int] = {}
         space: dict[str, Any] = {}
         for key, vr in self.requirements.items():
-            col = vr.column(key)
-            depth[col] = max(depth.get(col, 0), -min(vr.offsets))
-            if vr.space is not None and col not in space:
-                space[col] = vr.space
+            rk = self._ring_of[key]
+            depth[rk] = max(depth.get(rk, 0), -min(vr.offsets))
+            if vr.space is not None and rk[0] not in space:
+                space[rk[0]] = vr.space
         self.columns = sorted(depth)
         self._checked = False
-        self._origin = {col: "its requirement's space=" if col in space else "the env's action space" for col in depth}
-        self.rings: dict[str, tuple[Any, list[_Ring]]] = {}
-        for col in self.columns:
-            self.rings[col] = self._make_rings(col, depth[col], obs, space.get(col, action_space if col == ACTION else None))
+        self._origin = {col: "its requirement's space=" if col in space else "the env's action space" for col, _ in depth}
+        self.rings: dict[tuple[str, str], tuple[Any, list[_Ring]]] = {}
+        for col, rule in self.columns:
+            self.rings[col, rule] = self._make_rings(col, depth[col, rule], obs,
+                                                     space.get(col, action_space if col == ACTION else None), rule)
         for key, vr in self.requirements.items():
             self._check_fill(key, vr)
-        self.views = {key: [_View(r, vr.offsets, vr.windowed) for r in self.rings[vr.column(key)][1]]
+        self.views = {key: [_View(r, vr.offsets, vr.windowed) for r in self.rings[self._ring_of[key]][1]]
                       for key, vr in self.requirements.items()}
-        if OBS in self.rings:
-            self._push(OBS, obs)
+        for rk in self.rings:
+            if rk[0] == OBS:
+                self._push(rk, obs)
 
-    def _make_rings(self, col: str, depth: int, obs: Any, space: Any) -> tuple[Any, list[_Ring]]:
+    def _make_rings(self, col: str, depth: int, obs: Any, space: Any, rule: str) -> tuple[Any, list[_Ring]]:
         E = self.E
         if col == OBS:
             leaves, spec = optree.tree_flatten(obs)
-            return spec, [_Ring(E, depth + 1, np.shape(a)[1:], np.asarray(a).dtype, 0) for a in leaves]
+            return spec, [_Ring(E, depth + 1, np.shape(a)[1:], np.asarray(a).dtype, 0, first=rule == FIRST)
+                          for a in leaves]
         shape: tuple[int, ...]
         dtype: np.dtype[Any]
         if col == REWARD:
@@ -165,11 +187,11 @@ class ActorViews:
 
     def _check_fill(self, key: str, vr: Any) -> None:
         """The requirement's fill (its ``space``) fits the column: ``fill_value`` raises if its shape does not."""
-        for ring in self.rings[vr.column(key)][1]:
+        for ring in self.rings[self._ring_of[key]][1]:
             vr.fill_value(ring.buf.dtype, ring.buf.shape[2:])
 
-    def _push(self, col: str, value: Any) -> None:
-        rings = self.rings[col][1]
+    def _push(self, rk: tuple[str, str], value: Any) -> None:
+        rings = self.rings[rk][1]
         if len(rings) == 1 and type(value) is np.ndarray:
             rings[0].push(value)
             return
@@ -180,7 +202,7 @@ class ActorViews:
         """The policy's input at the current step (see the class doc for shapes and lifetime)."""
         out: dict[str, Any] = {}
         for key, views in self.views.items():
-            spec = self.rings[self.requirements[key].column(key)][0]
+            spec = self.rings[self._ring_of[key]][0]
             if len(views) == 1 and spec.num_leaves == 1 and spec.num_nodes == 1:
                 out[key] = views[0].read()
             else:
@@ -189,10 +211,10 @@ class ActorViews:
 
     def _check_output(self, values: dict[str, Any], extras: dict[str, Any]) -> None:
         """The first output's actions and extras have the shape and dtype the rings were made for."""
-        for col in self.columns:
+        for col, rule in self.columns:
             if col in (OBS, REWARD, *FLAG_KEYS):
                 continue
-            ring = self.rings[col][1][0]
+            ring = self.rings[col, rule][1][0]
             if col not in values:
                 raise UsageError(f"view column {col!r} is not a step leaf and the policy returned no extra of that name "
                                  f"(its extras: {sorted(extras)}); a view reads one of "
@@ -213,16 +235,17 @@ class ActorViews:
         values = {ACTION: action, REWARD: reward, TERMINATED: terminated, TRUNCATED: truncated, **extras}
         if not self._checked:
             self._check_output(values, extras)
-        for col in self.columns:
-            if col != OBS:
-                self._push(col, values[col])
+        for rk in self.columns:
+            if rk[0] != OBS:
+                self._push(rk, values[rk[0]])
         ended = terminated | truncated
         if ended.any():
             for _, rings in self.rings.values():
                 for ring in rings:
                     ring.clear(ended)
-        if OBS in self.rings:
-            self._push(OBS, next_obs)
+        for rk in self.columns:
+            if rk[0] == OBS:
+                self._push(rk, next_obs)
 
 
 def check_view_requirements(requirements: Any) -> dict[str, Any]:
@@ -238,12 +261,13 @@ def check_view_requirements(requirements: Any) -> dict[str, Any]:
     for key, vr in requirements.items():
         if not isinstance(key, str):
             raise UsageError(f"view_requirements: keys are the policy's input names (str), got {key!r}")
-        if not all(hasattr(vr, a) for a in ("offsets", "windowed", "column", "fill_value", "space")):
+        if not all(hasattr(vr, a) for a in ("offsets", "windowed", "column", "fill_value", "fill_rule", "space")):
             raise UsageError(f"view_requirements[{key!r}]: expected a shmbuf.storage.views.ViewRequirement, got "
                              f"{type(vr).__name__}")
         col = vr.column(key)
         if not isinstance(col, str) or not col:
             raise UsageError(f"view_requirements[{key!r}]: its column must be a step leaf name, got {col!r}")
+        vr.fill_rule(key)  # a UsageError for fill="first" on a column other than obs
         if col.startswith("obs/"):
             raise UsageError(f"view_requirements[{key!r}]: column {col!r} is a learner-side path into a dict observation; "
                              "the actor side takes the whole 'obs' (its views keep the observation's structure, one view "

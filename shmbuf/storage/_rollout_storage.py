@@ -16,9 +16,11 @@ from shmbuf.storage._rollout_source import RolloutSource, check_keys
 from shmbuf.storage._torch import device_setting, host_array, is_device, to_torch
 from shmbuf.storage._trajectories import aliases, flat_getter, pad, ranges, trajectories
 from shmbuf.storage._transition import (
+    NO_HIDDEN_STATES,
     REQUIRED,
     STEP_ARRAYS,
     TRANSITION_FIELDS,
+    ActorCriticHiddenState,
     AnyMiniBatch,
     TimeOutObservations,
     array_of,
@@ -147,7 +149,7 @@ class RolloutStorage:
         self._hidden_form: list[str | None] = [None, None]  # with a device: "gru" ((L, N, H)) or "lstm" ((h, c)), per side
         # with a device: the containers hidden states came in (the forks' ActorCriticHiddenState / LstmHiddenState
         # namedarraytuples, or plain tuples), to give them back in the same types: (outer, [actor's, critic's (h, c)])
-        self._hidden_types: tuple[Any, list[Any]] = (tuple, [tuple, tuple])
+        self._hidden_types: tuple[Any, list[Any]] = (ActorCriticHiddenState, [tuple, tuple])
 
     # -- filling --------------------------------------------------------------------------------------
 
@@ -318,7 +320,8 @@ class RolloutStorage:
                 dst = np.zeros((self.num_transitions_per_env, *h.shape), self.values.dtype)
             out.append((name, dst, as_row(name, h, dst[0])))
         self._hidden_form = forms  # only what passed every check is remembered
-        self._hidden_types = (type(hidden), inner)
+        # plain tuples (rsl_rl 1.x's) come back named, so that the fork's ``.actor`` reads them too
+        self._hidden_types = (ActorCriticHiddenState if type(hidden) is tuple else type(hidden), inner)
         return out
 
     def _torch_hidden(self, name: str, h: Any) -> tuple[np.ndarray, str]:
@@ -441,7 +444,7 @@ class RolloutStorage:
                 out = {name: (None if g is None else g(idx)) for name, g in get.items()}
                 for name, same in alias.items():
                     out[name] = out[same]
-                yield self._out(self.MiniBatch(**out, hidden_states=None, masks=None))
+                yield self._out(self.MiniBatch(**out, hidden_states=NO_HIDDEN_STATES, masks=None))
 
     def recurrent_mini_batch_generator(self, num_mini_batches: int, num_epochs: int = 8, *, shuffle: bool = False,
                                        pad_to: str | None = None) -> Iterator[AnyMiniBatch]:
@@ -492,9 +495,9 @@ class RolloutStorage:
                     out[name] = out[same]
                 for name, a in step_f.items():
                     out[name] = None if a is None else a[:, cols]
-                h = None
+                h = NO_HIDDEN_STATES
                 if hid[0] is not None or hid[1] is not None:
-                    h = tuple(None if x is None else x[t0[j], env[j]] for x in hid)
+                    h = ActorCriticHiddenState(*(None if x is None else x[t0[j], env[j]] for x in hid))
                 yield self._out(self.MiniBatch(**out, hidden_states=h, masks=masks))
 
     # the forks' spelling, for users who search for it
@@ -508,7 +511,7 @@ class RolloutStorage:
         t = to_torch(mb._replace(hidden_states=None), self.device)
         scalars = {f: getattr(t, f)[..., None] for f in ("values", "advantages", "returns", "old_actions_log_prob")}
         hidden = mb.hidden_states
-        if hidden is not None:
+        if any(x is not None for x in hidden):
             outer, inner = self._hidden_types
             hidden = _same_type(outer, [None if x is None else self._hidden_out(x, form, kind)
                                         for x, form, kind in zip(hidden, self._hidden_form, inner)])

@@ -83,11 +83,12 @@ class MiniBatch(_ToTorch, namedtuple("MiniBatch", ["obs", "critic_obs", "actions
                                                    "old_actions_log_prob", "old_mu", "old_sigma", "hidden_states",
                                                    "masks"])):
     """One minibatch, the forks' field names. Flat (:meth:`RolloutStorage.mini_batch_generator`): every array
-    ``[batch, ...]``, ``hidden_states`` and ``masks`` None. Recurrent: ``obs``/``critic_obs`` ``[L, traj, ...]``
-    padded, ``masks`` ``[L, traj]``, ``hidden_states`` ``(actor, critic)`` ``[traj, *rnn_hidden_shape]`` (or
-    None), the other fields ``[T, envs, ...]`` unpadded. ``critic_obs`` is ``obs`` when there are no privileged
-    observations. Every array is the generator's own copy, except the unpadded recurrent fields, which are
-    views of the storage when the minibatch's envs are a contiguous range."""
+    ``[batch, ...]``, ``hidden_states`` ``(None, None)`` and ``masks`` None, as rsl_rl yields them. Recurrent:
+    ``obs``/``critic_obs`` ``[L, traj, ...]`` padded, ``masks`` ``[L, traj]``, ``hidden_states`` an
+    :class:`ActorCriticHiddenState` ``(actor, critic)`` ``[traj, *rnn_hidden_shape]`` (``(None, None)`` without
+    stored hidden states), the other fields ``[T, envs, ...]`` unpadded. ``critic_obs`` is ``obs`` when there are
+    no privileged observations. Every array is the generator's own copy, except the unpadded recurrent fields,
+    which are views of the storage when the minibatch's envs are a contiguous range."""
 
     __slots__ = ()
 
@@ -107,6 +108,18 @@ class ActionLabelMiniBatch(_ToTorch, namedtuple("ActionLabelMiniBatch", ["obs", 
     """A :class:`MiniBatch` with ``action_labels`` shaped like ``actions`` (the forks' ``ActionLabelRollout.MiniBatch``)."""
 
     __slots__ = ()
+
+
+class ActorCriticHiddenState(namedtuple("ActorCriticHiddenState", ["actor", "critic"])):
+    """A minibatch's ``hidden_states``: ``(actor, critic)``, read by index as rsl_rl's PPO does
+    (``hid_states_batch[0]``) or by name as the legged-robot fork's does (``minibatch.hidden_states.actor``). A
+    feed-forward minibatch (or a recurrent one of a storage without hidden states) carries ``(None, None)``,
+    rsl_rl's value there."""
+
+    __slots__ = ()
+
+
+NO_HIDDEN_STATES = ActorCriticHiddenState(None, None)
 
 
 # What the generators yield: a MiniBatch, or from a SarsaRolloutStorage a SarsaMiniBatch, from an ActionLabelRollout an

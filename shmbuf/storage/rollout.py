@@ -32,6 +32,7 @@ from shmbuf.storage._trajectories import split_and_pad_trajectories, unpad_traje
 from shmbuf.storage._transition import (
     ActionLabelMiniBatch,
     ActionLabelTransition,
+    ActorCriticHiddenState,
     MiniBatch,
     SarsaMiniBatch,
     SarsaTransition,
@@ -43,6 +44,7 @@ __all__ = [
     "ActionLabelMiniBatch",
     "ActionLabelRollout",
     "ActionLabelTransition",
+    "ActorCriticHiddenState",
     "MiniBatch",
     "QueueRolloutStorage",
     "RolloutStorage",

@@ -4,7 +4,9 @@ A :class:`ViewRequirement` says which column a model wants and at which time off
 the previous step's value (the previous action, the previous reward), ``shift=+1`` the next one
 (the next observation), a list of ints or a range string (``"-3:0"``: the last four observations) an
 extra axis of several offsets. A position before the start of its episode never holds data from the
-previous episode: it holds the fill value (zeros of the column's dtype, or of ``space``'s).
+previous episode: as RLlib's ``AgentCollector`` fills it, an observation column holds the episode's first
+observation (a frame stack at an episode's start repeats it) and every other column holds zeros (of the
+column's dtype, or of ``space``'s); ``ViewRequirement(fill="zeros")`` gives zeros for observations too.
 
 This module holds the requirement itself, which the learner side (building columns from rollouts)
 and the actor side (``workers``: building a policy's input at every step) share, so that both read
@@ -32,6 +34,8 @@ from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATE_EPISODES, TR
 from shmbuf.storage._common import leaf_at
 
 _RANGE = re.compile(r"^\s*(-?\d+)\s*:\s*(-?\d+)\s*$")
+FIRST, ZEROS = "first", "zeros"  # ViewRequirement(fill=...): what a position before an episode's start holds
+FILL_RULES = (None, FIRST, ZEROS)
 
 
 def parse_shift(shift: Any) -> tuple[tuple[int, ...], bool]:
@@ -83,6 +87,11 @@ class ViewRequirement:
             actor side builds every step's input whatever it is (RLlib's compute-actions views too).
         index, used_for_compute_actions: RLlib's, accepted at their defaults (None, True) only: a
             UsageError says why otherwise.
+        fill: what a position before the episode's start holds. None (the default): RLlib's rule, the
+            episode's first observation for an ``obs`` column (``"first"``) and zeros for every other
+            column (``"zeros"``, as RLlib's prev-actions and prev-rewards). ``"zeros"``: zeros for ``obs``
+            too (what some models were trained on). ``"first"`` is for ``obs`` columns only (the first
+            value of another column is not known at the episode's first step, where the actor acts).
     """
 
     data_col: str | None = None
@@ -92,6 +101,7 @@ class ViewRequirement:
     batch_repeat_value: int = 1
     index: None = None
     used_for_compute_actions: bool = True
+    fill: str | None = None
     offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
     windowed: bool = field(init=False, repr=False, compare=False)
 
@@ -115,6 +125,9 @@ class ViewRequirement:
             raise UsageError(f"ViewRequirement(batch_repeat_value=...): expected an int >= 1 (repeat the view every that "
                              f"many steps; 1: every step), got {brv!r}")
         object.__setattr__(self, "batch_repeat_value", int(brv))
+        if self.fill not in FILL_RULES:
+            raise UsageError(f"ViewRequirement(fill=...): expected None (RLlib's rule: the first observation for obs, "
+                             f"zeros elsewhere), 'first' or 'zeros', got {self.fill!r}")
         offsets, windowed = parse_shift(self.shift)
         object.__setattr__(self, "offsets", offsets)
         object.__setattr__(self, "windowed", windowed)
@@ -122,6 +135,16 @@ class ViewRequirement:
     def column(self, key: str) -> str:
         """The data column this requirement reads when it is stored under ``key``."""
         return self.data_col if self.data_col is not None else key
+
+    def fill_rule(self, key: str) -> str:
+        """``"first"`` or ``"zeros"``: what this requirement, stored under ``key``, holds before an episode's start."""
+        col = self.column(key)
+        is_obs = col == OBS or col.startswith(OBS + "/")
+        if self.fill == FIRST and not is_obs:
+            raise UsageError(f"ViewRequirement(fill='first') on column {col!r}: only observations repeat their first "
+                             "value (RLlib's rule); other columns' first value is not known at the episode's first "
+                             "step. Use fill=None or 'zeros'")
+        return self.fill if self.fill is not None else FIRST if is_obs else ZEROS
 
     def fill_value(self, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
         """What a position before the episode's start holds: zeros of ``space`` (cast to the column), or of the column."""
@@ -320,14 +343,15 @@ def _gather(lanes: _Lanes, key: str, req: ViewRequirement, keys: tuple[Any, ...]
     if lanes.prev is not None and (offs < 0).any():
         _from_prev(lanes, key, keys, out, src, valid, item, x.dtype)
     out[~valid] = fill
+    if (offs < 0).any() and req.fill_rule(key) == FIRST:
+        _repeat_first(lanes, key, keys, xc, out, stored & (src < lanes.start[..., None]))
     return out
 
 
-def _from_prev(lanes: _Lanes, key: str, keys: tuple[Any, ...], out: np.ndarray, src: np.ndarray, valid: np.ndarray,
-               item: tuple[int, ...], dtype: np.dtype) -> None:
-    """Positions before this rollout's first step, of an episode that ran on from ``prev``: read from ``prev``."""
+def _prev_leaf(lanes: _Lanes, key: str, keys: tuple[Any, ...], item: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """``prev``'s step leaf at ``keys`` as ``(B, T, E, ...)``, checked to match this rollout's."""
     prev = lanes.prev
-    assert prev is not None  # _gather calls this only when lanes.prev is set
+    assert prev is not None  # called only when lanes.prev is set
     try:
         p = np.asarray(_walk(prev.g.step, keys))
     except (KeyError, IndexError, TypeError):
@@ -336,8 +360,32 @@ def _from_prev(lanes: _Lanes, key: str, keys: tuple[Any, ...], out: np.ndarray, 
     pc = prev.g.as_bte(p)
     if pc.shape[3:] != item or pc.dtype != dtype:
         _fail(SchemaError, f"column {key!r}: prev's leaf is {pc.shape[3:]} {pc.dtype}, this rollout's {item} {dtype}")
+    return pc
+
+
+def _from_prev(lanes: _Lanes, key: str, keys: tuple[Any, ...], out: np.ndarray, src: np.ndarray, valid: np.ndarray,
+               item: tuple[int, ...], dtype: np.dtype) -> None:
+    """Positions before this rollout's first step, of an episode that ran on from ``prev``: read from ``prev``."""
+    pc = _prev_leaf(lanes, key, keys, item, dtype)
     b, t, e, w = np.nonzero(valid & (src < 0))
-    out[b, t, e, w] = pc[b, prev.g.n[b] + src[0, t, 0, w], e]
+    out[b, t, e, w] = pc[b, lanes.prev.g.n[b] + src[0, t, 0, w], e]  # type: ignore[union-attr]  # set: see _prev_leaf
+
+
+def _repeat_first(lanes: _Lanes, key: str, keys: tuple[Any, ...], xc: np.ndarray, out: np.ndarray,
+                  before: np.ndarray) -> None:
+    """RLlib's rule for observations (``fill="first"``): positions ``before`` their episode's start hold its first
+    observation: the earliest row of the episode the learner has (this rollout's, or ``prev``'s where the episode
+    ran on from it; a rollout that starts mid-episode without ``prev`` counts its first step as the start)."""
+    b, t, e, w = np.nonzero(before)
+    s = lanes.start[b, t, e]
+    own = s >= 0
+    out[b[own], t[own], e[own], w[own]] = xc[b[own], s[own], e[own]]
+    if not own.all():
+        prev = lanes.prev
+        assert prev is not None  # a negative start comes only from _attach_prev
+        pc = _prev_leaf(lanes, key, keys, xc.shape[3:], xc.dtype)
+        b, t, e, w, s = b[~own], t[~own], e[~own], w[~own], s[~own]
+        out[b, t, e, w] = pc[b, prev.g.n[b] + s, e]
 
 
 def _masked_valid(lanes: _Lanes, offs: tuple[int, ...], lo: int, hi: int) -> np.ndarray:
