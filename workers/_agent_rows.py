@@ -255,8 +255,11 @@ class ParallelDriver:
         an env whose agents all left is reset, its agents' rows hold their first observations). Returns, per
         policy, ``{row: final observation}`` of the rows whose stream ended.
         """
-        for pid in out:
-            zero(out[pid])
+        for pid, o in out.items():
+            if type(o) is np.ndarray:  # the common case, without a call
+                o[...] = 0
+            else:  # a Dict or Tuple observation: leaf by leaf
+                zero(o)
             out_valid[pid][...] = False
             rew[pid][...] = 0
             term[pid][...] = False

@@ -377,7 +377,11 @@ class MultiAgentLoop:
             for pid, s in slots.items():
                 v = valid[pid]
                 live[pid] = n = int(np.count_nonzero(v))
-                put(s.obs, t, cur[pid])
+                o = cur[pid]
+                if type(o) is np.ndarray:  # the common case, without a call
+                    s.obs[t] = o
+                else:  # a Dict or Tuple observation: leaf by leaf
+                    put(s.obs, t, o)
                 s.valid[t] = v
                 self._act_policy(pid, cur[pid], v, n)
                 s.act[t] = self._act[pid]
