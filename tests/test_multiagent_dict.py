@@ -355,3 +355,12 @@ class ScoutDictEnv(MaskedEnv):
 def test_an_observation_whose_structure_changes_is_refused_naming_the_agent_and_the_path(env, says):
     with pytest.raises(shmbuf.SchemaError, match=says):
         run_loop(1, 4, rollout_len=4, policies=POLICIES, policy_mapping_fn=team, envs=[env(0)], make_env=MaskedEnv)
+
+
+def test_the_docs_block_collects_dict_observations_and_every_action_obeys_its_mask(tmp_path):
+    """docs/multiagent.md's Dict observations block, as written: one leaf per component, every stored action legal."""
+    from tests.helpers import doc_blocks, run_doc_block
+
+    k = next(i for i, b in enumerate(doc_blocks("multiagent.md")) if "action_mask" in b)
+    lines = run_doc_block("multiagent.md", k, tmp_path).splitlines()
+    assert lines == ["{'action_mask': (2, 10, 2, 5), 'observation': (2, 10, 2, 5)}", "every action legal: True"] * 2, lines
