@@ -12,7 +12,10 @@ agent acted at that step. An agent's transitions are therefore contiguous in tim
 leaves ends its stream there (an episode record with its own return, length, flags, final observation and
 ``env`` = the row); one that joins starts its stream at the next step (its row holds zeros and ``valid``
 False while it is away). When an env's last agent leaves, the env is reset and its agents start new streams.
-The bootstrap of a row is the successor of its last stored step, as for a sub-env.
+The bootstrap of a row is the successor of its last stored step, as for a sub-env. An agent's observation is an
+array, or a dict or tuple of arrays (a Dict or Tuple space, e.g. PettingZoo classic's ``observation`` + ``action_mask``):
+its policy's rows are then a tree of the same structure, and the policy is called with it (see
+:mod:`workers._agent_obs`).
 
 **Counting** (RLlib's ``count_steps_by``): with ``"env_steps"`` a rollout is ``rollout_len`` env steps; with
 ``"agent_steps"`` it ends after the env step at which the agent steps of all policies together reach
