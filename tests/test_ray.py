@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from typing import Any
@@ -324,6 +325,92 @@ def test_killing_one_owner_leaves_the_other_delivering(cluster: Any) -> None:
         assert on_shm(info[1 - r]), "the living node's shared memory went too"
     ledger.check_once()
     wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "every owner's processes to exit")
+
+
+def _the_kill(exc: BaseException) -> bool:
+    """``exc`` is the ActorError of actor 0's SIGKILL."""
+    return isinstance(exc, ActorError) and "actor 0 (pid" in str(exc) and "killed by SIGKILL" in str(exc)
+
+
+def test_a_node_owner_raises_its_actors_death_at_every_call_after_it() -> None:
+    """Without Ray: a node's collecting side (what a node owner runs), its collector's slot timeout short. Its actor
+    is stopped, so that the owner's wait runs out and it takes the collector up again (the SlotTimeout path, twice)
+    before the death; then SIGKILLed: the call raises the actor's ActorError, and so does the next one, as every
+    later call of the learner's in flight must (the learner may read any of them first). A generator that raised
+    is over: the next call used to raise a bare StopIteration, which became the node's failure."""
+    from workers._ray_nodes import _end_janitor, _NodeCollector
+
+    kw = dict(policy=WeightPolicy(), frames_per_batch=FRAMES, rollout_len=T, num_actors=1, weights=weights(0),
+              timeout=0.1, stop_timeout=5.0, copy=False)
+    owner = _NodeCollector((make_count_env,), kw, 60.0, "node 1")
+    pid = owner.collector.pool.pids[0]
+    try:
+        taken_up = []
+        iterator = owner.collector.iterator
+
+        def counted() -> Any:
+            taken_up.append(time.monotonic())
+            return iterator()
+
+        owner.collector.iterator = counted  # an instance attribute: the owner's next iterator is counted
+        assert owner._next() is not None
+        os.kill(pid, signal.SIGSTOP)
+        raised: list[BaseException] = []
+
+        def take() -> None:
+            try:
+                while True:  # the batches committed before the stop, then the wait
+                    owner._next()
+            except BaseException as exc:  # noqa: BLE001  # what the owner raised is the point
+                raised.append(exc)
+
+        th = threading.Thread(target=take, daemon=True)
+        th.start()
+        wait_until(lambda: len(taken_up) >= 3, 30, "the owner to take its collector up again after two slot timeouts")
+        os.kill(pid, signal.SIGKILL)
+        th.join(30)
+        assert not th.is_alive() and len(raised) == 1 and _the_kill(raised[0]), raised
+        for _ in range(2):  # the learner's other calls in flight: each the same failure
+            with pytest.raises(ActorError) as again:
+                owner._next()
+            assert again.value is raised[0]
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        owner.collector.shutdown(5.0)
+        _end_janitor(owner.janitor_pid)
+
+
+def test_an_actor_killed_on_a_remote_node_is_the_nodes_failure_whichever_call_is_read(cluster: Any) -> None:
+    """One actor per node, the other node's SIGKILLed without restart: every next_batch call of its owner after the
+    death raises Ray's RayTaskError of that ActorError (calls made here, before the learner makes any, so that their
+    order is known), and the learner's NodeFailure for the node carries it."""
+    with collector(actors_per_node=1) as rc:
+        r = remote(rc)
+        info = described(rc)
+        owner = rc.nodes[r].owner
+        assert ray.get(owner.next_batch.remote(), timeout=60) is not None  # the learner has not iterated: no call of its
+        os.kill(info[r]["actor_pids"][0], signal.SIGKILL)
+        raised: list[Any] = []
+        deadline = time.monotonic() + 60
+        while len(raised) < 3:
+            assert time.monotonic() < deadline, f"the owner's calls did not fail: {raised}"
+            try:
+                ray.get(owner.next_batch.remote(), timeout=60)  # a batch committed before the death, or its failure
+            except ray.exceptions.RayTaskError as exc:
+                raised.append(exc)
+        assert all(_the_kill(exc.cause) for exc in raised), [type(exc.cause).__name__ for exc in raised]
+        it = iter(rc)
+        while not rc.failures:
+            assert time.monotonic() < deadline + 60, f"node {r}'s failure was never reported: {rc.stats()}"
+            next(it)
+        failure = rc.failures[0]
+        assert failure.node == r and not failure.restarting
+        assert isinstance(failure.error, ray.exceptions.RayTaskError) and _the_kill(failure.error.cause), failure
+    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "every owner's processes to exit")
+    wait_until(lambda: not any(on_shm(i) for i in info), 10, "the nodes' shared memory to be removed")
 
 
 def test_restart_brings_a_killed_owner_back_with_the_latest_weights(cluster: Any) -> None:

@@ -236,6 +236,52 @@ def test_complete_episodes_and_aligned_batches_come_through_ray() -> None:
         assert both.any() and np.array_equal(g[(0, "red_0")][both], g[(0, "blue_0")][both])  # the same env steps
 
 
+def test_dict_observations_come_through_ray_as_each_nodes_env_returned_them() -> None:
+    """PettingZoo classic's observation + action_mask (tests.test_multiagent_dict's env: a Dict for the players, a
+    Tuple for a scout that joins later) from both nodes through Ray objects: every stored row of every lane, read back
+    in sequence order, is the plain loop's."""
+    from tests.test_multiagent_dict import POLICIES, MaskedEnv, plain_streams
+    from tests.test_multiagent_dict import team as masked_team
+    from tests.test_workers_multiagent import assert_same_streams, stored_streams
+
+    per_lane: dict[tuple[int, int], dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    with RayCollector(MaskedEnv, POLICIES, policy_mapping_fn=masked_team, frames_per_batch=2 * T, rollout_len=T,
+                      actors_per_node=1, timeout=60, stop_timeout=5.0, local_node=False) as rc:
+        info = described(rc)
+        deadline = time.monotonic() + 60
+        for b in rc:
+            for pid, x in b.items():
+                obs = x.data["step"]["obs"]
+                assert isinstance(obs, dict) if pid == "player" else isinstance(obs, tuple), (pid, type(obs))
+                for i in range(len(x.seq)):
+                    per_lane[(b.node, int(x.lane[i]))][pid].append(
+                        {"seq": int(x.seq[i]), "fill": {k: int(v[i]) for k, v in x.fill.items()},
+                         "data": rollout_copy(x.data, i)})
+            if {n for n, _ in per_lane} == {0, 1} and all(len(v["player"]) >= 3 for v in per_lane.values()):
+                break
+            assert time.monotonic() < deadline, f"not both nodes' rollouts in 60 s: {sorted(per_lane)}"
+        rows = rc.rows
+    for key, out in per_lane.items():
+        seqs = sorted(r["seq"] for r in out["player"])
+        n = next((k for k, q in enumerate(seqs) if q != k), len(seqs))  # the rounds from the first, none missing
+        assert n >= 1, (key, seqs)  # (a call the learner had in flight at the break may hold a later round)
+        rounds = {pid: [r for r in v if r["seq"] < n] for pid, v in out.items()}
+        assert all(len(v) == n for v in rounds.values()), key  # every policy commits one rollout per round
+        got = stored_streams(rounds, rows)
+        want = plain_streams(1, n * T)
+        assert all(len(got[k]) == len(want[k]) for k in got), key
+        assert_same_streams(got, want)
+    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "the owners, their actors and janitors to exit")
+    wait_until(lambda: not any(on_shm(i) for i in info), 10, "the nodes' shared memory to go")
+
+
+def rollout_copy(tree: Any, i: int) -> Any:
+    """Rollout ``i`` of a batch's tree, its own copy."""
+    import optree
+
+    return optree.tree_map(lambda a: np.array(a[i]), tree)
+
+
 def swapping(agent_id: str, episode: Any) -> str:
     """Blue plays blue; red agents alternate between red and red2, episode by episode (a per-episode mapping)."""
     return "blue" if agent_id.startswith("blue") else ("red", "red2")[episode.count % 2]

@@ -115,15 +115,15 @@ def plain_streams(n_envs, n_steps, env_ids=None):
 
 def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=None, policies=POLICIES,
              batch_mode="truncate_episodes", view_requirements=None, postprocess=None, record=None,
-             policy_mapping_fn=mapping, remap_each_episode=False):
+             policy_mapping_fn=mapping, remap_each_episode=False, make_env=JoinLeaveEnv):
     """Run a MultiAgentLoop in a thread for ``rounds`` rounds (complete-episodes: agent episodes, in all); return
     ``({policy: [rollout, ...]}, rows, loop)``, rollouts as copies in commit order. ``postprocess``: the hook setting,
     set up as MultiAgentCollector does (discovered, its columns made step leaves); ``record`` (a list) gets the loop
-    as soon as it exists, for a hook to read ``loop.rounds``."""
+    as soon as it exists, for a hook to read ``loop.rounds``; ``make_env(i)`` makes env ``i``."""
     from workers._multiagent_postprocess import add_columns, discover_policies
 
-    envs = envs or [JoinLeaveEnv(i) for i in range(n_envs)]
-    examples, rows = multiagent_examples([JoinLeaveEnv(i) for i in range(len(envs))], policies, policy_mapping_fn,
+    envs = envs or [make_env(i) for i in range(n_envs)]
+    examples, rows = multiagent_examples([make_env(i) for i in range(len(envs))], policies, policy_mapping_fn,
                                          rollout_len=rollout_len, seed=0, batch_mode=batch_mode,
                                          view_requirements=view_requirements, remap_each_episode=remap_each_episode)
     specs = None
@@ -189,6 +189,18 @@ def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=
     return out, rows, box[0]
 
 
+def at(x, *i):
+    """``x[i]`` of an array, or of every leaf of a tree of them (a Dict or Tuple observation)."""
+    return optree.tree_map(lambda a: a[i], x)
+
+
+def same(a, b):
+    """Equal trees (an array is one leaf): the same structure, and equal leaves."""
+    la, sa = optree.tree_flatten(a)
+    lb, sb = optree.tree_flatten(b)
+    return sa == sb and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb, strict=True))
+
+
 def stored_streams(out, rows):
     """Each ``(env, agent)``'s transitions as stored: its row's valid steps, rollout after rollout, with each one's
     successor (the next valid step, the episode table's final observation, or the bootstrap), its ``policy`` and
@@ -205,15 +217,15 @@ def stored_streams(out, rows):
                         continue
                     done = bool(st["terminated"][t, row] or st["truncated"][t, row])
                     if done:
-                        succ = ep["final_obs"][finals.pop((row, t))]
+                        succ = at(ep["final_obs"], finals.pop((row, t)))
                         if t == n - 1:  # the bootstrap is the successor of the last step, a final one too
-                            assert np.array_equal(d["bootstrap"]["obs"][row], succ), (pid, row)
+                            assert same(at(d["bootstrap"]["obs"], row), succ), (pid, row)
                     elif t + 1 < n:
                         assert st["valid"][t + 1, row], (pid, row, t)  # a stream is contiguous until it ends
-                        succ = st["obs"][t + 1, row]
+                        succ = at(st["obs"], t + 1, row)
                     else:
-                        succ = d["bootstrap"]["obs"][row]
-                    tr = {"obs": st["obs"][t, row], "action": int(st["action"][t, row]), "reward": st["reward"][t, row],
+                        succ = at(d["bootstrap"]["obs"], row)
+                    tr = {"obs": at(st["obs"], t, row), "action": int(st["action"][t, row]), "reward": st["reward"][t, row],
                           "terminated": bool(st["terminated"][t, row]), "truncated": bool(st["truncated"][t, row]),
                           "succ": succ, "policy": pid, "at": (int(r["seq"]), t)}
                     if "value" in st:
@@ -229,7 +241,7 @@ def assert_same_streams(got, want):
         assert len(stream) >= 1
         for j, (a, b) in enumerate(zip(stream, want[key], strict=False)):
             for k in b:
-                assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), (key, j, k, a[k], b[k])
+                assert same(a[k], b[k]), (key, j, k, a[k], b[k])
 
 
 def test_rows_are_fixed_per_env_and_agent_and_grouped_by_policy():

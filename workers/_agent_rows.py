@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from shmbuf import SchemaError, UsageError
+from workers._agent_obs import item_copy, store, zero
 
 
 def mapping_of(policy_mapping_fn: Callable[..., Any] | None) -> Callable[[Any], Any]:
@@ -143,7 +144,8 @@ def agents_of(env: Any) -> list[Any]:
 class ParallelDriver:
     """Steps PettingZoo parallel envs for :class:`MultiAgentLoop`, writing each policy's rows where it is told.
 
-    Observations must be arrays (one per agent, the shape and dtype its policy's rows have).
+    Observations are arrays (one per agent, the shape and dtype its policy's rows have), or dicts or tuples of them
+    (a Dict or Tuple space: the policy's rows are then a tree of the same structure, see :mod:`workers._agent_obs`).
     """
 
     def __init__(self, envs: Sequence[Any], rows: AgentRows, seed: int | None = None):
@@ -175,7 +177,7 @@ class ParallelDriver:
         except KeyError:
             raise UsageError(f"envs[{i}]: agent {agent!r} is not in the env's possible_agents") from None
 
-    def _place(self, i: int, obs: dict[Any, Any], out: dict[Any, np.ndarray], valid: dict[Any, np.ndarray],
+    def _place(self, i: int, obs: dict[Any, Any], out: dict[Any, Any], valid: dict[Any, np.ndarray],
                skip: Any = ()) -> None:
         at = self._at[i]
         for agent, o in obs.items():
@@ -183,6 +185,10 @@ class ParallelDriver:
                 continue
             pid, row = at[agent] if agent in at else self._row(i, agent)
             dst = out[pid]
+            if type(dst) is not np.ndarray:  # a tree of rows (a Dict or Tuple space): each leaf checked and stored
+                store(dst, row, o, f"envs[{i}]: agent {agent!r} (policy {pid!r})")
+                valid[pid][row] = True
+                continue
             # An array of the rows' exact shape and dtype goes in as it is; anything else is checked first.
             if type(o) is not np.ndarray or o.shape != dst.shape[1:] or o.dtype != dst.dtype:
                 if np.shape(o) != dst.shape[1:] or not np.can_cast(np.asarray(o).dtype, dst.dtype, "same_kind"):
@@ -212,10 +218,13 @@ class ParallelDriver:
         return plan, names
 
     def _place_plan(self, plan: dict[Any, tuple[tuple[Any, ...], Any, Any]], obs: dict[Any, Any],
-                    out: dict[Any, np.ndarray], valid: dict[Any, np.ndarray], i: int) -> None:
+                    out: dict[Any, Any], valid: dict[Any, np.ndarray], i: int) -> None:
         """Every live agent's observation into its row, one store per policy (the checked path for anything else)."""
         for pid, (agents, rows, get) in plan.items():
             dst = out[pid]
+            if type(dst) is not np.ndarray:  # a tree of rows: agent by agent
+                self._place(i, {a: obs[a] for a in agents}, out, valid)
+                continue
             try:  # one array of the policy's observations: its shape and dtype are the rows' only if each one's are
                 stacked = np.array(get(obs))
             except ValueError:  # observations of different shapes: the checked path names the agent
@@ -226,17 +235,17 @@ class ParallelDriver:
             dst[rows] = stacked
             valid[pid][rows] = True
 
-    def reset(self, seed: int | None, out: dict[Any, np.ndarray], valid: dict[Any, np.ndarray]) -> None:
+    def reset(self, seed: int | None, out: dict[Any, Any], valid: dict[Any, np.ndarray]) -> None:
         """Reset every env (env ``i`` with ``seed + i``) and write its agents' first observations into ``out``."""
         for pid in out:
-            out[pid][...] = 0
+            zero(out[pid])
             valid[pid][...] = False
         for i, env in enumerate(self.envs):
             obs, _ = env.reset(seed=None if seed is None else seed + i)
             self._new_episode(i)
             self._place(i, obs, out, valid)
 
-    def step(self, actions: dict[Any, np.ndarray], valid: dict[Any, np.ndarray], out: dict[Any, np.ndarray],
+    def step(self, actions: dict[Any, np.ndarray], valid: dict[Any, np.ndarray], out: dict[Any, Any],
              out_valid: dict[Any, np.ndarray], rew: dict[Any, np.ndarray], term: dict[Any, np.ndarray],
              trunc: dict[Any, np.ndarray]) -> dict[Any, dict[int, Any]]:
         """Step every env with the actions of its live agents (the ``valid`` rows of ``actions``).
@@ -246,8 +255,11 @@ class ParallelDriver:
         an env whose agents all left is reset, its agents' rows hold their first observations). Returns, per
         policy, ``{row: final observation}`` of the rows whose stream ended.
         """
-        for pid in out:
-            out[pid][...] = 0
+        for pid, o in out.items():
+            if type(o) is np.ndarray:  # the common case, without a call
+                o[...] = 0
+            else:  # a Dict or Tuple observation: leaf by leaf
+                zero(o)
             out_valid[pid][...] = False
             rew[pid][...] = 0
             term[pid][...] = False
@@ -288,7 +300,9 @@ class ParallelDriver:
                         if x or y:
                             if a not in obs:
                                 raise UsageError(f"envs[{i}].step: agent {a!r} ended without a final observation")
-                            finals[pid][row] = np.array(obs[a])
+                            dst = out[pid]
+                            finals[pid][row] = (np.array(obs[a]) if type(dst) is np.ndarray else
+                                                item_copy(dst, obs[a], f"envs[{i}]: agent {a!r} (policy {pid!r})"))
                             ended.add(a)
             if not ended and obs.keys() == names:  # the same agents go on: each policy's rows in one store
                 self._place_plan(plan, obs, out, out_valid, i)

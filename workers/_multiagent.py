@@ -12,7 +12,10 @@ agent acted at that step. An agent's transitions are therefore contiguous in tim
 leaves ends its stream there (an episode record with its own return, length, flags, final observation and
 ``env`` = the row); one that joins starts its stream at the next step (its row holds zeros and ``valid``
 False while it is away). When an env's last agent leaves, the env is reset and its agents start new streams.
-The bootstrap of a row is the successor of its last stored step, as for a sub-env.
+The bootstrap of a row is the successor of its last stored step, as for a sub-env. An agent's observation is an
+array, or a dict or tuple of arrays (a Dict or Tuple space, e.g. PettingZoo classic's ``observation`` + ``action_mask``):
+its policy's rows are then a tree of the same structure, and the policy is called with it (see
+:mod:`workers._agent_obs`).
 
 **Counting** (RLlib's ``count_steps_by``): with ``"env_steps"`` a rollout is ``rollout_len`` env steps; with
 ``"agent_steps"`` it ends after the env step at which the agent steps of all policies together reach
@@ -23,9 +26,11 @@ policy's rollout of a round covers the same env steps, and every policy commits 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
+import optree
 
 from shmbuf import SchemaError, UsageError
 from shmbuf.layout import (
@@ -50,6 +55,7 @@ from shmbuf.layout import (
     rollout_example,
 )
 from workers._actor import apply_weights, as_numpy_policy, split_policy_output
+from workers._agent_obs import obs_example, put, space_example, take
 from workers._agent_rows import AgentRows, Episode, ParallelDriver, agents_of
 from workers._truncate import OutputCheck, check_extras
 from workers._views import ActorViews, check_view_requirements
@@ -57,13 +63,6 @@ from workers._views import ActorViews, check_view_requirements
 ENV_STEPS_COUNT = "env_steps"
 AGENT_STEPS_COUNT = "agent_steps"
 COUNT_STEPS_BY = (ENV_STEPS_COUNT, AGENT_STEPS_COUNT)
-
-
-def _array_obs(pid: Any, obs: Any) -> np.ndarray:
-    if type(obs) is not np.ndarray:
-        raise UsageError(f"policy {pid!r}: multi-agent observations must be numpy arrays (one per agent), got "
-                         f"{type(obs).__name__}")
-    return obs
 
 
 def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_mapping_fn: Callable[..., Any] | None,
@@ -96,19 +95,21 @@ def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_ma
     if unused:
         raise UsageError(f"policies: {unused} get no agent from policy_mapping_fn (agents: "
                          f"{dict((str(a), str(p)) for a, p in rows.policy_of.items())})")
-    first: dict[Any, np.ndarray] = {}
+    first: dict[Any, Any] = {}  # each policy's observation example: an array, or a dict or tuple of them
     for i, env in enumerate(envs):
         obs, _ = env.reset(seed=None if seed is None else seed + i)
         for agent, o in obs.items():
             pid = rows.where[(i, agent)][0]
-            first.setdefault(pid, _array_obs(pid, np.asarray(o)))
+            if pid not in first:
+                first[pid] = obs_example(o, f"envs[{i}]: agent {agent!r} (policy {pid!r})",
+                                         partial(env.observation_space, agent))
     examples = {}
     for pid, agent_rows in rows.policies.items():
         env_i, agent = agent_rows[0] if not rows.remap else (0, _probe_agent(rows, agents, pid))
-        if pid not in first:
-            space = envs[env_i].observation_space(agent)
-            first[pid] = np.zeros(space.shape, space.dtype)
-        x: Any = first[pid][None]
+        if pid not in first:  # none of its agents is there at the reset: laid out from one's space
+            first[pid] = space_example(envs[env_i].observation_space(agent), f"envs[{env_i}]: agent {agent!r} "
+                                       f"(policy {pid!r}, absent at the first reset)")
+        x: Any = optree.tree_map(lambda a: a[None], first[pid])
         reqs = (view_requirements or {}).get(pid)
         if reqs is not None:
             x = ActorViews(reqs, x, 1, envs[env_i].action_space(agent)).inputs()
@@ -258,7 +259,7 @@ class MultiAgentLoop:
         self.rounds = 0
         self.episodes = 0
         self._check = OutputCheck()
-        self._cur: dict[Any, np.ndarray] | None = None
+        self._cur: dict[Any, Any] | None = None  # each policy's rows of observations: an array, or a tree of them
         self._seed = seed
 
     def _buffers(self, slots: dict[Any, _PolicyRollout], rows: dict[Any, int], lead: int) -> None:
@@ -268,8 +269,10 @@ class MultiAgentLoop:
         def per_row(a: np.ndarray, k: int) -> np.ndarray:
             return np.zeros((k, *a.shape[lead:]), a.dtype)
 
-        self._cur = {pid: per_row(s.obs, rows[pid]) for pid, s in slots.items()}
-        self._nxt = {pid: np.zeros_like(a) for pid, a in self._cur.items()}
+        # observations: an array per policy, or a tree of them (a Dict or Tuple space, see workers._agent_obs)
+        cur: dict[Any, Any] = {pid: optree.tree_map(partial(per_row, k=rows[pid]), s.obs) for pid, s in slots.items()}
+        self._cur = cur
+        self._nxt = {pid: optree.tree_map(np.zeros_like, a) for pid, a in cur.items()}
         self._act = {pid: per_row(s.act, rows[pid]) for pid, s in slots.items()}
         self._ext = {pid: {k: per_row(v, rows[pid]) for k, v in s.extras.items()} for pid, s in slots.items()}
         self._valid = {pid: np.zeros(k, bool) for pid, k in rows.items()}
@@ -316,7 +319,7 @@ class MultiAgentLoop:
                 break
         return self.rounds - start
 
-    def _act_policy(self, pid: Any, obs: np.ndarray, valid: np.ndarray, n_live: int | None = None) -> None:
+    def _act_policy(self, pid: Any, obs: Any, valid: np.ndarray, n_live: int | None = None) -> None:
         """Call policy ``pid`` once on its live rows (``n_live`` of them, if the caller counted them): their actions
         and extras into the loop's buffers (``_act``, ``_ext``), zeros in the other rows."""
         act, ext = self._act[pid], self._ext[pid]
@@ -335,7 +338,7 @@ class MultiAgentLoop:
         x: Any = obs if views is None else views.inputs()
         if not every:
             live = np.flatnonzero(valid)
-            x = x[live] if views is None else {name: v[live] for name, v in x.items()}
+            x = take(x, live) if views is None else {name: take(v, live) for name, v in x.items()}
         action, extras = split_policy_output(self._calls[pid](x))
         a = self._check(f"{pid}/{ACTION}", action, (n, *act.shape[1:]), act.dtype)
         if every:
@@ -377,7 +380,11 @@ class MultiAgentLoop:
             for pid, s in slots.items():
                 v = valid[pid]
                 live[pid] = n = int(np.count_nonzero(v))
-                s.obs[t] = cur[pid]
+                o = cur[pid]
+                if type(o) is np.ndarray:  # the common case, without a call
+                    s.obs[t] = o
+                else:  # a Dict or Tuple observation: leaf by leaf
+                    put(s.obs, t, o)
                 s.valid[t] = v
                 self._act_policy(pid, cur[pid], v, n)
                 s.act[t] = self._act[pid]
@@ -411,7 +418,7 @@ class MultiAgentLoop:
                     ep[RETURN][k], ep[LENGTH][k] = ep_ret[row], ep_len[row]
                     ep[TERMINATED][k], ep[TRUNCATED][k] = term[row], trunc[row]
                     ep[ENV][k], ep[END][k] = row, t
-                    ep[FINAL_OBS][k] = ends[row]
+                    put(ep[FINAL_OBS], k, ends[row])
                     s.n_ep += 1
                     ep_ret[row] = 0.0
                     ep_len[row] = 0
@@ -422,10 +429,10 @@ class MultiAgentLoop:
         for pid, s in slots.items():
             s.valid[t + 1 :] = False  # a round ended early (agent steps): no row past the fill is valid, whatever the
             # slot held before (a reused slot keeps an older rollout's rows, and a loss masks by valid)
-            s.boot[...] = self._cur[pid]  # the next observations: each live row's successor of its last step
+            put(s.boot, ..., self._cur[pid])  # the next observations: each live row's successor of its last step
             if s.last_ends:  # rows whose stream ended at the last step: their final observations
                 k = len(s.last_ends)
-                s.boot[s.last_ends] = s.ep[FINAL_OBS][s.n_ep - k : s.n_ep]
+                put(s.boot, s.last_ends, take(s.ep[FINAL_OBS], slice(s.n_ep - k, s.n_ep)))
             s.env_steps[...] = self.env_steps
         if self.postprocess is not None:  # every policy's hooks, with the other agents' data, before any commit
             self.postprocess.apply_round({pid: w.slot() for pid, w in self.writers.items()},
@@ -503,7 +510,7 @@ class MultiAgentLoop:
                                          "complete-episodes rollouts hold an agent's whole episode, and an agent cannot "
                                          "be reset alone to cut it; give a rollout_len of at least its longest episode "
                                          "(the env's max_cycles), or use batch_mode='truncate_episodes'")
-                    s.obs[t] = cur[pid][row]
+                    put(s.obs, t, take(cur[pid], row))
                     s.act[t] = act[row]
                     s.rew[t] = rew[row]
                     s.term[t] = term[row]
@@ -517,7 +524,7 @@ class MultiAgentLoop:
                     ep[RETURN][...], ep[LENGTH][...] = ep_ret[row], ep_len[row]
                     ep[TERMINATED][...], ep[TRUNCATED][...] = term[row], trunc[row]
                     ep[ENV][...] = row
-                    s.boot[...] = finals[pid][row]
+                    put(s.boot, ..., finals[pid][row])
                     s.env_steps[...] = self.env_steps
                     if hold:
                         held[self.rows.policies[pid][row][0]].append((pid, row, int(ep_len[row])))

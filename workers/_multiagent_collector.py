@@ -29,6 +29,7 @@ from shmbuf.lowlevel import int_setting, timeout_setting
 from workers._collector import episodes_batch, no_episodes, progress, rounds_batch, take_episode, weights_of
 from workers._multiagent import AGENT_STEPS_COUNT, COUNT_STEPS_BY, ENV_STEPS_COUNT, multiagent_examples
 from workers._multiagent_actor import MultiAgentSpec, envs_of, run_multiagent_actor
+from workers._multiagent_batch import MultiAgentBatch
 from workers._multiagent_postprocess import add_columns, discover_policies, setting_for
 from workers._multiagent_postprocess import check_setting as check_postprocess
 from workers._pool import ActorPool, default_start_method
@@ -68,64 +69,6 @@ def trained_policies(policies_to_train: Any, pids: list[Any]) -> list[Any]:
         raise shmbuf.UsageError(f"policies_to_train: no policy selected (policies: {sorted(map(str, pids))}); a collector "
                                 "with nothing to hand out has nothing to do")
     return chosen
-
-
-class MultiAgentBatch(dict):
-    """One batch of a :class:`MultiAgentCollector`: ``{policy_id: CollectedBatch}`` (RLlib's ``MultiAgentBatch``).
-
-    Truncate-episodes: each policy's batch holds ``rounds_per_batch`` of its rollouts, leaves ``(B, T, K, ...)``
-    over the policy's rows (``rows[policy_id][k]`` is the ``(env, agent)`` of row ``k`` in every actor) with the
-    step leaf ``valid``. Complete-episodes: each policy's batch holds the agent episodes that came (a policy with
-    none is absent), steps concatenated ``(N, ...)`` and split by ``lengths``, the episode record's ``env`` the
-    row. ``env_steps``: env steps in the batch (each round's steps times the actor's envs; 0 in
-    complete-episodes mode, where they are not known), ``agent_steps``: agent steps (the valid rows of every
-    step of every policy); ``frames`` is the one ``count_steps_by`` counts. (``lengths`` is each rollout's
-    stored steps in both modes.)
-    """
-
-    env_steps: int
-    agent_steps: int
-    frames: int
-    rows: Any = None  # the collector's AgentRows (set on aligned batches)
-    aligned: bool = False
-
-    def agents(self, key: str = "obs") -> dict[tuple[int, Any], tuple[np.ndarray, np.ndarray]]:
-        """Every agent's column ``key`` (a step leaf) with its ``valid`` mask, ``{(env, agent): (values, valid)}``,
-        values ``(B, T, ...)``: on an aligned batch (``MultiAgentCollector(align=True)``) index ``[i, t]`` is the
-        same env step for every agent, so the other agents of an agent's env at each of its steps are a lookup
-        away (RLlib's other agents' batches of the same episode).
-
-        Raises:
-            shmbuf.UsageError: the batch is not aligned, or ``key`` is not a step leaf of some policy.
-        """
-        if not self.aligned:
-            raise shmbuf.UsageError("agents(): the policies' rollouts of this batch are not the same rounds; collect with "
-                                    "MultiAgentCollector(align=True) to line agents up across policies")
-        out: dict[tuple[int, Any], tuple[np.ndarray, np.ndarray]] = {}
-        for pid, b in self.items():
-            step = b.data[STEP]
-            if key not in step:
-                raise shmbuf.UsageError(f"agents({key!r}): not a step leaf of policy {pid!r} (it has {sorted(step)})")
-            for row, who in enumerate(self.rows.policies[pid]):
-                values, valid = step[key][:, :, row], step[VALID][:, :, row]
-                if who in out:  # a per-episode mapping: the agent has a row in every policy; each step is valid in one
-                    was, was_valid = out[who]
-                    if was.shape != values.shape or was.dtype != values.dtype:
-                        if not valid.any():
-                            continue
-                        if was_valid.any():
-                            raise shmbuf.UsageError(f"agents({key!r}): agent {who[1]!r} of env {who[0]} acted for policies "
-                                                    f"of different {key!r} shapes in this batch ({was.dtype} "
-                                                    f"{was.shape[2:]} and {values.dtype} {values.shape[2:]})")
-                    else:
-                        mask = valid.reshape(valid.shape + (1,) * (values.ndim - 2))
-                        values, valid = np.where(mask, values, was), valid | was_valid
-                out[who] = (values, valid)
-        return out
-
-    def __repr__(self) -> str:
-        return (f"MultiAgentBatch({ {pid: b.lengths.tolist() for pid, b in self.items()} }, "
-                f"env_steps={self.env_steps}, agent_steps={self.agent_steps})")
 
 
 class MultiAgentCollector:
@@ -323,7 +266,8 @@ class MultiAgentCollector:
             for pid, sp in self.served.items():  # a table (requests of every row of every actor) and a server
                 ex = examples[pid]["step"]
                 lead = 2 if batch_mode == TRUNCATE_EPISODES else 1
-                probed = {"num_envs": n_rows[pid], "obs": ex["obs"][(0,) * lead], "action": ex["action"][(0,) * lead],
+                probed = {"num_envs": n_rows[pid], "obs": optree.tree_map(lambda a, i=(0,) * lead: a[i], ex["obs"]),
+                          "action": ex["action"][(0,) * lead],
                           "extras": {k: v[(0,) * lead] for k, v in ex.items()
                                      if k not in ("obs", "action", "reward", "terminated", "truncated", VALID,
                                                   VERSION_KEY) and k not in (post[pid].columns if pid in post else ())}}

@@ -44,6 +44,7 @@ class _NodeCollector:
         self.janitor_pid = _start_janitor()
         self._stop = threading.Event()
         self._iter: Iterator[Any] | None = None
+        self._failure: Exception | None = None  # what the collector raised: every later _next raises it again
         self.multiagent = "policies" in kwargs or "policy_factories" in kwargs  # see RayCollector(policies=...)
         try:
             if self.multiagent:
@@ -84,14 +85,28 @@ class _NodeCollector:
 
     def _next(self) -> Any:
         """The collector's next batch (a CollectedBatch, or a MultiAgentBatch), releasing the one before; None once
-        stopped."""
+        stopped.
+
+        Raises:
+            what the collector raised (an actor's ``ActorError``, say), and the same again at every later call: the
+            learner keeps several calls in flight and may read a later one first, so each must carry the node's
+            failure. (A generator that raised is over: ``next`` on it again would raise a bare ``StopIteration``,
+            and a new one over the failed collector would go on without the error, which it raises once.)
+        """
         while not self._stop.is_set():
+            if self._failure is not None:
+                raise self._failure
             if self._iter is None:
                 self._iter = self.collector.iterator()
             try:
                 return next(self._iter)
             except shmbuf.SlotTimeout:  # nothing within OWNER_SLICE: look at the stop flag, then wait again
-                self._iter = None
+                self._iter = None  # only a timeout is taken up again, with a new iterator (this one is over)
+            except StopIteration:  # the owners' collectors have no total_frames; should one end, say so each time
+                self._failure = shmbuf.BrokenPipeline("this node's collector ended its batches")
+            except Exception as exc:
+                self._failure = exc
+                raise
         return None
 
 
