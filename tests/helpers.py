@@ -263,12 +263,18 @@ def fault_example() -> dict[str, Any]:
 
 
 def commit_checked(w: shmbuf.Writer, step: dict[str, np.ndarray], buf: dict[str, np.ndarray], tag: int, seq: int,
-                   length: int) -> None:
+                   length: int, holding: Any = None, pause: float = 0.0) -> None:
     """Commit rollout ``seq`` of writer ``tag``: ``length`` steps (``fill_step``), its episode record and a check
-    record whose CRC covers the steps (``buf`` collects them), as ``verify`` reads them back."""
+    record whose CRC covers the steps (``buf`` collects them), as ``verify`` reads them back. ``holding`` (a shared
+    value, if given) is set to 1 once the first ``add`` returned: from then on the writer has a slot in its hands.
+    ``pause``: seconds to sleep after each step (a writer that spends its time mid-rollout, as an env step would)."""
     for i in range(length):
         fill_step(step, tag, seq, i)
         w.add("step", step)
+        if i == 0 and holding is not None:
+            holding.value = 1
+        if pause:
+            time.sleep(pause)
         for k in buf:
             buf[k][i] = step[k]
     w.add("episode", {"return": np.array([seq], np.float32), "length": np.array([length], np.int32)})
@@ -276,15 +282,22 @@ def commit_checked(w: shmbuf.Writer, step: dict[str, np.ndarray], buf: dict[str,
     w.commit()
 
 
-def loop_writer(name: str, tag: int, committed: Any, rollouts: int = -1, timeout: float | None = None) -> None:
-    """Commit rollouts until killed (or ``rollouts`` done); publish the last committed seq in ``committed``."""
+def loop_writer(name: str, tag: int, committed: Any, rollouts: int = -1, timeout: float | None = None,
+                holding: Any = None, pause: float = 0.0) -> None:
+    """Commit rollouts until killed (or ``rollouts`` done); publish the last committed seq in ``committed``.
+
+    ``holding`` (optional): 1 from the return of a rollout's first ``add`` to the return of its ``commit``, else 0,
+    stored before ``committed``; read after a kill, 1 says the writer died with a slot in its hands (or its commit
+    published: then ``committed`` is one behind what the reader got). ``pause``: as in ``commit_checked``."""
     step = {k: np.zeros(v.shape[1:], v.dtype) for k, v in small_example(FT)["step"].items()}
     buf = {k: np.zeros((FT, *v.shape), v.dtype) for k, v in step.items()}
     seq = 0
     try:
         with shmbuf.Writer(name, timeout=timeout, label=f"tag{tag}") as w:
             while seq != rollouts:
-                commit_checked(w, step, buf, tag, seq, 1 + (seq * 5 + tag) % FT)
+                commit_checked(w, step, buf, tag, seq, 1 + (seq * 5 + tag) % FT, holding, pause)
+                if holding is not None:
+                    holding.value = 0
                 committed.value = seq
                 seq += 1
     except (shmbuf.PipelineClosed, shmbuf.BrokenPipeline):

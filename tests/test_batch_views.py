@@ -233,6 +233,96 @@ def test_a_hung_writer_delays_a_default_batch_only_briefly(make_reader: Any) -> 
         busy.close()
 
 
+def test_a_run_whose_last_slot_is_still_being_written_is_never_handed_out(make_reader: Any) -> None:
+    """Writer A has committed the first three slots of its run and is mid-write of the last one when the learner
+    asks for a batch, with enough rollouts ready (B's first one besides A's three). The run search must see the
+    last slot is not ready: the batch is the four oldest committed rollouts, gathered, and A's rollout in that slot
+    comes out once, whole, when A commits it. (Handed out as views, the batch's last row would be A's half-written
+    slot, and A's commit of it refused: a slot the user holds.)"""
+    from shmbuf._books import SLOT_LENT, SLOT_READY
+
+    reader = make_reader(EX, slots=8, max_writers=2)  # runs of 4: slots 0-3 and 4-7
+    a = shmbuf.Writer(reader, timeout=2.0)
+    b = shmbuf.Writer(reader, timeout=2.0)
+    try:
+        with pytest.raises(shmbuf.SlotTimeout):
+            reader.get_batch(4, timeout=0)  # says the batch size: from now on each lane is lent a whole run
+        reader.poll()  # A (the first lane) gets run 0-3, B run 4-7
+        for k in range(3):
+            send(a, 0, k)
+        a.add("step", {"x": np.full(3, 3.0, np.float32)})  # rollout 3 of A, in the run's last slot: mid-write
+        send(b, 1, 0)
+        reader.poll()
+        # The situation under test: A's run is ready but for its last slot, which A holds.
+        assert reader._books.where[:4] == bytes([SLOT_READY] * 3 + [SLOT_LENT]), "the set-up did not make the situation"
+        batch = reader.get_batch(4, timeout=5)
+        tags = list(zip(batch.data["tag"]["writer"].tolist(), batch.data["tag"]["k"].tolist()))
+        assert tags == [(0, 0), (0, 1), (0, 2), (1, 0)], f"the batch holds a slot still being written: rows {tags}"
+        assert check_rows(batch) == tags and not batch.zero_copy  # gathered: no run was whole
+        for _ in range(T - 1):
+            a.add("step", {"x": np.full(3, 3.0, np.float32)})
+        a.add("tag", {"writer": np.array(0), "k": np.array(3)})
+        a.commit()  # into the slot the batch did not take
+        with reader.get(timeout=5) as r:
+            assert (int(r.data["tag"]["writer"]), int(r.data["tag"]["k"])) == (0, 3)
+            assert (r.data["step"]["x"] == 3.0).all()
+        assert reader.stats()["bad_messages"] == 0  # A's commit of that slot was taken, not refused
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_run_is_never_lent_while_a_writer_is_still_writing_its_last_slot(make_reader: Any) -> None:
+    """Writer W is mid-write of slot 3, the last of run 0-3, whose other slots are back in the pool, when the
+    learner asks for a batch and that call lends writer A its next run. A run is lent only when every slot of it
+    is in the pool: A gets run 4-7, the batch after is its views, and W's rollout comes out once, whole. (Lent
+    0-3, A would fill slot 3 under W, the batch would go out as views of 0-3 while W still writes slot 3, and W's
+    commit would be refused: a slot the learner holds.)"""
+    from shmbuf._books import SLOT_LENT, SLOT_POOL
+
+    reader = make_reader(EX, slots=16, max_writers=2)  # runs of 4; each lane queues up to 4 slots, lent a run at a time
+    w = shmbuf.Writer(reader, timeout=2.0)  # the first lane: lent run 0-3 first
+    a = shmbuf.Writer(reader, timeout=2.0)
+    try:
+        with pytest.raises(shmbuf.SlotTimeout):
+            reader.get_batch(4, timeout=0)  # says the batch size: from now on slots are lent a run at a time
+        reader.poll()  # W: run 0-3, A: run 4-7
+        for k in range(3):
+            send(w, 0, k)
+        w.add("step", {"x": np.full(3, 3.0, np.float32)})  # W's rollout 3, in slot 3: mid-write from here on
+        for k in range(4):
+            send(a, 1, k)
+        reader.poll()  # W: run 8-11, A: run 12-15
+        for _ in range(3):
+            reader.get(timeout=5).release()  # W's three: slots 0-2 back in the pool (3 < 4: nothing lent on them)
+        for k in range(4, 8):
+            send(a, 1, k)  # A's queue is empty now: the next lending gives it a run
+        first = reader.get_batch(4, timeout=5)  # A's 0-3, views of 4-7
+        assert first.zero_copy and check_rows(first) == [(1, k) for k in range(4)]
+        # The situation under test: run 0-3 is in the pool but for slot 3, which W is writing.
+        assert reader._books.where[:4] == bytes([SLOT_POOL] * 3 + [SLOT_LENT]), "the set-up did not make the situation"
+        second = reader.get_batch(4, timeout=5)  # releases 4-7 and lends A a run, then hands out A's 4-7 (12-15)
+        assert check_rows(second) == [(1, k) for k in range(4, 8)]
+        for k in range(8, 12):
+            send(a, 1, k)
+        third = reader.get_batch(4, timeout=5)
+        assert third.zero_copy and check_rows(third) == [(1, k) for k in range(8, 12)]
+        held = np.array(third.data["step"]["x"])
+        for _ in range(T - 1):
+            w.add("step", {"x": np.full(3, 3.0, np.float32)})
+        w.add("tag", {"writer": np.array(0), "k": np.array(3)})
+        w.commit()
+        assert (third.data["step"]["x"] == held).all(), "W wrote into a slot of the batch the learner holds"
+        third.release()
+        with reader.get(timeout=5) as r:
+            assert (int(r.data["tag"]["writer"]), int(r.data["tag"]["k"])) == (0, 3)
+            assert (r.data["step"]["x"] == 3.0).all()
+        assert reader.stats()["bad_messages"] == 0  # W's commit of its slot was taken, not refused
+    finally:
+        w.close()
+        a.close()
+
+
 def test_held_rollouts_in_every_run_mean_a_gather_at_once(make_reader: Any) -> None:
     reader = make_reader(EX, slots=4, max_writers=1)  # runs of 2: slots 0-1 and 2-3
     with shmbuf.Writer(reader, timeout=2.0) as w:

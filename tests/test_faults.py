@@ -56,9 +56,10 @@ class Ledger:
         return len(got)
 
 
-def start_writer(name: str, tag: int, rollouts: int = -1, timeout: float | None = None) -> tuple[Any, Any]:
+def start_writer(name: str, tag: int, rollouts: int = -1, timeout: float | None = None,
+                 holding: Any = None, pause: float = 0.0) -> tuple[Any, Any]:
     committed = CTX.RawValue("q", -1)
-    p = CTX.Process(target=loop_writer, args=(name, tag, committed, rollouts, timeout), daemon=True)
+    p = CTX.Process(target=loop_writer, args=(name, tag, committed, rollouts, timeout, holding, pause), daemon=True)
     p.start()
     return p, committed
 
@@ -69,24 +70,76 @@ def slot_accounting(reader: shmbuf.Reader) -> dict[str, int]:
     return s
 
 
+# A dead writer's slots are back at the reader's next look for dead writers, due SCAN_INTERVAL (50 ms) after its
+# last one. Called with at least 10 ms between calls (time.sleep sleeps at least that long on the monotonic clock the
+# reader reads), the reader is due a look by its 6th call after the death, however loaded the machine: 8 calls is a
+# bound that cannot fail for a reader that looks every 50 ms, and that a reader looking every 1 s misses in about 9
+# kills out of 10 (it would need up to 100 calls), unless the machine stalls for a whole second within 8 calls.
+CALLS_TO_RECLAIM = 8
+
+
+def reclaim_within_calls(reader: shmbuf.Reader, reclaimed_before: int) -> int:
+    """Call the reader (``stats()``: it serves the writers and looks for dead ones when due, and takes nothing) at
+    least 10 ms apart until it has reclaimed one more lane; return how many calls that took (at most
+    CALLS_TO_RECLAIM, or the test fails)."""
+    for calls in range(1, CALLS_TO_RECLAIM + 1):
+        if reader.stats()["lanes_reclaimed"] > reclaimed_before:
+            return calls
+        time.sleep(0.01)
+    raise AssertionError(f"the dead writer's lane was not reclaimed within {CALLS_TO_RECLAIM} reader calls at "
+                         "least 10 ms apart: the reader does not look for dead writers every 50 ms while it is called")
+
+
+def check_partial_counted(tag: int, delivered: int, committed: int, holding: int, dropped: int) -> bool:
+    """What one death added to ``partial_dropped`` (``dropped``) is the rollout the writer had in hand, if any.
+
+    ``holding`` (the writer's flag, frozen by its death): 1 from a rollout's first ``add`` to its ``commit``'s
+    return. With 1, either the rollout was not published (the reader got ``committed + 1`` rollouts: its slot was
+    in hand, 1 dropped) or its commit was (``committed + 2``: nothing in hand, 0 dropped). With 0 the writer was
+    between rollouts, or inside the first ``add``, which may have claimed a slot: 0 or 1. Returns whether the
+    count was known exactly (the writer died holding a slot).
+    """
+    if holding:
+        want = 1 if delivered == committed + 1 else 0
+        assert dropped == want, f"tag {tag}: died holding a slot (delivered {delivered}, committed {committed}), " \
+                                f"partial_dropped grew by {dropped}, not {want}"
+        return True
+    assert dropped in (0, 1), f"tag {tag}: died between rollouts, partial_dropped grew by {dropped}"
+    return False
+
+
 def test_a_killed_writer_loses_only_its_partial_rollout(make_reader: Any, started: list) -> None:
-    """SIGKILL at random points, again and again, beside a steady writer that must never notice."""
+    """SIGKILL at random points, again and again, beside a steady writer that must never notice. Each death loses
+    only the rollout in the writer's hands, counted in partial_dropped, and the reader takes its lane back within
+    CALLS_TO_RECLAIM calls (it looks for dead writers every 50 ms while it is called).
+
+    Half the victims pause 2 ms after each step, as an env step would, and are killed once they hold a slot: mostly
+    mid-rollout (between ``add``s, mid-``add`` or mid-``commit``). The others write as fast as they can, and are
+    killed wherever they are: mostly waiting for a slot, as 6 slots among 3 writers leave them.
+    """
     reader = make_reader(fault_example(), slots=6, max_writers=3)
     ledger = Ledger(reader)
-    steady, steady_count = start_writer(reader.name, tag=1000)
+    steady_holding = CTX.RawValue("q", 0)
+    steady, steady_count = start_writer(reader.name, tag=1000, holding=steady_holding)
     started.append(steady)
     rng = np.random.default_rng(7)
-    reclaim_times = []
-    for victim_tag in range(12):
-        p, committed = start_writer(reader.name, tag=victim_tag)
-        started.append(p)
+    exact = 0  # deaths with a slot in hand: partial_dropped must grow by exactly what the ledger says
+
+    def take_until(done: Any, what: str) -> None:
         deadline = time.monotonic() + 20
-        while committed.value < 0:  # keep reading: the reader lends the newcomer slots as they come back
-            assert time.monotonic() < deadline, "timed out waiting for the victim's first commit"
+        while not done():  # keep reading: the reader lends the victim slots as they come back
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
             try:
                 ledger.take(1, timeout=0.05)
             except shmbuf.SlotTimeout:
                 pass
+
+    for victim_tag in range(12):
+        paced = rng.random() < 0.5
+        holding = CTX.RawValue("q", 0)
+        p, committed = start_writer(reader.name, tag=victim_tag, holding=holding, pause=0.002 if paced else 0.0)
+        started.append(p)
+        take_until(lambda c=committed: c.value >= 0, "the victim's first commit")
         # run a while, consuming at a varying pace (a slow phase leaves the victim waiting for a slot)
         t_end = time.monotonic() + rng.uniform(0.0, 0.15)
         slow = rng.random() < 0.3
@@ -94,31 +147,32 @@ def test_a_killed_writer_loses_only_its_partial_rollout(make_reader: Any, starte
             ledger.take(1)
             if slow:
                 time.sleep(0.01)
-        reclaimed_before = reader.stats()["lanes_reclaimed"]
+        if paced:
+            take_until(lambda h=holding: h.value == 1, "the victim to hold a slot")
+        before = reader.stats()
         os.kill(p.pid, signal.SIGKILL)
-        t_kill = time.monotonic()
-        while reader.stats()["lanes_reclaimed"] == reclaimed_before:
-            # a liveness bound: the reader looks for dead writers every SCAN_INTERVAL (50 ms) while it is called
-            assert time.monotonic() - t_kill < 10.0, "the dead writer's lane was not reclaimed within 10 s"
-            try:
-                ledger.take(1, timeout=0.05)
-            except shmbuf.SlotTimeout:
-                pass
-        reclaim_times.append(time.monotonic() - t_kill)
         p.join(5)
+        assert p.exitcode == -signal.SIGKILL, f"victim {victim_tag} exited with {p.exitcode}"
+        reclaim_within_calls(reader, before["lanes_reclaimed"])
         ledger.take_ready()
-        ledger.check_exactly_once(victim_tag, committed.value)
+        delivered = ledger.check_exactly_once(victim_tag, committed.value)
+        exact += check_partial_counted(victim_tag, delivered, committed.value, holding.value,
+                                       reader.stats()["partial_dropped"] - before["partial_dropped"])
         slot_accounting(reader)
     assert reader.stats()["writers"] == 1  # only the steady one is left; every victim's lane came back
+    before = reader.stats()
     os.kill(steady.pid, signal.SIGKILL)
     steady.join(5)
+    reclaim_within_calls(reader, before["lanes_reclaimed"])
     ledger.drain()
-    ledger.check_exactly_once(1000, steady_count.value)
+    delivered = ledger.check_exactly_once(1000, steady_count.value)
+    exact += check_partial_counted(1000, delivered, steady_count.value, steady_holding.value,
+                                   reader.stats()["partial_dropped"] - before["partial_dropped"])
     slot_accounting(reader)
-    wait_until(lambda: reader.stats()["writers"] == 0, 2, "the steady writer's lane to be reclaimed")
-    assert reader.stats()["slots"]["pool"] == reader.slots  # every slot back
-    assert reader.stats()["partial_dropped"] <= 13
-    assert len(reclaim_times) == 12  # every one of the 12 kills was reclaimed (each waited above, against its deadline)
+    s = reader.stats()
+    assert s["writers"] == 0 and s["slots"]["pool"] == reader.slots  # every slot back
+    assert s["lanes_reclaimed"] == 13, f"13 deaths, {s['lanes_reclaimed']} reclaims counted"
+    assert exact > 0, "no victim died holding a slot: the partial rollout's count was never checked"
 
 
 def test_a_lane_freed_by_a_death_is_taken_by_a_new_writer(make_reader: Any, started: list) -> None:

@@ -237,10 +237,14 @@ def test_action_label_rollout_keeps_labels_through_growth_loop_and_minibatches()
         storage.clear()
     assert storage.num_transitions_per_env == 2 * T and storage.buffer_full
     np.testing.assert_array_equal(storage.action_labels, -storage.actions)
-    for b in storage.mini_batch_generator(2, 2):
+    batches = list(storage.mini_batch_generator(2, 2))
+    assert len(batches) == 4  # 2 minibatches x 2 epochs
+    for b in batches:
         assert type(b).__name__ == "ActionLabelMiniBatch" and b._fields[-1] == "action_labels"
         torch.testing.assert_close(b.action_labels, -b.actions)
-    for b in storage.reccurent_mini_batch_generator(1, 1):
+    batches = list(storage.reccurent_mini_batch_generator(1, 1))
+    assert len(batches) == 1
+    for b in batches:
         assert b.action_labels.shape == (2 * T, N, 2)
         torch.testing.assert_close(b.action_labels, -b.actions)
     np.testing.assert_array_equal(storage.actions[:, 0, 0], np.arange(4, 12))  # untied: oldest first
@@ -284,8 +288,10 @@ def test_002s_replay_buffer_draws_only_filled_rows_and_refuses_bad_input() -> No
     with pytest.raises(shmbuf.UsageError, match=r"the buffer is empty"):
         next(rb.feed_forward_generator(1, 4))
     rb.insert(torch.ones(3, 2), torch.ones(3, 2))
-    for states, _ in rb.feed_forward_generator(20, 10):
-        assert bool((states == 1).all())
+    drawn = list(rb.feed_forward_generator(20, 10))
+    assert len(drawn) == 20
+    for states, _ in drawn:
+        assert states.shape == (10, 2) and bool((states == 1).all())
     with pytest.raises(shmbuf.SchemaError, match=r"states has shape \(3, 4\), expected \(n, obs_dim=2\)"):
         rb.insert(torch.ones(3, 4), torch.ones(3, 4))
     with pytest.raises(shmbuf.SchemaError, match=r"states has 3 rows and next_states 2"):

@@ -97,36 +97,65 @@ print(float(kept.sum()))
 """, ROLLOUT_SUM[0]),
 }
 
-# The collectors: their batches are views of slots that later batches reuse, so the value read is
-# whatever the last batch left there; the test checks that it is read, and is a number.
-COLLECTORS = """
+# The collectors: their batches are views of slots that later batches reuse, so what a kept array reads is whatever
+# the last batch left there. Every observation of ConstEnv is 3.0, so every element of a kept observation array, and
+# of every observation batch the policy was handed, reads 3.0 whichever batch wrote it last: each program prints, per
+# kind of kept array, the sum read and the number of elements, and the test checks sum == 3.0 * elements.
+CONST_ENV = """
 import gymnasium as gym
-from workers import AsyncBatchedCollector, Collector
+import numpy as np
 
-def make_env():
-    return gym.make("CartPole-v1")
+OBS = 3.0
 
-def policy(obs):
-    return (np.asarray(obs)[:, 2] > 0).astype(np.int64)
+
+class ConstEnv(gym.Env):
+    observation_space = gym.spaces.Box(-10.0, 10.0, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.full(4, OBS, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.full(4, OBS, np.float32), 1.0, self.t >= 20, False, {}
+
+
+def make_env(num_envs=1):
+    if num_envs == 1:
+        return ConstEnv()
+    return gym.vector.SyncVectorEnv([ConstEnv] * num_envs)
 """
 
+COLLECTORS = CONST_ENV + """
+from workers import AsyncBatchedCollector, Collector
+
+def policy(obs):
+    return np.zeros(len(obs), np.int64)
+
+def report(what, arrays):
+    print(what, sum(float(a.sum()) for a in arrays), sum(a.size for a in arrays))
+"""
+
+# Each: the program, and how many elements its kept batches hold (frames x 4).
 COLLECTOR_PATTERNS = {
-    "collector_after_with_block": """
+    "collector_after_with_block": ("""
 if __name__ == "__main__":
     with Collector([make_env] * 2, policy, frames_per_batch=256, total_frames=512) as c:
         kept = [b.data["step"]["obs"] for b in c]
-    print(sum(float(k.sum()) for k in kept))
-""",
-    "collector_after_shutdown_and_gc": """
+    report("kept", kept)
+""", 512 * 4),
+    "collector_after_shutdown_and_gc": ("""
 if __name__ == "__main__":
     c = Collector([make_env] * 2, policy, frames_per_batch=256, total_frames=512)
     kept = [b.data["step"]["obs"] for b in c]
     c.shutdown()
     del c
     gc.collect()
-    print(sum(float(k.sum()) for k in kept))
-""",
-    "async_batched_after_with_block": """
+    report("kept", kept)
+""", 512 * 4),
+    "async_batched_after_with_block": ("""
 class Keeping:
     def __init__(self):
         self.seen = []  # the observation batches the server handed the policy, kept past shutdown
@@ -140,8 +169,9 @@ if __name__ == "__main__":
     with AsyncBatchedCollector([make_env] * 2, policy=keeping, frames_per_batch=128, total_frames=256) as c:
         kept = [b.data["step"]["obs"] for b in c]
     gc.collect()
-    print(sum(float(k.sum()) for k in kept) + sum(float(o.sum()) for o in keeping.seen))
-""",
+    report("kept", kept)
+    report("seen", keeping.seen)
+""", 256 * 4),
 }
 
 
@@ -153,11 +183,28 @@ def run_program(code: str, tmp_path: pathlib.Path) -> subprocess.CompletedProces
                           timeout=120)
 
 
-def assert_survived(proc: subprocess.CompletedProcess[str]) -> float:
+def survived(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    """Fail unless the program exited 0 (a late read that crashed is named by its signal); return its lines."""
     if proc.returncode < 0:
         raise AssertionError(f"the late read killed the process with {signal.Signals(-proc.returncode).name}\n{proc.stderr}")
     assert proc.returncode == 0, proc.stderr
-    return float(proc.stdout.strip().splitlines()[-1])
+    return proc.stdout.strip().splitlines()
+
+
+def assert_survived(proc: subprocess.CompletedProcess[str]) -> float:
+    return float(survived(proc)[-1])
+
+
+def const_reads(proc: subprocess.CompletedProcess[str]) -> dict[str, int]:
+    """The lines ``<what> <sum> <elements>`` a program printed (``report``): check that every element read 3.0 (the
+    only observation ConstEnv makes) and return ``{what: elements}``."""
+    out = {}
+    for line in survived(proc):
+        if line.startswith(("kept ", "seen ")):
+            what, total, n = line.split()
+            assert int(n) > 0 and float(total) == 3.0 * int(n), f"{what}: {n} elements read {total}, not 3.0 each"
+            out[what] = int(n)
+    return out
 
 
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
@@ -168,8 +215,10 @@ def test_a_kept_array_is_read_after_its_pipeline_is_gone(pattern: str, tmp_path:
 
 @pytest.mark.parametrize("pattern", sorted(COLLECTOR_PATTERNS))
 def test_a_kept_collector_batch_is_read_after_the_collector_is_gone(pattern: str, tmp_path: pathlib.Path) -> None:
-    got = assert_survived(run_program(PRELUDE + COLLECTORS + COLLECTOR_PATTERNS[pattern], tmp_path))
-    assert got == got and got != 0.0  # a real sum of CartPole observations: finite (not NaN) and not all zeros
+    code, kept = COLLECTOR_PATTERNS[pattern]
+    got = const_reads(run_program(PRELUDE + COLLECTORS + code, tmp_path))
+    assert got["kept"] == kept  # every batch's observations were kept, and read
+    assert ("seen" in got) == pattern.startswith("async")
 
 
 def test_after_close_the_rollout_itself_raises_stale_rollout() -> None:
@@ -204,7 +253,9 @@ from ray.cluster_utils import Cluster
 
 sys.path.insert(0, os.path.join(sys.argv[1], "examples"))
 import cartpole_collect
-from cartpole_collect import LinearPolicy, make_env
+import const_env  # CONST_ENV, written beside this program
+from cartpole_collect import LinearPolicy
+from const_env import make_env
 from workers import RayCollector
 
 def main():
@@ -212,7 +263,8 @@ def main():
     kept = {}
     try:
         cluster.add_node(num_cpus=1)
-        ray.init(address=cluster.address, include_dashboard=False, runtime_env={"py_modules": [cartpole_collect]})
+        ray.init(address=cluster.address, include_dashboard=False,
+                 runtime_env={"py_modules": [cartpole_collect, const_env]})
         with RayCollector(make_env, LinearPolicy(), frames_per_batch=1024, actors_per_node=1,
                           create_env_kwargs={"num_envs": 8}, weights={"w": np.zeros((4, 2), np.float32)}, timeout=60) as c:
             for b in c:
@@ -224,7 +276,9 @@ def main():
         cluster.shutdown()
     gc.collect()
     print(sorted(kept), flush=True)
-    print(sum(float(k.sum()) for ks in kept.values() for k in ks), flush=True)
+    arrays = [k for ks in kept.values() for k in ks]
+    print("batches", len(arrays), flush=True)
+    print("kept", sum(float(k.sum()) for k in arrays), sum(k.size for k in arrays), flush=True)
 
 if __name__ == "__main__":
     main()
@@ -236,9 +290,12 @@ def test_kept_ray_batches_from_every_node_are_read_after_ray_is_shut_down(tmp_pa
     pytest.importorskip("ray")  # the `test` extra installs it: this skips only where someone runs the core's tests alone
     script = tmp_path / "late_ray.py"
     script.write_text(RAY_PROGRAM)
+    (tmp_path / "const_env.py").write_text(CONST_ENV)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(script), str(ROOT)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=240)
-    got = assert_survived(proc)
-    assert got == got and got != 0.0
-    assert proc.stdout.strip().splitlines()[-2] == "[0, 1]", proc.stdout  # batches of both nodes were kept
+    got = const_reads(proc)  # every element of every kept batch read 3.0, from either node
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-3] == "[0, 1]", proc.stdout  # batches of both nodes were kept
+    batches = int(lines[-2].split()[1])
+    assert batches >= 6 and got["kept"] == batches * 1024 * 4, proc.stdout  # 1024 frames of 4 numbers a batch

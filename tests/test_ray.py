@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -597,16 +598,26 @@ def test_weights_that_do_not_fit_a_node_are_raised_in_the_learner(cluster: Any) 
         with pytest.raises(shmbuf.SchemaError, match=r"leaf w: expected shape \(1,\), got \(3,\)"):
             rc.update_policy_weights({"w": np.zeros(3)})
         assert rc.policy_version == 0 and rc.update_policy_weights(weights(1)) == 1
-    with collector(local_node=False) as rc:  # through Ray: the owners' refusal comes back later
+    # Through Ray: the owners' refusal comes back later. Version 0 is weights(3): actions W(3), not an untouched policy's 0.
+    with collector(local_node=False, weights=weights(3)) as rc:
         it = iter(rc)
         next(it)
         rc.update_policy_weights({"w": np.zeros(3)})  # the broadcast holds w as float64 (1,)
         deadline = time.monotonic() + 30
-        with pytest.raises(RuntimeError, match=r"could not take weights version 1: .*w") as raised:
+        with pytest.raises(RuntimeError, match=r"could not take weights version 1: ") as raised:
             while time.monotonic() < deadline:
                 next(it)
-        assert isinstance(raised.value.__cause__, Exception)
-        next(iter(rc))  # the nodes go on with the weights they had; a new iterator takes up where that one stopped
+        # The error names the nodes that refused, and its cause is a node's own SchemaError naming leaf, expected, got.
+        named = re.match(r"nodes? ([\d, ]+) could not take", str(raised.value))
+        assert named and {int(k) for k in named[1].split(", ")} <= {n.index for n in rc.nodes}, str(raised.value)
+        cause = raised.value.__cause__
+        assert isinstance(cause, shmbuf.SchemaError), f"the cause is {cause!r}, not the node's SchemaError"
+        assert "leaf w: expected shape (1,), got (3,)" in str(cause), str(cause)
+        # The nodes go on with the weights they had; a new iterator takes up where that one stopped.
+        b = next(iter(rc))
+        assert b.policy_version.tolist() == [0] * len(b.lane)
+        for i, n in enumerate(b.fill["step"].tolist()):
+            assert np.all(b.data["step"]["action"][i, :n] == W(3)), np.unique(b.data["step"]["action"][i, :n])
         assert rc.failures == []
 
 

@@ -221,6 +221,7 @@ def test_record_and_read_back_bit_exact(tmp_path, single):
     info = [json.loads((p / "trajectory.json").read_text()) for p in sorted(tmp_path.glob("trajectory_*"))]
     assert sum(i["length"] for i in info) == E * 8 * 7 == rec.frames
     ended = [i for i in info if i["ends_episode"]]
+    assert len(ended) == sum(bool(t.get("ends")) for ts in expected.values() for t in ts) > 0  # each episode that ended
     assert all(i["episode_length"] == i["length"] for i in ended)  # every episode began inside the recording
     assert all(i["episode_return"] == pytest.approx(i["reward_sum"]) for i in ended)
 

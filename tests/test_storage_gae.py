@@ -114,18 +114,43 @@ def test_time_outs_and_truncated_together_are_refused() -> None:
 
 
 def rsl_rl_case(seed: int):
-    """float32 data in rsl_rl's convention: time-outs are a subset of dones (its envs set both at a time limit)."""
+    """float32 data in rsl_rl's convention: time-outs are a subset of dones (its envs set both at a time limit).
+    Every case has a time-out (the flag these tests are about): where the draw made none, one step of one env is
+    made a time-out."""
     rng = np.random.default_rng(seed)
     T, N = int(rng.integers(1, 40)), int(rng.integers(1, 9))
     rewards, values = (rng.normal(size=(T, N)).astype(np.float32) for _ in range(2))
     last_values = rng.normal(size=N).astype(np.float32)
     dones = rng.random((T, N)) < rng.choice([0.05, 0.3, 1.0])
-    time_outs = dones & (rng.random((T, N)) < rng.choice([0.0, 0.5, 1.0]))
+    time_outs = dones & (rng.random((T, N)) < rng.choice([0.2, 0.5, 1.0]))
+    if not time_outs.any():
+        t, n = int(rng.integers(T)), int(rng.integers(N))
+        dones[t, n] = time_outs[t, n] = True
     gamma, lam = float(rng.uniform(0.8, 1.0)), float(rng.uniform(0.8, 1.0))
     return rewards, values, dones, time_outs, last_values, gamma, lam
 
 
-@pytest.mark.parametrize("seed", range(40))
+OWN_SEEDS = range(10)  # test_time_outs_give_rsl_rls_own_returns_bit_for_bit's cases
+TRANSCRIBED_SEEDS = range(10, 50)  # test_time_outs_give_rsl_rls_returns_bit_for_bit's: other cases than those
+
+
+def test_the_rsl_rl_cases_have_time_outs_everywhere_and_are_not_repeated() -> None:
+    """Each case of the two bit-for-bit tests has a time-out; between them, time-outs at the first and the last
+    step, in one-step and one-env cases, and dones that are not time-outs; no case is in both tests."""
+    assert not set(OWN_SEEDS) & set(TRANSCRIBED_SEEDS)
+    cases = [rsl_rl_case(seed) for seed in (*OWN_SEEDS, *TRANSCRIBED_SEEDS)]
+    assert all(to.any() for _, _, _, to, _, _, _ in cases), "a case without a time-out"
+    seen = {"first step": False, "last step": False, "T == 1": False, "N == 1": False, "done, no time-out": False}
+    for _, _, dones, to, _, _, _ in cases:
+        seen["first step"] |= bool(to[0].any())
+        seen["last step"] |= bool(to[-1].any())
+        seen["T == 1"] |= to.shape[0] == 1
+        seen["N == 1"] |= to.shape[1] == 1
+        seen["done, no time-out"] |= bool((dones & ~to).any())
+    assert all(seen.values()), seen
+
+
+@pytest.mark.parametrize("seed", TRANSCRIBED_SEEDS)
 def test_time_outs_give_rsl_rls_returns_bit_for_bit(seed: int) -> None:
     """Against a line-by-line torch transcription of rsl_rl 5.5.1's PPO (tests/_rsl_rl.py): the same float32
     operations in the same order, so the returns are equal, not close; rsl_rl's advantages are returns - values."""
@@ -138,7 +163,7 @@ def test_time_outs_give_rsl_rls_returns_bit_for_bit(seed: int) -> None:
     np.testing.assert_allclose(adv, want_adv, rtol=0, atol=1e-5)  # A itself, before the round trip through returns
 
 
-@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("seed", OWN_SEEDS)
 def test_time_outs_give_rsl_rls_own_returns_bit_for_bit(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same against rsl_rl's own PPO.process_env_step and PPO.compute_returns (skipped unless rsl_rl is
     installed; it is not a dependency: `pip install --no-deps rsl-rl-lib` to run it)."""

@@ -821,7 +821,9 @@ def test_002s_constructor_makes_the_in_process_ring_and_numpy_without_a_device()
     rb.insert(rows, -rows)  # 4 rows into a ring of 3: the newest 3 survive, wrapped from where the 4th would go
     assert (rb.step, rb.num_samples, len(rb)) == (1, 3, 3)
     np.testing.assert_array_equal(rb.states, rows[[3, 1, 2]])
-    for states, next_states in rb.feed_forward_generator(4, 5):
+    drawn = list(rb.feed_forward_generator(4, 5))
+    assert len(drawn) == 4
+    for states, next_states in drawn:
         assert states.shape == (5, 2) and states.dtype == np.float32
         np.testing.assert_array_equal(next_states, -states)
     rb.insert(np.ones((1, 2)), np.ones((1, 2)))  # overwrites the oldest (row 1, at index 1)

@@ -695,7 +695,9 @@ def test_action_label_rollout_on_numpy_carries_labels_into_every_minibatch() -> 
                                                 action_labels=np.full((N, 2), 10 + t), rewards=np.zeros(N),
                                                 dones=np.zeros(N), values=np.zeros(N), actions_log_prob=np.zeros(N)))
     s.compute_returns(np.zeros(N), 0.99, 0.95)
-    for b in s.mini_batch_generator(2, 1):
+    batches = list(s.mini_batch_generator(2, 1))
+    assert len(batches) == 2
+    for b in batches:
         assert isinstance(b, ActionLabelMiniBatch) and isinstance(b.action_labels, np.ndarray)
         np.testing.assert_array_equal(b.action_labels, b.actions + 10)
     with pytest.raises(shmbuf.SchemaError, match=r"Transition.action_labels is None"):

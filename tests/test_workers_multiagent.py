@@ -780,6 +780,48 @@ def test_rounds_ended_early_by_agent_steps_leave_no_valid_row_past_their_fill():
             assert b.agent_steps == sum(x.frames for x in b.values())
 
 
+def valid_in_fill(x):
+    """The valid rows of a policy's rounds batch within each rollout's fill: the agent steps it delivers."""
+    valid, n = x.data["step"]["valid"], x.fill["step"]
+    return sum(int(valid[i, : n[i]].sum()) for i in range(len(n)))
+
+
+@pytest.mark.parametrize(("count_steps_by", "mode"), [("env_steps", "rounds"), ("env_steps", "aligned"),
+                                                      ("agent_steps", "rounds"), ("agent_steps", "aligned"),
+                                                      ("agent_steps", "complete_episodes")])
+def test_frames_are_the_steps_count_steps_by_counts_and_total_frames_stops_on_them(count_steps_by, mode):
+    """Each batch's frames, env_steps and agent_steps, the collector's and its stats', and where total_frames stops,
+    against a ledger of the steps the batches deliver: agent steps are the valid rows within each rollout's fill
+    (complete episodes: the episodes' lengths), env steps blue_0's valid rows (it acts at every step of its env,
+    and is its policy's only row per env). frames is the one count_steps_by names, frames_per_batch or more."""
+    from workers import MultiAgentCollector
+
+    total = 40
+    if mode == "complete_episodes":
+        kw = {"batch_mode": "complete_episodes", "rollout_len": 12}
+    else:
+        kw = {"rollout_len": 4, "align": mode == "aligned"}  # 4 rounds a batch: 16 env steps, or 16 agent steps or more
+    with MultiAgentCollector([partial(JoinLeaveEnv, 0), partial(JoinLeaveEnv, 1)], POLICIES, policy_mapping_fn=mapping,
+                             frames_per_batch=16, count_steps_by=count_steps_by, total_frames=total, copy=True,
+                             timeout=60, start_method="fork", **kw) as c:
+        batches = list(c)
+        stats = c.stats()
+    ledger = []  # (frames, agent steps, env steps) of each batch, counted from what it holds
+    for b in batches:
+        if mode == "complete_episodes":
+            agent, env = sum(int(x.lengths.sum()) for x in b.values()), 0  # env steps: not known in this mode
+        else:
+            agent, env = sum(valid_in_fill(x) for x in b.values()), valid_in_fill(b["blue"])
+        frames = agent if count_steps_by == "agent_steps" else env
+        assert (b.frames, b.agent_steps, b.env_steps) == (frames, agent, env), (count_steps_by, mode)
+        assert frames == 16 if count_steps_by == "env_steps" else frames >= 16, frames
+        ledger.append((frames, agent, env))
+    sums = [sum(col) for col in zip(*ledger)]
+    assert len(ledger) >= 2 and sums[0] - ledger[-1][0] < total <= sums[0], f"total_frames={total} ended after {ledger}"
+    assert c.frames == stats["frames"] == sums[0] and stats["batches"] == len(ledger)
+    assert (c.agent_steps, c.env_steps) == (stats["agent_steps"], stats["env_steps"]) == (sums[1], sums[2])
+
+
 @pytest.mark.parametrize("entry", ["Collector", "AsyncBatchedCollector"])
 def test_collector_and_async_batched_collector_take_multiagent_envs_given_policies(entry):
     """The single-agent entry points, given policies=, make a MultiAgentCollector (AsyncBatchedCollector: with each
