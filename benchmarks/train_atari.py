@@ -205,16 +205,18 @@ class GymAsync(AtariRun):
         return vector_loop(self.c, self.act(), self.fpb // self.n)
 
 
-def recv_loop(recv: Any, send: Any, policy: Any, n: int, rows: int, first: np.ndarray) -> Iterator[int]:
+def recv_loop(recv: Any, send: Any, policy: Any, n: int, rows: int, first: np.ndarray, acted: Any) -> Iterator[int]:
     """The loop of an asynchronous vector env (PufferLib's, EnvPool's): take a ready batch, store it, act on it.
 
     These envs reset an env that ended at its next step instead of stepping it (the action is ignored, reward 0):
     that row is stored, as their own trainers do, but not counted. ``recv()`` returns ``(obs, reward, terminated,
-    truncated, env ids)``.
+    truncated, env ids)``; ``first`` is the first batch's observation and ``acted`` the envs already acted on from
+    their reset observation (an env whose reset observation the loop receives gives a row that is no transition).
     """
     store = Store(rows, len(first), first)
     s_obs, s_act, s_rew, s_term, s_trunc = store.obs, store.action, store.reward, store.terminated, store.truncated
-    was_done = np.ones(n, bool)  # the first rows are resets
+    was_done = np.ones(n, bool)
+    was_done[acted] = False
     while True:
         frames = 0
         for t in range(rows):
@@ -256,8 +258,9 @@ class Puffer(AtariRun):
             return o, r, d, tr, ids
 
         first = recv()
-        vec.send(self.act()(first[0]))
-        return recv_loop(recv, lambda a, _ids: vec.send(a), self.act(), self.n, self.fpb // batch, np.asarray(first[0]))
+        policy = self.act()
+        vec.send(policy(first[0]))
+        return recv_loop(recv, lambda a, _ids: vec.send(a), policy, self.n, self.fpb // batch, np.asarray(first[0]), first[4])
 
 
 class EnvpoolSync(AtariRun):
@@ -280,7 +283,7 @@ class EnvpoolSync(AtariRun):
             state["obs"], state["out"] = o, (r, te, tr)
 
         send(policy(obs), ids)
-        return recv_loop(recv, send, policy, self.n, self.fpb // self.n, obs)
+        return recv_loop(recv, send, policy, self.n, self.fpb // self.n, obs, ids)
 
 
 class EnvpoolAsync(AtariRun):
@@ -301,7 +304,7 @@ class EnvpoolAsync(AtariRun):
         first = recv()
         policy = self.act()
         env.send(policy(first[0]), first[4])
-        return recv_loop(recv, env.send, policy, self.n, self.fpb // (self.n // 2), first[0])
+        return recv_loop(recv, env.send, policy, self.n, self.fpb // (self.n // 2), first[0], first[4])
 
 
 class AleVec(AtariRun):
