@@ -117,8 +117,8 @@ bench-multiagent-loop: $(VENV)/.stamp-bench
 # max_policy_lag 0 and 1 (CartPole-v1 and Acrobot-v1, 3 seeds, each run until its return threshold), then collection
 # from real Atari (Pong, Breakout; 8 and 16 envs; random and CNN policies) by every system: one process, Collector,
 # AsyncBatchedCollector, gymnasium's AsyncVectorEnv, PufferLib, EnvPool sync and async, ale-py's vector env. About
-# TRAIN_MINUTES minutes on a quiet 2-core machine (--quick: about 2). pufferlib-core is installed with --no-deps as for
-# bench-collect. Results in benchmarks/results/<date>-<host>-train.*
+# 30 minutes on a quiet 2-core machine (PPO about 21, Atari about 9; it prints its estimate first; --quick: 1-2).
+# pufferlib-core is installed with --no-deps as for bench-collect. Results in benchmarks/results/<date>-<host>-train.*
 bench-train: $(VENV)/.stamp-bench
 	$(PIP) install --quiet --no-deps pufferlib-core==3.0.23
 	$(PY) -m benchmarks.train
