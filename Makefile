@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo demo-ray test test-slow test-core lint bench bench-quick bench-storage bench-inference bench-collect bench-ray bench-multiagent bench-multiagent-loop clean-shm clean
+.PHONY: demo demo-ray test test-slow test-core lint bench bench-quick bench-storage bench-inference bench-collect bench-ray bench-multiagent bench-multiagent-loop bench-train clean-shm clean
 
 # One stamp per set of extras, refreshed when pyproject.toml changes. The tests also get rsl_rl's own code, the
 # reference that shmbuf's rsl_rl-style GAE must equal (tests/_rsl_rl.py), with --no-deps: its torch pin would pull
@@ -113,6 +113,16 @@ bench-multiagent: $(VENV)/.stamp-bench
 # (synthetic and simple_spread envs): about a minute. Results in benchmarks/results/<date>-<host>-multiagent-loop.*
 bench-multiagent-loop: $(VENV)/.stamp-bench
 	$(PY) -m benchmarks.multiagent_loop
+
+# Training at speed: CleanRL's PPO (examples/ppo_cleanrl.py) in one process against the same loop on workers.Collector at
+# max_policy_lag 0 and 1 (CartPole-v1 and Acrobot-v1, 3 seeds, each run until its return threshold), then collection
+# from real Atari (Pong, Breakout; 8 and 16 envs; random and CNN policies) by every system: one process, Collector,
+# AsyncBatchedCollector, gymnasium's AsyncVectorEnv, PufferLib, EnvPool sync and async, ale-py's vector env. About
+# 30 minutes on a quiet 2-core machine (PPO about 21, Atari about 9; it prints its estimate first; --quick: 1-2).
+# pufferlib-core is installed with --no-deps as for bench-collect. Results in benchmarks/results/<date>-<host>-train.*
+bench-train: $(VENV)/.stamp-bench
+	$(PIP) install --quiet --no-deps pufferlib-core==3.0.23
+	$(PY) -m benchmarks.train
 
 clean-shm: $(VENV)/.stamp-demo
 	$(PY) -m shmbuf clean

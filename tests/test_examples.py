@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+import math
 import multiprocessing as mp
 import os
 import re
@@ -284,3 +286,80 @@ def test_ppo_spread_example_beats_acting_at_random():
     out = run_example("ppo_spread.py", "--seed", "0", "--json", timeout=1200)
     assert out["reached"] is not None, f"the mean return stayed below -20.5 for {out['updates']} updates"
     assert out["reached"]["return_500"] > out["random_return"] + 3
+
+
+# -- CleanRL's PPO with its collection lines on workers.Collector (examples/ppo_cleanrl.py) ----------------------------
+
+@pytest.mark.parametrize("mode", [[], ["--one-process"]])
+def test_ppo_cleanrl_example_runs_with_the_collector_and_in_one_process(mode):
+    pytest.importorskip("torch", reason="the PyTorch example needs torch (pip install torch==2.13.0)")
+    from workers import Collector
+
+    out = run_example("ppo_cleanrl.py", "--total-timesteps", "2048", "--max-policy-lag", "1", "--json", *mode, timeout=300)
+    curve = out["curve"]
+    assert [r["steps"] for r in curve] == [512, 1024, 1536, 2048] and out["steps"] == 2048  # 4 envs x 128 steps each
+    assert all(math.isfinite(r["v_loss"]) and math.isfinite(r["approx_kl"]) for r in curve)
+    assert curve[-1]["last"] and not any(r["last"] for r in curve[:-1])
+    assert 8 <= curve[-1]["return_recent"] <= 500 and out["target"] == 475.0  # CartPole-v1's episodes; its threshold
+    if mode:
+        assert out["system"] == "one_process" and out["lag_max"] == 0 and out["lag_enforced"] is False
+    else:
+        accepts = "max_policy_lag" in inspect.signature(Collector).parameters
+        assert out["system"] == "collector" and out["lag_enforced"] is accepts
+        assert 0 <= out["lag_mean"] <= out["lag_max"] <= (1 if accepts else 3)  # 4 batches: 3 versions behind at most
+
+
+def test_ppo_cleanrl_reads_a_collector_batch_as_cleanrl_rollout_tensors(monkeypatch):
+    """B rollouts of E envs become B x E columns of T steps, each with its own bootstrap; dones[t] says the episode
+    ended before step t, next_done that it ended at the last step (CleanRL's meaning of both)."""
+    pytest.importorskip("torch")
+    from shmbuf.layout import ACTION, BOOTSTRAP, OBS, REWARD, STEP, TERMINATED, TRUNCATED
+    from workers import CollectedBatch
+
+    ex = import_example("ppo_cleanrl", monkeypatch)
+    B, T, E = 2, 3, 2
+    obs = np.arange(B * T * E * 4, dtype=np.float32).reshape(B, T, E, 4)
+    terminated = np.zeros((B, T, E), bool)
+    truncated = np.zeros((B, T, E), bool)
+    terminated[0, 0, 1] = True  # rollout 0, env 1 ends at step 0
+    truncated[1, 2, 0] = True  # rollout 1, env 0 is cut at its last step
+    step = {OBS: obs, ACTION: np.arange(B * T * E).reshape(B, T, E), REWARD: np.ones((B, T, E), np.float32),
+            TERMINATED: terminated, TRUNCATED: truncated, "logprob": -obs[..., 0], "value": obs[..., 1]}
+    boot = {OBS: -np.arange(B * E * 4, dtype=np.float32).reshape(B, E, 4)}
+    batch = CollectedBatch(data={STEP: step, BOOTSTRAP: boot}, episode_returns=np.array([5.0]), policy_lag=np.array([0, 1]))
+    ro = ex.batch_rollout(batch)
+    assert tuple(ro.obs.shape) == (T, B * E, 4) and tuple(ro.next_obs.shape) == (B * E, 4)
+    for b in range(B):
+        for t in range(T):
+            for e in range(E):
+                col = b * E + e
+                np.testing.assert_array_equal(ro.obs[t, col].numpy(), obs[b, t, e])
+                assert ro.actions[t, col] == step[ACTION][b, t, e] and ro.values[t, col] == obs[b, t, e, 1]
+                assert ro.logprobs[t, col] == -obs[b, t, e, 0]
+                ended_before = t > 0 and (terminated[b, t - 1, e] or truncated[b, t - 1, e])
+                assert ro.dones[t, col] == float(ended_before), (b, t, e)
+            np.testing.assert_array_equal(ro.next_obs[b * E + e].numpy(), boot[OBS][b, e])
+    assert ro.next_done.tolist() == [0.0, 0.0, 1.0, 0.0]  # rollout 1, env 0 was cut at its last step
+    assert ro.episode_returns == [5.0] and ro.policy_lag.tolist() == [0, 1]
+
+
+def test_ppo_cleanrl_hands_max_policy_lag_only_to_a_collector_that_takes_it(monkeypatch):
+    pytest.importorskip("torch")
+    ex = import_example("ppo_cleanrl", monkeypatch)
+
+    class Takes:
+        def __init__(self, env_fns, *, frames_per_batch, max_policy_lag=None):
+            pass
+
+    class Lacks:
+        def __init__(self, env_fns, *, frames_per_batch):
+            pass
+
+    real = "max_policy_lag" in inspect.signature(ex.Collector).parameters
+    assert ex.lag_setting(0) == (({"max_policy_lag": 0}, True) if real else ({}, False))
+    monkeypatch.setattr(ex, "Collector", Takes)
+    assert ex.lag_setting(0) == ({"max_policy_lag": 0}, True)
+    assert ex.lag_setting(1) == ({"max_policy_lag": 1}, True)
+    assert ex.lag_setting(None) == ({}, False)  # free-running: nothing to pass, nothing enforced
+    monkeypatch.setattr(ex, "Collector", Lacks)
+    assert ex.lag_setting(0) == ({}, False) and ex.lag_setting(1) == ({}, False)
