@@ -587,7 +587,7 @@ def test_when_the_learner_is_killed_every_env_worker_exits_within_2s() -> None:
         for p in family:
             if not gone(p):
                 os.kill(p, signal.SIGKILL)
-        for f in _admin.scan():  # the dead learner's table and pipeline: left for `shmbuf clean`, removed here
+        for f in _admin.scan():  # the dead learner's table and pipeline (its watcher removes them): anything left goes
             if f.name in names and f.removable:
                 _admin.remove(f)
     assert no_objects_named(names)
