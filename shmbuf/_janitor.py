@@ -60,9 +60,11 @@ SHM_DIR = "/dev/shm"
 # Where Linux has no pidfd: how often the watcher asks whether its owner lives (the 1 s promise holds).
 POLL_SECONDS = 0.1
 # After reading what the owner sent, the watcher reads again no sooner than this (it still sees the
-# owner's death at once): an owner that creates and closes thousands of objects wakes it 100 times a
-# second at most, whatever it sends. The pipe holds what comes meanwhile (1 MiB asked for).
-READ_PAUSE = 0.01
+# owner's death at once): an owner that creates and closes thousands of objects wakes it 20 times a
+# second at most, whatever it sends (each wake-up costs the owner a context switch on a busy machine).
+# The pipe holds what comes meanwhile: 1 MiB asked for, and even the default 64 KiB holds the words of
+# some 700 create+close cycles (90 bytes each), 14,000 a second; past that the owner's write waits.
+READ_PAUSE = 0.05
 PIPE_BYTES = 1 << 20
 # A script path ends so, and the argv after it: owner pid, owner start time, the pipe's read end.
 SCRIPT = os.path.abspath(__file__)
