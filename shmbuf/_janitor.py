@@ -7,10 +7,9 @@ killer included. Both halves of that protocol live here (docs/design/janitor.md)
 
 - **The owner's half** (this module imported as ``shmbuf._janitor``): :func:`watch` right after an
   object is created (its semaphores, all named after it, go with it), :func:`forget` right after the
-  owner unlinked it. The first
-  :func:`watch` of a process starts its watcher; while the process owns watched names it also turns
-  an unhandled SIGTERM into a clean exit (:func:`_on_sigterm`). ``keep_on_crash=True`` or
-  ``SHMBUF_KEEP_ON_CRASH=1`` leaves an object out of all of it.
+  owner unlinked it. The first :func:`watch` of a process starts its watcher; while the process owns
+  watched objects it also turns an unhandled SIGTERM into a clean exit (:func:`_on_sigterm`).
+  ``keep_on_crash=True`` or ``SHMBUF_KEEP_ON_CRASH=1`` leaves an object out of all of it.
 - **The watcher's half** (:func:`main`): this file run as a script by a fresh interpreter
   (``python -I -S .../_janitor.py``), so it imports the standard library only, never numpy or the
   rest of shmbuf, and starts in milliseconds. It learns of the owner's death through a pidfd (a
@@ -23,9 +22,8 @@ The words, ASCII lines over a pipe that only the owner writes and only the watch
     - <entry>                         the owner removed it itself
 
 Order is what makes it safe. The owner sends ``+`` right after its ``O_EXCL`` create returned and
-``-`` right after its own unlink, so at no instant is an object of a live owner unwatched, and the
-watcher never holds a name whose object the owner still relies on being there for someone else.
-The watcher removes an entry only after the owner is gone, and only if it is still a regular file
+``-`` only after its own unlink, so at no instant is an object of a live owner unwatched. The
+watcher removes an entry only after the owner is gone, and only if it is still a regular file
 of this uid with the inode the ``+`` named (a name unlinked and made again by anyone is not it);
 then the semaphores named after it (``sem.<entry>-<role>``, regular files of this uid) too. One word
 per object, not one per name: a pipeline's 17 semaphores cost the owner nothing more, and each is
@@ -33,7 +31,7 @@ covered from the instant it exists, since its object was registered before it wa
 
 Process shape: the owner starts ``python -I -S _janitor.py`` in a session of its own and waits for
 it; that process takes a pidfd of the owner (its parent, so certainly alive then), forks the
-watcher and exits. The watcher is so nobody's child that a user must reap, outside the owner's
+watcher and exits. So the watcher is no child that anyone must reap; it is outside the owner's
 process group and terminal (Ctrl-C, ``timeout`` and ``kill -- -pgid`` do not reach it), and it
 ignores SIGINT, SIGTERM and SIGHUP (a cgroup-wide SIGTERM must not take it down with its owner).
 """
@@ -56,7 +54,7 @@ except ImportError:  # pragma: no cover - an interpreter without it: the same fu
 
 MAGIC = b"shmbuf-watch 1\n"
 KEEP_ENV = "SHMBUF_KEEP_ON_CRASH"
-SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"  # shmbuf._names's, which the watcher (no shmbuf package here) cannot import
 # Where Linux has no pidfd: how often the watcher asks whether its owner lives (the 1 s promise holds).
 POLL_SECONDS = 0.1
 # After reading what the owner sent, the watcher reads again no sooner than this (it still sees the
@@ -66,7 +64,7 @@ POLL_SECONDS = 0.1
 # some 700 create+close cycles (90 bytes each), 14,000 a second; past that the owner's write waits.
 READ_PAUSE = 0.05
 PIPE_BYTES = 1 << 20
-# A script path ends so, and the argv after it: owner pid, owner start time, the pipe's read end.
+# This file, the watcher's program: python -I -S SCRIPT OWNER_PID OWNER_START READ_FD [--poll] (see main).
 SCRIPT = os.path.abspath(__file__)
 _ENTRY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
 _ROLE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
