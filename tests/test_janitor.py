@@ -24,7 +24,7 @@ import pytest
 
 import shmbuf
 from tests.conftest import SHM_DIR, orphaned_watchers, small_example, wait_until, watchers
-from tests.test_workers_inference import descendants, gone
+from tests.helpers import descendants, gone
 
 DEADLINE = 5.0  # the promise is 1 s after the owner's death; the margin is for a loaded machine
 KINDS = ("pipeline", "collector", "async_batched", "replay", "weights", "rollout_buffer")
