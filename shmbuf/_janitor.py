@@ -102,7 +102,7 @@ def keeping(keep_on_crash: bool) -> bool:
 
 
 class _Owner:
-    """This process as an owner: the names it watches, its watcher, and the SIGTERM handler's state.
+    """This process as an owner: the names it watches (the SIGTERM handler acts while there are some) and its watcher.
 
     The one instance lives in :data:`_owner`; a forked child drops it (``_after_fork_in_child``) and
     makes its own at its own first object, with its own watcher.
