@@ -60,6 +60,11 @@ EXTRA_TESTS: dict[str, str] = {
         "gymnasium and torchrl, in docs/inference.md's block",
     "tests/test_storage_files.py::test_docs_block_runs[0]": "gymnasium, in docs/storage.md's first block",
     "tests/test_storage_files.py::test_docs_block_runs[1]": "gymnasium, in docs/storage.md's second block",
+    **{f"tests/test_janitor.py::test_a_dead_owner_leaves_nothing_in_dev_shm[{kind}-{sig}]":
+       "gymnasium, in the owner process's collector (tests.test_workers_envs, imported there)"
+       for kind in ("collector", "async_batched") for sig in ("SIGTERM", "SIGINT", "SIGKILL")},
+    "tests/test_janitor.py::test_keep_on_crash_keeps_a_killed_owners_objects[collector]":
+        "gymnasium, in the owner process's collector (tests.test_workers_envs, imported there)",
 }
 
 

@@ -36,6 +36,7 @@ from shmbuf._substrate import (
     create_object,
     fence,
     fmt_bytes,
+    keeping,
     leaf_major,
     map_object,
     new_name,
@@ -113,6 +114,8 @@ class InferenceTable(Closable):
             observation batched over its sub-envs, ``(E, *obs_shape)``).
         response: one client's answer, likewise (e.g. ``{"action": (E,), "logp": (E,)}``).
         clients: how many clients (slots); client ``i`` attaches with ``InferenceClient(name, i)``.
+        keep_on_crash: if this process dies without closing, leave the table for ``shmbuf ls``
+            (its watcher removes it within 1 s otherwise).
 
     One server thread calls :meth:`take` and :meth:`respond`; the owner's other
     calls (:meth:`retire`, :meth:`close`) may come from another thread. The
@@ -123,7 +126,7 @@ class InferenceTable(Closable):
 
     _kind = "inference table"
 
-    def __init__(self, request: Any, response: Any, clients: int):
+    def __init__(self, request: Any, response: Any, clients: int, *, keep_on_crash: bool = False):
         clients = int_setting("InferenceTable(clients=...)", clients, 1, MAX_CLIENTS)
         self.schema = _schema_of(request, response)
         self._lay = lay = _TableLayout(self.schema, clients)
@@ -136,7 +139,7 @@ class InferenceTable(Closable):
         self._sems: list[posix_ipc.Semaphore] = []
         self.doorbell: posix_ipc.Semaphore | None = None
         fd, self._mm = create_object(self.name, lay.total, f"{clients} request and response slots of "
-                                     f"{fmt_bytes(lay.total - lay.data_off)} in all")
+                                     f"{fmt_bytes(lay.total - lay.data_off)} in all", keep=keeping(keep_on_crash))
         os.close(fd)
         self._w = memoryview(self._mm).cast("q")
         # Every semaphore made (the doorbell first), filled in as they are: what close(), collection or exit releases.

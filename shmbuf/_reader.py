@@ -31,6 +31,7 @@ from shmbuf._books import SLOT_LENT, SLOT_READY, SlotBooks
 from shmbuf._closable import Closable
 from shmbuf._errors import PipelineClosed, SlotTimeout, StaleRollout, UsageError, WriterError, WrongProcess
 from shmbuf._handle import Handle
+from shmbuf._janitor import keeping
 from shmbuf._lane import WAIT_SLICE
 from shmbuf._latency import LatencyWindow
 from shmbuf._lending import Lender
@@ -66,8 +67,8 @@ RUN_PATIENCE = 0.02
 OVERTAKE_PATIENCE = 0.25
 
 
-
-def create(example: Any, slots: int, *, max_writers: int = 16, raise_writer_errors: bool = True) -> Reader:
+def create(example: Any, slots: int, *, max_writers: int = 16, raise_writer_errors: bool = True,
+           keep_on_crash: bool = False) -> Reader:
     """Create a pipeline laid out from ``example`` with ``slots`` rollout slots; return its reader.
 
     Args:
@@ -79,12 +80,14 @@ def create(example: Any, slots: int, *, max_writers: int = 16, raise_writer_erro
         raise_writer_errors: re-raise a writer's reported exception
             (:class:`WriterError`) from the next ``get``; else collect them
             in :attr:`Reader.errors`.
+        keep_on_crash: if this process dies without closing, leave the segment for
+            ``shmbuf ls`` (its watcher removes it within 1 s otherwise; docs/reliability.md).
 
     The segment is created owner-only (0600), its space reserved and its
     pages faulted in now; a /dev/shm too small fails here with the sizes.
     """
     schema = Schema.from_example(example)
-    seg = Segment.create(schema, slots, max_writers)
+    seg = Segment.create(schema, slots, max_writers, keep=keeping(keep_on_crash))
     try:
         return Reader(seg, raise_writer_errors=raise_writer_errors)
     except BaseException:

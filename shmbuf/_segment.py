@@ -197,12 +197,14 @@ class Segment:
     # -- lifecycle ----------------------------------------------------------
 
     @classmethod
-    def create(cls, schema: Schema, n_slots: int, n_lanes: int, name: str | None = None) -> Segment:
+    def create(cls, schema: Schema, n_slots: int, n_lanes: int, name: str | None = None, *, keep: bool = False) -> Segment:
+        """A new segment; ``keep``: left in /dev/shm if this process dies without unlinking it (``keep_on_crash``)."""
         n_slots = int_setting("shmbuf.create(slots=...)", n_slots, 1, MAX_SLOTS)
         n_lanes = int_setting("shmbuf.create(max_writers=...)", n_lanes, 1, MAX_LANES)
         name = new_name() if name is None else check_name(name)
         p = plan(schema, n_slots, n_lanes)
-        fd, mm = create_object(name, p.total, f"{n_slots} slots x {fmt_bytes(p.total / n_slots)} per slot", populate=True)
+        fd, mm = create_object(name, p.total, f"{n_slots} slots x {fmt_bytes(p.total / n_slots)} per slot", populate=True,
+                               keep=keep)
         me = this_process()
         packed = schema.to_msgpack()
         header = _HEADER.pack(MAGIC, LAYOUT_VERSION, HEADER_BYTES, p.total, me.pid, me.start, time.time_ns(), n_slots,

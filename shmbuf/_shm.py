@@ -18,6 +18,7 @@ import numpy as np
 import posix_ipc
 
 from shmbuf._errors import NoSpace, SegmentError
+from shmbuf._janitor import forget, watch
 from shmbuf._names import SHM_DIR, check_name, shm_path, what
 from shmbuf._proc import PID_MAX, Owner, pid_namespace, valid_pid
 from shmbuf._schema import Leaf, _align
@@ -32,13 +33,16 @@ _PIDNS = struct.Struct("<Q")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def create_object(name: str, size: int, detail: str, *, populate: bool = False) -> tuple[int, mmap.mmap]:
+def create_object(name: str, size: int, detail: str, *, populate: bool = False,
+                  keep: bool = False) -> tuple[int, mmap.mmap]:
     """Create a shmbuf object: O_CREAT|O_EXCL, mode 0600, ``size`` bytes reserved, mapped read-write.
 
     Returns ``(fd, mapping)``, both the caller's. Space is reserved (posix_fallocate), so a
     /dev/shm too small fails here with NoSpace (the sizes and the fix, ``detail`` saying what
     the bytes are for), never with a SIGBUS later. Whatever fails, the name is unlinked first.
-    ``populate`` faults every page in now (MAP_POPULATE).
+    ``populate`` faults every page in now (MAP_POPULATE). Before anything else the name is given
+    to this process's watcher (:mod:`shmbuf._janitor`), which removes it and the semaphores named
+    after it if the process dies without unlinking it; not with ``keep`` (``keep_on_crash``).
     """
     check_name(name, "any")
     free = _shm_dir_free()
@@ -52,6 +56,7 @@ def create_object(name: str, size: int, detail: str, *, populate: bool = False) 
     except OSError as exc:
         raise SegmentError(f"cannot create {path}: {exc.strerror or exc}") from None
     try:
+        watch(name[1:], os.fstat(fd), keep=keep)  # first: from here on, the owner's death removes it
         os.fchmod(fd, 0o600)  # whatever the umask
         try:
             os.posix_fallocate(fd, 0, size)
@@ -64,6 +69,7 @@ def create_object(name: str, size: int, detail: str, *, populate: bool = False) 
     except BaseException:
         os.close(fd)
         os.unlink(path)  # ours: we made it (O_EXCL), and the sticky bit keeps others from replacing it
+        forget(name[1:])
         raise
     return fd, mm
 
@@ -175,12 +181,13 @@ def unlink_object(name: str) -> None:
     """Remove the object's name (attached processes keep their mapping; new attaches fail); gone already is fine.
 
     unlink never follows a symbolic link (it removes the link), so this never deletes what a link
-    under a shmbuf name points to.
+    under a shmbuf name points to. This process's watcher is told (after the unlink: never before).
     """
     try:
         posix_ipc.unlink_shared_memory(name)
     except posix_ipc.ExistentialError:
         pass
+    forget(name[1:])
 
 
 def unlink_semaphore(sem: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from shmbuf._closable import Closable
 from shmbuf._fork import track
+from shmbuf._janitor import keeping
 from shmbuf._names import (
     INFERENCE_PREFIX,
     PREFIX,
@@ -52,6 +53,6 @@ __all__ = [  # grouped by concept, as the table in docs/design/segment.md
     "LOCK_BASE", "BUSY", "lock", "held", "packed", "apply", "ProcessWatch", "Owner", "this_process", "alive",
     # ordering (shmbuf._ring; docs/design/memory-ordering.md)
     "Fence", "fence", "store_load_fence",
-    # lifetime (shmbuf._closable, shmbuf._fork)
-    "Closable", "track",
+    # lifetime (shmbuf._closable, shmbuf._fork, shmbuf._janitor)
+    "Closable", "track", "keeping",
 ]

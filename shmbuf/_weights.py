@@ -32,6 +32,7 @@ from shmbuf._substrate import (
     check_head,
     create_object,
     fmt_bytes,
+    keeping,
     map_object,
     new_name,
     pinned,
@@ -101,6 +102,8 @@ class WeightPublisher(Closable):
             dict of ``param.detach().numpy()``); every publish must match it.
         buffers: copies kept; a subscriber restarts a read only when lapped
             this many publishes during one copy (2 or 3 is plenty).
+        keep_on_crash: if this process dies without closing, leave the object
+            for ``shmbuf ls`` (its watcher removes it within 1 s otherwise).
 
     ``publish`` never waits for subscribers. ``close()`` unlinks the object
     (subscribers keep their mapping and simply see no newer version). The
@@ -109,7 +112,7 @@ class WeightPublisher(Closable):
 
     _kind = "weight broadcast"
 
-    def __init__(self, example: Any, *, buffers: int = 3):
+    def __init__(self, example: Any, *, buffers: int = 3, keep_on_crash: bool = False):
         buffers = int_setting("WeightPublisher(buffers=...)", buffers, 1, MAX_BUFFERS)
         self.schema = _schema_of(example)
         self._lay = lay = _WeightsLayout(self.schema, buffers)
@@ -117,7 +120,8 @@ class WeightPublisher(Closable):
         self.name = new_name(WEIGHTS_PREFIX)
         self._pid = os.getpid()
         self._closed = False
-        fd, self._mm = create_object(self.name, lay.total, f"{buffers} buffers of {fmt_bytes(lay.buffer_bytes)}")
+        fd, self._mm = create_object(self.name, lay.total, f"{buffers} buffers of {fmt_bytes(lay.buffer_bytes)}",
+                                     keep=keeping(keep_on_crash))
         os.close(fd)  # the mapping is all the publisher needs
         self._w = memoryview(self._mm).cast("q")
         # Closed and unlinked at close(), collection or exit, in this process only (a forked child's copy never).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import secrets
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,10 @@ import shmbuf
 
 SHM_DIR = "/dev/shm"
 T = 16
+# Every process this run starts inherits this mark in its environment (a spawned child that imports this module keeps
+# its parent's), watchers included: so the end check finds this run's watchers, not another run's on the machine.
+RUN_MARK = "SHMBUF_TEST_RUN"
+os.environ.setdefault(RUN_MARK, secrets.token_hex(8))
 
 
 def shm_objects() -> set[str]:
@@ -51,6 +56,35 @@ def child_pids() -> list[int]:
             if ppid == me and b"resource_tracker" not in cmd and b"forkserver" not in cmd]
 
 
+def watchers() -> list[tuple[int, int]]:
+    """``(watcher pid, owner pid)`` of every live shmbuf watcher (shmbuf/_janitor.py) that this run started.
+
+    A watcher is nobody's child (its middle process exits at once), so :func:`child_pids` never counts one.
+    """
+    mark = f"{RUN_MARK}={os.environ[RUN_MARK]}".encode()
+    out = []
+    for pid, _, _, cmd in live_processes():
+        argv = cmd.split()
+        script = [i for i, a in enumerate(argv) if a.endswith(b"shmbuf/_janitor.py")]
+        if not script or len(argv) <= script[0] + 1:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+        except OSError:
+            continue
+        out.append((pid, int(argv[script[0] + 1])))
+    return out
+
+
+def orphaned_watchers() -> list[tuple[int, int]]:
+    """This run's watchers whose owner is gone: each should exit within a second of its owner (docs/reliability.md)."""
+    from shmbuf._proc import alive
+
+    return [(pid, owner) for pid, owner in watchers() if not alive(owner, 0)]
+
+
 def leaked_since(before: set[str]) -> list[Any]:
     """New shmbuf objects that are this process's, or whose owner is dead (so: left by this suite's children).
 
@@ -70,18 +104,22 @@ def leaked_since(before: set[str]) -> list[Any]:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leaks_at_end() -> Iterator[None]:
-    """Fails the suite if any shmbuf object of its own or child process outlives it (and removes them, for the next run)."""
+    """Fails the suite if any shmbuf object of its own or child process outlives it, or a watcher its owner (and removes
+    or kills them, for the next run)."""
     from shmbuf import _admin
+    from shmbuf._janitor import KEEP_ENV
 
+    os.environ.pop(KEEP_ENV, None)  # a developer's SHMBUF_KEEP_ON_CRASH=1 would keep what the tests check is removed
     before = shm_objects()
     yield
     deadline = time.monotonic() + 5.0
-    while (child_pids() or leaked_since(before)) and time.monotonic() < deadline:
+    while (child_pids() or leaked_since(before) or orphaned_watchers()) and time.monotonic() < deadline:
         for p in mp.active_children():  # reaps the finished ones
             p.join(0)
         time.sleep(0.05)
     kids = child_pids()
-    for pid in kids:
+    stray = orphaned_watchers()
+    for pid in kids + [w for w, _ in stray]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -98,6 +136,8 @@ def no_leaks_at_end() -> Iterator[None]:
         problems.append(f"left in {SHM_DIR}: {leaked}")
     if kids:
         problems.append(f"child processes survived the suite: {kids}")
+    if stray:
+        problems.append(f"watchers outlived their owners by 5 s (watcher pid, owner pid): {stray}")
     assert not problems, "; ".join(problems)
 
 

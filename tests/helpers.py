@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -98,6 +99,34 @@ def in_session(sid: int) -> list[tuple[int, str]]:
             except OSError:
                 continue
             out.append((int(entry), cmd[:200]))
+    return out
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie nobody reaped counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2 :].split()[0] in (b"Z", b"X")
+
+
+def descendants(pid: int) -> set[int]:
+    kids: dict[int, list[int]] = defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            kids[int(stat[stat.rfind(b")") + 2 :].split()[1])].append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.add(k)
+            todo.append(k)
     return out
 
 

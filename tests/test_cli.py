@@ -20,7 +20,8 @@ from tests.test_faults import CTX
 
 
 def _owner(conn: Any) -> None:
-    reader = shmbuf.create(small_example(), slots=2, max_writers=2)
+    """A pipeline's owner, to be SIGKILLed: keep_on_crash, so that its watcher leaves what `shmbuf clean` is tested on."""
+    reader = shmbuf.create(small_example(), slots=2, max_writers=2, keep_on_crash=True)
     conn.send_bytes(msgpack.packb(reader.name))
     import time
 
@@ -244,7 +245,7 @@ def test_ls_shows_a_replay_buffer_and_clean_removes_a_dead_owners(capsys) -> Non
     rx, tx = CTX.Pipe(duplex=False)
 
     def owner() -> None:
-        b = ReplayBuffer.create({"x": np.zeros(3, np.float32)}, 8)
+        b = ReplayBuffer.create({"x": np.zeros(3, np.float32)}, 8, keep_on_crash=True)  # kept for clean, not its watcher
         tx.send_bytes(b.name.encode())
         signal.pause()
 

@@ -267,7 +267,8 @@ def test_a_stopped_writer_blocks_no_one(make_reader: Any, started: list) -> None
 
 
 def _reader_process(conn: Any) -> None:
-    reader = shmbuf.create(fault_example(), slots=2, max_writers=2)
+    # keep_on_crash: what the SIGKILLed reader leaves stays for the test's `shmbuf clean` (else its watcher removes it)
+    reader = shmbuf.create(fault_example(), slots=2, max_writers=2, keep_on_crash=True)
     conn.send_bytes(msgpack.packb(reader.name))
     time.sleep(60)  # killed long before
 

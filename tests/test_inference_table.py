@@ -239,7 +239,8 @@ def test_close_wakes_a_waiting_client_with_pipeline_closed() -> None:
 
 OWNER = """
 import sys, time, numpy as np, shmbuf
-t = shmbuf.lowlevel.InferenceTable({"x": np.zeros((1,), np.float32)}, {"a": np.zeros((1,), np.int64)}, 1)
+t = shmbuf.lowlevel.InferenceTable({"x": np.zeros((1,), np.float32)}, {"a": np.zeros((1,), np.int64)}, 1,
+                                   keep_on_crash=True)  # what the SIGKILL leaves is this test's `shmbuf clean`'s
 print(t.name, flush=True)
 time.sleep(60)
 """

@@ -38,6 +38,7 @@ import pytest
 import shmbuf
 from shmbuf import _admin
 from tests.conftest import child_pids, shm_objects, wait_until
+from tests.helpers import descendants, gone
 from workers import ActorError, AsyncBatchedCollector
 
 pytestmark = pytest.mark.timeout(120)
@@ -242,16 +243,6 @@ def nothing_left() -> Iterator[None]:
         time.sleep(0.05)
     assert not child_pids(), f"child processes outlived the test: {child_pids()}"
     assert not my_objects(before), f"shared memory objects outlived the test: {my_objects(before)}"
-
-
-def gone(pid: int) -> bool:
-    """The process has exited (a zombie nobody reaped counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return True
-    return stat[stat.rfind(b")") + 2 :].split()[0] in (b"Z", b"X")
 
 
 def names_of(c: AsyncBatchedCollector) -> list[str]:
@@ -539,24 +530,6 @@ def _learner_main(conn: Any) -> None:
             next(it)
 
 
-def descendants(pid: int) -> set[int]:
-    kids: dict[int, list[int]] = defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            kids[int(stat[stat.rfind(b")") + 2 :].split()[1])].append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.add(k)
-            todo.append(k)
-    return out
-
-
 def test_when_the_learner_is_killed_every_env_worker_exits_within_2s() -> None:
     ctx = mp.get_context("spawn")
     rx, tx = ctx.Pipe(duplex=False)
@@ -587,7 +560,7 @@ def test_when_the_learner_is_killed_every_env_worker_exits_within_2s() -> None:
         for p in family:
             if not gone(p):
                 os.kill(p, signal.SIGKILL)
-        for f in _admin.scan():  # the dead learner's table and pipeline: left for `shmbuf clean`, removed here
+        for f in _admin.scan():  # the dead learner's table and pipeline (its watcher removes them): anything left goes
             if f.name in names and f.removable:
                 _admin.remove(f)
     assert no_objects_named(names)

@@ -176,7 +176,7 @@ def test_no_orphans_after_the_learner_is_killed(method):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            unlink_all(info["pipeline"], 2)  # what a killed learner leaves: `shmbuf clean` removes it too
+            unlink_all(info["pipeline"], 2)  # its watcher removes what a killed learner left; whatever is left goes here
 
 
 def test_run_actor_error_also_reaches_a_bare_reader_as_writer_error(pools):

@@ -296,6 +296,9 @@ class Collector(TorchRLNames):
             learner gave (RayCollector restarts its node owners so). The weights the collector
             would have published as version 0 are kept in ``awaited_weights``. Without a broadcast
             it changes nothing.
+        keep_on_crash: if this process dies without closing the collector, leave its shared memory
+            (pipeline, weight broadcast, inference table) for ``shmbuf ls``; by default this process's
+            watcher removes it within a second of its death (docs/reliability.md).
 
     TorchRL's ``Collector`` methods (``update_policy_weights_``, ``set_seed``, ``shutdown``, ``state_dict``, ...)
     are translations to these, from :class:`workers._torchrl_names.TorchRLNames` (docs/from-torchrl.md).
@@ -328,7 +331,8 @@ class Collector(TorchRLNames):
                  horizon: int | None = None, soft_horizon: bool = False, no_done_at_end: bool = False,
                  reset_at_each_iter: bool = False, postproc: Callable[[CollectedBatch], Any] | None = None,
                  create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
-                 await_weights: bool = False, postprocess: Any = None, _placement: Placement | None = None):
+                 await_weights: bool = False, postprocess: Any = None, keep_on_crash: bool = False,
+                 _placement: Placement | None = None):
         # _placement: where the policy runs (internal for now; AsyncBatchedCollector passes a ServedPolicy)
         self._placement = placement = _placement if _placement is not None else LocalPolicy(
             policy, policy_factory, weights=weights, await_weights=await_weights, torch_threads=torch_threads)
@@ -346,6 +350,7 @@ class Collector(TorchRLNames):
         self.copy = copy
         self.stop_timeout = stop_timeout
         self.ready_timeout = ready_timeout
+        self.keep_on_crash = keep_on_crash
         self.postproc = postproc
         self.frames = 0
         self.batches = 0
@@ -386,8 +391,10 @@ class Collector(TorchRLNames):
                max_restarts: int, progress: bool) -> None:
         """Create the pipeline and what the placement needs, start the actors, open the progress bar."""
         plan, placement = self.plan, self._placement
-        self.reader = shmbuf.create(example, plan.slots, max_writers=plan.writers, raise_writer_errors=False)
-        spec = ActorSpec(pipeline=self.reader.name, **actor, **placement.start(probed, plan.num_actors))
+        self.reader = shmbuf.create(example, plan.slots, max_writers=plan.writers, raise_writer_errors=False,
+                                    keep_on_crash=self.keep_on_crash)
+        spec = ActorSpec(pipeline=self.reader.name, **actor,
+                         **placement.start(probed, plan.num_actors, keep_on_crash=self.keep_on_crash))
         self.pool = placement.make_pool(spec, plan.num_actors, start_method=self.start_method, restart=restart,
                                         max_restarts=max_restarts)
         self.pool.start()

@@ -105,7 +105,7 @@ class AsyncBatchedCollector(Collector):
             Gymnasium envs: :class:`workers.Collector`'s ``seed`` (default 0); ``static_seed`` is for TorchRL envs.
         **kwargs: :class:`workers.Collector`'s other settings (``rollout_len``, ``restart``,
             ``max_restarts``, ``progress``, ``seed``, ``timeout``, ``stop_timeout``,
-            ``start_method``, ``copy``, ``slots``, ``horizon``, ...).
+            ``start_method``, ``copy``, ``slots``, ``horizon``, ``keep_on_crash``, ...).
 
     Batches are :class:`workers.CollectedBatch`; each rollout's step leaf
     ``policy_version`` holds, per transition, the server's weights version that
@@ -295,7 +295,8 @@ class AsyncBatchedCollector(Collector):
             from shmbuf.storage import ReplayBuffer
 
             rows = self._torchrl_module().numpy_tree(td)
-            self.replay_buffer = rb = ReplayBuffer.create(optree.tree_map(lambda a: a[0], rows), rb)
+            self.replay_buffer = rb = ReplayBuffer.create(optree.tree_map(lambda a: a[0], rows), rb,
+                                                          keep_on_crash=self.keep_on_crash)
             self._owned_replay = rb
         if hasattr(rb, "extend"):  # TorchRL's ReplayBuffer (and anything with its extend)
             rb.extend(td)

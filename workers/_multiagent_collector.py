@@ -129,7 +129,7 @@ class MultiAgentCollector:
             version from :meth:`update_policy_weights` (what each would have published as version 0 is kept in
             ``awaited_weights``), as ``Collector(await_weights=True)``; what a restarted ``RayCollector`` node does.
         num_actors, slots, start_method, restart, max_restarts, copy, seed, torch_threads, timeout,
-        stop_timeout, ready_timeout, total_frames: as :class:`workers.Collector`'s.
+        stop_timeout, ready_timeout, total_frames, keep_on_crash: as :class:`workers.Collector`'s.
     """
 
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]],
@@ -144,7 +144,7 @@ class MultiAgentCollector:
                  min_batch_size: int = 1, server_timeout: float = 0.01, device: Any = None,
                  server_threads: int | None = 1, view_requirements: dict[Any, Any] | None = None,
                  align: bool = False, await_weights: bool = False, postprocess: Any = None,
-                 remap_each_episode: bool = False, policies_to_train: Any = None):
+                 remap_each_episode: bool = False, policies_to_train: Any = None, keep_on_crash: bool = False):
         self._closed = False
         self.awaited_weights: dict[Any, Any] = {}  # await_weights: each broadcast policy's version 0, not yet published
         self.served: dict[Any, Any] = {}  # serve=True: each policy's ServedPolicy (its server and table)
@@ -261,7 +261,8 @@ class MultiAgentCollector:
                 if pid not in self.trained:  # its actors write into a scratch slot of their own (see run_multiagent_actor)
                     continue
                 n = slots if slots is not None else 2 * writers_of[pid] + 4  # complete: two episodes per writer
-                self.readers[pid] = shmbuf.create(ex, n, max_writers=writers_of[pid], raise_writer_errors=False)
+                self.readers[pid] = shmbuf.create(ex, n, max_writers=writers_of[pid], raise_writer_errors=False,
+                                                  keep_on_crash=keep_on_crash)
             inference = {}
             for pid, sp in self.served.items():  # a table (requests of every row of every actor) and a server
                 ex = examples[pid]["step"]
@@ -271,13 +272,13 @@ class MultiAgentCollector:
                           "extras": {k: v[(0,) * lead] for k, v in ex.items()
                                      if k not in ("obs", "action", "reward", "terminated", "truncated", VALID,
                                                   VERSION_KEY) and k not in (post[pid].columns if pid in post else ())}}
-                inference[pid] = sp.start(probed, n_actors)["inference"]
+                inference[pid] = sp.start(probed, n_actors, keep_on_crash=keep_on_crash)["inference"]
             for pid, policy in ({} if serve else self.policies).items():  # served policies take no broadcast
                 w = (weights or {}).get(pid)
                 if w is None and hasattr(policy, "state_dict"):
                     w = weights_of(policy, None)
                 if w is not None:
-                    self.publishers[pid] = shmbuf.WeightPublisher(w)
+                    self.publishers[pid] = shmbuf.WeightPublisher(w, keep_on_crash=keep_on_crash)
                     if await_weights:
                         self.awaited_weights[pid] = w
                     else:

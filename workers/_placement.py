@@ -38,8 +38,9 @@ class Placement(Protocol):
     def extras(self, probed: dict[str, Any]) -> dict[str, Any]:
         """The extra step leaves of a rollout, from :func:`workers.probe`'s result."""
 
-    def start(self, probed: dict[str, Any], num_actors: int) -> dict[str, Any]:
-        """Create what the actors connect to (the pipeline exists); return the ActorSpec fields this decides."""
+    def start(self, probed: dict[str, Any], num_actors: int, *, keep_on_crash: bool = False) -> dict[str, Any]:
+        """Create what the actors connect to (the pipeline exists; ``keep_on_crash`` as the collector's); return
+        the ActorSpec fields this decides."""
 
     def make_pool(self, spec: ActorSpec, num_actors: int, *, start_method: str, restart: bool,
                   max_restarts: int) -> Any:
@@ -107,12 +108,12 @@ class LocalPolicy:
     def extras(self, probed: dict[str, Any]) -> dict[str, Any]:
         return probed["extras"]
 
-    def start(self, probed: dict[str, Any], num_actors: int) -> dict[str, Any]:
+    def start(self, probed: dict[str, Any], num_actors: int, *, keep_on_crash: bool = False) -> dict[str, Any]:
         weights = self.weights
         if weights is None and hasattr(self._probed, "state_dict"):
             weights = numpy_state(self._probed)
         if weights is not None:
-            self.publisher = shmbuf.WeightPublisher(weights)
+            self.publisher = shmbuf.WeightPublisher(weights, keep_on_crash=keep_on_crash)
             if self.await_weights:
                 self.awaited_weights = weights
             else:
@@ -191,13 +192,13 @@ class ServedPolicy:
                                     "itself (the weights version of each action); rename it")
         return {**probed["extras"], VERSION_KEY: np.zeros((), np.int64)}
 
-    def start(self, probed: dict[str, Any], num_actors: int) -> dict[str, Any]:
+    def start(self, probed: dict[str, Any], num_actors: int, *, keep_on_crash: bool = False) -> dict[str, Any]:
         E = probed["num_envs"]
         request = zeros_with_lead(probed[OBS], E)
         response = {ACTION: zeros_with_lead(probed[ACTION], E)}
         if probed["extras"]:
             response["extras"] = {k: zeros_with_lead(v, E) for k, v in probed["extras"].items()}
-        self.table = shmbuf.lowlevel.InferenceTable(request, response, num_actors)
+        self.table = shmbuf.lowlevel.InferenceTable(request, response, num_actors, keep_on_crash=keep_on_crash)
         self.server = InferenceServer(self.table, self.policy, num_envs=E, max_batch_size=self.max_batch_size,
                                       min_batch_size=self.min_batch_size, server_timeout=self.server_timeout,
                                       device=self.device, torch_threads=self.server_threads)

@@ -435,6 +435,7 @@ class RolloutBuffer:
         timeout: how long :meth:`get` waits for a rollout unless it is given its own ``timeout``. 0
             (the default): a :meth:`get` with nothing stored raises at once, as embodichain's does.
             Seconds, or None (for ever), to wait for actors in other processes.
+        keep_on_crash: as ``shmbuf.create``'s (leave the shared memory for ``shmbuf ls`` if this process dies).
 
     In one process it is both sides: ``start_rollout()``, write, ``add()``, then ``get()``. Actors
     in other processes use ``RolloutBuffer.writer(buffer.handle)``. Pickling the buffer (e.g. as a
@@ -445,7 +446,7 @@ class RolloutBuffer:
     def __init__(self, num_envs: int, rollout_len: int, obs_dim: Any, action_dim: Any, device: Any = None,
                  use_raw_obs: bool = False, action_chunk_size: int = 0, *,
                  fields: Mapping[str, Any] | None = None, slots: int = 2, dtype: Any = np.float32,
-                 max_writers: int = 16, timeout: float | None = 0.0):
+                 max_writers: int = 16, timeout: float | None = 0.0, keep_on_crash: bool = False):
         timeout = timeout_setting("RolloutBuffer(timeout=...)", timeout)
         self.device = None if device is None else torch_device(device, "RolloutBuffer(device=...)")
         if self.device is not None:
@@ -466,7 +467,7 @@ class RolloutBuffer:
         self.num_envs, self.rollout_len = self.layout.num_envs, self.layout.rollout_len
         self.obs_dim, self.action_dim = obs_dim, action_dim
         self.timeout = timeout
-        self._reader = shmbuf.create(self.layout.example(), slots, max_writers=max_writers)
+        self._reader = shmbuf.create(self.layout.example(), slots, max_writers=max_writers, keep_on_crash=keep_on_crash)
         self.slots = self._reader.slots
         self._local: RolloutBufferWriter | None = None
         self._held: shmbuf.Rollout | None = None

@@ -30,6 +30,7 @@ from shmbuf._substrate import (
     create_object,
     fence,
     fmt_bytes,
+    keeping,
     map_object,
     new_name,
     open_object,
@@ -136,7 +137,7 @@ class ReplayBuffer(Closable):
 
     @classmethod
     def create(cls, example_row: Any, buffer_size: int, *, max_writers: int = 64, timeout: float | None = 10.0,
-               seed: int | None = None) -> ReplayBuffer:
+               seed: int | None = None, keep_on_crash: bool = False) -> ReplayBuffer:
         """Make a new buffer of ``buffer_size`` rows shaped like ``example_row`` (one row: a pytree of numpy arrays).
 
         ``max_writers``: how many instances may insert at once (each takes a writer slot at its
@@ -150,8 +151,9 @@ class ReplayBuffer(Closable):
 
         The creator's ``close()`` (or a ``with`` block's end) unlinks the name, and so does the
         collection of a creator never closed, or the creator's exit: only in the creating process
-        (a ``fork``-ed child's copy never unlinks). A creator killed outright leaves the object for
-        ``shmbuf clean``.
+        (a ``fork``-ed child's copy never unlinks). A creator killed outright (SIGKILL included) has
+        it removed by its watcher within a second, unless ``keep_on_crash``: then it stays for
+        ``shmbuf ls`` and ``shmbuf clean`` (docs/reliability.md).
         """
         buffer_size = int_setting("ReplayBuffer: buffer_size", buffer_size, 1, layout.MAX_ROWS)
         max_writers = int_setting("ReplayBuffer: max_writers", max_writers, 1, layout.MAX_WRITERS)
@@ -160,7 +162,7 @@ class ReplayBuffer(Closable):
         lay = layout.ReplayLayout.of(schema, buffer_size, max_writers)
         name = new_name()
         fd, mm = create_object(name, lay.total, f"a replay buffer of {buffer_size} rows x {fmt_bytes(lay.row_bytes)}",
-                               populate=True)
+                               populate=True, keep=keeping(keep_on_crash))
         try:
             me = this_process()
             write_header(mm, lay.pack(schema, me))
