@@ -1,7 +1,8 @@
 """Multi-agent batches across slot timeouts: a wait for one policy's rollouts that runs out loses none of the batch
 already taken for another. MultiAgentCollector keeps each policy's batch on the collector until the whole batch is
 built and resumes from it at its next call; a Ray node's collecting side (a node owner, or the learner's own node)
-takes its collector up again after every wait of OWNER_SLICE, so it relies on exactly that.
+takes its collector up again after every wait of OWNER_SLICE, so it relies on exactly that. Aligned batches keep
+copies of the rounds taken, and complete-episodes batches the episodes taken, the same way.
 
 One actor, two policies (red before blue, in the collector's order), two rounds a batch. Blue's writer is held at
 its second commit until the test opens a gate: red's rounds 0 and 1 and blue's round 0 are committed, blue's round 1
@@ -96,20 +97,23 @@ def check_exactly_once(got: dict[Any, list[dict[str, Any]]], rows: Any) -> None:
     assert_same_streams(got_streams, want)
 
 
-def test_a_slot_timeout_waiting_for_one_policy_loses_none_of_the_batch_taken_for_another(monkeypatch, tmp_path):
+@pytest.mark.parametrize(("align", "says"), [(False, "no batch of policy 'blue'"), (True, "no 2 whole rounds")])
+def test_a_slot_timeout_waiting_for_one_policy_loses_none_of_the_batch_taken_for_another(monkeypatch, tmp_path, align,
+                                                                                         says):
     """The first call takes red's rounds 0 and 1, and its wait for blue's runs out (SlotTimeout); the next call's
     batch holds those same red rounds beside blue's, and every rollout of both policies is delivered once. Each
-    call is a new iterator, as a Ray node's is; a later wait that runs out under load is taken up again too."""
+    call is a new iterator, as a Ray node's is; a later wait that runs out under load is taken up again too.
+    ``align=True`` keeps copies of the rounds taken so far, by round: the same promise."""
     from workers import MultiAgentCollector
 
     at_gate, gate = hold_blues_second_commit(monkeypatch, tmp_path)
     got: dict[Any, list[dict[str, Any]]] = {}
     try:
         with MultiAgentCollector(partial(JoinLeaveEnv, 0), POLICIES, policy_mapping_fn=mapping, frames_per_batch=2 * T,
-                                 rollout_len=T, num_actors=1, timeout=0.3, start_method="fork") as c:
+                                 rollout_len=T, num_actors=1, timeout=0.3, align=align, start_method="fork") as c:
             assert c.rounds_per_batch == 2 and list(c.readers) == ["red", "blue"]
             reach_the_gate(c, at_gate)
-            with pytest.raises(shmbuf.SlotTimeout, match="no batch of policy 'blue'"):
+            with pytest.raises(shmbuf.SlotTimeout, match=says):
                 next(iter(c))
             gate.touch()
             timeouts = 0
@@ -172,3 +176,41 @@ def test_a_ray_nodes_collector_taken_up_again_after_slot_timeouts_loses_no_polic
         gate.touch()
         owner.collector.shutdown(5.0)
         _end_janitor(owner.janitor_pid)
+
+
+def test_complete_episodes_taken_before_a_slot_timeout_come_in_the_next_batch(monkeypatch, tmp_path):
+    """Complete episodes (one writer per row): the episodes committed before blue's second one are taken, the wait
+    for more runs out short of frames_per_batch, and the next call's batch holds them; every agent episode of every
+    row's lane is delivered once, from its first on, in order."""
+    from workers import MultiAgentCollector
+
+    at_gate, gate = hold_blues_second_commit(monkeypatch, tmp_path)
+    keys: dict[Any, list[tuple[int, int, int]]] = {"red": [], "blue": []}
+    try:
+        with MultiAgentCollector(partial(JoinLeaveEnv, 0), POLICIES, policy_mapping_fn=mapping, frames_per_batch=60,
+                                 rollout_len=12, batch_mode="complete_episodes", count_steps_by="agent_steps",
+                                 num_actors=1, timeout=0.3, start_method="fork") as c:
+            reach_the_gate(c, at_gate)  # by then: blue's first episode (9 steps) and red's of the first 15 steps
+            with pytest.raises(shmbuf.SlotTimeout, match="no agent episode"):
+                next(iter(c))  # fewer than 60 agent steps in what was committed before the hold
+            gate.touch()
+            deadline = time.monotonic() + 60
+            while min(len(ks) for ks in keys.values()) < 4:
+                assert time.monotonic() < deadline, f"{ {p: len(v) for p, v in keys.items()} } episodes in 60 s"
+                try:
+                    b = next(iter(c))
+                except shmbuf.SlotTimeout:
+                    continue
+                if not keys["blue"]:
+                    assert 0 in b["blue"].seq.tolist()  # blue's first episode, taken before the timeout
+                for pid, x in b.items():
+                    keys[pid] += zip(x.lane.tolist(), x.epoch.tolist(), x.seq.tolist())
+    finally:
+        gate.touch()
+    for pid, ks in keys.items():
+        assert len(ks) == len(set(ks)), f"{pid}: an episode delivered twice: {ks}"
+        per_lane: dict[tuple[int, int], list[int]] = {}
+        for lane, epoch, seq in ks:
+            per_lane.setdefault((lane, epoch), []).append(seq)
+        for lane, seqs in per_lane.items():
+            assert sorted(seqs) == list(range(len(seqs))), f"{pid}: episodes of lane {lane} lost: {sorted(seqs)}"
