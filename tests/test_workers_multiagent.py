@@ -3,6 +3,7 @@ shapes, per-agent streams, env and agent step counting."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from functools import partial
@@ -610,38 +611,76 @@ def test_complete_episodes_collection_says_which_setting_it_needs(kw, says):
                             batch_mode="complete_episodes", **kw)
 
 
-def test_served_policies_answer_every_actor_and_stamp_each_action_with_their_version():
-    """serve=True: each policy behind an inference server in this process (never pickled); the stored streams still
-    equal the plain loop's, each action carries the version that chose it, and an update moves only that policy's."""
+class GatedEnv(JoinLeaveEnv):
+    """JoinLeaveEnv whose ``hold_at``-th step (counted over its episodes) waits until the file ``gate`` exists: the
+    test decides when the actor goes on (every wait in a test has a deadline: 60 s, then the actor fails)."""
+
+    def __init__(self, env_id: int, gate: str, hold_at: int):
+        super().__init__(env_id)
+        self.gate, self.hold_at, self.steps = gate, hold_at, 0
+
+    def step(self, actions):
+        self.steps += 1
+        if self.steps == self.hold_at:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.gate):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the test did not open {self.gate} within 60 s")
+                time.sleep(0.005)
+        return super().step(actions)
+
+
+def test_served_policies_answer_every_actor_and_stamp_each_action_with_their_version(tmp_path):
+    """serve=True: each policy behind an inference server in this process (never pickled); every actor's stored
+    streams still equal the plain loop's, each action carries the version that chose it, and an update moves only
+    that policy's.
+
+    Both actors step JoinLeaveEnv(0), so their rows name the same (env, agent): streams are compared actor by actor
+    (lane by lane). Each actor is held at its 9th env step, after its first round (8 steps) is committed, until the
+    first batch is in: that batch is then both actors' round 0, of every policy, whatever the load (a batch of one
+    actor's rounds 0 and 1 is what an unheld run mostly gets; the old check read two actors' rounds 0 as one stream,
+    and failed whenever a batch held both)."""
     from workers import MultiAgentCollector
 
+    gate = str(tmp_path / "gate")
     policies = {"red": Scaled(1), "blue": blue_policy}
-    with MultiAgentCollector([partial(JoinLeaveEnv, 0)] * 2, policies, policy_mapping_fn=mapping, frames_per_batch=16,
-                             serve=True, copy=True, timeout=60, start_method="fork") as c:
-        it = iter(c)
-        first = next(it)
-        for x in first.values():
-            st = x.data["step"]
-            assert st["policy_version"].shape == st["valid"].shape and not st["policy_version"].any()
-            assert np.array_equal(st["action"][~st["valid"]], np.zeros(int((~st["valid"]).sum()), np.int64))
-        stream_env0 = {pid: [{"seq": int(x.seq[i]), "fill": {"step": 8, "episode": int(x.fill["episode"][i])},
-                              "data": optree.tree_map(lambda a, i=i: a[i], x.data)} for i in range(2) if x.seq[i] == 0]
-                       for pid, x in first.items()}
-        assert c.update_policy_weights({"red": {"scale": 2}}) == {"red": 1}
-        assert policies["red"].scale == 2  # copied into the served policy between two forward passes
-        deadline = time.monotonic() + 60
-        while True:
-            assert time.monotonic() < deadline, "no action of red's version 1 in 60 s"
-            b = next(it)
-            st = b["red"].data["step"]
-            newer = st["valid"] & (st["policy_version"] == 1)
-            if newer.any():
-                break
-        assert np.array_equal(st["action"][newer], 2 * red_policy(st["obs"][newer]))
-        assert not b["blue"].data["step"]["policy_version"].any()
-        assert set(c.stats()["servers"]) == {"red", "blue"}
-    got = stored_streams({pid: v for pid, v in stream_env0.items() if v}, c.rows)
-    assert_same_streams(got, plain_streams(1, 8, env_ids=[0]))
+    try:
+        with MultiAgentCollector([partial(GatedEnv, 0, gate, 9)] * 2, policies, policy_mapping_fn=mapping,
+                                 frames_per_batch=16, serve=True, copy=True, timeout=60, start_method="fork") as c:
+            it = iter(c)
+            first = next(it)
+            open(gate, "w").close()  # the actors go on
+            for x in first.values():
+                st = x.data["step"]
+                assert st["policy_version"].shape == st["valid"].shape and not st["policy_version"].any()
+                assert np.array_equal(st["action"][~st["valid"]], np.zeros(int((~st["valid"]).sum()), np.int64))
+                assert sorted(x.lane.tolist()) == [0, 1] and x.seq.tolist() == [0, 0]  # each actor's round 0
+            per_lane = {lane: {pid: [{"seq": 0, "fill": {"step": int(x.fill["step"][i]),
+                                                          "episode": int(x.fill["episode"][i])},
+                                      "data": optree.tree_map(lambda a, i=i: a[i], x.data)}
+                                     for i in range(2) if x.lane[i] == lane] for pid, x in first.items()}
+                        for lane in (0, 1)}
+            assert c.update_policy_weights({"red": {"scale": 2}}) == {"red": 1}
+            assert policies["red"].scale == 2  # copied into the served policy between two forward passes
+            deadline = time.monotonic() + 60
+            while True:
+                assert time.monotonic() < deadline, "no action of red's version 1 in 60 s"
+                b = next(it)
+                st = b["red"].data["step"]
+                newer = st["valid"] & (st["policy_version"] == 1)
+                if newer.any():
+                    break
+            assert np.array_equal(st["action"][newer], 2 * red_policy(st["obs"][newer]))
+            assert not b["blue"].data["step"]["policy_version"].any()
+            assert set(c.stats()["servers"]) == {"red", "blue"}
+    finally:
+        open(gate, "w").close()  # never leave an actor held (close() stops it at its next step)
+    want = plain_streams(1, 8, env_ids=[0])
+    for lane, out in per_lane.items():
+        got = stored_streams(out, c.rows)
+        assert set(got) == set(want), lane
+        assert all(len(got[k]) == len(want[k]) for k in want), lane  # every transition of the round, none invented
+        assert_same_streams(got, want)
 
 
 def test_rllib_mapping_functions_of_every_signature_map_each_agent_once():

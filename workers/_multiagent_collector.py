@@ -168,6 +168,7 @@ class MultiAgentCollector:
         self.align = align
         self._pending: dict[Any, dict[tuple[int, int], Any]] = {}  # align: rollouts taken, by round, per policy
         self._arrival: dict[tuple[int, int], int] = {}  # align: each round's order of first arrival
+        self._taken: dict[Any, Any] = {}  # truncate-episodes: each policy's batch taken so far (see _next)
         if (policies is None) == (policy_factories is None):
             raise shmbuf.UsageError("give exactly one of policies={policy_id: policy} and policy_factories="
                                     "{policy_id: factory}")
@@ -395,11 +396,19 @@ class MultiAgentCollector:
             raise shmbuf.BrokenPipeline("every actor has exited; no more rollouts will come")
 
     def _next(self) -> MultiAgentBatch:
+        """Each policy's batch, kept on the collector once taken until every policy's is: a wait that runs out (as a
+        Ray node's does every OWNER_SLICE) loses none, the next call takes the rest. A kept batch of views holds its
+        slots until its reader's next ``get_batch``, which comes only after the whole batch was handed out."""
+        taken = self._taken
+        for pid in self.readers:
+            if pid not in taken:
+                taken[pid] = self._get(pid)
+        self._check_actors()
+        self._taken = {}
         out = MultiAgentBatch()
         agent_steps = 0
         env_steps = 0
-        for pid in self.readers:
-            b = self._get(pid)
+        for pid, b in taken.items():
             fill = b.fill
             frames = valid_steps(b.data, fill)
             agent_steps += frames
@@ -409,7 +418,6 @@ class MultiAgentCollector:
                                     seq=b.seq, learner_version=self.policy_versions[pid], frames=frames)
             self._lags.extend(out[pid].policy_lag.tolist())
             self._returns.extend(out[pid].episode_returns.tolist())
-        self._check_actors()
         out.env_steps, out.agent_steps = env_steps, agent_steps
         out.frames = env_steps if self.count_steps_by == ENV_STEPS_COUNT else agent_steps
         return out
