@@ -132,7 +132,7 @@ def report(root: Path) -> tuple[list[str], list[str]]:
     for m, t in trees.items():
         for node in ast.walk(t):
             if isinstance(node, ast.ClassDef):
-                classes.append((node.end_lineno - node.lineno + 1, f"{m}.{node.name}"))  # type: ignore[operator]
+                classes.append(((node.end_lineno or node.lineno) - node.lineno + 1, f"{m}.{node.name}"))
     classes.sort(reverse=True)
     out.append("largest classes: " + ", ".join(f"{c} {n}" for n, c in classes[:5]))
     found = circles(graph)
