@@ -12,16 +12,9 @@ from hypothesis import strategies as st
 
 import shmbuf
 from shmbuf.layout import rollout_example
+from shmbuf.storage.compat.rsl_rl import QueueRolloutStorage, RolloutStorage, SarsaRolloutStorage, SarsaTransition
 from shmbuf.storage.gae import compute_gae
-from shmbuf.storage.rollout import (
-    QueueRolloutStorage,
-    RolloutStorage,
-    SarsaRolloutStorage,
-    SarsaTransition,
-    Transition,
-    split_and_pad_trajectories,
-    unpad_trajectories,
-)
+from shmbuf.storage.rollout import Transition, split_and_pad_trajectories, unpad_trajectories
 from tests import _rsl_rl
 
 OBS, ACT = (3,), (2,)
@@ -685,7 +678,7 @@ def test_sarsa_checks_the_last_next_observation_before_writing_the_row() -> None
 
 def test_action_label_rollout_on_numpy_carries_labels_into_every_minibatch() -> None:
     """002's ActionLabelRollout without a device: numpy labels, required, laid out like the actions."""
-    from shmbuf.storage.rollout import ActionLabelMiniBatch, ActionLabelRollout, ActionLabelTransition
+    from shmbuf.storage.compat.rsl_rl import ActionLabelMiniBatch, ActionLabelRollout, ActionLabelTransition
 
     N, T = 2, 3
     s = ActionLabelRollout(N, T, OBS, None, ACT, seed=0)

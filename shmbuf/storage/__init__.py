@@ -9,16 +9,13 @@ See docs/storage.md for how each class maps to the systems it learns from.
 from shmbuf._moved import moved
 from shmbuf.storage._torch import to_torch
 from shmbuf.storage.buffer import Field, RolloutBuffer, iterate_minibatches, transition_view
+from shmbuf.storage.compat.rsl_rl import QueueRolloutStorage, RolloutStorage, SarsaRolloutStorage
 from shmbuf.storage.files import FileTransition, Recorder, RolloutDataset, play
 from shmbuf.storage.gae import compute_gae, normalize_advantages
 from shmbuf.storage.replay import ReplayBuffer
 from shmbuf.storage.rollout import (
     MiniBatch,
-    QueueRolloutStorage,
-    RolloutStorage,
-    SarsaMiniBatch,
-    SarsaRolloutStorage,
-    SarsaTransition,
+    TimeMajorStorage,
     TimeOutObservations,
     Transition,
     split_and_pad_trajectories,
@@ -37,9 +34,8 @@ __all__ = [
     "RolloutBuffer",
     "RolloutDataset",
     "RolloutStorage",
-    "SarsaMiniBatch",
     "SarsaRolloutStorage",
-    "SarsaTransition",
+    "TimeMajorStorage",
     "TimeOutObservations",
     "Transition",
     "ViewRequirement",
@@ -61,6 +57,7 @@ _MOVED = {
     "RolloutSlot": "shmbuf.storage.lowlevel", "get_frame_range": "shmbuf.storage.lowlevel",
     "parse_shift": "shmbuf.storage.lowlevel", "playback_example": "shmbuf.storage.lowlevel",
     "read_metadata": "shmbuf.storage.lowlevel",
+    "SarsaMiniBatch": "shmbuf.storage.compat.rsl_rl", "SarsaTransition": "shmbuf.storage.compat.rsl_rl",
 }
 
 

@@ -137,3 +137,52 @@ def check_keys(required: dict[str, Any], optional: dict[str, Any]) -> None:
             raise UsageError(f"from_rollout({setting}=...): expected the name of a step leaf, a str ('a/b' walks nested "
                              f"dicts){need}, got {key!r:.80}")
 
+
+def read_arrays(rollout_or_batch: Any, *, obs_key: str, critic_obs_key: str | None, action_key: str, reward_key: str,
+                terminated_key: str, truncated_key: str | None, value_key: str, log_prob_key: str, mu_key: str | None,
+                sigma_key: str | None, hidden_states_keys: tuple[str, str] | None) -> tuple[RolloutSource, dict[str, Any]]:
+    """The storage's per-step arrays ``[T, N, ...]`` read from a rollout or batch by the keys ``from_rollout`` was
+    given (checked here), and its source: views where the layout allows (see ``from_rollout``); the flags as bool."""
+    check_keys({"obs_key": obs_key, "action_key": action_key, "reward_key": reward_key,
+                 "terminated_key": terminated_key, "value_key": value_key, "log_prob_key": log_prob_key},
+                {"critic_obs_key": critic_obs_key, "truncated_key": truncated_key, "mu_key": mu_key, "sigma_key": sigma_key})
+    if hidden_states_keys is not None:
+        if not (isinstance(hidden_states_keys, (tuple, list)) and len(hidden_states_keys) == 2):
+            raise UsageError("from_rollout(hidden_states_keys=...): expected (actor key, critic key), "
+                             f"got {hidden_states_keys!r:.80}")
+        check_keys({"hidden_states_keys[0]": hidden_states_keys[0], "hidden_states_keys[1]": hidden_states_keys[1]}, {})
+    src = RolloutSource(rollout_or_batch, reward_key)
+    need_v = f"the critic's value of each step's observation (a policy extra, key {value_key!r})"
+    need_lp = f"the log-probability of each step's action (a policy extra, key {log_prob_key!r})"
+    def steps(field: str, key: str | None, what: str, scalar: bool = False) -> np.ndarray | None:
+        return None if key is None else src.steps(key, what, field, scalar=scalar)
+
+    arrays: dict[str, np.ndarray | None] = {
+        "observations": steps("observations", obs_key, "the observations (obs_key=...)"),
+        "privileged_observations": steps("privileged_observations", critic_obs_key, "critic observations"),
+        "actions": steps("actions", action_key, "the actions (action_key=...)"),
+        "rewards": steps("rewards", reward_key, "the rewards", True),
+        "dones": steps("dones", terminated_key, "terminated flags", True),
+        "time_outs": steps("time_outs", truncated_key, "truncated flags", True),
+        "values": steps("values", value_key, need_v + ": make the policy return (action, {'value': V(obs), ...})", True),
+        "actions_log_prob": steps("actions_log_prob", log_prob_key,
+                                  need_lp + ": make the policy return (action, {'log_prob': ...})", True),
+        "mu": steps("mu", mu_key, "the action means (mu_key=...)"),
+        "sigma": steps("sigma", sigma_key, "the action stds (sigma_key=...)"),
+    }
+    if hidden_states_keys is not None:
+        arrays["hidden_states_actor"] = steps("hidden_states_actor", hidden_states_keys[0], "actor hidden states")
+        arrays["hidden_states_critic"] = steps("hidden_states_critic", hidden_states_keys[1], "critic hidden states")
+    if arrays["time_outs"] is None:  # truncated_key=None: no episode is ever truncated
+        arrays["time_outs"] = np.zeros((src.T, src.N), bool)
+    for k in ("dones", "time_outs"):
+        flags = arrays[k]
+        assert flags is not None  # terminated_key is required (check_keys), time_outs was just filled
+        if flags.dtype.kind not in "biuf":
+            raise SchemaError(f"from_rollout: step leaf for {k} has dtype {flags.dtype}: expected bool or numbers "
+                              "(nonzero meaning true)")
+        if flags.dtype != np.bool_:
+            arrays[k] = flags != 0
+            if k not in src.copied:
+                src.copied.append(k)
+    return src, arrays
