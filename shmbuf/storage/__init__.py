@@ -8,7 +8,8 @@ See docs/storage.md for how each class maps to the systems it learns from.
 
 from shmbuf._moved import moved
 from shmbuf.storage._torch import to_torch
-from shmbuf.storage.buffer import Field, RolloutBuffer, iterate_minibatches, transition_view
+from shmbuf.storage.buffer import Field, SlotBuffer, iterate_minibatches, transition_view
+from shmbuf.storage.compat.embodichain import RolloutBuffer
 from shmbuf.storage.compat.rsl_rl import QueueRolloutStorage, RolloutStorage, SarsaRolloutStorage
 from shmbuf.storage.files import FileTransition, Recorder, RolloutDataset, play
 from shmbuf.storage.gae import compute_gae, normalize_advantages
@@ -35,6 +36,7 @@ __all__ = [
     "RolloutDataset",
     "RolloutStorage",
     "SarsaRolloutStorage",
+    "SlotBuffer",
     "TimeMajorStorage",
     "TimeOutObservations",
     "Transition",

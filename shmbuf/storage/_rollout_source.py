@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from shmbuf import layout as L
 from shmbuf._errors import SchemaError, UsageError
-from shmbuf.layout import END, ENV, FINAL_OBS, OBS, STEP, TERMINATED, TRUNCATED, grid
 from shmbuf.storage._common import leaf_at
 from shmbuf.storage._transition import TimeOutObservations
 
@@ -38,22 +38,22 @@ class RolloutSource:
     def __init__(self, src: Any, reward_key: str):
         data, fill = getattr(src, "data", None), getattr(src, "fill", None)
         self.name = short_repr(src)
-        if not isinstance(data, Mapping) or not isinstance(data.get(STEP), Mapping):
+        if not isinstance(data, Mapping) or not isinstance(data.get(L.STEP), Mapping):
             raise UsageError(f"from_rollout: expected a shmbuf Rollout, Batch or workers CollectedBatch (with .data['step'] "
                              f"and .fill), got {type(src).__name__}")
         if fill is None:
             raise UsageError(f"from_rollout: {self.name} has fill=None: a complete-episodes batch (episodes "
                              "concatenated, not time-major [T, N]); collect with batch_mode='truncate_episodes'")
-        if not isinstance(fill, Mapping) or STEP not in fill:
+        if not isinstance(fill, Mapping) or L.STEP not in fill:
             have = sorted(fill) if isinstance(fill, Mapping) else type(fill).__name__
             raise SchemaError(f"from_rollout: {self.name} has no fill['step'] (the filled count of each rollout; there is "
                               f"{have}): expected a shmbuf Rollout, Batch or workers CollectedBatch")
         try:  # the reward leaf sets T, E (and B)
-            leaf_at(data[STEP], reward_key, "from_rollout")
+            leaf_at(data[L.STEP], reward_key, "from_rollout")
         except KeyError as e:
             raise SchemaError(f"{e.args[0]}. The storage needs the rewards (reward_key={reward_key!r})") from None
         with _from_rollout_errors():
-            self.g = g = grid(data, fill, ref=reward_key)
+            self.g = g = L.grid(data, fill, ref=reward_key)
         self.data, self.step = data, g.step
         self.batched = g.batched
         self.B, self.T = g.B, g.capacity
@@ -112,19 +112,19 @@ class RolloutSource:
         """Episodes that were truncated (not terminated), from the episode table: where and their final obs."""
         g, ep = self.g, self.g.episode
         parts = obs_key.split("/")
-        if not isinstance(ep, Mapping) or any(k not in ep for k in (END, ENV, TRUNCATED, TERMINATED, FINAL_OBS)) \
-                or parts[0] != OBS:
+        if not isinstance(ep, Mapping) or any(k not in ep for k in (L.END, L.ENV, L.TRUNCATED, L.TERMINATED, L.FINAL_OBS)) \
+                or parts[0] != L.OBS:
             return None
-        trunc = g.table(ep[TRUNCATED]) & ~g.table(ep[TERMINATED])
+        trunc = g.table(ep[L.TRUNCATED]) & ~g.table(ep[L.TERMINATED])
         with _from_rollout_errors():
             b, i = g.filled_rows(trunc.shape[1])
         sel = trunc[b, i]
         b, i = b[sel], i[sel]
-        final = ep[FINAL_OBS]
+        final = ep[L.FINAL_OBS]
         for p in parts[1:]:
             final = final[p]
-        env = b * g.E + g.table(ep[ENV])[b, i].astype(np.intp)
-        return TimeOutObservations(g.table(ep[END])[b, i].astype(np.intp), env, g.table(final)[b, i])
+        env = b * g.E + g.table(ep[L.ENV])[b, i].astype(np.intp)
+        return TimeOutObservations(g.table(ep[L.END])[b, i].astype(np.intp), env, g.table(final)[b, i])
 
 
 def check_keys(required: dict[str, Any], optional: dict[str, Any]) -> None:
