@@ -253,3 +253,30 @@ def test_the_episode_table_writes_a_complete_episodes_record_and_names_what_it_l
     table = EpisodeTable(EpisodeTable.example({"a": np.zeros(2)}, 4))
     with pytest.raises(SchemaError, match="final_obs does not have the table's structure"):
         table.write(0, 1.0, 1, True, False, 0, 0, np.zeros(2))
+
+
+def test_an_episode_record_goes_through_writer_add_as_the_general_actor_path_writes_it(make_reader) -> None:
+    """``EpisodeTable.record`` is what ``Writer.add(EPISODE, ...)`` takes, one record per call, read back as written."""
+    import shmbuf
+    from shmbuf.layout import EpisodeTable, rollout_example
+
+    ex = rollout_example({"pos": np.zeros(2, np.float32)}, np.zeros(1, np.float32), rollout_len=3, num_envs=2)
+    reader = make_reader(ex, slots=2, max_writers=1)
+    with shmbuf.Writer(reader.handle, timeout=5) as w:
+        reader.poll()
+        for t in range(3):
+            w.add(STEP, {OBS: {"pos": np.full((2, 2), t, np.float32)}, "action": np.zeros((2, 1), np.float32),
+                         "reward": np.ones(2, np.float32), TERMINATED: np.array([t == 1, False]),
+                         TRUNCATED: np.array([False, t == 2])})
+        w.add(EPISODE, EpisodeTable.record(np.float64(2.0), np.int64(2), np.bool_(True), np.bool_(False), 0, 1,
+                                           {"pos": np.full(2, 7, np.float32)}))
+        w.add(EPISODE, EpisodeTable.record(np.float64(3.0), np.int64(3), np.bool_(False), np.bool_(True), 1, 2,
+                                           {"pos": np.full(2, 8, np.float32)}))
+        w.add(BOOTSTRAP, {OBS: {"pos": np.zeros((2, 2), np.float32)}, ENV_STEPS: np.int64(6)})
+        w.commit(fill={STEP: 3, EPISODE: 2})
+    with reader.get(timeout=5) as r:
+        ep = r.data[EPISODE]
+        assert ep[RETURN][:2].tolist() == [2.0, 3.0] and ep[LENGTH][:2].tolist() == [2, 3]
+        assert ep[ENV][:2].tolist() == [0, 1] and ep[END][:2].tolist() == [1, 2]
+        assert ep[TERMINATED][:2].tolist() == [True, False] and ep[TRUNCATED][:2].tolist() == [False, True]
+        assert ep[FINAL_OBS]["pos"][:2].tolist() == [[7, 7], [8, 8]]

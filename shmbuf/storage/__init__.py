@@ -1,9 +1,11 @@
-"""Learner-side storage on shmbuf: PPO rollout storage with GAE and minibatches, the [num_envs, T+1]
-rollout buffer, and a replay buffer in shared memory.
+"""Learner-side storage on shmbuf: PPO rollout storage with GAE and minibatches (:class:`TimeMajorStorage`), the
+[num_envs, T+1] rollout buffer (:class:`SlotBuffer`), a replay buffer in shared memory, trajectory views, files.
 
-numpy only; torch stays optional (``to_torch`` uses ``torch.from_numpy``: zero-copy on CPU). Nothing
-here imports ``workers``: a Collector batch is read through what it has (``data``, ``fill``).
-See docs/storage.md for how each class maps to the systems it learns from.
+Each framework's names live in one façade module, :mod:`shmbuf.storage.compat.rsl_rl` and
+:mod:`shmbuf.storage.compat.embodichain`, over these engines; the names their users search for (``RolloutStorage``,
+``RolloutBuffer``, ...) are re-exported here. numpy only; torch stays optional (``to_torch`` uses
+``torch.from_numpy``: zero-copy on CPU). Nothing here imports ``workers``: a Collector batch is read through what it
+has (``data``, ``fill``). See docs/storage.md for the rooms and how each class maps to the systems it learns from.
 """
 
 from shmbuf._moved import moved
