@@ -216,7 +216,7 @@ def test_sarsa_storage_takes_002s_next_privileged_observations() -> None:
 def test_action_label_rollout_keeps_labels_through_growth_loop_and_minibatches() -> None:
     """002's TPPO: ``ActionLabelRollout(...)``, ``ActionLabelRollout.Transition()`` with ``action_labels``; labels
     grow, loop and untie with the actions, and every minibatch carries them laid out like the actions."""
-    from shmbuf.storage.rollout import ActionLabelRollout
+    from shmbuf.storage.compat.rsl_rl import ActionLabelRollout
 
     N, T = 3, 4
     storage = ActionLabelRollout(N, T, [3], [None], [2], "cpu", buffer_dilation_ratio=2.0)
@@ -437,8 +437,8 @@ def test_the_page_opens_with_002s_call_sites_and_only_the_import_changed() -> No
     imports = [line for line in first.splitlines() if line.startswith(("import ", "from "))]
     assert imports == ["import torch",
                        "from shmbuf.storage import ReplayBuffer, RolloutStorage  # was: from rsl_rl.storage import ...",
-                       "from shmbuf.storage.rollout import ActionLabelRollout  # was: from rsl_rl.storage.rollout_storage "
-                       "import ..."]
+                       "from shmbuf.storage.compat.rsl_rl import ActionLabelRollout  # was: from "
+                       "rsl_rl.storage.rollout_storage import ..."]
     for call in ("RolloutStorage.Transition()", "add_transitions(transition)", "transition.clear()",
                  "compute_returns(", "mini_batch_generator(", "get_statistics()", "ReplayBuffer(12, 1000, device)",
                  "insert(", "feed_forward_generator("):
@@ -454,8 +454,8 @@ def test_block_runs_as_written_and_prints_what_the_page_says(k: int, tmp_path: A
 
 
 def test_002s_attributes_and_helpers_are_there() -> None:
+    from shmbuf.storage.compat.rsl_rl import QueueRolloutStorage
     from shmbuf.storage.files import FileTransition, RolloutDataset
-    from shmbuf.storage.rollout import QueueRolloutStorage
 
     q = QueueRolloutStorage(2, 4, [3], [None], [2], "cpu", buffer_dilation_ratio=2.0)
     assert (q.obs_shape, q.privileged_obs_shape, q.actions_shape) == ((3,), None, (2,))

@@ -190,3 +190,93 @@ def test_a_fill_count_that_is_no_integer_is_a_usage_error_not_a_numpy_warning(co
     data, fill, _ = simulate(rng, 5, 2, 5, 0.5)
     with pytest.raises(UsageError, match="expected integer counts"):
         grid(data, {**fill, STEP: count})
+
+
+# -- the episode table's one writer -----------------------------------------------------------------------------
+
+
+def test_the_episode_table_example_is_what_rollout_example_lays_out() -> None:
+    """Both batch modes' tables: the leaves, dtypes and shapes every writer and reader relies on."""
+    from shmbuf.layout import EpisodeTable, rollout_example
+
+    obs = {"pos": np.zeros(3, np.float32), "cam": np.zeros((2, 2), np.uint8)}
+    ex = rollout_example(obs, np.zeros(2, np.float32), rollout_len=4, num_envs=3)[EPISODE]
+    assert list(ex) == list(EpisodeTable.FIELDS)
+    want = {RETURN: np.float64, LENGTH: np.int64, TERMINATED: np.bool_, TRUNCATED: np.bool_, ENV: np.int32, END: np.int32}
+    for k, dt in want.items():
+        assert ex[k].dtype == dt and ex[k].shape == (12,), k
+    assert ex[FINAL_OBS]["pos"].shape == (12, 3) and ex[FINAL_OBS]["cam"].dtype == np.uint8
+    one = rollout_example(obs, np.zeros(2, np.float32), rollout_len=4, batch_mode=COMPLETE_EPISODES)[EPISODE]
+    assert list(one) == list(EpisodeTable.RECORD) and all(v.shape == () for v in one.values())
+    assert EpisodeTable.example(np.zeros(1), 1)[RETURN].shape == (2,)  # capacity 1 would make it single-item
+
+
+def test_the_episode_table_writes_records_by_rows_and_as_a_writer_record() -> None:
+    """``write`` stores rows (a slice of several records at once, or one row; a dict observation leaf by leaf), and
+    ``record`` is the same record as the dict ``Writer.add`` takes."""
+    from shmbuf.layout import EpisodeTable, rollout_example
+
+    obs = {"pos": np.zeros(3, np.float32), "id": np.zeros((), np.int64)}
+    ex = rollout_example(obs, np.zeros(2, np.float32), rollout_len=4, num_envs=3)
+    ep = ex[EPISODE]
+    table = EpisodeTable(ep)
+    idx = np.array([0, 2])
+    final = {"pos": np.arange(6, dtype=np.float32).reshape(2, 3), "id": np.array([7, 9])}
+    table.write(slice(1, 3), np.array([1.5, 2.5]), np.array([4, 5]), np.array([True, False]), np.array([False, True]),
+                idx, 3, final)
+    assert ep[RETURN][1:3].tolist() == [1.5, 2.5] and ep[LENGTH][1:3].tolist() == [4, 5]
+    assert ep[TERMINATED][1:3].tolist() == [True, False] and ep[TRUNCATED][1:3].tolist() == [False, True]
+    assert ep[ENV][1:3].tolist() == [0, 2] and ep[END][1:3].tolist() == [3, 3]
+    assert (ep[FINAL_OBS]["pos"][1:3] == final["pos"]).all() and ep[FINAL_OBS]["id"][1:3].tolist() == [7, 9]
+    assert ep[RETURN][0] == 0 and ep[RETURN][3] == 0  # no other row touched
+    table.write(0, 9.0, 1, False, True, 1, 0)  # end given, final_obs left as it was
+    assert ep[RETURN][0] == 9.0 and ep[END][0] == 0 and ep[FINAL_OBS]["id"][0] == 0
+    rec = EpisodeTable.record(np.float64(1.5), np.int64(4), np.bool_(True), np.bool_(False), np.int64(0), 3,
+                              {"pos": final["pos"][0], "id": final["id"][0]})
+    assert set(rec) == set(EpisodeTable.FIELDS) and rec[ENV].dtype == np.int32 and rec[END].dtype == np.int32
+    assert set(EpisodeTable.record(1.0, 2, True, False, 0)) == set(EpisodeTable.RECORD)
+
+
+def test_the_episode_table_writes_a_complete_episodes_record_and_names_what_it_lacks() -> None:
+    from shmbuf.layout import EpisodeTable
+
+    rec = EpisodeTable.example()
+    table = EpisodeTable(rec)
+    table.write(..., 3.5, 7, False, True, 2)
+    assert (rec[RETURN], rec[LENGTH], rec[TERMINATED], rec[TRUNCATED], rec[ENV]) == (3.5, 7, False, True, 2)
+    with pytest.raises(SchemaError, match="has no 'end'"):
+        table.write(..., 1.0, 1, True, False, 0, 5)
+    with pytest.raises(SchemaError, match="has no 'final_obs'"):
+        table.write(..., 1.0, 1, True, False, 0, None, np.zeros(2))
+    with pytest.raises(SchemaError, match=r"missing \['length'\]"):
+        EpisodeTable({k: v for k, v in rec.items() if k != LENGTH})
+    table = EpisodeTable(EpisodeTable.example({"a": np.zeros(2)}, 4))
+    with pytest.raises(SchemaError, match="final_obs does not have the table's structure"):
+        table.write(0, 1.0, 1, True, False, 0, 0, np.zeros(2))
+
+
+def test_an_episode_record_goes_through_writer_add_as_the_general_actor_path_writes_it(make_reader) -> None:
+    """``EpisodeTable.record`` is what ``Writer.add(EPISODE, ...)`` takes, one record per call, read back as written."""
+    import shmbuf
+    from shmbuf.layout import EpisodeTable, rollout_example
+
+    ex = rollout_example({"pos": np.zeros(2, np.float32)}, np.zeros(1, np.float32), rollout_len=3, num_envs=2)
+    reader = make_reader(ex, slots=2, max_writers=1)
+    with shmbuf.Writer(reader.handle, timeout=5) as w:
+        reader.poll()
+        for t in range(3):
+            w.add(STEP, {OBS: {"pos": np.full((2, 2), t, np.float32)}, "action": np.zeros((2, 1), np.float32),
+                         "reward": np.ones(2, np.float32), TERMINATED: np.array([t == 1, False]),
+                         TRUNCATED: np.array([False, t == 2])})
+        w.add(EPISODE, EpisodeTable.record(np.float64(2.0), np.int64(2), np.bool_(True), np.bool_(False), 0, 1,
+                                           {"pos": np.full(2, 7, np.float32)}))
+        w.add(EPISODE, EpisodeTable.record(np.float64(3.0), np.int64(3), np.bool_(False), np.bool_(True), 1, 2,
+                                           {"pos": np.full(2, 8, np.float32)}))
+        w.add(BOOTSTRAP, {OBS: {"pos": np.zeros((2, 2), np.float32)}, ENV_STEPS: np.int64(6)})
+        w.commit(fill={STEP: 3, EPISODE: 2})
+    with reader.get(timeout=5) as r:
+        ep = r.data[EPISODE]
+        assert ep[RETURN][:2].tolist() == [2.0, 3.0] and ep[LENGTH][:2].tolist() == [2, 3]
+        assert ep[ENV][:2].tolist() == [0, 1] and ep[END][:2].tolist() == [1, 2]
+        assert ep[TERMINATED][:2].tolist() == [True, False] and ep[TRUNCATED][:2].tolist() == [False, True]
+        assert ep[FINAL_OBS]["pos"][:2].tolist() == [[7, 7], [8, 8]]

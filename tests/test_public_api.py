@@ -24,14 +24,33 @@ TIERS = {
     "shmbuf.layout": [
         "ACTION", "BATCH_MODES", "BOOTSTRAP", "COMPLETE_EPISODES", "END", "ENV", "ENV_STEPS", "EPISODE", "FINAL_OBS",
         "FLAG_KEYS", "Grid", "LENGTH", "OBS", "RETURN", "REWARD", "STEP", "STEP_KEYS", "TERMINATED", "TRUNCATED",
-        "TRUNCATE_EPISODES", "VALID", "check_batch_mode", "grid", "rollout_example", "successors", "zeros_with_lead",
+        "TRUNCATE_EPISODES", "VALID", "EpisodeTable", "check_batch_mode", "grid", "rollout_example", "successors",
+        "zeros_with_lead",
     ],
+    # The neutral engines (TimeMajorStorage, SlotBuffer) and the seeds' names, re-exported from their façades.
     "shmbuf.storage": [
         "Field", "FileTransition", "MaskedView", "MiniBatch", "QueueRolloutStorage", "Recorder", "ReplayBuffer",
-        "RolloutBuffer", "RolloutDataset", "RolloutStorage", "SarsaMiniBatch", "SarsaRolloutStorage", "SarsaTransition",
+        "RolloutBuffer", "RolloutDataset", "RolloutStorage", "SarsaRolloutStorage", "SlotBuffer", "TimeMajorStorage",
         "TimeOutObservations", "Transition", "ViewRequirement", "build_views", "compute_gae", "iterate_minibatches",
         "normalize_advantages", "play", "split_and_pad_trajectories", "to_torch", "transition_view", "unpad_trajectories",
     ],
+    "shmbuf.storage.rollout": [
+        "ActorCriticHiddenState", "MiniBatch", "TimeMajorStorage", "TimeOutObservations", "Transition",
+        "split_and_pad_trajectories", "unpad_trajectories",
+    ],
+    "shmbuf.storage.buffer": [
+        "BufferEmpty", "BufferFull", "Field", "RolloutBufferWriter", "RolloutSlot", "SlotBuffer", "iterate_minibatches",
+        "to_torch", "transition_view",
+    ],
+    # One façade per framework: its names, defined there or re-exported from the room that holds them.
+    "shmbuf.storage.compat.rsl_rl": [
+        "ActionLabelMiniBatch", "ActionLabelRollout", "ActionLabelTransition", "ActorCriticHiddenState", "FileTransition",
+        "LocalReplayBuffer", "MiniBatch", "QueueRolloutStorage", "ReplayBuffer", "RolloutDataset", "RolloutFileBase",
+        "RolloutStorage", "SarsaMiniBatch", "SarsaRolloutStorage", "SarsaTransition", "TimeOutObservations", "Transition",
+        "convert_pickled_recording", "get_frame_range", "read_pickled_recording", "split_and_pad_trajectories",
+        "unpad_trajectories",
+    ],
+    "shmbuf.storage.compat.embodichain": ["RolloutBuffer", "default_fields", "iterate_minibatches", "transition_view"],
     "shmbuf.storage.lowlevel": [
         "LocalReplayBuffer",
         "ReplayHandle", "ReplayInfo", "RolloutBufferWriter", "RolloutSlot", "get_frame_range", "parse_shift",
@@ -78,7 +97,13 @@ MOVED = {
                        "ReplayInfo": "shmbuf.storage.lowlevel", "RolloutBufferWriter": "shmbuf.storage.lowlevel",
                        "RolloutSlot": "shmbuf.storage.lowlevel", "get_frame_range": "shmbuf.storage.lowlevel",
                        "parse_shift": "shmbuf.storage.lowlevel", "playback_example": "shmbuf.storage.lowlevel",
-                       "read_metadata": "shmbuf.storage.lowlevel"},
+                       "read_metadata": "shmbuf.storage.lowlevel", "SarsaMiniBatch": "shmbuf.storage.compat.rsl_rl",
+                       "SarsaTransition": "shmbuf.storage.compat.rsl_rl"},
+    "shmbuf.storage.rollout": {name: "shmbuf.storage.compat.rsl_rl" for name in (
+        "ActionLabelMiniBatch", "ActionLabelRollout", "ActionLabelTransition", "QueueRolloutStorage", "RolloutStorage",
+        "SarsaMiniBatch", "SarsaRolloutStorage", "SarsaTransition")},
+    "shmbuf.storage.buffer": {"RolloutBuffer": "shmbuf.storage.compat.embodichain",
+                              "default_fields": "shmbuf.storage.compat.embodichain"},
     "workers": {"ActorViews": "workers.lowlevel", "EnvDriver": "workers.lowlevel", "InferenceServer": "workers.lowlevel",
                 "NodeOwner": "workers.lowlevel", "RemotePolicy": "workers.lowlevel", "ThreadActorPool": "workers.lowlevel",
                 "apply_weights": "workers.lowlevel", "default_start_method": "workers.lowlevel",

@@ -1,4 +1,5 @@
-"""shmbuf.storage.buffer: the [num_envs, T+1] RolloutBuffer (embodichain's) on a shmbuf pipeline."""
+"""shmbuf.storage.buffer: the [num_envs, T+1] slot buffer, as embodichain's RolloutBuffer (its façade), on a shmbuf
+pipeline."""
 
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ import shmbuf
 from shmbuf.storage.buffer import (
     BufferEmpty,
     BufferFull,
-    RolloutBuffer,
     RolloutBufferWriter,
     RolloutSlot,
     iterate_minibatches,
     to_torch,
     transition_view,
 )
+from shmbuf.storage.compat.embodichain import RolloutBuffer
 from tests.conftest import small_example
 
 OBS_FIELDS = ("obs", "value")
@@ -509,3 +510,37 @@ def test_to_torch_shares_memory_on_cpu_and_minibatches_can_come_as_tensors() -> 
 
 
 # -------------------------------------------------------------- the docs' example (doc-buffer.md holds the same code)
+
+
+# -- shmbuf's own slot buffer, and embodichain's façade over it --------------------------------------------------
+
+
+def test_a_slot_buffer_takes_its_fields_by_name_and_kind_and_is_what_rolloutbuffer_lays_out() -> None:
+    """SlotBuffer: no field of its own, numpy rollouts, its own name in its messages; RolloutBuffer(N, T, obs, act)
+    is a SlotBuffer of embodichain's default fields (the same pipeline layout), and a writer serves either."""
+    from shmbuf.storage.buffer import SlotBuffer
+    from shmbuf.storage.compat.embodichain import default_fields
+
+    fields = {"obs": ((3,), np.float32, "observation"), "action": ((), np.int64), "reward": ((), np.float32)}
+    with SlotBuffer(2, 4, fields, slots=2) as buf:
+        assert buf.obs_fields == ("obs",) and sorted(buf.fields) == ["action", "obs", "reward"]
+        slot = buf.start_rollout()
+        assert isinstance(slot, RolloutSlot) and slot["obs"].shape == (2, 5, 3) and slot["action"].dtype == np.int64
+        for t in range(4):
+            slot.set_step(t, {"obs": np.full((2, 3), t), "action": np.arange(2), "reward": np.ones(2)})
+        slot.set_step(4, {"obs": np.full((2, 3), 4)})
+        buf.add()
+        data = buf.get(flatten=True)
+        assert data["next_obs"][:, 0].tolist() == [1, 2, 3, 4] * 2 and data["action"].tolist() == [0] * 4 + [1] * 4
+        assert repr(buf).startswith("SlotBuffer(num_envs=2, rollout_len=4")
+        with pytest.raises(BufferEmpty, match=r"SlotBuffer\.get\(\): the buffer is empty"):
+            buf.get()
+    with pytest.raises(shmbuf.UsageError, match=r"SlotBuffer\(fields=\{'obs': \.\.\.\}\): kind must be one of"):
+        SlotBuffer(2, 4, {"obs": ((3,), np.float32, "step")})
+    with pytest.raises(shmbuf.UsageError, match=r"SlotBuffer: no fields left"):
+        SlotBuffer(2, 4, {})
+    with RolloutBuffer(2, 4, 3, 2) as rb, SlotBuffer(2, 4, default_fields(3, 2)) as sb:
+        assert rb.reader.schema.fingerprint == sb.reader.schema.fingerprint and isinstance(rb, SlotBuffer)
+        with SlotBuffer.writer(sb.handle, timeout=5) as w:
+            sb.reader.poll()
+            assert sorted(w.start_rollout()) == sorted(rb.fields)

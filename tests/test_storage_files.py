@@ -747,6 +747,38 @@ def test_playback_delivers_exactly_the_recorded_data(tmp_path, make_reader, num_
     assert played == [n] and n > 0
 
 
+def test_playback_of_a_dict_observation_writes_each_final_observation_leaf_by_leaf(tmp_path, make_reader):
+    """The episode table's final_obs of a dict observation: every component, of every ended trajectory, is the
+    recorded successor (written through the layout's EpisodeTable, leaf by leaf)."""
+    rollouts, _ = synth(2, 7, 6, [[5, 9, 2], [13, 1]], dict_obs=True)
+    with Recorder(tmp_path) as rec:
+        for r in rollouts:
+            rec.write(r)
+    T = 6
+    reader = make_reader(playback_example(tmp_path, rollout_len=T, num_envs=2), slots=4, max_writers=1)
+    t = threading.Thread(target=lambda: play(tmp_path, reader.handle, rollout_len=T, num_envs=2, seed=0, writer_timeout=10))
+    t.start()
+    ref = RolloutDataset(tmp_path, 2, wait_timeout=0)
+    checked = 0
+    try:
+        while True:
+            try:
+                want = ref.get_batch(T)
+            except StopIteration:
+                break
+            got = reader.get_batch(1, timeout=10)
+            ep, k = got.data["episode"], int(got.fill["episode"][0])
+            ends = sorted(np.argwhere(want.terminated | want.timeout).tolist())
+            assert k == len(ends) and set(ep["final_obs"]) == {"pos", "img"}
+            for i, (tt, e) in enumerate(ends):
+                for leaf in ("pos", "img"):
+                    assert same(ep["final_obs"][leaf][0, i], want.next_observation[leaf][tt, e])
+                checked += 1
+    finally:
+        t.join(20)
+    assert checked > 0
+
+
 def test_the_same_learner_code_trains_on_played_rollouts(tmp_path, make_reader):
     """RolloutStorage.from_rollout takes a played batch as it takes a Collector's."""
     from shmbuf.storage import RolloutStorage

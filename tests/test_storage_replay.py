@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 import shmbuf
 from shmbuf import _errors, _ofd
 from shmbuf._shm import unlink_object
+from shmbuf.storage import _replay_layout as layout_mod
 from shmbuf.storage import _replay_writers as writers_mod
-from shmbuf.storage import replay as replay_mod
 from shmbuf.storage.replay import ReplayBuffer, ReplayHandle, describe, is_replay
 from tests.conftest import leaked_since
 
@@ -588,7 +588,7 @@ class _StoreBoom:
         return self.w[i]
 
     def __setitem__(self, i: int, v: int) -> None:
-        if i == replay_mod.layout.W_INSERTED:
+        if i == layout_mod.W_INSERTED:
             raise KeyboardInterrupt
         self.w[i] = v
 
@@ -686,7 +686,7 @@ def test_a_writer_whose_liveness_the_kernel_cannot_tell_is_not_waited_for(
     rb.insert(rows_of(code(0, np.arange(n))))
     slow, go = _paused_over(rb, kids, 1, 4)  # alive, mid-row on rows 0..3
     try:
-        monkeypatch.setattr(replay_mod.layout, "held", lambda fd, byte: None)
+        monkeypatch.setattr(layout_mod, "held", lambda fd, byte: None)
         with pytest.raises(OSError, match=f"replay buffer {rb.name}: the kernel could not say whether writer slot"):
             rb.insert(rows_of(code(2, np.arange(n))))  # global 12..19: laps the slow writer's rows
         monkeypatch.undo()

@@ -12,16 +12,9 @@ from hypothesis import strategies as st
 
 import shmbuf
 from shmbuf.layout import rollout_example
+from shmbuf.storage.compat.rsl_rl import QueueRolloutStorage, RolloutStorage, SarsaRolloutStorage, SarsaTransition
 from shmbuf.storage.gae import compute_gae
-from shmbuf.storage.rollout import (
-    QueueRolloutStorage,
-    RolloutStorage,
-    SarsaRolloutStorage,
-    SarsaTransition,
-    Transition,
-    split_and_pad_trajectories,
-    unpad_trajectories,
-)
+from shmbuf.storage.rollout import Transition, split_and_pad_trajectories, unpad_trajectories
 from tests import _rsl_rl
 
 OBS, ACT = (3,), (2,)
@@ -685,7 +678,7 @@ def test_sarsa_checks_the_last_next_observation_before_writing_the_row() -> None
 
 def test_action_label_rollout_on_numpy_carries_labels_into_every_minibatch() -> None:
     """002's ActionLabelRollout without a device: numpy labels, required, laid out like the actions."""
-    from shmbuf.storage.rollout import ActionLabelMiniBatch, ActionLabelRollout, ActionLabelTransition
+    from shmbuf.storage.compat.rsl_rl import ActionLabelMiniBatch, ActionLabelRollout, ActionLabelTransition
 
     N, T = 2, 3
     s = ActionLabelRollout(N, T, OBS, None, ACT, seed=0)
@@ -716,3 +709,33 @@ def test_a_device_without_torch_is_refused_saying_what_to_do(monkeypatch: pytest
     with pytest.raises(shmbuf.UsageError, match=r"'cpu' asks for torch tensors.*torch is not installed.*leave the device out"):
         RolloutStorage(2, 3, OBS, None, ACT, "cpu")
     assert RolloutStorage(2, 3, OBS, None, ACT).device is None
+
+
+# -- shmbuf's own engine and rsl_rl's façade over it ------------------------------------------------------------
+
+
+def test_time_major_storage_is_the_engine_and_rolloutstorage_adds_only_the_forks_shims() -> None:
+    """Without a device, rsl_rl's RolloutStorage is the engine: the same GAE and the same minibatches, draw for draw.
+    The engine takes no device (numpy in, numpy out) and no rsl_rl quirk: a str in the sixth place is a bad shape."""
+    from shmbuf.storage.rollout import TimeMajorStorage
+
+    assert issubclass(RolloutStorage, TimeMajorStorage) and not hasattr(TimeMajorStorage, "reccurent_mini_batch_generator")
+    dones = np.zeros((6, 4), bool)
+    dones[2, 1] = dones[4, 3] = True
+    a, b = filled(dones=dones, cls=TimeMajorStorage, hidden=True), filled(dones=dones, cls=RolloutStorage, hidden=True)
+    for s in (a, b):
+        s.compute_returns(np.ones(4), 0.99, 0.95)
+    assert np.array_equal(a.advantages, b.advantages) and np.array_equal(a.returns, b.returns)
+    for ma, mb in zip(a.mini_batch_generator(3, 2), b.mini_batch_generator(3, 2)):
+        assert all(np.array_equal(x, y) for x, y in zip(ma[:9], mb[:9]))
+    for ma, mb in zip(a.recurrent_mini_batch_generator(2, 1), b.recurrent_mini_batch_generator(2, 1)):
+        assert np.array_equal(ma.obs, mb.obs) and np.array_equal(ma.masks, mb.masks)
+        assert np.array_equal(ma.hidden_states.actor, mb.hidden_states.actor)
+    assert a.get_statistics() == b.get_statistics()
+    with pytest.raises(shmbuf.UsageError, match="rnn_hidden_shape: expected a shape"):
+        TimeMajorStorage(2, 3, OBS, None, ACT, "cpu")
+    with pytest.raises(TypeError, match="device"):
+        TimeMajorStorage(2, 3, OBS, None, ACT, device="cpu")
+    with pytest.raises(shmbuf.UsageError, match="privileged_obs_shape"):
+        TimeMajorStorage(2, 3, OBS, [None], ACT)  # rsl_rl's [None] is the façade's to read
+    assert RolloutStorage(2, 3, OBS, [None], ACT).privileged_observations is None

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from shmbuf import layout as L
 from shmbuf._errors import SchemaError, UsageError
 from shmbuf._validate import int_setting
-from shmbuf.layout import OBS
 from shmbuf.storage._common import generator
 from shmbuf.storage._torch import to_torch
 
-DEFAULT_OBS_FIELDS = (OBS, "value")
+DEFAULT_OBS_FIELDS = (L.OBS, "value")
 INDICES = "_indices"  # the key iterate_minibatches adds (embodichain's name)
 
 

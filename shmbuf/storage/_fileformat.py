@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from shmbuf import layout as L
 from shmbuf._errors import SchemaError, SegmentError, UsageError
-from shmbuf.layout import ACTION, FLAG_KEYS, OBS, REWARD, STEP_KEYS, TERMINATED, TRUNCATED
 
 FORMAT = "shmbuf-rollouts"
 VERSION = 1
@@ -38,7 +38,7 @@ METADATA = "metadata.json"
 TRAJ_INFO = "trajectory.json"
 LOCK = ".recorder.lock"
 TMP_PREFIX = ".tmp-"
-KEYS = {k: k for k in STEP_KEYS}  # metadata.json "keys": each role's step leaf (the layout's names when a Recorder writes it)
+KEYS = {k: k for k in L.STEP_KEYS}  # metadata.json "keys": each role's step leaf (the layout's names when a Recorder writes it)
 TRAJ_DIR = re.compile(r"^trajectory_(\d+)_(\d+)$")
 CHUNK_DIR = re.compile(r"^traj_(\d+)_(\d+)$")
 _SAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -428,20 +428,20 @@ def _check_metadata_fields(meta: dict[str, Any], path: str) -> None:
         raise bad(f"'fields' names the leaves {[f for f, _ in found][:20]} and 'leaves' lists {list(listed)[:20]}, with "
                   "their paths; expected each listed leaf once, at its path")
     top = {k: d for k, d in fields["items"]}
-    missing = [k for k in (OBS, ACTION, REWARD, TERMINATED) if k not in top]
+    missing = [k for k in (L.OBS, L.ACTION, L.REWARD, L.TERMINATED) if k not in top]
     if missing:
         raise bad(f"'fields' has no {missing} (a recording has obs, action, reward, terminated)")
     keys = meta.get("keys")
     if not isinstance(keys, dict):
         raise bad(f"'keys' is {type(keys).__name__}, expected a dict of the step leaves' roles")
     for role, name in keys.items():
-        if role not in FLAG_KEYS and not isinstance(name, (str, type(None))):
+        if role not in L.FLAG_KEYS and not isinstance(name, (str, type(None))):
             raise bad(f"'keys' gives {role!r} as {name!r}, expected the name of a step field or null")
-        if role in FLAG_KEYS and name is not None and not (
+        if role in L.FLAG_KEYS and name is not None and not (
                 isinstance(name, str) and top.get(name) == {"kind": "leaf", "file": name}):
             raise bad(f"'keys' gives {role!r} as {name!r}, expected null or the name of a top-level step leaf (one "
                       f"array) among {sorted(top)}")
-    for k in (REWARD, TERMINATED):
+    for k in (L.REWARD, L.TERMINATED):
         if top[k] != {"kind": "leaf", "file": k}:
             raise bad(f"field {k!r} is {top[k]!r}, expected one array (a leaf stored as {k}.npy)")
 
@@ -462,14 +462,14 @@ def _leaf_dtype(s: Any) -> np.dtype | None:
     return dt
 
 
-_INFO_FIELDS = {"length": "an int >= 1", TERMINATED: "a bool", TRUNCATED: "a bool", "ends_episode": "a bool",
+_INFO_FIELDS = {"length": "an int >= 1", L.TERMINATED: "a bool", L.TRUNCATED: "a bool", "ends_episode": "a bool",
                 "episode_return": "a number", "episode_length": "an int"}
 
 
 def checked_info(info: Any, path: str) -> dict[str, Any]:
     """A trajectory.json's fields that readers use, checked (SegmentError naming the file and the field)."""
     def ok(k: str, v: Any) -> bool:
-        if k in (*FLAG_KEYS, "ends_episode"):
+        if k in (*L.FLAG_KEYS, "ends_episode"):
             return isinstance(v, bool)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             return False

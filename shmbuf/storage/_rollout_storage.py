@@ -1,5 +1,7 @@
-"""PPO rollout storage (rsl_rl's ``RolloutStorage``): time-major ``[T, N, ...]`` numpy arrays, GAE and
-minibatches; the public module is :mod:`shmbuf.storage.rollout` (its docstring says the layout and flag rules)."""
+"""The time-major rollout storage, shmbuf's own: ``[T, N, ...]`` numpy arrays filled step by step or viewed from
+shmbuf rollouts, with GAE and minibatches. The public module is :mod:`shmbuf.storage.rollout` (its docstring says
+the layout and flag rules); rsl_rl's ``RolloutStorage`` is this engine with its forks' signature and torch idiom
+(:mod:`shmbuf.storage.compat.rsl_rl`)."""
 
 from __future__ import annotations
 
@@ -8,19 +10,19 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from shmbuf import layout as L
 from shmbuf._errors import SchemaError, TimescaleFull, UsageError
 from shmbuf._validate import int_setting
-from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATED
 from shmbuf.storage._common import generator
-from shmbuf.storage._rollout_source import RolloutSource, check_keys
-from shmbuf.storage._torch import device_setting, host_array, is_device, to_torch
-from shmbuf.storage._trajectories import aliases, flat_getter, pad, ranges, trajectories
+from shmbuf.storage._minibatches import flat_minibatches, recurrent_minibatches
+from shmbuf.storage._rollout_source import RolloutSource, read_arrays
+from shmbuf.storage._torch import host_array
+from shmbuf.storage._trajectories import trajectories
 from shmbuf.storage._transition import (
     NO_HIDDEN_STATES,
     REQUIRED,
     STEP_ARRAYS,
     TRANSITION_FIELDS,
-    ActorCriticHiddenState,
     AnyMiniBatch,
     TimeOutObservations,
     array_of,
@@ -28,23 +30,25 @@ from shmbuf.storage._transition import (
     shape_setting,
 )
 
-# Under other names: inside the class body, Transition and MiniBatch are the class attributes (the forks'
-# RolloutStorage.Transition), which a type checker does not take as types in the methods' annotations.
+# Under other names: inside the class body, Transition and MiniBatch are the class attributes (the storage's record
+# types, ``storage.Transition()`` as the forks spell it), which a type checker does not take as types in the methods'
+# annotations.
 from shmbuf.storage._transition import MiniBatch as _MiniBatch
 from shmbuf.storage._transition import Transition as _Transition
 from shmbuf.storage.gae import check_discount, compute_gae
 from shmbuf.storage.gae import normalize_advantages as _normalize
 
 
-class RolloutStorage:
-    """PPO rollout storage: time-major ``[T, N, ...]`` numpy arrays (rsl_rl's ``RolloutStorage``).
+class TimeMajorStorage:
+    """A rollout as time-major ``[T, N, ...]`` numpy arrays, with GAE and minibatches (shmbuf's own storage).
 
     Arrays: ``observations``, ``privileged_observations`` (critic observations; None when not used),
     ``actions``, ``rewards``, ``dones``, ``time_outs`` (read as ``flag_convention`` says), ``values``,
     ``actions_log_prob``, ``mu``, ``sigma``, ``returns``, ``advantages``, and with ``rnn_hidden_shape``
     ``hidden_states_actor``/``hidden_states_critic`` ``[T, N, *rnn_hidden_shape]`` (the state each step's
     network call started from; with torch's ``(num_layers, N, H)`` store ``h.transpose(0, 1)``; an LSTM's
-    ``(h, c)`` can be stacked into ``rnn_hidden_shape = (2, num_layers, H)``).
+    ``(h, c)`` can be stacked into ``rnn_hidden_shape = (2, num_layers, H)``). The names are the ones rsl_rl gave
+    the PPO storage, kept because they are what every port reads.
 
     ``step`` counts the rows filled; :meth:`compute_returns`, the generators and :meth:`get_statistics`
     work on rows ``[0, step)``. Shuffling draws from ``rng`` (``np.random.default_rng(seed)``).
@@ -55,14 +59,9 @@ class RolloutStorage:
     :meth:`from_rollout` (``dones`` = terminated, ``time_outs`` = truncated; terminated wins). Set it to
     ``"gymnasium"`` to fill with gymnasium's ``terminated``/``truncated`` as they are.
 
-    ``device`` (the sixth positional argument of rsl_rl's legged-robot forks, or ``device=``; a ``str`` or
-    ``torch.device`` there is a device, never ``rnn_hidden_shape``): the storage speaks the forks' torch idiom.
-    Transitions may hold tensors on any device (as without it); minibatches are torch tensors on ``device`` with the
-    forks' shapes (``values``, ``advantages``, ``returns``, ``old_actions_log_prob`` ``[..., 1]``; ``hidden_states``
-    in torch's ``(num_layers, traj, H)`` layout, an LSTM's as ``(h, c)``, read from transitions in torch's
-    ``(num_layers, N, H)`` layout); :meth:`compute_returns` normalises the advantages unless told not to and the
-    recurrent generator pads to ``T`` (both as the forks); :meth:`get_statistics` gives 0-d tensors. The arrays
-    themselves stay host numpy ``[T, N, ...]``. Without ``device`` everything is numpy, as it always was.
+    numpy in, numpy out: transitions may hold torch tensors (copied to the host), minibatches are numpy with
+    ``to_torch(device)``. rsl_rl's ``RolloutStorage`` (:mod:`shmbuf.storage.compat.rsl_rl`) adds its forks'
+    signature (a ``device`` in the sixth place) and torch idiom (minibatches as tensors on the device).
     """
 
     Transition: ClassVar[type[_Transition]] = _Transition
@@ -78,38 +77,21 @@ class RolloutStorage:
     sigma: np.ndarray | None
     hidden_states_actor: np.ndarray | None
     hidden_states_critic: np.ndarray | None
-    device: Any  # None, or a torch.device (set in _setup, then by __init__)
     obs_shape: tuple[int, ...] | None  # the forks' shape attributes (checked; None before __init__ / from_rollout sets them)
     privileged_obs_shape: tuple[int, ...] | None
     actions_shape: tuple[int, ...] | None
 
     def __init__(self, num_envs: int, num_transitions_per_env: int, obs_shape: Any, privileged_obs_shape: Any,
-                 actions_shape: Any, rnn_hidden_shape: Any = None, *, dtype: Any = np.float32, seed: Any = None,
-                 device: Any = None):
-        if is_device(rnn_hidden_shape):  # rsl_rl: RolloutStorage(..., actions_shape, device)
-            if device is not None:
-                raise UsageError(f"{type(self).__name__}: a device was given twice ({rnn_hidden_shape!r} in the sixth place, "
-                                 f"and device={device!r}); give it once")
-            device, rnn_hidden_shape = rnn_hidden_shape, None
-        if isinstance(num_envs, str):
-            raise UsageError(f"{type(self).__name__}({num_envs!r}, ...): that is rsl_rl 2+'s signature (training_type, num_envs, "
-                             "num_transitions_per_env, obs TensorDict, actions_shape, device), which shmbuf does not take; "
-                             f"use rsl_rl 1.x's: {type(self).__name__}(num_envs, num_transitions_per_env, obs_shape, "
-                             "privileged_obs_shape, actions_shape, device) (docs/from-rsl_rl.md)")
+                 actions_shape: Any, rnn_hidden_shape: Any = None, *, dtype: Any = np.float32, seed: Any = None):
         N = int_setting("num_envs", num_envs, 1)
         T = int_setting("num_transitions_per_env", num_transitions_per_env, 1)
         self._setup(T, N, seed)
-        if device is not None:
-            self.device = device_setting(f"{type(self).__name__}(device=...)", device)
         f = np.dtype(dtype)
         if not np.issubdtype(f, np.floating):
             raise UsageError(f"dtype: expected a floating dtype, got {f}")
         obs = shape_setting("obs_shape", obs_shape)
         act = shape_setting("actions_shape", actions_shape)
-        priv = privileged_obs_shape
-        if isinstance(priv, (list, tuple)) and len(priv) > 0 and priv[0] is None:
-            priv = None  # rsl_rl passes [None] for "no privileged observations"
-        priv = None if priv is None else shape_setting("privileged_obs_shape", priv)
+        priv = None if privileged_obs_shape is None else shape_setting("privileged_obs_shape", privileged_obs_shape)
         hid = None if rnn_hidden_shape is None else shape_setting("rnn_hidden_shape", rnn_hidden_shape)
         self.obs_shape, self.privileged_obs_shape, self.actions_shape = obs, priv, act  # the forks' attributes (checked)
         self.observations = np.zeros((T, N, *obs), f)
@@ -144,21 +126,16 @@ class RolloutStorage:
         self.copied: tuple[str, ...] = ()
         self._borrowed: str | None = None
         self.flag_convention = "rsl_rl"  # add_transitions: rsl_rl's dones and time_outs
-        self.device = None  # a torch.device: the forks' torch idiom (see the class docstring)
-        self.obs_shape = self.privileged_obs_shape = self.actions_shape = None  # the forks': set by __init__ or from the arrays
-        self._hidden_form: list[str | None] = [None, None]  # with a device: "gru" ((L, N, H)) or "lstm" ((h, c)), per side
-        # with a device: the containers hidden states came in (the forks' ActorCriticHiddenState / LstmHiddenState
-        # namedarraytuples, or plain tuples), to give them back in the same types: (outer, [actor's, critic's (h, c)])
-        self._hidden_types: tuple[Any, list[Any]] = (ActorCriticHiddenState, [tuple, tuple])
+        self.obs_shape = self.privileged_obs_shape = self.actions_shape = None  # set by __init__ or from the arrays
 
     # -- filling --------------------------------------------------------------------------------------
 
     @classmethod
-    def from_rollout(cls, rollout_or_batch: Any, *, obs_key: str = OBS, critic_obs_key: str | None = None,
-                     action_key: str = ACTION, reward_key: str = REWARD, terminated_key: str = TERMINATED,
-                     truncated_key: str = TRUNCATED, value_key: str = "value", log_prob_key: str = "log_prob",
+    def from_rollout(cls, rollout_or_batch: Any, *, obs_key: str = L.OBS, critic_obs_key: str | None = None,
+                     action_key: str = L.ACTION, reward_key: str = L.REWARD, terminated_key: str = L.TERMINATED,
+                     truncated_key: str = L.TRUNCATED, value_key: str = "value", log_prob_key: str = "log_prob",
                      mu_key: str | None = None, sigma_key: str | None = None,
-                     hidden_states_keys: tuple[str, str] | None = None, seed: Any = None) -> RolloutStorage:
+                     hidden_states_keys: tuple[str, str] | None = None, seed: Any = None) -> TimeMajorStorage:
         """A full storage over a shmbuf rollout or batch, in the workers layout, without a per-step loop.
 
         ``rollout_or_batch``: a ``shmbuf.Rollout`` (step leaves ``(T, [E], ...)``), or a ``shmbuf.Batch`` /
@@ -186,48 +163,10 @@ class RolloutStorage:
         Collector) refills its batch buffer (``copy=False``); writing into them writes into the source.
         The storage cannot take ``add_transitions`` (it would write into the rollout).
         """
-        check_keys({"obs_key": obs_key, "action_key": action_key, "reward_key": reward_key,
-                     "terminated_key": terminated_key, "value_key": value_key, "log_prob_key": log_prob_key},
-                    {"critic_obs_key": critic_obs_key, "truncated_key": truncated_key, "mu_key": mu_key, "sigma_key": sigma_key})
-        if hidden_states_keys is not None:
-            if not (isinstance(hidden_states_keys, (tuple, list)) and len(hidden_states_keys) == 2):
-                raise UsageError("from_rollout(hidden_states_keys=...): expected (actor key, critic key), "
-                                 f"got {hidden_states_keys!r:.80}")
-            check_keys({"hidden_states_keys[0]": hidden_states_keys[0], "hidden_states_keys[1]": hidden_states_keys[1]}, {})
-        src = RolloutSource(rollout_or_batch, reward_key)
-        need_v = f"the critic's value of each step's observation (a policy extra, key {value_key!r})"
-        need_lp = f"the log-probability of each step's action (a policy extra, key {log_prob_key!r})"
-        def steps(field: str, key: str | None, what: str, scalar: bool = False) -> np.ndarray | None:
-            return None if key is None else src.steps(key, what, field, scalar=scalar)
-
-        arrays: dict[str, np.ndarray | None] = {
-            "observations": steps("observations", obs_key, "the observations (obs_key=...)"),
-            "privileged_observations": steps("privileged_observations", critic_obs_key, "critic observations"),
-            "actions": steps("actions", action_key, "the actions (action_key=...)"),
-            "rewards": steps("rewards", reward_key, "the rewards", True),
-            "dones": steps("dones", terminated_key, "terminated flags", True),
-            "time_outs": steps("time_outs", truncated_key, "truncated flags", True),
-            "values": steps("values", value_key, need_v + ": make the policy return (action, {'value': V(obs), ...})", True),
-            "actions_log_prob": steps("actions_log_prob", log_prob_key,
-                                      need_lp + ": make the policy return (action, {'log_prob': ...})", True),
-            "mu": steps("mu", mu_key, "the action means (mu_key=...)"),
-            "sigma": steps("sigma", sigma_key, "the action stds (sigma_key=...)"),
-        }
-        if hidden_states_keys is not None:
-            arrays["hidden_states_actor"] = steps("hidden_states_actor", hidden_states_keys[0], "actor hidden states")
-            arrays["hidden_states_critic"] = steps("hidden_states_critic", hidden_states_keys[1], "critic hidden states")
-        if arrays["time_outs"] is None:  # truncated_key=None: no episode is ever truncated
-            arrays["time_outs"] = np.zeros((src.T, src.N), bool)
-        for k in ("dones", "time_outs"):
-            flags = arrays[k]
-            assert flags is not None  # terminated_key is required (check_keys), time_outs was just filled
-            if flags.dtype.kind not in "biuf":
-                raise SchemaError(f"from_rollout: step leaf for {k} has dtype {flags.dtype}: expected bool or numbers "
-                                  "(nonzero meaning true)")
-            if flags.dtype != np.bool_:
-                arrays[k] = flags != 0
-                if k not in src.copied:
-                    src.copied.append(k)
+        src, arrays = read_arrays(rollout_or_batch, obs_key=obs_key, critic_obs_key=critic_obs_key,
+                                  action_key=action_key, reward_key=reward_key, terminated_key=terminated_key,
+                                  truncated_key=truncated_key, value_key=value_key, log_prob_key=log_prob_key,
+                                  mu_key=mu_key, sigma_key=sigma_key, hidden_states_keys=hidden_states_keys)
         self = cls.__new__(cls)
         self._setup(src.T, src.N, seed)
         self.bootstrap_observations = src.bootstrap(obs_key)
@@ -261,7 +200,7 @@ class RolloutStorage:
         """
         if self._borrowed is not None:
             raise UsageError(f"add_transitions: this storage is a view of {self._borrowed} (made by from_rollout); "
-                             "writing would change that rollout. Make a RolloutStorage(...) to fill step by step")
+                             f"writing would change that rollout. Make a {type(self).__name__}(...) to fill step by step")
         T = self.num_transitions_per_env
         if self.step >= T:
             raise TimescaleFull(f"{type(self).__name__}.add_transitions: step {self.step} is past the capacity "
@@ -304,44 +243,25 @@ class RolloutStorage:
         if not (isinstance(hidden, (tuple, list)) and len(hidden) == 2):
             raise SchemaError(f"Transition.hidden_states: expected (actor, critic) arrays, got {type(hidden).__name__}")
         out = []
-        forms: list[str | None] = list(self._hidden_form)
-        inner: list[Any] = list(self._hidden_types[1])
-        for i, (name, h) in enumerate(zip(("hidden_states_actor", "hidden_states_critic"), hidden)):
+        for name, h in zip(("hidden_states_actor", "hidden_states_critic"), hidden):
             if h is None:
                 continue
-            if self.device is not None:
-                inner[i] = type(h)
-                h, forms[i] = self._torch_hidden(name, h)
-            h = array_of(name, h)
+            h = array_of(name, self._hidden_array(name, h))
             dst = getattr(self, name)
             if dst is None:  # first use without rnn_hidden_shape: allocate from the example, as the forks do
                 if h.shape[:1] != (self.num_envs,):
                     raise SchemaError(f"Transition.hidden_states: expected a leading num_envs={self.num_envs}, got {h.shape}")
                 dst = np.zeros((self.num_transitions_per_env, *h.shape), self.values.dtype)
             out.append((name, dst, as_row(name, h, dst[0])))
-        self._hidden_form = forms  # only what passed every check is remembered
-        # plain tuples (rsl_rl 1.x's) come back named, so that the fork's ``.actor`` reads them too
-        self._hidden_types = (ActorCriticHiddenState if type(hidden) is tuple else type(hidden), inner)
+        self._hidden_checked(hidden)
         return out
 
-    def _torch_hidden(self, name: str, h: Any) -> tuple[np.ndarray, str]:
-        """A hidden state in torch's layout, ``(num_layers, N, H)`` (a GRU's) or ``(h, c)`` of them (an LSTM's), as the
-        per-env row stored here: ``(N, num_layers, H)`` or ``(N, 2, num_layers, H)``; SchemaError naming it else."""
-        N = self.num_envs
+    def _hidden_array(self, name: str, h: Any) -> Any:
+        """A hidden state as given, before it is read as ``[N, *rnn_hidden_shape]`` rows (a façade reads another layout)."""
+        return h
 
-        def one(x: Any) -> np.ndarray:
-            a = np.asarray(host_array(x))
-            if a.ndim != 3 or a.shape[1] != N:
-                raise SchemaError(f"Transition.hidden_states ({name}): with a device, hidden states are in torch's layout "
-                                  f"(num_layers, num_envs={N}, hidden) or an LSTM's (h, c) of them; got shape {a.shape}")
-            return np.swapaxes(a, 0, 1)
-
-        if isinstance(h, (tuple, list)):
-            if len(h) != 2:
-                raise SchemaError(f"Transition.hidden_states ({name}): expected a tensor or an LSTM's (h, c), got "
-                                  f"{len(h)} items")
-            return np.stack([one(h[0]), one(h[1])], 1), "lstm"
-        return one(h), "gru"
+    def _hidden_checked(self, hidden: Any) -> None:
+        """Both hidden states passed their checks (a façade remembers what it read, only then)."""
 
     def clear(self) -> None:
         """Start the next rollout at row 0 (nothing is zeroed: every row is rewritten before it is read)."""
@@ -360,7 +280,7 @@ class RolloutStorage:
         return n
 
     def compute_returns(self, last_values: Any, gamma: float, lam: float, *, time_out_values: Any = None,
-                        normalize_advantages: bool | None = None) -> None:
+                        normalize_advantages: bool = False) -> None:
         """GAE into this storage's own ``advantages`` and ``returns`` (rows ``[0, step)``), via :func:`compute_gae`.
 
         ``last_values`` ``[N]`` (or ``[N, 1]``): the critic's value of the observation after the last row.
@@ -371,12 +291,9 @@ class RolloutStorage:
         PPO (``compute_gae(..., time_outs=)``); ``"gymnasium"`` (made by :meth:`from_rollout`): ``time_outs
         & ~dones`` (``compute_gae(..., truncated=)``). ``normalize_advantages``: then ``(A - mean) / (std +
         1e-8)`` over all rows, as rsl_rl does on every call (off by default: returns are computed before
-        normalising either way); None (the default) is off, or on for a storage with a ``device`` (the forks always
-        normalises). ``last_values`` and ``time_out_values`` may be tensors on any device.
+        normalising either way). ``last_values`` and ``time_out_values`` may be tensors on any device.
         ``gamma`` and ``lam``: real numbers from 0 to 1 (else UsageError naming the setting).
         """
-        if normalize_advantages is None:
-            normalize_advantages = self.device is not None
         self._check_discounts(gamma, lam)
         rule = self.flag_convention
         if rule not in ("rsl_rl", "gymnasium"):
@@ -437,17 +354,11 @@ class RolloutStorage:
         M = n * N
         k = int_setting("mini_batch_generator(num_mini_batches=...)", num_mini_batches, 1, M)
         epochs = int_setting("mini_batch_generator(num_epochs=...)", num_epochs, 0)
-        src, alias = aliases({**self._obs_fields(), **self._step_fields()})
-        get = {name: (None if a is None else flat_getter(a, n, N)) for name, a in src.items()}
-        for _ in range(epochs):
-            for idx in np.array_split(self.rng.permutation(M), k):
-                out = {name: (None if g is None else g(idx)) for name, g in get.items()}
-                for name, same in alias.items():
-                    out[name] = out[same]
-                yield self._out(self.MiniBatch(**out, hidden_states=NO_HIDDEN_STATES, masks=None))
+        for out in flat_minibatches({**self._obs_fields(), **self._step_fields()}, n, N, k, epochs, self.rng):
+            yield self._out(self.MiniBatch(**out, hidden_states=NO_HIDDEN_STATES, masks=None))
 
     def recurrent_mini_batch_generator(self, num_mini_batches: int, num_epochs: int = 8, *, shuffle: bool = False,
-                                       pad_to: str | None = None) -> Iterator[AnyMiniBatch]:
+                                       pad_to: str = "longest") -> Iterator[AnyMiniBatch]:
         """Minibatches of whole envs, their trajectories split at episode ends (``dones`` or ``time_outs``).
 
         Envs are cut into ``num_mini_batches`` groups (contiguous ranges as rsl_rl does, or with
@@ -458,72 +369,21 @@ class RolloutStorage:
         per epoch; ``hidden_states`` are ``(actor, critic)`` as stored at each trajectory's first step,
         ``[traj, *rnn_hidden_shape]`` (None without hidden states). The other fields are ``[T, envs, ...]``:
         :func:`unpad_trajectories` (with ``num_steps=T``) maps a network's padded output onto them.
-        ``pad_to=None``: ``"longest"``, or ``"rollout"`` for a storage with a ``device`` (the forks' padding, which its
-        ``unpad_trajectories`` needs).
         """
-        if pad_to is None:
-            pad_to = "longest" if self.device is None else "rollout"
         n = self._filled()
         N = self.num_envs
         k = int_setting("recurrent_mini_batch_generator(num_mini_batches=...)", num_mini_batches, 1, N)
         epochs = int_setting("recurrent_mini_batch_generator(num_epochs=...)", num_epochs, 0)
         if pad_to not in ("longest", "rollout"):
             raise UsageError(f"recurrent_mini_batch_generator(pad_to=...): expected 'longest' or 'rollout', got {pad_to!r}")
-        env, t0, lengths = trajectories(self.dones[:n] | self.time_outs[:n])
-        obs_f, alias = aliases(self._obs_fields())
-        obs_f = {name: a[:n] for name, a in obs_f.items()}
-        step_f = {name: (None if a is None else a[:n]) for name, a in self._step_fields().items()}
-        hid = (self.hidden_states_actor, self.hidden_states_critic)
-        bounds = np.searchsorted(env, np.arange(N + 1))  # trajectories of env e: [bounds[e], bounds[e + 1])
-        for _ in range(epochs):
-            order = np.arange(N) if not shuffle else self.rng.permutation(N)
-            for group in np.array_split(order, k):
-                if shuffle:
-                    group = np.sort(group)
-                    j = ranges(bounds[group], bounds[group + 1] - bounds[group])
-                    cols: Any = group
-                else:
-                    lo, hi = int(group[0]), int(group[-1]) + 1
-                    j = np.arange(bounds[lo], bounds[hi])
-                    cols = slice(lo, hi)
-                L = n if pad_to == "rollout" else int(lengths[j].max())
-                out: dict[str, Any] = {}
-                masks = None
-                for name, a in obs_f.items():
-                    out[name], masks = pad(a, t0[j], env[j], lengths[j], L)
-                for name, same in alias.items():
-                    out[name] = out[same]
-                for name, a in step_f.items():
-                    out[name] = None if a is None else a[:, cols]
-                h = NO_HIDDEN_STATES
-                if hid[0] is not None or hid[1] is not None:
-                    h = ActorCriticHiddenState(*(None if x is None else x[t0[j], env[j]] for x in hid))
-                yield self._out(self.MiniBatch(**out, hidden_states=h, masks=masks))
-
-    # the forks' spelling, for users who search for it
-    reccurent_mini_batch_generator = recurrent_mini_batch_generator
+        for out in recurrent_minibatches(self._obs_fields(), self._step_fields(), self.dones[:n] | self.time_outs[:n],
+                                         (self.hidden_states_actor, self.hidden_states_critic), n, N, k, epochs,
+                                         self.rng, shuffle=shuffle, pad_to=pad_to):
+            yield self._out(self.MiniBatch(**out))
 
     def _out(self, mb: Any) -> Any:
-        """A minibatch as given (no device), or as the forks give it: tensors on the device, per-step scalars ``[..., 1]``,
-        hidden states in torch's ``(num_layers, traj, H)`` layout (``(h, c)`` for an LSTM)."""
-        if self.device is None:
-            return mb
-        t = to_torch(mb._replace(hidden_states=None), self.device)
-        scalars = {f: getattr(t, f)[..., None] for f in ("values", "advantages", "returns", "old_actions_log_prob")}
-        hidden = mb.hidden_states
-        if any(x is not None for x in hidden):
-            outer, inner = self._hidden_types
-            hidden = _same_type(outer, [None if x is None else self._hidden_out(x, form, kind)
-                                        for x, form, kind in zip(hidden, self._hidden_form, inner)])
-        return t._replace(**scalars, hidden_states=hidden)
-
-    def _hidden_out(self, x: np.ndarray, form: str | None, kind: Any) -> Any:
-        h = to_torch(x, self.device)
-        if form == "gru":
-            return h.transpose(0, 1).contiguous()
-        if form == "lstm":
-            return _same_type(kind, [h[:, 0].transpose(0, 1).contiguous(), h[:, 1].transpose(0, 1).contiguous()])
-        return h  # preallocated by rnn_hidden_shape and not filled from torch's layout: as stored
+        """A minibatch as the generators give it (a façade converts it to its framework's types here)."""
+        return mb
 
     # -- statistics --------------------------------------------------------------------------------------
 
@@ -531,25 +391,13 @@ class RolloutStorage:
         """``(mean trajectory length, mean reward)`` over rows ``[0, step)``, as rsl_rl computes them: trajectories
         are cut at episode ends (dones or time_outs) and at the last row (so unfinished episodes count with
         their length so far); the reward mean is over every step and env. Nothing is modified (rsl_rl's
-        version sets ``dones[-1] = 1`` in the storage). With a ``device``: 0-d tensors there, as the forks give."""
+        version sets ``dones[-1] = 1`` in the storage)."""
         n = self._filled()
         _, _, lengths = trajectories(self.dones[:n] | self.time_outs[:n])
-        out = float(lengths.mean()), float(self.rewards[:n].mean())
-        if self.device is None:
-            return out
-        import torch
-
-        return torch.tensor(out[0], device=self.device), torch.tensor(out[1], device=self.device)
+        return float(lengths.mean()), float(self.rewards[:n].mean())
 
     def __repr__(self) -> str:
         src = "" if self._borrowed is None else f", view of {self._borrowed}"
         return (f"{type(self).__name__}(num_envs={self.num_envs}, num_transitions_per_env={self.num_transitions_per_env}, "
                 f"step={self.step}{src})")
 
-
-def _same_type(kind: Any, items: list[Any]) -> Any:
-    """``items`` in a container of type ``kind``: a namedtuple (the forks' namedarraytuples are namedtuples) by its fields,
-    a list, or else a tuple."""
-    if isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_make"):
-        return kind._make(items)
-    return list(items) if kind is list else tuple(items)

@@ -12,31 +12,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shmbuf import layout as L
 from shmbuf._errors import SchemaError, UsageError
-from shmbuf.layout import (
-    ACTION,
-    BOOTSTRAP,
-    COMPLETE_EPISODES,
-    END,
-    ENV,
-    EPISODE,
-    FINAL_OBS,
-    LENGTH,
-    OBS,
-    RETURN,
-    REWARD,
-    STEP,
-    TERMINATED,
-    TRUNCATE_EPISODES,
-    TRUNCATED,
-    Grid,
-    grid,
-)
 from shmbuf.storage._fileformat import flat_leaves, map_leaves
 
 WHERE = "Recorder.write"
-EPISODE_FIELDS = (RETURN, LENGTH, TERMINATED, TRUNCATED, ENV, END, FINAL_OBS)
-RECORD_FIELDS = (TERMINATED, TRUNCATED, RETURN, LENGTH)  # what a complete-episodes record needs
+EPISODE_FIELDS = L.EpisodeTable.FIELDS  # return, length, terminated, truncated, env, end, final_obs
+RECORD_FIELDS = (L.TERMINATED, L.TRUNCATED, L.RETURN, L.LENGTH)  # what a complete-episodes record needs
 
 
 class Unit(NamedTuple):
@@ -71,23 +53,23 @@ def rollout_units(src: Any) -> list[Unit]:
     episode table's: with ``end`` it is truncate-episodes.
     """
     data, fill = getattr(src, "data", None), getattr(src, "fill", None)
-    if not isinstance(data, Mapping) or not isinstance(data.get(STEP), Mapping):
+    if not isinstance(data, Mapping) or not isinstance(data.get(L.STEP), Mapping):
         raise UsageError(f"{WHERE}: expected a shmbuf Rollout or Batch or a workers CollectedBatch (with .data['step'] "
                          f"and .fill), got {type(src).__name__}")
-    step, ep, boot = data[STEP], _get(data, EPISODE), _get(data, BOOTSTRAP)
-    for k in (OBS, ACTION, REWARD, TERMINATED):
+    step, ep, boot = data[L.STEP], _get(data, L.EPISODE), _get(data, L.BOOTSTRAP)
+    for k in (L.OBS, L.ACTION, L.REWARD, L.TERMINATED):
         _get(step, k)
-    _get(boot, OBS)
-    _get(ep, TERMINATED)
+    _get(boot, L.OBS)
+    _get(ep, L.TERMINATED)
     _arrays(data)
-    _has(step, (REWARD,), "step leaf", WHERE)  # summed into each trajectory's reward_sum
+    _has(step, (L.REWARD,), "step leaf", WHERE)  # summed into each trajectory's reward_sum
     lanes, seqs = getattr(src, "lane", None), getattr(src, "seq", None)
     if fill is None:
         return _concatenated(src, data, lanes, seqs)
-    if not isinstance(fill, Mapping) or STEP not in fill:
+    if not isinstance(fill, Mapping) or L.STEP not in fill:
         raise SchemaError(f"{WHERE}: .fill must be a dict with a 'step' count (the rollout's or batch's fill), got {fill!r}")
-    batched = np.ndim(fill[STEP]) > 0
-    B = len(fill[STEP]) if batched else 1
+    batched = np.ndim(fill[L.STEP]) > 0
+    B = len(fill[L.STEP]) if batched else 1
     for k, v in fill.items():
         if np.shape(v) != ((B,) if batched else ()):
             raise SchemaError(f"{WHERE}: fill[{k!r}] has shape {np.shape(v)}, fill['step'] {np.shape(fill['step'])}; "
@@ -96,52 +78,52 @@ def rollout_units(src: Any) -> list[Unit]:
            for b in range(B)]
     names = [(f"rollout {b} of the batch" if batched else "the rollout") + f" (lane {lane}, seq {seq})"
              for b, (lane, seq) in enumerate(ids)]
-    truncate = END in ep
+    truncate = L.END in ep
     cap, rows = _check_shapes(data, B if batched else None, truncate, f"{WHERE}: {'the batch' if batched else names[0]}")
     for b, name in enumerate(names):
         f = {k: _count(v[b] if batched else v, f"{WHERE}: {name}: fill[{k!r}]") for k, v in fill.items()}
-        if not 0 <= f[STEP] <= cap:
-            raise SchemaError(f"{WHERE}: {name}: fill['step']={f[STEP]} is outside the step leaves' capacity 0..{cap}")
-        if truncate and not 0 <= f.get(EPISODE, 0) <= rows:
-            raise SchemaError(f"{WHERE}: {name}: fill['episode']={f[EPISODE]} is outside the episode table's capacity "
+        if not 0 <= f[L.STEP] <= cap:
+            raise SchemaError(f"{WHERE}: {name}: fill['step']={f[L.STEP]} is outside the step leaves' capacity 0..{cap}")
+        if truncate and not 0 <= f.get(L.EPISODE, 0) <= rows:
+            raise SchemaError(f"{WHERE}: {name}: fill['episode']={f[L.EPISODE]} is outside the episode table's capacity "
                               f"0..{rows}")
-    g = _grid(data, fill, TRUNCATE_EPISODES if truncate else COMPLETE_EPISODES)
+    g = _grid(data, fill, L.TRUNCATE_EPISODES if truncate else L.COMPLETE_EPISODES)
     if not truncate:  # one episode per rollout; its successor is the rollout's bootstrap obs
         return [_complete(g, ep, (b,), b, 0, int(g.n[b]), ids[b],
-                          map_leaves(g.bootstrap[OBS], lambda a, b=b: g.as_be(a)[b, 0])) for b in range(B)]
+                          map_leaves(g.bootstrap[L.OBS], lambda a, b=b: g.as_be(a)[b, 0])) for b in range(B)]
     # the filled rows of the episode table (none without a fill['episode'] count)
-    bb, ii = g.filled_rows(rows) if EPISODE in fill else (np.zeros(0, np.intp), np.zeros(0, np.intp))
+    bb, ii = g.filled_rows(rows) if L.EPISODE in fill else (np.zeros(0, np.intp), np.zeros(0, np.intp))
     _check_ends(g, bb, ii, names)
     units = []
     for b in range(B):
         n, mine = int(g.n[b]), bb == b
         units.append(Unit(*ids[b], _steps(g, b, 0, n), n, g.E, _rows(g, bb[mine], ii[mine]),
-                          map_leaves(g.bootstrap[OBS], lambda a, b=b: g.as_be(a)[b]), False))
+                          map_leaves(g.bootstrap[L.OBS], lambda a, b=b: g.as_be(a)[b]), False))
     return units
 
 
-def _grid(src: Any, fill: Mapping[str, Any] | None, batch_mode: str) -> Grid:
+def _grid(src: Any, fill: Mapping[str, Any] | None, batch_mode: str) -> L.Grid:
     """:func:`shmbuf.layout.grid` of what the Recorder is handed; its errors said as the Recorder's (SchemaError)."""
     try:
-        return grid(src, fill, batch_mode=batch_mode, ref=REWARD)
+        return L.grid(src, fill, batch_mode=batch_mode, ref=L.REWARD)
     except (SchemaError, UsageError) as e:
         raise SchemaError(f"{WHERE}: {e}") from None
 
 
-def _steps(g: Grid, b: int, t0: int, t1: int) -> Any:
+def _steps(g: L.Grid, b: int, t0: int, t1: int) -> Any:
     """Rollout ``b``'s steps ``[t0, t1)``: every step leaf as ``(t1 - t0, E, ...)`` (views)."""
     return map_leaves(g.step, lambda a: g.as_bte(a)[b, t0:t1])
 
 
-def _rows(g: Grid, bb: np.ndarray, ii: np.ndarray) -> list[tuple[int, int, bool, bool, float, int, Any]]:
+def _rows(g: L.Grid, bb: np.ndarray, ii: np.ndarray) -> list[tuple[int, int, bool, bool, float, int, Any]]:
     """Episode-table rows ``(bb, ii)`` as ``(env, end, terminated, truncated, return, length, final obs)``."""
     ep = g.episode
-    cols = [g.table(ep[k])[bb, ii].tolist() for k in (ENV, END, TERMINATED, TRUNCATED, RETURN, LENGTH)]
-    finals = [map_leaves(ep[FINAL_OBS], lambda a, b=b, i=i: g.table(a)[b, i]) for b, i in zip(bb.tolist(), ii.tolist())]
+    cols = [g.table(ep[k])[bb, ii].tolist() for k in (L.ENV, L.END, L.TERMINATED, L.TRUNCATED, L.RETURN, L.LENGTH)]
+    finals = [map_leaves(ep[L.FINAL_OBS], lambda a, b=b, i=i: g.table(a)[b, i]) for b, i in zip(bb.tolist(), ii.tolist())]
     return [(int(e), int(t), bool(te), bool(tr), float(r), int(n), f) for e, t, te, tr, r, n, f in zip(*cols, finals)]
 
 
-def _complete(g: Grid, ep: Mapping[str, Any], at: tuple[int, ...], b: int, t0: int, t1: int,
+def _complete(g: L.Grid, ep: Mapping[str, Any], at: tuple[int, ...], b: int, t0: int, t1: int,
               ids: tuple[int, int | None], final: Any) -> Unit:
     """Steps ``[t0, t1)`` of rollout ``b``, one whole episode: its record is ``at`` in the episode record leaves
     ``ep`` (as :meth:`Grid.table` reads them), ``final`` its successor."""
@@ -155,18 +137,18 @@ def _concatenated(src: Any, data: Mapping[str, Any], lanes: Any, seqs: Any) -> l
     if getattr(src, "lengths", None) is None:
         raise SchemaError(f"{WHERE}: the rollout has no .fill and no .lengths; expected a shmbuf Rollout or Batch (fill) "
                           "or a complete-episodes CollectedBatch (lengths)")
-    g = _grid(src, None, COMPLETE_EPISODES)
+    g = _grid(src, None, L.COMPLETE_EPISODES)
     assert g.lengths is not None  # grid read the lengths: fill is None in complete-episodes mode
     R = len(g.lengths)
-    _lead_dims(data[STEP], (g.T,), STEP, WHERE)
-    _lead_dims({EPISODE: data[EPISODE], BOOTSTRAP: data[BOOTSTRAP]}, (R,), "", f"{WHERE} (one per episode)")
-    _same_obs(data[STEP][OBS], 1, data[BOOTSTRAP][OBS], 1, "bootstrap obs", WHERE)
-    _has(data[EPISODE], RECORD_FIELDS, "episode record field", WHERE)
+    _lead_dims(data[L.STEP], (g.T,), L.STEP, WHERE)
+    _lead_dims({L.EPISODE: data[L.EPISODE], L.BOOTSTRAP: data[L.BOOTSTRAP]}, (R,), "", f"{WHERE} (one per episode)")
+    _same_obs(data[L.STEP][L.OBS], 1, data[L.BOOTSTRAP][L.OBS], 1, "bootstrap obs", WHERE)
+    _has(data[L.EPISODE], RECORD_FIELDS, "episode record field", WHERE)
     # episode r's steps end at cumsum(lengths)[r] - 1; its successor is row r of the episode table's final_obs
     ends = np.cumsum(g.lengths)
     starts = ends - g.lengths
-    return [_complete(g, data[EPISODE], (0, r), 0, int(starts[r]), int(ends[r]), (_pick(lanes, r, r), _pick(seqs, r, None)),
-                      map_leaves(g.episode[FINAL_OBS], lambda a, r=r: g.table(a)[0, r]))
+    return [_complete(g, data[L.EPISODE], (0, r), 0, int(starts[r]), int(ends[r]), (_pick(lanes, r, r), _pick(seqs, r, None)),
+                      map_leaves(g.episode[L.FINAL_OBS], lambda a, r=r: g.table(a)[0, r]))
             for r in range(R)]
 
 
@@ -192,21 +174,21 @@ def _check_shapes(data: Mapping[str, Any], B: int | None, truncate: bool, where:
     batch = () if B is None else (B,)
     if B is not None:
         _lead_dims(data, batch, "", where)
-    step, ep, bobs = data[STEP], data[EPISODE], data[BOOTSTRAP][OBS]
-    lead = np.shape(step[REWARD])[len(batch):]
+    step, ep, bobs = data[L.STEP], data[L.EPISODE], data[L.BOOTSTRAP][L.OBS]
+    lead = np.shape(step[L.REWARD])[len(batch):]
     if len(lead) not in (1, 2) or (not truncate and len(lead) != 1):
         raise SchemaError(f"{where}: step leaf 'reward' has shape {lead}; expected (steps,) or, in "
                           "truncate-episodes mode, (steps, envs)")
-    _lead_dims(step, batch + lead, STEP, where)
+    _lead_dims(step, batch + lead, L.STEP, where)
     lead_n = len(batch + lead)
     rows = 0
     if truncate:
         rows = _check_table(ep, len(batch), where)
-        _same_obs(step[OBS], lead_n, ep[FINAL_OBS], len(batch) + 1, "episode final_obs", where)
+        _same_obs(step[L.OBS], lead_n, ep[L.FINAL_OBS], len(batch) + 1, "episode final_obs", where)
     else:
-        _lead_dims(ep, batch, EPISODE, where, exact=True)
+        _lead_dims(ep, batch, L.EPISODE, where, exact=True)
         _has(ep, RECORD_FIELDS, "episode record field", where)
-    _same_obs(step[OBS], lead_n, bobs, lead_n - 1, "bootstrap obs", where)
+    _same_obs(step[L.OBS], lead_n, bobs, lead_n - 1, "bootstrap obs", where)
     if len(lead) == 2:
         _lead_dims(bobs, batch + lead[1:], "bootstrap obs", where)
     return lead[0], rows
@@ -263,32 +245,32 @@ def _check_table(e_tab: Any, nb: int, where: str) -> int:
         if key not in e_tab:
             raise SchemaError(f"{where}: the episode table has no {key!r}; the workers truncate-episodes layout has "
                               f"{list(EPISODE_FIELDS)}, got {sorted(e_tab)}")
-        if key != FINAL_OBS and np.ndim(e_tab[key]) != nb + 1:
+        if key != L.FINAL_OBS and np.ndim(e_tab[key]) != nb + 1:
             raise SchemaError(f"{where}: episode table field {key!r} has shape {np.shape(e_tab[key])[nb:]}; expected "
                               "one value per row (rows,)")
-    for name, leaf in flat_leaves(e_tab[FINAL_OBS]):
+    for name, leaf in flat_leaves(e_tab[L.FINAL_OBS]):
         if np.ndim(leaf) < nb + 1:
             raise SchemaError(f"{where}: episode table field 'final_obs' leaf {name!r} has shape {np.shape(leaf)[nb:]}; "
                               "expected (rows, ...)")
-    for key in (END, ENV):
+    for key in (L.END, L.ENV):
         dtype = np.asarray(e_tab[key]).dtype
         if dtype.kind not in "iu":
             raise SchemaError(f"{where}: episode table field {key!r} has dtype {dtype}; expected integers")
     return min(np.shape(x)[nb] for x in [e_tab[f] for f in EPISODE_FIELDS[:-1]]
-               + [leaf for _, leaf in flat_leaves(e_tab[FINAL_OBS])])
+               + [leaf for _, leaf in flat_leaves(e_tab[L.FINAL_OBS])])
 
 
-def _check_ends(g: Grid, bb: np.ndarray, ii: np.ndarray, names: list[str]) -> None:
+def _check_ends(g: L.Grid, bb: np.ndarray, ii: np.ndarray, names: list[str]) -> None:
     """The filled episode-table rows ``(bb, ii)`` end at stored steps (``0 <= end < n``) of existing envs
     (``0 <= env < E``); SchemaError naming the first row that does not, and its rollout."""
     n = g.n[bb]
-    for key, hi in ((END, n), (ENV, np.full(len(bb), g.E))):
+    for key, hi in ((L.END, n), (L.ENV, np.full(len(bb), g.E))):
         v = g.table(g.episode[key])[bb, ii]
         bad = np.flatnonzero((v < 0) | (v >= hi))
         if len(bad):
             j = int(bad[0])
             b, nj = int(bb[j]), int(n[j])
-            what = f"the stored steps 0..{nj - 1} (fill['step']={nj})" if key == END else f"the envs 0..{g.E - 1}"
+            what = f"the stored steps 0..{nj - 1} (fill['step']={nj})" if key == L.END else f"the envs 0..{g.E - 1}"
             raise SchemaError(f"{WHERE}: {names[b]}: episode table row {int(ii[j])} has {key}={int(v[j])}, outside {what}")
 
 

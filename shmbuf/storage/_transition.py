@@ -82,7 +82,7 @@ class _ToTorch:
 class MiniBatch(_ToTorch, namedtuple("MiniBatch", ["obs", "critic_obs", "actions", "values", "advantages", "returns",
                                                    "old_actions_log_prob", "old_mu", "old_sigma", "hidden_states",
                                                    "masks"])):
-    """One minibatch, the forks' field names. Flat (:meth:`RolloutStorage.mini_batch_generator`): every array
+    """One minibatch, the forks' field names. Flat (:meth:`TimeMajorStorage.mini_batch_generator`): every array
     ``[batch, ...]``, ``hidden_states`` ``(None, None)`` and ``masks`` None, as rsl_rl yields them. Recurrent:
     ``obs``/``critic_obs`` ``[L, traj, ...]`` padded, ``masks`` ``[L, traj]``, ``hidden_states`` an
     :class:`ActorCriticHiddenState` ``(actor, critic)`` ``[traj, *rnn_hidden_shape]`` (``(None, None)`` without
@@ -130,7 +130,7 @@ AnyMiniBatch = MiniBatch | SarsaMiniBatch | ActionLabelMiniBatch
 TimeOutObservations = namedtuple("TimeOutObservations", ["step", "env", "obs"])
 TimeOutObservations.__doc__ = """Truncated (not terminated) episodes of a rollout: row ``step[i]``, env ``env[i]``
 ended by a time limit, and ``obs[i]`` is its final observation (a copy). See
-:meth:`RolloutStorage.time_out_values_from`."""
+:meth:`TimeMajorStorage.time_out_values_from`."""
 
 
 def array_of(name: str, x: Any) -> np.ndarray:

@@ -1,215 +1,63 @@
-"""The [num_envs, T+1] rollout buffer (embodichain's ``RolloutBuffer``), living in a shmbuf pipeline.
+"""The ``[num_envs, T+1]`` slot buffer (shmbuf's own): rollouts of named fields, each one slot of a shmbuf pipeline,
+written in place by an actor (this process or another) and read in place by the learner. embodichain's
+``RolloutBuffer`` is this buffer with its signature and types: :mod:`shmbuf.storage.compat.embodichain`.
 
-Every field shares the batch shape ``[num_envs, T+1]``. *Observation-aligned* fields (``obs``,
-``value``) use all T+1 rows: row T is the bootstrap observation and its value. *Transition-only*
-fields (``action``, ``sample_log_prob``, ``reward``, ``done``, ``terminated``, ``truncated``) hold T
-valid rows; row T is padding, zeroed by ``start_rollout()``. :func:`transition_view` drops the
-padding and exposes ``obs[:, :T]`` and ``next_obs = obs[:, 1:]`` (likewise ``value``/``next_value``),
-all views.
+Every field shares the batch shape ``[num_envs, T+1]``. *Observation-aligned* fields (kind ``"observation"``, e.g.
+``obs``, ``value``) use all T+1 rows: row T is the bootstrap observation and its value. *Transition-only* fields
+(kind ``"transition"``: actions, rewards, flags, ...) hold T valid rows; row T is padding, zeroed by
+``start_rollout()``. :func:`transition_view` drops the padding and exposes ``obs[:, :T]`` and
+``next_obs = obs[:, 1:]`` (likewise ``value``/``next_value``), all views.
 
-Each rollout is a slot of a shmbuf pipeline: ``start_rollout()`` returns that slot's shared memory
-as a :class:`RolloutSlot` of writable ``[num_envs, T+1, ...]`` views, ``add()`` commits it, and the
-learner's ``get()`` reads it in place. One process can do both sides (embodichain's usual use, with
-``slots`` rollouts in flight instead of one); an actor in another process does the writing side with
-``RolloutBuffer.writer(handle)``.
+Each rollout is a slot of a shmbuf pipeline: ``start_rollout()`` returns that slot's shared memory as a
+:class:`RolloutSlot` of writable ``[num_envs, T+1, ...]`` views, ``add()`` commits it, and the learner's ``get()``
+reads it in place. One process can do both sides (with ``slots`` rollouts in flight); an actor in another process
+does the writing side with ``SlotBuffer.writer(handle)`` (a :class:`RolloutBufferWriter`).
 
-The layout is the pipeline's schema: two timescales, ``"observation"`` and ``"transition"``, each a
-flat dict of field name to a ``[num_envs, T+1, *shape]`` leaf, so a process that knows only the
-pipeline's name knows every field, its dtype, shape and alignment.
+The layout is the pipeline's schema (:mod:`shmbuf.storage._buffer_layout`): two timescales, ``"observation"`` and
+``"transition"``, each a flat dict of field name to a ``[num_envs, T+1, *shape]`` leaf, so a process that knows only
+the pipeline's name knows every field, its dtype, shape and alignment. Every rollout is a dict of numpy arrays.
 
-Given a ``device`` (embodichain's fifth argument), the buffer speaks embodichain's types:
-``start_rollout()``, ``buffer`` and ``get()`` give TensorDicts (tensordict must be installed) of torch
-tensors on that device; on the CPU those tensors are the slot's shared memory itself. Without one,
-every rollout is a dict of numpy arrays.
+embodichain's ``RolloutBuffer`` used to be defined here; importing it from here still works, with a
+DeprecationWarning (it lives in :mod:`shmbuf.storage.compat.embodichain`, and in :mod:`shmbuf.storage`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, MutableMapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 import shmbuf
 from shmbuf._errors import BufferEmpty, BufferFull, PipelineClosed, SchemaError, SlotTimeout, StaleRollout, UsageError
-from shmbuf._validate import int_setting, timeout_setting
-from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATED
-from shmbuf.storage._buffer_views import (
-    as_tensordict,
-    is_tensordict,
-    iterate_minibatches,
-    tensordict_class,
-    torch_device,
-    transition_view,
+from shmbuf._moved import moved
+from shmbuf._validate import timeout_setting
+from shmbuf.storage._buffer_layout import (
+    KINDS,  # noqa: F401  # importable from here, as it always was (the layout moved to _buffer_layout)
+    OBSERVATION,
+    TRANSITION,
+    Field,
+    Layout,
+    checked_array,
+    merge_fields,
+    same_array,
 )
+from shmbuf.storage._buffer_views import iterate_minibatches, transition_view
 from shmbuf.storage._torch import to_torch
 
 __all__ = [
-    "BufferEmpty", "BufferFull", "Field", "RolloutBuffer", "RolloutBufferWriter", "RolloutSlot", "iterate_minibatches",
+    "BufferEmpty", "BufferFull", "Field", "RolloutBufferWriter", "RolloutSlot", "SlotBuffer", "iterate_minibatches",
     "to_torch", "transition_view",
 ]
 
-OBSERVATION = "observation"
-TRANSITION = "transition"
-KINDS = (OBSERVATION, TRANSITION)
 _DEFAULT = object()
 
-
-@dataclass(frozen=True)
-class Field:
-    """One field of the rollout: its trailing ``shape`` (after ``[num_envs, T+1]``), dtype and kind."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    kind: str
-
-    def full_shape(self, num_envs: int, rollout_len: int) -> tuple[int, ...]:
-        return (num_envs, rollout_len + 1, *self.shape)
-
-    def describe(self) -> str:
-        trail = "".join(f", {d}" for d in self.shape)
-        return f"field '{self.name}' ({self.kind}-aligned, [num_envs, T+1{trail}] {self.dtype})"
+# embodichain's buffer, moved to its façade (CHANGELOG.md): still importable from here, with a warning.
+_MOVED = {"RolloutBuffer": "shmbuf.storage.compat.embodichain", "default_fields": "shmbuf.storage.compat.embodichain"}
 
 
-# -- the layout --------------------------------------------------------------
-
-
-def _dim(value: Any, setting: str) -> tuple[int, ...]:
-    """An int >= 1 or a tuple of ints >= 0 (a trailing shape); else UsageError naming the setting."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        if value < 1:
-            raise UsageError(f"{setting}: expected an int >= 1 or a shape tuple, got {value!r}")
-        return (int(value),)
-    if isinstance(value, (tuple, list)) and all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0
-                                                 for d in value):
-        return tuple(int(d) for d in value)
-    raise UsageError(f"{setting}: expected an int >= 1 or a tuple of ints >= 0, got {value!r}")
-
-
-def _dtype(value: Any, setting: str) -> np.dtype:
-    try:
-        dt = np.dtype(value)
-    except TypeError:
-        dt = None
-    if dt is None or dt.kind not in "biufc" or dt.fields is not None:
-        raise UsageError(f"{setting}: expected a numpy bool, integer, float or complex dtype, got {value!r}")
-    return dt
-
-
-def default_fields(obs_dim: Any, action_dim: Any, dtype: Any = np.float32) -> dict[str, Field]:
-    """embodichain's fields: obs, action, sample_log_prob, value, reward, done, terminated, truncated."""
-    fdt = _dtype(dtype, "RolloutBuffer(dtype=...)")
-    b = np.dtype(bool)
-    specs = {
-        OBS: (_dim(obs_dim, "RolloutBuffer(obs_dim=...)"), fdt, OBSERVATION),
-        ACTION: (_dim(action_dim, "RolloutBuffer(action_dim=...)"), fdt, TRANSITION),
-        "sample_log_prob": ((), fdt, TRANSITION),
-        "value": ((), fdt, OBSERVATION),
-        REWARD: ((), fdt, TRANSITION),
-        "done": ((), b, TRANSITION),
-        TERMINATED: ((), b, TRANSITION),
-        TRUNCATED: ((), b, TRANSITION),
-    }
-    return {name: Field(name, *spec) for name, spec in specs.items()}
-
-
-def _merge_fields(base: dict[str, Field], extra: Mapping[str, Any] | None) -> dict[str, Field]:
-    """``fields=``: name -> (shape, dtype) or (shape, dtype, kind) adds or overrides; name -> None removes."""
-    out = dict(base)
-    if extra is None:
-        return out
-    if not isinstance(extra, Mapping):
-        raise UsageError("RolloutBuffer(fields=...): expected a dict of name -> (shape, dtype[, kind]), "
-                         f"got {type(extra).__name__}")
-    for name, spec in extra.items():
-        where = f"RolloutBuffer(fields={{{name!r}: ...}})"
-        if not isinstance(name, str) or not name or name.startswith("_") or "/" in name:
-            raise UsageError(f"{where}: a field name must be a non-empty str not starting with '_' and without '/'")
-        if spec is None:
-            out.pop(name, None)
-            continue
-        if not isinstance(spec, tuple) or len(spec) not in (2, 3):
-            raise UsageError(f"{where}: expected (shape, dtype) or (shape, dtype, kind), or None to remove it, got {spec!r}")
-        old = out.get(name)
-        kind = spec[2] if len(spec) == 3 else (old.kind if old is not None else TRANSITION)
-        if kind not in KINDS:
-            raise UsageError(f"{where}: kind must be one of {KINDS}, got {kind!r}")
-        shape = spec[0] if isinstance(spec[0], (tuple, list)) else _dim(spec[0], where)
-        out[name] = Field(name, _dim(tuple(shape), where), _dtype(spec[1], where), kind)
-    return out
-
-
-class Layout:
-    """The fields of a rollout and its sizes; builds the pipeline's example, or reads it back from a schema."""
-
-    def __init__(self, num_envs: int, rollout_len: int, fields: dict[str, Field]):
-        for setting, v in (("num_envs", num_envs), ("rollout_len", rollout_len)):
-            int_setting(f"RolloutBuffer({setting}=...)", v, 1)
-        if not fields:
-            raise UsageError("RolloutBuffer: no fields left (fields= removed them all)")
-        for f in fields.values():
-            if f.kind == OBSERVATION and f"next_{f.name}" in fields:
-                raise UsageError(f"RolloutBuffer: field 'next_{f.name}' clashes with the next_{f.name} that "
-                                 f"transition_view makes of observation-aligned field '{f.name}'; rename it")
-        self.num_envs, self.rollout_len = int(num_envs), int(rollout_len)
-        self.fields = dict(sorted(fields.items()))
-        self.obs_fields = tuple(n for n, f in self.fields.items() if f.kind == OBSERVATION)
-
-    def example(self) -> dict[str, Any]:
-        """The pipeline's example: zero-stride arrays (only their shape and dtype are read)."""
-        out: dict[str, Any] = {}
-        for f in self.fields.values():
-            shape = f.full_shape(self.num_envs, self.rollout_len)
-            out.setdefault(f.kind, {})[f.name] = np.broadcast_to(np.zeros((), f.dtype), shape)
-        return out
-
-    @classmethod
-    def from_schema(cls, schema: shmbuf.Schema, name: str) -> Layout:
-        """The layout of a pipeline made by a RolloutBuffer; SchemaError if it is not one."""
-        fields: dict[str, Field] = {}
-        sizes = set()
-        for leaf in schema.leaves:
-            ok = len(leaf.path) == 2 and leaf.path[0] in KINDS and isinstance(leaf.path[1], str) and len(leaf.shape) >= 2
-            if not ok:
-                raise SchemaError(f"pipeline {name} is not a RolloutBuffer's: leaf {leaf.name} of shape {leaf.shape} is not "
-                                  f"'{OBSERVATION}/<field>' or '{TRANSITION}/<field>' of shape [num_envs, T+1, ...]")
-            kind, key = leaf.path
-            assert isinstance(kind, str) and isinstance(key, str)  # `ok` checked both (KINDS are strs)
-            sizes.add(leaf.shape[:2])
-            fields[key] = Field(key, tuple(leaf.shape[2:]), leaf.dtype, kind)
-        if len(sizes) != 1:
-            raise SchemaError(f"pipeline {name} is not a RolloutBuffer's: its leaves disagree on [num_envs, T+1]: "
-                              f"{sorted(sizes)}")
-        (n, t1), = sizes
-        return cls(n, t1 - 1, fields)
-
-
-# -- checking what is written ------------------------------------------------
-
-
-def _same_array(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether ``b`` is ``a`` seen through another array object (same memory, shape, strides and dtype)."""
-    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.shape == b.shape
-            and a.strides == b.strides and a.dtype == b.dtype)
-
-
-def _checked(f: Field, x: Any, shapes: tuple[tuple[int, ...], ...], what: str) -> np.ndarray:
-    """``x`` as an array that may be assigned to ``f``: one of ``shapes``, a dtype that casts 'same_kind'."""
-    if not isinstance(x, np.ndarray):
-        try:
-            x = np.asarray(x)
-        except Exception as exc:  # noqa: BLE001  # anything __array__ raises (a torch tensor needing grad, on a GPU)
-            raise SchemaError(f"{f.describe()}: {what}: could not read a {type(x).__name__} as a numpy array "
-                              f"({type(exc).__name__}: {exc}); pass a CPU array") from None
-    if x.dtype.kind not in "biufc" or not np.can_cast(x.dtype, f.dtype, casting="same_kind"):
-        raise SchemaError(f"{f.describe()}: {what}: expected dtype {f.dtype} (or one that casts to it under numpy's "
-                          f"'same_kind' rule), got {x.dtype}")
-    if x.shape not in shapes:
-        want = " or ".join(str(s) for s in shapes)
-        raise SchemaError(f"{f.describe()}: {what}: expected shape {want}, got {x.shape}")
-    return x
+def __getattr__(name: str) -> object:
+    return moved("shmbuf.storage.buffer", name, _MOVED)
 
 
 class RolloutSlot(MutableMapping):
@@ -256,7 +104,7 @@ class RolloutSlot(MutableMapping):
             return
         n, t = self._layout.num_envs, self._layout.rollout_len
         shapes = (f.full_shape(n, t),) if f.kind == OBSERVATION else (f.full_shape(n, t), (n, t, *f.shape))
-        x = _checked(f, value, shapes, "a whole-field write")
+        x = checked_array(f, value, shapes, "a whole-field write")
         view[:, : x.shape[1]] = x
 
     def __delitem__(self, name: str) -> None:
@@ -289,7 +137,7 @@ class RolloutSlot(MutableMapping):
             if not 0 <= t <= last:
                 raise UsageError(f"set_step(t={t}): {f.describe()} takes t from 0 to {last}"
                                  + ("" if f.kind == OBSERVATION else f" (t={t_len} is its padding row)"))
-            checked.append((views[name], _checked(f, value, ((n, *f.shape),), f"set_step(t={t})")))
+            checked.append((views[name], checked_array(f, value, ((n, *f.shape),), f"set_step(t={t})")))
         for view, x in checked:
             view[:, t] = x
 
@@ -302,10 +150,10 @@ class RolloutSlot(MutableMapping):
 
 
 class RolloutBufferWriter:
-    """The actor side: fills slots of a RolloutBuffer's pipeline in place, from any process.
+    """The actor side: fills slots of a SlotBuffer's (or RolloutBuffer's) pipeline in place, from any process.
 
     Make it from the buffer's ``handle`` (or name) in the actor's process:
-    ``w = RolloutBuffer.writer(handle)``; then ``rollout = w.start_rollout()``, write the fields,
+    ``w = SlotBuffer.writer(handle)`` (``RolloutBuffer.writer(handle)``); then ``rollout = w.start_rollout()``, write the fields,
     ``w.add(rollout)``. It holds a shmbuf :class:`~shmbuf.Writer` (one writer lane); ``close()`` or a
     ``with`` block gives it back, and a ``with`` block ends quietly when the learner closes the buffer.
 
@@ -316,7 +164,7 @@ class RolloutBufferWriter:
     """
 
     def __init__(self, pipeline: Any, *, timeout: float | None = 30.0, label: str = "rollout-buffer"):
-        if isinstance(pipeline, RolloutBuffer):
+        if isinstance(pipeline, SlotBuffer):
             pipeline = pipeline.handle
         self._writer = shmbuf.Writer(pipeline, timeout=timeout, label=label)
         try:
@@ -387,9 +235,9 @@ class RolloutBufferWriter:
             if x is views[name]:
                 continue
             shape = f.full_shape(self.num_envs, self.rollout_len)
-            todo.append((views[name], _checked(f, x, (shape,), "add()")))
+            todo.append((views[name], checked_array(f, x, (shape,), "add()")))
         for view, x in todo:
-            if not _same_array(view, x):  # e.g. slot["obs"][...]: the view itself, nothing to copy
+            if not same_array(view, x):  # e.g. slot["obs"][...]: the view itself, nothing to copy
                 view[...] = x
 
     def close(self) -> None:
@@ -412,70 +260,42 @@ class RolloutBufferWriter:
 # -- the buffer (learner side, and the in-process writer) --------------------
 
 
-class RolloutBuffer:
-    """embodichain's ``RolloutBuffer`` on shared memory: ``[num_envs, T+1]`` rollouts, ``slots`` in flight.
+class SlotBuffer:
+    """``[num_envs, T+1]`` rollouts of named fields on shared memory, ``slots`` in flight.
 
     Args:
-        num_envs, rollout_len (T), obs_dim, action_dim: as embodichain's (``obs_dim``/``action_dim``
-            may also be shape tuples).
-        device: embodichain's fifth argument (a ``str`` or ``torch.device``): rollouts are then
-            TensorDicts of torch tensors on it (needs torch and tensordict); None (the default): dicts
-            of numpy arrays.
-        use_raw_obs: embodichain's; only False (raw observations are Python objects, which a
-            shared-memory slot cannot hold: UsageError).
-        action_chunk_size: embodichain's; > 0 adds the transition-only field ``action_chunk`` of shape
-            ``[num_envs, T+1, action_chunk_size, *action_dim]``.
-        fields: name -> ``(shape, dtype)`` or ``(shape, dtype, kind)`` adds or overrides a field
-            (``kind``: ``"observation"``, T+1 valid rows, or ``"transition"``, T rows and a padding
-            row; an override keeps the old kind unless given, a new field is ``"transition"``);
-            name -> None removes one. E.g. ``{"action": ((), np.int64)}`` for discrete actions.
+        num_envs, rollout_len (T): the batch shape ``[num_envs, T+1]`` of every field.
+        fields: name -> ``(shape, dtype)`` or ``(shape, dtype, kind)`` (``shape``: the trailing shape, an int or a
+            tuple; ``kind``: ``"observation"``, T+1 valid rows, or ``"transition"``, T rows and a padding row, the
+            default), or a :class:`Field`. E.g. ``{"obs": ((4,), np.float32, "observation"), "action": ((),
+            np.int64), "reward": ((), np.float32)}``.
         slots: rollouts in flight (being written, waiting, or held by the learner).
-        dtype: of the float fields (obs, action, sample_log_prob, value, reward).
         max_writers: writer processes (lanes) that may attach at once, this process's own included.
-        timeout: how long :meth:`get` waits for a rollout unless it is given its own ``timeout``. 0
-            (the default): a :meth:`get` with nothing stored raises at once, as embodichain's does.
-            Seconds, or None (for ever), to wait for actors in other processes.
+        timeout: how long :meth:`get` waits for a rollout unless it is given its own ``timeout``. 0 (the default): a
+            :meth:`get` with nothing stored raises at once. Seconds, or None (for ever), to wait for actors in other
+            processes.
         keep_on_crash: as ``shmbuf.create``'s (leave the shared memory for ``shmbuf ls`` if this process dies).
 
-    In one process it is both sides: ``start_rollout()``, write, ``add()``, then ``get()``. Actors
-    in other processes use ``RolloutBuffer.writer(buffer.handle)``. Pickling the buffer (e.g. as a
-    ``Process`` argument) sends its :class:`~shmbuf.Handle`, as a Reader's does. ``close()`` (or a
-    ``with`` block, or garbage collection) stops every writer and removes the shared memory.
+    In one process it is both sides: ``start_rollout()``, write, ``add()``, then ``get()``. Actors in other processes
+    use ``SlotBuffer.writer(buffer.handle)``. Pickling the buffer (e.g. as a ``Process`` argument) sends its
+    :class:`~shmbuf.Handle`, as a Reader's does. ``close()`` (or a ``with`` block, or garbage collection) stops
+    every writer and removes the shared memory.
     """
 
-    def __init__(self, num_envs: int, rollout_len: int, obs_dim: Any, action_dim: Any, device: Any = None,
-                 use_raw_obs: bool = False, action_chunk_size: int = 0, *,
-                 fields: Mapping[str, Any] | None = None, slots: int = 2, dtype: Any = np.float32,
+    def __init__(self, num_envs: int, rollout_len: int, fields: Mapping[str, Any], *, slots: int = 2,
                  max_writers: int = 16, timeout: float | None = 0.0, keep_on_crash: bool = False):
-        timeout = timeout_setting("RolloutBuffer(timeout=...)", timeout)
-        self.device = None if device is None else torch_device(device, "RolloutBuffer(device=...)")
-        if self.device is not None:
-            tensordict_class("RolloutBuffer(device=...)")
-        if use_raw_obs is not False:
-            raise UsageError(f"RolloutBuffer(use_raw_obs={use_raw_obs!r}): embodichain keeps raw observations as a Python "
-                             "list of per-step objects beside the TensorDict; a shared-memory rollout holds only fixed-shape "
-                             "arrays. Flatten them into 'obs', or give each part a field: fields={'name': (shape, dtype, "
-                             "'observation')}")
-        chunk = int_setting("RolloutBuffer(action_chunk_size=...)", action_chunk_size, 0)
-        base = default_fields(obs_dim, action_dim, dtype)
-        if chunk:
-            act = base[ACTION]
-            base["action_chunk"] = Field("action_chunk", (chunk, *act.shape), act.dtype, TRANSITION)
-        self.action_chunk_size = chunk
-        self.use_raw_obs = False
-        self.layout = Layout(num_envs, rollout_len, _merge_fields(base, fields))
+        where = type(self).__name__
+        self.timeout = timeout_setting(f"{where}(timeout=...)", timeout)
+        self.layout = Layout(num_envs, rollout_len, merge_fields({}, fields, where), where)
         self.num_envs, self.rollout_len = self.layout.num_envs, self.layout.rollout_len
-        self.obs_dim, self.action_dim = obs_dim, action_dim
-        self.timeout = timeout
         self._reader = shmbuf.create(self.layout.example(), slots, max_writers=max_writers, keep_on_crash=keep_on_crash)
         self.slots = self._reader.slots
         self._local: RolloutBufferWriter | None = None
         self._held: shmbuf.Rollout | None = None
-        self._td: Any = None  # with a device: the TensorDict start_rollout() gave for the slot being written
 
     @property
     def handle(self) -> shmbuf.Handle:
-        """What an actor process needs: ``RolloutBuffer.writer(handle)`` there."""
+        """What an actor process needs: ``SlotBuffer.writer(handle)`` there."""
         return self._reader.handle
 
     @property
@@ -500,37 +320,25 @@ class RolloutBuffer:
         """A :class:`RolloutBufferWriter` for an actor process (pass the buffer's ``handle``)."""
         return RolloutBufferWriter(handle, timeout=timeout, label=label)
 
-    # -- the in-process writing side (embodichain's collector) ---------------
+    # -- the in-process writing side -------------------------------------------
 
     @property
     def buffer(self) -> Any:
         """The rollout this process started and has not added yet (what start_rollout() returned), or None."""
-        if self._local is None or self._local.buffer is None:
-            return None
-        return self._local.buffer if self.device is None else self._td
+        return None if self._local is None else self._local.buffer
 
     def start_rollout(self) -> Any:
         """The shared slot to write the next rollout into, in this process; see :meth:`RolloutBufferWriter.start_rollout`.
 
         Never waits: with every slot holding a rollout that ``get()`` has not taken (or that is held
         from ``get(flatten=False)``), only this process could free one, so it raises :class:`BufferFull`.
-
-        With a ``device``: a TensorDict of batch shape ``[num_envs, T+1]`` (embodichain's). On the CPU
-        its tensors are the slot's shared memory (``rollout["obs"][:, t] = obs`` writes the slot);
-        on another device they are copies that :meth:`add` writes back into the slot. Lifetime: as the
-        slot's, until :meth:`add`.
+        Lifetime: as the slot's, until :meth:`add`.
         """
-        slot = self._start_slot()
-        if self.device is None:
-            return slot
-        if self._td is None:
-            t1 = (self.num_envs, self.rollout_len + 1)
-            self._td = as_tensordict(dict(slot._views), t1, self.device, "RolloutBuffer.start_rollout()")
-        return self._td
+        return self._start_slot()
 
     def _start_slot(self) -> RolloutSlot:
         if self._reader.closed:
-            raise PipelineClosed(f"start_rollout(): this RolloutBuffer (pipeline {self._reader.name}) is closed")
+            raise PipelineClosed(f"start_rollout(): this {type(self).__name__} (pipeline {self._reader.name}) is closed")
         if self._local is None:
             self._local = RolloutBufferWriter(self._reader.handle, timeout=0, label="in-process")
         if self._local.buffer is None:
@@ -541,42 +349,14 @@ class RolloutBuffer:
             raise BufferFull(f"start_rollout(): every slot (slots={self.slots}) holds a rollout not yet consumed; call get() "
                              "(and release() after get(flatten=False)) first, or create the buffer with more slots") from exc
 
-    def add(self, rollout: Any = None) -> None:
-        """Mark the rollout started in this process ready (commit it); see :meth:`RolloutBufferWriter.add`.
-
-        A TensorDict (with a ``device``: the one :meth:`start_rollout` gave, or another of the same
-        fields) is checked field by field (SchemaError naming a missing or unknown key: a key the
-        layout does not have cannot travel in the slot; declare it with ``fields=``), and every tensor
-        that is not the slot's own memory is copied in.
-        """
+    def _check_started(self) -> RolloutBufferWriter:
         if self._local is None or self._local.buffer is None:
             raise UsageError("add() without start_rollout(): there is no rollout being written in this process")
-        td = self._td
-        if is_tensordict(rollout) or (rollout is None and td is not None):
-            self._copy_tensordict(self._local.buffer, td if rollout is None else rollout)
-            rollout = None
-        self._local.add(rollout)
-        self._td = None
+        return self._local
 
-    def _copy_tensordict(self, slot: RolloutSlot, td: Any) -> None:
-        fields = self.layout.fields
-        keys = list(td.keys())
-        missing = sorted(set(fields) - set(keys))
-        extra = sorted((k for k in keys if k not in fields), key=str)
-        if missing or extra:
-            hint = (f"; a key the buffer's layout does not have cannot be stored in the shared slot: declare it, e.g. "
-                    f"RolloutBuffer(..., fields={{{extra[0]!r}: ((), np.float32)}})" if extra else "")
-            raise SchemaError(f"add(): expected the TensorDict's keys to be the buffer's fields {list(fields)}; "
-                              + "; ".join(p for p in (f"missing {missing}" if missing else "",
-                                                       f"unknown {extra}" if extra else "") if p) + hint)
-        views = slot._views
-        for name in fields:
-            t = td.get(name)
-            view = views[name]
-            if t.device.type == "cpu" and t.data_ptr() == view.__array_interface__["data"][0] \
-                    and tuple(t.shape) == view.shape and tuple(t.stride()) == tuple(s // view.itemsize for s in view.strides):
-                continue  # the slot's own memory: written in place
-            slot[name] = t.detach().cpu().numpy()
+    def add(self, rollout: Any = None) -> None:
+        """Mark the rollout started in this process ready (commit it); see :meth:`RolloutBufferWriter.add`."""
+        self._check_started().add(rollout)
 
     # -- the learner side ---------------------------------------------------
 
@@ -590,20 +370,23 @@ class RolloutBuffer:
         - ``flatten=True``: the transition view flattened to ``[num_envs * T, ...]``, as independent
           copies (one copy per byte, into new arrays that are yours), and the slot is released
           before this returns, so an actor can refill it at once.
-        - ``flatten=False``: the whole rollout, ``[num_envs, T+1, ...]`` zero-copy views of the slot
-          (embodichain returns its buffer here). Lifetime: they stay valid until the next ``get()``,
-          :meth:`release` or :meth:`close`, which release the slot; do not keep them past that (the
-          slot is rewritten), copy what must outlive it. Pass them to :meth:`transition_view`.
+        - ``flatten=False``: the whole rollout, ``[num_envs, T+1, ...]`` zero-copy views of the slot.
+          Lifetime: they stay valid until the next ``get()``, :meth:`release` or :meth:`close`, which
+          release the slot; do not keep them past that (the slot is rewritten), copy what must outlive
+          it. Pass them to :meth:`transition_view`.
 
         The previous ``get(flatten=False)`` rollout is released first. With nothing stored it raises
-        :class:`BufferEmpty` (a SlotTimeout and a RuntimeError) at once, as embodichain's empty buffer
-        raises RuntimeError, unless a
-        wait is asked for: ``timeout`` seconds (or the buffer's ``timeout``), None for ever.
-
-        With a ``device`` the same, as TensorDicts on it (embodichain's): batch shape ``[num_envs * T]``
-        (flattened) or ``[num_envs, T+1]``; the latter's tensors are the slot's memory on the CPU
-        (same lifetime as above) and copies elsewhere (the slot is then released at once).
+        :class:`BufferEmpty` (a SlotTimeout and a RuntimeError) at once, unless a wait is asked for:
+        ``timeout`` seconds (or the buffer's ``timeout``), None for ever.
         """
+        r, data = self._next(timeout)
+        if not flatten:
+            self._held = r
+            return data
+        return self._flat(r, data)
+
+    def _next(self, timeout: Any) -> tuple[shmbuf.Rollout, dict[str, np.ndarray]]:
+        """The next rollout and its fields (views of the slot), the previous ``get(flatten=False)`` released first."""
         self.release()
         wait = self.timeout if timeout is _DEFAULT else timeout
         try:
@@ -611,31 +394,18 @@ class RolloutBuffer:
         except SlotTimeout as exc:
             if wait != 0:
                 raise
-            raise BufferEmpty(f"RolloutBuffer.get(): the buffer is empty (no rollout was added that get() has not taken; "
+            name = type(self).__name__
+            raise BufferEmpty(f"{name}.get(): the buffer is empty (no rollout was added that get() has not taken; "
                               f"pipeline {self._reader.name}). get() does not wait unless asked: pass get(timeout=seconds) "
-                              "or RolloutBuffer(..., timeout=seconds) to wait for an actor in another process") from exc
-        data = {name: arr for ts in r.data.values() for name, arr in ts.items()}
-        if not flatten:
-            if self.device is None:
-                self._held = r
-                return data
-            try:
-                td = as_tensordict(data, (self.num_envs, self.rollout_len + 1), self.device, "RolloutBuffer.get()")
-            except BaseException:
-                r.release()
-                raise
-            if self.device.type == "cpu":
-                self._held = r
-            else:
-                r.release()
-            return td
+                              f"or {name}(..., timeout=seconds) to wait for an actor in another process") from exc
+        return r, {name: arr for ts in r.data.values() for name, arr in ts.items()}
+
+    def _flat(self, r: shmbuf.Rollout, data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The flattened transition view of ``data``, copied, and ``r`` released."""
         try:
-            flat = transition_view(data, flatten=True, obs_fields=self.obs_fields, copy=True)
+            return transition_view(data, flatten=True, obs_fields=self.obs_fields, copy=True)
         finally:
             r.release()
-        if self.device is None:
-            return flat
-        return as_tensordict(flat, (self.num_envs * self.rollout_len,), self.device, "RolloutBuffer.get()")
 
     def release(self) -> None:
         """Give back the slot of the last ``get(flatten=False)`` (its views must not be used after). Idempotent."""
@@ -652,7 +422,6 @@ class RolloutBuffer:
     def close(self) -> None:
         """Stop the pipeline: writers' next calls raise PipelineClosed; the shared memory is removed."""
         self._held = None
-        self._td = None
         if self._local is not None:
             self._local.close()
             self._local = None
@@ -662,12 +431,12 @@ class RolloutBuffer:
     def closed(self) -> bool:
         return self._reader.closed
 
-    def __enter__(self) -> RolloutBuffer:
+    def __enter__(self) -> SlotBuffer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"RolloutBuffer(num_envs={self.num_envs}, rollout_len={self.rollout_len}, slots={self.slots}, "
+        return (f"{type(self).__name__}(num_envs={self.num_envs}, rollout_len={self.rollout_len}, slots={self.slots}, "
                 f"fields={list(self.layout.fields)}, name={self._reader.name!r})")

@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shmbuf import layout as L
 from shmbuf._errors import SegmentError, SlotTimeout, UsageError
 from shmbuf._validate import int_setting, timeout_setting
-from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATED
 from shmbuf.storage._file_base import RolloutFileBase
 from shmbuf.storage._fileformat import (
     CHUNK_DIR,
@@ -90,7 +90,7 @@ class _Traj:
         # A boundary the step leaves do not show: a trajectory cut short by the recording, or one whose last frame
         # has neither flag (an episode truncated in a recording without a truncated field; a soft horizon recorded
         # by an older Recorder). Readers mark it as a timeout (the forks' done, play's truncated): never run on across it.
-        flags = [self.data[f][-1][-1] for f in (meta["keys"].get(TERMINATED), meta["keys"].get(TRUNCATED))
+        flags = [self.data[f][-1][-1] for f in (meta["keys"].get(L.TERMINATED), meta["keys"].get(L.TRUNCATED))
                  if f in self.data]
         self.unflagged_end = not self.ends_episode or not any(bool(np.any(x != 0)) for x in flags)
 
@@ -189,7 +189,7 @@ class RolloutDataset(RolloutFileBase):
 
     def __init__(self, data_dir: str | os.PathLike[str], num_envs: int, dataset_loops: int = 1,
                  random_shuffle_traj_order: bool = False, keep_latest_n_trajs: int = 0,
-                 starting_frame_range: Sequence[int] = (0, 1), device: Any = None, *, obs_key: str = OBS,
+                 starting_frame_range: Sequence[int] = (0, 1), device: Any = None, *, obs_key: str = L.OBS,
                  concat_obs: bool = False, seed: Any = None, wait_timeout: float | None = 60.0,
                  poll_interval: float = 0.2, allow_pickle: bool = False):
         num_envs = int_setting("RolloutDataset(num_envs=...)", num_envs)
@@ -290,7 +290,7 @@ class RolloutDataset(RolloutFileBase):
     def _setup_fields(self, meta: dict[str, Any]) -> None:
         self._leaves = {lf["file"]: lf for lf in meta["leaves"]}
         fields = {k: d for k, d in meta["fields"]["items"]}
-        recorded = meta["keys"].get(OBS) or OBS
+        recorded = meta["keys"].get(L.OBS) or L.OBS
         if self.obs_key != recorded:
             what = "is one of the recording's step leaves, but" if self.obs_key in fields else "is not a step leaf " \
                 f"of the recording ({sorted(fields)}), and"
@@ -300,9 +300,9 @@ class RolloutDataset(RolloutFileBase):
         self._fields = fields
         self._obs_files = [f for f in self._leaves if self._leaves[f]["path"][0] == self.obs_key]
         keys = meta.get("keys", KEYS)
-        self._timeout_key = keys.get(TRUNCATED)
-        self._term_key = keys.get(TERMINATED) or TERMINATED
-        self._reserved = {self.obs_key, ACTION, REWARD, self._term_key, self._timeout_key}
+        self._timeout_key = keys.get(L.TRUNCATED)
+        self._term_key = keys.get(L.TERMINATED) or L.TERMINATED
+        self._reserved = {self.obs_key, L.ACTION, L.REWARD, self._term_key, self._timeout_key}
 
     def read_dataset_directory(self) -> bool:
         """Rescan ``data_dir`` (the forks' name): True, with a fresh pool of unused trajectories, if there are enough."""
@@ -479,7 +479,7 @@ class RolloutDataset(RolloutFileBase):
     def _transition(self, out: dict[str, np.ndarray]) -> FileTransition:
         term, done, timeout = self._flags(out)
         extras = {k: build(d, lambda f: out[f]) for k, d in self._fields.items() if k not in self._reserved}
-        return FileTransition(self._obs(out, ""), build(self._fields[ACTION], lambda f: out[f]), out[REWARD], done,
+        return FileTransition(self._obs(out, ""), build(self._fields[L.ACTION], lambda f: out[f]), out[L.REWARD], done,
                           timeout, self._obs(out, "next:"), term, out["first"], extras)
 
     def get_transition_batch(self) -> tuple[Any, Any, Any, Any, dict[str, Any]]:  # type: ignore[override]  # shmbuf's 5-tuple, kept
@@ -489,7 +489,7 @@ class RolloutDataset(RolloutFileBase):
         where the recording has a timeout (truncated) field.
         """
         b = self.get_batch()
-        info: dict[str, Any] = {"next_observation": b.next_observation, TERMINATED: b.terminated, "first": b.first,
+        info: dict[str, Any] = {"next_observation": b.next_observation, L.TERMINATED: b.terminated, "first": b.first,
                                 **b.extras}
         if b.timeout is not None:
             info["time_outs"] = b.timeout

@@ -12,7 +12,7 @@ the flags differently, so there are two keywords; pass one of them (or neither):
 - ``truncated=`` (gymnasium): ``dones`` is *terminated* (the MDP ended, the value after it is 0) and
   ``truncated`` a time limit; a step both terminated and truncated counts as terminated:
   ``boot = truncated & ~dones``. This is how shmbuf reads its own actors' ``terminated``/``truncated``
-  (``RolloutStorage.from_rollout``).
+  (``TimeMajorStorage.from_rollout``, and rsl_rl's ``RolloutStorage.from_rollout``, the same).
 
 A bootstrapped step adds ``gamma * tv[t]``, the critic's value of the episode's final observation:
 ``time_out_values[t]`` where given, else ``values[t]``, which is what rsl_rl does (``rewards += gamma *

@@ -13,22 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from shmbuf import layout as L
 from shmbuf._errors import UsageError
 from shmbuf._validate import int_setting
-from shmbuf.layout import (
-    BOOTSTRAP,
-    END,
-    ENV,
-    ENV_STEPS,
-    EPISODE,
-    FINAL_OBS,
-    LENGTH,
-    OBS,
-    RETURN,
-    STEP,
-    TERMINATED,
-    TRUNCATED,
-)
 from shmbuf.storage._fileformat import build, flat_leaves, read_metadata
 from shmbuf.storage.dataset import RolloutDataset, _Traj
 
@@ -51,20 +38,17 @@ def playback_example(data_dir: str | os.PathLike[str], *, rollout_len: int, num_
     leaves = {lf["file"]: lf for lf in meta["leaves"]}
     T, env = rollout_len, (() if num_envs is None else (num_envs,))
     E = num_envs or 1
-    m = max(T * E if max_episodes is None else int(max_episodes), 2)
     fields = dict(meta["fields"]["items"])
 
     def zeros(lead: tuple[int, ...]) -> Any:
         return lambda f: np.zeros(lead + tuple(leaves[f]["shape"]), leaves[f]["dtype"])
 
     step = {k: build(d, zeros((T, *env))) for k, d in fields.items()}
-    if TRUNCATED not in step:
-        step[TRUNCATED] = np.zeros((T, *env), bool)
-    episode = {RETURN: np.zeros(m, np.float64), LENGTH: np.zeros(m, np.int64), TERMINATED: np.zeros(m, bool),
-               TRUNCATED: np.zeros(m, bool), ENV: np.zeros(m, np.int32), END: np.zeros(m, np.int32),
-               FINAL_OBS: build(fields[OBS], zeros((m,)))}
-    bootstrap = {OBS: build(fields[OBS], zeros(env)), ENV_STEPS: np.zeros((), np.int64)}
-    return {STEP: step, EPISODE: episode, BOOTSTRAP: bootstrap}
+    if L.TRUNCATED not in step:
+        step[L.TRUNCATED] = np.zeros((T, *env), bool)
+    episode = L.EpisodeTable.example(build(fields[L.OBS], zeros(())), T * E if max_episodes is None else max_episodes)
+    bootstrap = {L.OBS: build(fields[L.OBS], zeros(env)), L.ENV_STEPS: np.zeros((), np.int64)}
+    return {L.STEP: step, L.EPISODE: episode, L.BOOTSTRAP: bootstrap}
 
 
 def play(data_dir: str | os.PathLike[str], pipeline: Any, *, rollout_len: int, num_envs: int | None = None,
@@ -92,7 +76,7 @@ def play(data_dir: str | os.PathLike[str], pipeline: Any, *, rollout_len: int, n
     ds = RolloutDataset(data_dir, E, dataset_loops, random_shuffle_traj_order, keep_latest_n_trajs, seed=seed,
                         wait_timeout=wait_timeout)
     committed, env_steps = 0, 0
-    ep_cap = len(example[EPISODE][ENV])
+    ep_cap = len(example[L.EPISODE][L.ENV])
     with shmbuf.Writer(pipeline, example, timeout=writer_timeout, label=label) as writer:
         try:
             ds.reset()
@@ -109,7 +93,7 @@ def play(data_dir: str | os.PathLike[str], pipeline: Any, *, rollout_len: int, n
                                      f"raise max_episodes to at least that")
                 env_steps += T * E
                 _write_rollout(writer.slot(), out, ds, ends, num_envs is None, env_steps)
-                writer.commit(fill={EPISODE: len(ends)})
+                writer.commit(fill={L.EPISODE: len(ends)})
                 committed += 1
         except shmbuf.PipelineClosed:
             pass
@@ -123,28 +107,23 @@ def _write_rollout(slot: dict[str, Any], out: dict[str, np.ndarray], ds: Rollout
     It builds a rollout from successors the dataset already read (the bootstrap obs is the last step's, the
     episode table's final_obs each ended trajectory's), so there is no successor to compute here.
     """
-    step = slot[STEP]
+    step = slot[L.STEP]
     for name, view in flat_leaves(step):
-        if name == TRUNCATED and TRUNCATED not in out:
+        if name == L.TRUNCATED and L.TRUNCATED not in out:
             src = out["cut"]
-        elif name == TRUNCATED:
-            src = (out[TRUNCATED] != 0) | out["cut"]
+        elif name == L.TRUNCATED:
+            src = (out[L.TRUNCATED] != 0) | out["cut"]
         else:
             src = out[name]
         view[...] = src[:, 0] if single else src
-    ep = slot[EPISODE]
+    table = L.EpisodeTable(slot[L.EPISODE])
+    obs = ds._fields[ds.obs_key]  # the recorded observation's tree: the final observations' files by leaf
     for k, (e, t, traj) in enumerate(ends):
         info = traj.info
-        ep[RETURN][k] = info["episode_return"]
-        ep[LENGTH][k] = info["episode_length"]
-        ep[TERMINATED][k] = info[TERMINATED]
-        ep[TRUNCATED][k] = bool(info[TRUNCATED]) or traj.unflagged_end
-        ep[ENV][k] = e
-        ep[END][k] = t
-        for name, view in flat_leaves({OBS: ep[FINAL_OBS]}):
-            view[k] = traj.final[name]
-    boot = slot[BOOTSTRAP]
-    for name, view in flat_leaves({OBS: boot[OBS]}):
+        table.write(k, info["episode_return"], info["episode_length"], info[L.TERMINATED],
+                    bool(info[L.TRUNCATED]) or traj.unflagged_end, e, t, build(obs, traj.final.__getitem__))
+    boot = slot[L.BOOTSTRAP]
+    for name, view in flat_leaves({L.OBS: boot[L.OBS]}):
         last = out["next:" + name][-1]
         view[...] = last[0] if single else last
-    boot[ENV_STEPS][...] = env_steps
+    boot[L.ENV_STEPS][...] = env_steps

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from shmbuf import layout as L
 from shmbuf._errors import SchemaError, SegmentError, UsageError
 from shmbuf._validate import int_setting
-from shmbuf.layout import ENV, FINAL_OBS, OBS, REWARD, TERMINATED, TRUNCATED
 from shmbuf.storage._fileformat import (
     FORMAT,
     KEYS,
@@ -147,10 +147,10 @@ class Recorder:
         where = "Recorder.write"
         item = map_leaves(unit.step, lambda a: np.asarray(a)[0, 0] if unit.n else np.zeros(np.shape(a)[2:], np.asarray(a).dtype))
         fields = describe(item, (), leaves, where)
-        obs = unit.step[OBS]
+        obs = unit.step[L.OBS]
         components = None
         if isinstance(obs, (Mapping, list, tuple)):
-            components = [{"name": lf["file"].split(".", 1)[1], **lf} for lf in leaves if lf["path"][0] == OBS]
+            components = [{"name": lf["file"].split(".", 1)[1], **lf} for lf in leaves if lf["path"][0] == L.OBS]
         return {"format": FORMAT, "version": VERSION, "fields": fields, "leaves": leaves, "obs_components": components,
                 "keys": {k: (v if v in unit.step else None) for k, v in KEYS.items()},
                 "trajectory": "one episode of one sub-env of one writer lane; frames [a, b) in traj_<a>_<b>"}
@@ -252,7 +252,7 @@ class Recorder:
         part = {name: np.array(np.asarray(leaf)[a:b, e]) for name, leaf in flat_leaves(u.step)}
         o.parts.append(part)
         o.n += b - a
-        o.reward += float(np.sum(part[REWARD], dtype=np.float64))
+        o.reward += float(np.sum(part[L.REWARD], dtype=np.float64))
         o.mem_bytes += sum(x.nbytes for x in part.values())
         if o.mem_bytes >= self.chunk_bytes:
             self._spill(o)
@@ -284,10 +284,10 @@ class Recorder:
         """Finish a trajectory: last chunk, final observation, trajectory.json, then one rename makes it visible."""
         self._spill(o)
         tmp = self._tmpdir(o)
-        for name, leaf in flat_leaves({FINAL_OBS: final}):
+        for name, leaf in flat_leaves({L.FINAL_OBS: final}):
             write_npy(os.path.join(tmp, name + ".npy"), np.asarray(leaf), self.fsync)
         f0, f1 = self.frames, self.frames + o.n
-        info = {"length": o.n, ENV: o.env, "lane": o.lane, TERMINATED: bool(terminated), TRUNCATED: bool(truncated),
+        info = {"length": o.n, L.ENV: o.env, "lane": o.lane, L.TERMINATED: bool(terminated), L.TRUNCATED: bool(truncated),
                 "starts_episode": o.starts_episode, "ends_episode": bool(ends_episode),
                 "episode_return": float(ret), "episode_length": int(length), "reward_sum": o.reward,
                 "soft_horizons": o.soft_horizons,

@@ -1,5 +1,6 @@
-"""PPO rollout storage (rsl_rl's ``RolloutStorage``), its rolling and next-observation variants, and
-filling one straight from shmbuf rollouts and batches.
+"""The time-major rollout storage (shmbuf's own): :class:`TimeMajorStorage`, its records, and filling one straight
+from shmbuf rollouts and batches. rsl_rl's ``RolloutStorage`` and its forks' variants are this storage with their
+signatures and torch idiom: :mod:`shmbuf.storage.compat.rsl_rl`.
 
 Layout: every per-step array is time-major ``[T, N, ...]`` (T = ``num_transitions_per_env``, N = ``num_envs``).
 Scalars per step (rewards, dones, time_outs, values, actions_log_prob, returns, advantages) are ``[T, N]``,
@@ -14,46 +15,40 @@ The flags mean what the way in says (``flag_convention``; see :mod:`shmbuf.stora
 
 Two ways in:
 
-- step by step: :meth:`RolloutStorage.add_transitions` copies one :class:`Transition` into row ``step``;
-- whole rollouts: :meth:`RolloutStorage.from_rollout` takes a ``shmbuf.Rollout`` (leaves ``(T, [E], ...)``),
+- step by step: :meth:`TimeMajorStorage.add_transitions` copies one :class:`Transition` into row ``step``;
+- whole rollouts: :meth:`TimeMajorStorage.from_rollout` takes a ``shmbuf.Rollout`` (leaves ``(T, [E], ...)``),
   a ``shmbuf.Batch`` or a workers ``CollectedBatch`` (leaves ``(B, T, [E], ...)``) and makes the storage's
   arrays *views* of its step leaves wherever the layout allows (see that method for exactly when it copies).
 
-Ways out: :meth:`~RolloutStorage.mini_batch_generator` (flat, shuffled) and
-:meth:`~RolloutStorage.recurrent_mini_batch_generator` (whole trajectories, padded, with masks); each yields a
-:class:`MiniBatch` of numpy arrays with ``to_torch(device=None)``. numpy only; torch is imported by ``to_torch``, and by a
-storage made with a ``device`` (the sixth positional argument of rsl_rl's legged-robot forks): its minibatches are
-torch tensors there, in the forks' shapes (see :class:`RolloutStorage`).
+Ways out: :meth:`~TimeMajorStorage.mini_batch_generator` (flat, shuffled) and
+:meth:`~TimeMajorStorage.recurrent_mini_batch_generator` (whole trajectories, padded, with masks); each yields a
+:class:`MiniBatch` of numpy arrays with ``to_torch(device=None)``. numpy only; torch is imported by ``to_torch``.
+
+The names of rsl_rl's storage module that this module used to hold (``RolloutStorage``, ``QueueRolloutStorage``,
+``SarsaRolloutStorage``, ``ActionLabelRollout`` and the variants' records) moved to
+:mod:`shmbuf.storage.compat.rsl_rl`; importing them from here still works, with a DeprecationWarning.
 """
 
-from shmbuf.storage._rollout_storage import RolloutStorage
-from shmbuf.storage._rollout_variants import ActionLabelRollout, QueueRolloutStorage, SarsaRolloutStorage
+from shmbuf._moved import moved
+from shmbuf.storage._rollout_storage import TimeMajorStorage
 from shmbuf.storage._trajectories import split_and_pad_trajectories, unpad_trajectories
-from shmbuf.storage._transition import (
-    ActionLabelMiniBatch,
-    ActionLabelTransition,
-    ActorCriticHiddenState,
-    MiniBatch,
-    SarsaMiniBatch,
-    SarsaTransition,
-    TimeOutObservations,
-    Transition,
-)
+from shmbuf.storage._transition import ActorCriticHiddenState, MiniBatch, TimeOutObservations, Transition
 
 __all__ = [
-    "ActionLabelMiniBatch",
-    "ActionLabelRollout",
-    "ActionLabelTransition",
     "ActorCriticHiddenState",
     "MiniBatch",
-    "QueueRolloutStorage",
-    "RolloutStorage",
-    "SarsaMiniBatch",
-    "SarsaRolloutStorage",
-    "SarsaTransition",
+    "TimeMajorStorage",
     "TimeOutObservations",
     "Transition",
     "split_and_pad_trajectories",
     "unpad_trajectories",
 ]
 
+# rsl_rl's names, moved to its façade (CHANGELOG.md): still importable from here, with a warning.
+_MOVED = {name: "shmbuf.storage.compat.rsl_rl" for name in (
+    "ActionLabelMiniBatch", "ActionLabelRollout", "ActionLabelTransition", "QueueRolloutStorage", "RolloutStorage",
+    "SarsaMiniBatch", "SarsaRolloutStorage", "SarsaTransition")}
+
+
+def __getattr__(name: str) -> object:
+    return moved("shmbuf.storage.rollout", name, _MOVED)

@@ -29,8 +29,8 @@ import numpy as np
 import optree
 from numpy.lib.stride_tricks import as_strided
 
+from shmbuf import layout as L
 from shmbuf._errors import SchemaError, UsageError
-from shmbuf.layout import ACTION, OBS, REWARD, TERMINATED, TRUNCATE_EPISODES, TRUNCATED, Grid, grid
 from shmbuf.storage._common import leaf_at
 
 _RANGE = re.compile(r"^\s*(-?\d+)\s*:\s*(-?\d+)\s*$")
@@ -139,7 +139,7 @@ class ViewRequirement:
     def fill_rule(self, key: str) -> str:
         """``"first"`` or ``"zeros"``: what this requirement, stored under ``key``, holds before an episode's start."""
         col = self.column(key)
-        is_obs = col == OBS or col.startswith(OBS + "/")
+        is_obs = col == L.OBS or col.startswith(L.OBS + "/")
         if self.fill == FIRST and not is_obs:
             raise UsageError(f"ViewRequirement(fill='first') on column {col!r}: only observations repeat their first "
                              "value (RLlib's rule); other columns' first value is not known at the episode's first "
@@ -158,9 +158,9 @@ class ViewRequirement:
 
 # RLlib's SampleBatch column names a user may try as a data_col, and what shmbuf calls them (for error hints).
 RLLIB_NAMES = {
-    "obs": OBS, "new_obs": f"{OBS} (with shift=1)", "next_obs": f"{OBS} (with shift=1)", "actions": ACTION,
-    "prev_actions": f"{ACTION} (with shift=-1)", "rewards": REWARD, "prev_rewards": f"{REWARD} (with shift=-1)",
-    "terminateds": TERMINATED, "truncateds": TRUNCATED, "dones": f"{TERMINATED} and {TRUNCATED}",
+    "obs": L.OBS, "new_obs": f"{L.OBS} (with shift=1)", "next_obs": f"{L.OBS} (with shift=1)", "actions": L.ACTION,
+    "prev_actions": f"{L.ACTION} (with shift=-1)", "rewards": L.REWARD, "prev_rewards": f"{L.REWARD} (with shift=-1)",
+    "terminateds": L.TERMINATED, "truncateds": L.TRUNCATED, "dones": f"{L.TERMINATED} and {L.TRUNCATED}",
 }
 
 
@@ -193,7 +193,7 @@ class _Lanes:
     may be negative with a previous rollout: its rows are then at -n_prev..-1).
     """
 
-    g: Grid
+    g: L.Grid
     start: np.ndarray
     end: np.ndarray
     name: str
@@ -212,7 +212,7 @@ def _said_here(context: str = "") -> Iterator[None]:
 def _lanes(data: Any, fill: Any, batch_mode: str | None, name: str | None = None) -> _Lanes:
     """Read the layout (:func:`shmbuf.layout.grid`), and where each step's episode starts and ends."""
     with _said_here():
-        g = grid(data, fill, batch_mode=batch_mode)
+        g = L.grid(data, fill, batch_mode=batch_mode)
         done = g.done
     start, end = _bounds(done, g.n)
     return _Lanes(g, start, end, g.name if name is None else name)
@@ -239,7 +239,7 @@ def _attach_prev(lanes: _Lanes, prev: _Lanes) -> None:
     """
     g, pg = lanes.g, prev.g
     if (pg.batched, pg.B, pg.vector, pg.E) != (g.batched, g.B, g.vector, g.E):
-        def shown(x: Grid) -> str:
+        def shown(x: L.Grid) -> str:
             return f"batch={x.batched}, B={x.B}, E={x.E if x.vector else None}"
         _fail(UsageError, f"prev: expected the previous rollout(s) of the same lane(s), laid out like this one "
                           f"({shown(g)}); got {shown(pg)}")
@@ -256,8 +256,8 @@ def _attach_prev(lanes: _Lanes, prev: _Lanes) -> None:
 def _check_continues(lanes: _Lanes, prev: _Lanes, cont: np.ndarray) -> None:
     """Where an episode runs on from ``prev``, its bootstrap observation is this rollout's first one, bit for bit."""
     try:
-        obs = leaf_at(lanes.g.step, OBS, "")
-        boot = leaf_at(prev.g.bootstrap, OBS, "") if isinstance(prev.g.bootstrap, Mapping) else None
+        obs = leaf_at(lanes.g.step, L.OBS, "")
+        boot = leaf_at(prev.g.bootstrap, L.OBS, "") if isinstance(prev.g.bootstrap, Mapping) else None
     except KeyError:
         return
     if boot is None:
@@ -329,7 +329,7 @@ def _gather(lanes: _Lanes, key: str, req: ViewRequirement, keys: tuple[Any, ...]
     item = xc.shape[3:]
     fill = _fill_for(req, key, keys[len(req.column(key).split("/")):], x.dtype, item)
     offs = np.asarray(req.offsets, np.int64)
-    is_obs = keys[0] == OBS
+    is_obs = keys[0] == L.OBS
     src = np.arange(T)[None, :, None, None] + offs[None, None, None, :]  # (1, T, 1, W)
     stored = (np.arange(T)[None, :] < g.n[:, None])[:, :, None, None]
     valid = stored & (src >= lanes.start[..., None]) & (src <= lanes.end[..., None] + (offs > 0) * is_obs)
@@ -460,7 +460,7 @@ def _repeated(lanes: _Lanes, req: ViewRequirement, y: np.ndarray) -> np.ndarray:
     return rows if req.windowed else rows[:, 0]
 
 
-def _same(g: Grid, req: ViewRequirement, x: np.ndarray) -> np.ndarray:
+def _same(g: L.Grid, req: ViewRequirement, x: np.ndarray) -> np.ndarray:
     """Offsets that are all 0: the leaf itself (shift=0), or a read-only window of it with a zero stride (a view)."""
     if not req.windowed:
         return x
@@ -516,16 +516,16 @@ def build_views(data: Any, view_requirements: Mapping[str, ViewRequirement], *, 
     if not isinstance(for_training, bool) or not isinstance(mask, bool):
         _fail(UsageError, f"for_training and mask are bools, got for_training={for_training!r}, mask={mask!r}")
     if prev is not None:
-        if lanes.g.batch_mode != TRUNCATE_EPISODES:
+        if lanes.g.batch_mode != L.TRUNCATE_EPISODES:
             _fail(UsageError, "prev: only truncate-episodes rollouts start mid-episode; a complete-episodes rollout "
                               "starts at its episode's start, so there is nothing before it to read")
         if mask:
             _fail(UsageError, "prev with mask=True: a view cannot span two rollouts; use one or the other")
-        _attach_prev(lanes, _lanes(prev, None, TRUNCATE_EPISODES, "prev"))
+        _attach_prev(lanes, _lanes(prev, None, L.TRUNCATE_EPISODES, "prev"))
     if not isinstance(rewards_and_dones, bool):
         _fail(UsageError, f"rewards_and_dones: expected a bool, got {rewards_and_dones!r}")
     if rewards_and_dones:
-        kept = {k: ViewRequirement(k) for k in (REWARD, TERMINATED, TRUNCATED) if k not in reqs}
+        kept = {k: ViewRequirement(k) for k in (L.REWARD, L.TERMINATED, L.TRUNCATED) if k not in reqs}
         reqs = {**reqs, **kept}
     out = {key: _column(lanes, key, req, mask) for key, req in reqs.items() if req.used_for_training or not for_training}
     if rewards_and_dones and DONE not in out:
@@ -540,7 +540,7 @@ def _done_column(lanes: _Lanes, mask: bool) -> Any:
     """``terminated | truncated`` in the source's layout (as the flag columns are), or its MaskedView."""
     g = lanes.g
     flags = []
-    for k in (TERMINATED, TRUNCATED):
+    for k in (L.TERMINATED, L.TRUNCATED):
         try:
             flags.append(np.asarray(leaf_at(g.step, k, f"{lanes.name}'s step leaves")))
         except KeyError as e:

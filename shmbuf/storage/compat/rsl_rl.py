@@ -1,6 +1,26 @@
-"""The variants of the PPO storage in rsl_rl's legged-robot forks: :class:`QueueRolloutStorage` (a rolling buffer
-that grows, then loops), its :class:`ActionLabelRollout` (with action labels), and :class:`SarsaRolloutStorage`
-(next observations as a view of one T+1-row buffer)."""
+"""rsl_rl and its legged-robot forks, on shmbuf.storage: every name their users import, with their signatures, spellings
+and torch idiom translated onto shmbuf's own engines.
+
+- ``RolloutStorage`` (``rsl_rl.storage.rollout_storage``): :class:`~shmbuf.storage.rollout.TimeMajorStorage` with the
+  forks' signature (``RolloutStorage(num_envs, num_transitions_per_env, obs_shape, privileged_obs_shape,
+  actions_shape, device)``, rsl_rl's ``[None]`` for no privileged observations) and, given a ``device``, their torch
+  idiom: minibatches as tensors on it in their shapes (per-step scalars ``[..., 1]``, hidden states in torch's
+  layout and containers), advantages normalised by default, recurrent padding to T, ``get_statistics`` as tensors;
+  and the misspelt ``reccurent_mini_batch_generator``.
+- The forks' variants, their behaviours here: ``QueueRolloutStorage`` (a rolling buffer that grows, then loops),
+  ``ActionLabelRollout`` (with action labels) and ``SarsaRolloutStorage`` (next observations as views of one
+  T+1-row buffer); their records ``SarsaTransition``, ``SarsaMiniBatch``, ``ActionLabelTransition``,
+  ``ActionLabelMiniBatch``.
+- The rest under the forks' names, from the rooms that hold them: ``Transition``, ``MiniBatch``,
+  ``ActorCriticHiddenState`` (the storage's records), ``split_and_pad_trajectories`` and ``unpad_trajectories``
+  (``rsl_rl.utils``), ``ReplayBuffer`` (``ReplayBuffer(obs_dim, buffer_size, device)`` makes the forks' in-process
+  ring, ``LocalReplayBuffer``), ``RolloutFileBase``, ``RolloutDataset`` and ``get_frame_range``
+  (``rollout_files``), and the forks' pickled recordings (``read_pickled_recording``, ``convert_pickled_recording``).
+
+Port by changing the import: ``from rsl_rl.storage.rollout_storage import ...`` becomes
+``from shmbuf.storage.compat.rsl_rl import ...`` (docs/from-rsl_rl.md maps every name). torch is imported only on the
+device paths.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +30,190 @@ from typing import Any
 import numpy as np
 
 from shmbuf._errors import SchemaError, UsageError
+from shmbuf.storage._file_base import RolloutFileBase
+from shmbuf.storage._local_replay import LocalReplayBuffer
+from shmbuf.storage._pickled import convert_pickled_recording, read_pickled_recording
 from shmbuf.storage._rollout_source import RolloutSource
-from shmbuf.storage._rollout_storage import RolloutStorage
-from shmbuf.storage._torch import host_array, is_tensor
+from shmbuf.storage._rollout_storage import TimeMajorStorage
+from shmbuf.storage._torch import device_setting, host_array, is_device, is_tensor, to_torch
+from shmbuf.storage._trajectories import split_and_pad_trajectories, unpad_trajectories
 from shmbuf.storage._transition import (
     ActionLabelMiniBatch,
     ActionLabelTransition,
+    ActorCriticHiddenState,
     AnyMiniBatch,
+    MiniBatch,
     SarsaMiniBatch,
     SarsaTransition,
+    TimeOutObservations,
+    Transition,
     as_row,
 )
+from shmbuf.storage.dataset import FileTransition, RolloutDataset, get_frame_range
+from shmbuf.storage.replay import ReplayBuffer
 
-# Under another name: inside SarsaRolloutStorage's body, Transition is the class attribute (see _rollout_storage).
-from shmbuf.storage._transition import Transition as _Transition
+__all__ = [
+    "ActionLabelMiniBatch", "ActionLabelRollout", "ActionLabelTransition", "ActorCriticHiddenState", "FileTransition",
+    "LocalReplayBuffer", "MiniBatch", "QueueRolloutStorage", "ReplayBuffer", "RolloutDataset", "RolloutFileBase",
+    "RolloutStorage", "SarsaMiniBatch", "SarsaRolloutStorage", "SarsaTransition", "TimeOutObservations", "Transition",
+    "convert_pickled_recording", "get_frame_range", "read_pickled_recording", "split_and_pad_trajectories",
+    "unpad_trajectories",
+]
+
+# Under another name: inside the storages' bodies, Transition is the class attribute (see _rollout_storage).
+_Transition = Transition
+_HIDDEN = ("hidden_states_actor", "hidden_states_critic")
+
+
+class RolloutStorage(TimeMajorStorage):
+    """rsl_rl's ``RolloutStorage``: :class:`~shmbuf.storage.rollout.TimeMajorStorage` (arrays, ``add_transitions``,
+    ``from_rollout``, ``compute_returns``, the generators, ``get_statistics``: see there) with the forks' signature.
+
+    ``device`` (the sixth positional argument of rsl_rl's legged-robot forks, or ``device=``; a ``str`` or
+    ``torch.device`` there is a device, never ``rnn_hidden_shape``): the storage speaks the forks' torch idiom.
+    Transitions may hold tensors on any device (as without it); minibatches are torch tensors on ``device`` with the
+    forks' shapes (``values``, ``advantages``, ``returns``, ``old_actions_log_prob`` ``[..., 1]``; ``hidden_states``
+    in torch's ``(num_layers, traj, H)`` layout, an LSTM's as ``(h, c)``, read from transitions in torch's
+    ``(num_layers, N, H)`` layout); :meth:`compute_returns` normalises the advantages unless told not to and the
+    recurrent generator pads to ``T`` (both as the forks); :meth:`get_statistics` gives 0-d tensors. The arrays
+    themselves stay host numpy ``[T, N, ...]``. Without ``device`` everything is numpy, as the engine's.
+    """
+
+    device: Any  # None, or a torch.device (set in _setup, then by __init__)
+
+    def __init__(self, num_envs: int, num_transitions_per_env: int, obs_shape: Any, privileged_obs_shape: Any,
+                 actions_shape: Any, rnn_hidden_shape: Any = None, *, dtype: Any = np.float32, seed: Any = None,
+                 device: Any = None):
+        if is_device(rnn_hidden_shape):  # rsl_rl: RolloutStorage(..., actions_shape, device)
+            if device is not None:
+                raise UsageError(f"{type(self).__name__}: a device was given twice ({rnn_hidden_shape!r} in the sixth place, "
+                                 f"and device={device!r}); give it once")
+            device, rnn_hidden_shape = rnn_hidden_shape, None
+        if isinstance(num_envs, str):
+            raise UsageError(f"{type(self).__name__}({num_envs!r}, ...): that is rsl_rl 2+'s signature (training_type, num_envs, "
+                             "num_transitions_per_env, obs TensorDict, actions_shape, device), which shmbuf does not take; "
+                             f"use rsl_rl 1.x's: {type(self).__name__}(num_envs, num_transitions_per_env, obs_shape, "
+                             "privileged_obs_shape, actions_shape, device) (docs/from-rsl_rl.md)")
+        dev = None if device is None else device_setting(f"{type(self).__name__}(device=...)", device)
+        priv = privileged_obs_shape
+        if isinstance(priv, (list, tuple)) and len(priv) > 0 and priv[0] is None:
+            priv = None  # rsl_rl passes [None] for "no privileged observations"
+        super().__init__(num_envs, num_transitions_per_env, obs_shape, priv, actions_shape, rnn_hidden_shape, dtype=dtype,
+                         seed=seed)
+        self.device = dev
+
+    def _setup(self, T: int, N: int, seed: Any) -> None:
+        super()._setup(T, N, seed)
+        self.device = None  # a torch.device: the forks' torch idiom (see the class docstring)
+        self._hidden_form: list[str | None] = [None, None]  # with a device: "gru" ((L, N, H)) or "lstm" ((h, c)), per side
+        # with a device: the containers hidden states came in (the forks' ActorCriticHiddenState / LstmHiddenState
+        # namedarraytuples, or plain tuples), to give them back in the same types: (outer, [actor's, critic's (h, c)])
+        self._hidden_types: tuple[Any, list[Any]] = (ActorCriticHiddenState, [tuple, tuple])
+        self._hidden_read: tuple[list[str | None], list[Any]] = ([None, None], [tuple, tuple])  # one add's, until checked
+
+    # -- hidden states in torch's layout (with a device) -------------------------------------------------------------
+
+    def _hidden_rows(self, hidden: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        self._hidden_read = (list(self._hidden_form), list(self._hidden_types[1]))
+        return super()._hidden_rows(hidden)
+
+    def _hidden_array(self, name: str, h: Any) -> Any:
+        if self.device is None:
+            return h
+        i = _HIDDEN.index(name)
+        forms, inner = self._hidden_read
+        inner[i] = type(h)
+        h, forms[i] = self._torch_hidden(name, h)
+        return h
+
+    def _hidden_checked(self, hidden: Any) -> None:
+        self._hidden_form = self._hidden_read[0]  # only what passed every check is remembered
+        # plain tuples (rsl_rl 1.x's) come back named, so that the fork's ``.actor`` reads them too
+        self._hidden_types = (ActorCriticHiddenState if type(hidden) is tuple else type(hidden), self._hidden_read[1])
+
+    def _torch_hidden(self, name: str, h: Any) -> tuple[np.ndarray, str]:
+        """A hidden state in torch's layout, ``(num_layers, N, H)`` (a GRU's) or ``(h, c)`` of them (an LSTM's), as the
+        per-env row stored here: ``(N, num_layers, H)`` or ``(N, 2, num_layers, H)``; SchemaError naming it else."""
+        N = self.num_envs
+
+        def one(x: Any) -> np.ndarray:
+            a = np.asarray(host_array(x))
+            if a.ndim != 3 or a.shape[1] != N:
+                raise SchemaError(f"Transition.hidden_states ({name}): with a device, hidden states are in torch's layout "
+                                  f"(num_layers, num_envs={N}, hidden) or an LSTM's (h, c) of them; got shape {a.shape}")
+            return np.swapaxes(a, 0, 1)
+
+        if isinstance(h, (tuple, list)):
+            if len(h) != 2:
+                raise SchemaError(f"Transition.hidden_states ({name}): expected a tensor or an LSTM's (h, c), got "
+                                  f"{len(h)} items")
+            return np.stack([one(h[0]), one(h[1])], 1), "lstm"
+        return one(h), "gru"
+
+    # -- the forks' defaults with a device, and their types out -----------------------------------------------------
+
+    def compute_returns(self, last_values: Any, gamma: float, lam: float, *, time_out_values: Any = None,
+                        normalize_advantages: bool | None = None) -> None:
+        """:meth:`TimeMajorStorage.compute_returns <shmbuf.storage.rollout.TimeMajorStorage.compute_returns>`;
+        ``normalize_advantages=None`` (the default) is off, or on for a storage with a ``device`` (the forks always
+        normalise)."""
+        if normalize_advantages is None:
+            normalize_advantages = self.device is not None
+        super().compute_returns(last_values, gamma, lam, time_out_values=time_out_values,
+                                normalize_advantages=normalize_advantages)
+
+    def recurrent_mini_batch_generator(self, num_mini_batches: int, num_epochs: int = 8, *, shuffle: bool = False,
+                                       pad_to: str | None = None) -> Iterator[AnyMiniBatch]:
+        """:meth:`TimeMajorStorage.recurrent_mini_batch_generator
+        <shmbuf.storage.rollout.TimeMajorStorage.recurrent_mini_batch_generator>`; ``pad_to=None``: ``"longest"``,
+        or ``"rollout"`` for a storage with a ``device`` (the forks' padding, which its ``unpad_trajectories``
+        needs)."""
+        if pad_to is None:
+            pad_to = "longest" if self.device is None else "rollout"
+        return super().recurrent_mini_batch_generator(num_mini_batches, num_epochs, shuffle=shuffle, pad_to=pad_to)
+
+    # the forks' spelling, for users who search for it
+    reccurent_mini_batch_generator = recurrent_mini_batch_generator
+
+    def _out(self, mb: Any) -> Any:
+        """A minibatch as given (no device), or as the forks give it: tensors on the device, per-step scalars ``[..., 1]``,
+        hidden states in torch's ``(num_layers, traj, H)`` layout (``(h, c)`` for an LSTM)."""
+        if self.device is None:
+            return mb
+        t = to_torch(mb._replace(hidden_states=None), self.device)
+        scalars = {f: getattr(t, f)[..., None] for f in ("values", "advantages", "returns", "old_actions_log_prob")}
+        hidden = mb.hidden_states
+        if any(x is not None for x in hidden):
+            outer, inner = self._hidden_types
+            hidden = _same_type(outer, [None if x is None else self._hidden_out(x, form, kind)
+                                        for x, form, kind in zip(hidden, self._hidden_form, inner)])
+        return t._replace(**scalars, hidden_states=hidden)
+
+    def _hidden_out(self, x: np.ndarray, form: str | None, kind: Any) -> Any:
+        h = to_torch(x, self.device)
+        if form == "gru":
+            return h.transpose(0, 1).contiguous()
+        if form == "lstm":
+            return _same_type(kind, [h[:, 0].transpose(0, 1).contiguous(), h[:, 1].transpose(0, 1).contiguous()])
+        return h  # preallocated by rnn_hidden_shape and not filled from torch's layout: as stored
+
+    def get_statistics(self) -> tuple[Any, Any]:
+        """:meth:`TimeMajorStorage.get_statistics <shmbuf.storage.rollout.TimeMajorStorage.get_statistics>`; with a
+        ``device``: 0-d tensors there, as the forks give."""
+        out = super().get_statistics()
+        if self.device is None:
+            return out
+        import torch
+
+        return torch.tensor(out[0], device=self.device), torch.tensor(out[1], device=self.device)
+
+
+def _same_type(kind: Any, items: list[Any]) -> Any:
+    """``items`` in a container of type ``kind``: a namedtuple (the forks' namedarraytuples are namedtuples) by its fields,
+    a list, or else a tuple."""
+    if isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_make"):
+        return kind._make(items)
+    return list(items) if kind is list else tuple(items)
 
 
 class QueueRolloutStorage(RolloutStorage):
@@ -48,7 +238,7 @@ class QueueRolloutStorage(RolloutStorage):
         self.buffer_full = False
 
     @classmethod
-    def from_rollout(cls, *args: Any, **kwargs: Any) -> RolloutStorage:
+    def from_rollout(cls, *args: Any, **kwargs: Any) -> TimeMajorStorage:
         raise UsageError("QueueRolloutStorage owns its growing buffer; use RolloutStorage.from_rollout for a view of "
                          "a rollout, or add_transitions to keep rollouts here")
 
@@ -179,7 +369,7 @@ class SarsaRolloutStorage(RolloutStorage):
             setattr(self, f"next_{base}", full[1:])
 
     @classmethod
-    def from_rollout(cls, rollout_or_batch: Any, **kwargs: Any) -> RolloutStorage:
+    def from_rollout(cls, rollout_or_batch: Any, **kwargs: Any) -> TimeMajorStorage:
         """As :meth:`RolloutStorage.from_rollout`, plus ``next_observations``. The slot holds the step
         observations and the bootstrap observation in two leaves, so ``all_observations`` (T+1 rows) is one
         copy of them (``"observations"`` is in ``copied``); every other field stays a view."""
