@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import pathlib
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -68,15 +70,41 @@ def leaked_since(before: set[str]) -> list[Any]:
     return out
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_leaks_at_end() -> Iterator[None]:
-    """Fails the suite if any shmbuf object of its own or child process outlives it (and removes them, for the next run)."""
+def own_objects(before: set[str]) -> list[Any]:
+    """New shmbuf objects that this process owns (and holds open)."""
+    return [f for f in leaked_since(before) if f.owner_pid == os.getpid()]
+
+
+def _names(found: list[Any]) -> list[str]:
+    return sorted(e for f in found for e in ([f.name[1:]] if f.segment else []) + f.semaphores)
+
+
+def _remove(found: list[Any]) -> None:
+    """Remove what a check found, for the next run; our own, still open, the hard way."""
     from shmbuf import _admin
 
+    for f in found:
+        if f.owner_pid == os.getpid() and not f.removable:
+            f.owner_alive = False
+            f.error = ""
+        _admin.remove(f)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaks_at_end() -> Iterator[None]:
+    """Fails the suite if any shmbuf object of its own or child process outlives it (and removes them, for the next run).
+
+    Under pytest-xdist this runs in each worker, for what that worker owns: its child processes and the objects it
+    holds open. An object whose owner died cannot be told apart from another worker's (which may be in use by a test
+    running there right now), so those are judged once every worker has finished, by the controller
+    (``pytest_runtestloop`` below), which fails the run as this fixture would.
+    """
+    parallel = _worker_id() is not None
     before = shm_objects()
     yield
+    judge = own_objects if parallel else leaked_since
     deadline = time.monotonic() + 5.0
-    while (child_pids() or leaked_since(before)) and time.monotonic() < deadline:
+    while (child_pids() or judge(before)) and time.monotonic() < deadline:
         for p in mp.active_children():  # reaps the finished ones
             p.join(0)
         time.sleep(0.05)
@@ -86,19 +114,16 @@ def no_leaks_at_end() -> Iterator[None]:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    found = leaked_since(before)
-    leaked = sorted(e for f in found for e in ([f.name[1:]] if f.segment else []) + f.semaphores)
-    for f in found:
-        if f.owner_pid == os.getpid() and not f.removable:  # our own, still open: close it the hard way
-            f.owner_alive = False
-            f.error = ""
-        _admin.remove(f)
+    found = judge(before)
+    leaked = _names(found)
+    _remove(found)
     problems = []
     if leaked:
         problems.append(f"left in {SHM_DIR}: {leaked}")
     if kids:
         problems.append(f"child processes survived the suite: {kids}")
-    assert not problems, "; ".join(problems)
+    where = f" (pytest-xdist worker {_worker_id()})" if parallel else ""
+    assert not problems, "; ".join(problems) + where
 
 
 @pytest.fixture
@@ -177,3 +202,220 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str, poll: float 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(poll)
+
+
+# -- running in parallel (pytest-xdist: `make test` runs ``-n 4 --dist loadgroup``) ---------------------------------
+#
+# What the parallel run keeps from the serial one:
+# - the end check (no_leaks_at_end): each worker judges its own children and open objects, the controller what was
+#   left with its owner dead once every worker has finished (pytest_runtestloop);
+# - one Ray cluster: the tests that take the `cluster` fixture form one xdist group (one worker), run one after the
+#   other, first in the queue (the longest chain), and share one cluster, stopped after the last of them;
+# - tests marked `alone` run with no other test beside them: the other workers wait (Turns below). They judge what
+#   the whole machine holds (every new entry of /dev/shm, every process), which tests beside them would change.
+# They are queued last, in one group, where the others have finished their work anyway.
+# Run serially (plain `pytest`), none of this changes anything but the order: the cluster's tests first, `alone` last.
+
+RAY_GROUP, ALONE_GROUP = "ray_cluster", "alone"
+BENCH = pathlib.Path(__file__).resolve().parent / "bench"
+
+
+def _worker_id() -> str | None:
+    """This pytest-xdist worker's id ("gw0", ...), or None outside xdist's workers."""
+    return os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    """Is this process the controller of a pytest-xdist run (which runs no test itself)?"""
+    return _worker_id() is None and getattr(config.option, "dist", "no") != "no"
+
+
+def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
+    """tests/bench (the benchmarks' smoke tests, `make bench-smoke`) is collected only when named on the command line:
+    plain `pytest` and `make test` run the library's tests, which need only the `test` extra."""
+    if collection_path != BENCH:
+        return None
+    here = config.invocation_params.dir
+    named = [(here / arg.split("::")[0]).resolve() for arg in config.args]
+    return not any(p == BENCH or BENCH in p.parents for p in named)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cluster = [i for i in items if "cluster" in i.fixturenames]
+    alone = [i for i in items if i.get_closest_marker("alone") and "cluster" not in i.fixturenames]
+    rest = [i for i in items if "cluster" not in i.fixturenames and not i.get_closest_marker("alone")]
+    items[:] = cluster + rest + alone
+    if config.pluginmanager.hasplugin("xdist"):  # xdist's own modifyitems (trylast) reads the groups
+        for i in cluster:
+            i.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+        for i in alone:
+            i.add_marker(pytest.mark.xdist_group(ALONE_GROUP))
+
+
+class Turns:
+    """A readers-writer lock over the workers of one run, on flock(2): every test holds a shared turn for its whole
+    protocol (setup, call, teardown); a test marked `alone` holds the exclusive one, which waits for the tests running
+    beside it to end and keeps new ones from starting (they queue at ``gate``, which it holds while it waits: so a
+    stream of shared turns cannot starve it). Every wait has a deadline."""
+
+    DEADLINE = 900.0  # s: longer than any test's timeout, so that only a lost turn (a bug here) ends in this error
+
+    def __init__(self, directory: str) -> None:
+        self.gate = os.path.join(directory, "gate")
+        self.turn = os.path.join(directory, "turn")
+
+    @staticmethod
+    def _lock(path: str, op: int, what: str, deadline: float) -> int:
+        import fcntl
+
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        while True:
+            try:
+                fcntl.flock(fd, op | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise RuntimeError(f"no {what} after {Turns.DEADLINE} s: a test of another worker kept it") from None
+                time.sleep(0.02)
+
+    @contextlib.contextmanager
+    def hold(self, alone: bool) -> Iterator[None]:
+        import fcntl
+
+        deadline = time.monotonic() + self.DEADLINE
+        gate = self._lock(self.gate, fcntl.LOCK_EX, "turn at the gate", deadline)
+        try:
+            if not alone:  # through the gate: while an `alone` test waits there, none passes
+                os.close(gate)
+                gate = -1
+            turn = self._lock(self.turn, fcntl.LOCK_EX if alone else fcntl.LOCK_SH, "turn", deadline)
+        except BaseException:
+            if gate >= 0:
+                os.close(gate)
+            raise
+        try:
+            yield
+        finally:
+            os.close(turn)
+            if gate >= 0:
+                os.close(gate)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist's controller hands each worker the directory of the run's Turns."""
+    node.workerinput["shmbuf_turns"] = node.config.stash[_TURNS_DIR]
+
+
+_TURNS_DIR = pytest.StashKey[str]()
+_BEFORE = pytest.StashKey[set]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _xdist_controller(config):
+        import tempfile
+
+        config.stash[_TURNS_DIR] = tempfile.mkdtemp(prefix="shmbuf-tests-turns-")
+        config.stash[_BEFORE] = shm_objects()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _TURNS_DIR in config.stash:
+        import shutil
+
+        shutil.rmtree(config.stash[_TURNS_DIR], ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _RAY.next_item = nextitem
+    directory = getattr(item.config, "workerinput", {}).get("shmbuf_turns")
+    if directory is None:  # not an xdist worker: nothing runs beside this test
+        yield
+        return
+    with Turns(directory).hold(alone=item.get_closest_marker("alone") is not None):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtestloop(session: pytest.Session) -> Iterator[None]:
+    """The controller's end check, once every worker has finished: what the run left in /dev/shm with its owner dead
+    (the workers judged their own children and open objects). Reported as a failed test, which fails the run."""
+    yield
+    if _BEFORE not in session.config.stash:
+        return
+    before = session.config.stash[_BEFORE]
+    deadline = time.monotonic() + 5.0
+    while leaked_since(before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = leaked_since(before)
+    if found:
+        leaked = _names(found)
+        _remove(found)
+        report = pytest.TestReport(
+            nodeid="tests/conftest.py::no_leaks_at_end", location=("tests/conftest.py", None, "no_leaks_at_end"),
+            keywords={}, outcome="failed", when="teardown",
+            longrepr=f"left in {SHM_DIR} by the run's processes (their owners dead), after every worker ended: {leaked}")
+        session.config.hook.pytest_runtest_logreport(report=report)
+
+
+class SharedRayCluster:
+    """The local two-node Ray cluster (``ray.cluster_utils.Cluster``: a head and one more node, each with its own raylet
+    and object store) that every test taking the `cluster` fixture shares: started by the first of them, stopped after
+    the last (they run one after the other: pytest_collection_modifyitems puts them first, in one xdist group), so
+    that no test after them finds its processes among this process's children."""
+
+    def __init__(self) -> None:
+        self.cluster: Any = None
+        self.next_item: pytest.Item | None = None  # the test after the running one (pytest_runtest_protocol)
+
+    def start(self) -> Any:
+        if self.cluster is not None:
+            return self.cluster
+        import ray
+        from ray.cluster_utils import Cluster
+
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        self.cluster = c
+        try:
+            c.add_node(num_cpus=1)
+            ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+            wait_until(lambda: sum(n["Alive"] for n in ray.nodes()) == 2, 60, "both Ray nodes to be alive")
+        except BaseException:
+            self.stop()
+            raise
+        return c
+
+    def stop(self) -> None:
+        if self.cluster is None:
+            return
+        import ray
+
+        c, self.cluster = self.cluster, None
+        try:
+            ray.shutdown()
+        finally:
+            c.shutdown()
+            wait_until(lambda: not [p for p in child_pids() if b"ray" in _cmdline(p)], 30, "the Ray cluster's processes to exit")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+_RAY = SharedRayCluster()
+
+
+@pytest.fixture
+def cluster() -> Iterator[Any]:
+    """The suite's local two-node Ray cluster (SharedRayCluster), with this process connected to it."""
+    pytest.importorskip("ray", reason="the `ray` extra (make test installs it)")
+    yield _RAY.start()
+    following = _RAY.next_item
+    if following is None or "cluster" not in following.fixturenames:
+        _RAY.stop()
