@@ -50,9 +50,10 @@ demo-ray: $(VENV)/.stamp-ray
 
 # The library's tests (tests/, but tests/bench: see bench-smoke), in TEST_WORKERS pytest-xdist worker processes: a few
 # minutes on 2 cores (about 10 in one process, where most of a test's time is waiting). --dist loadgroup keeps each
-# xdist_group on one worker: the Ray tests share one cluster there, and the tests marked `alone` run with no other beside
-# them (tests/conftest.py). --no-loadscope-reorder keeps the queue in the order conftest gives it: the Ray tests first
-# (the longest chain), the `alone` ones last. TEST_WORKERS=0 runs them all in this process.
+# xdist group on one worker (tests/conftest.py hands the groups to xdist's scheduler): the Ray tests share one cluster
+# there, and the tests marked `alone` run with no other beside them. --no-loadscope-reorder keeps the queue in the order
+# conftest gives it: the Ray tests first (the longest chain), the `alone` ones last. TEST_WORKERS=0 runs them all in
+# this process.
 TEST_WORKERS ?= 4
 test: $(VENV)/.stamp-test
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder

@@ -91,7 +91,7 @@ def _remove(found: list[Any]) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_leaks_at_end() -> Iterator[None]:
+def no_leaks_at_end(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fails the suite if any shmbuf object of its own or child process outlives it (and removes them, for the next run).
 
     Under pytest-xdist this runs in each worker, for what that worker owns: its child processes and the objects it
@@ -99,7 +99,8 @@ def no_leaks_at_end() -> Iterator[None]:
     running there right now), so those are judged once every worker has finished, by the controller
     (``pytest_runtestloop`` below), which fails the run as this fixture would.
     """
-    parallel = _worker_id() is not None
+    worker = _worker_id(request.config)
+    parallel = worker is not None
     before = shm_objects()
     yield
     judge = own_objects if parallel else leaked_since
@@ -122,7 +123,7 @@ def no_leaks_at_end() -> Iterator[None]:
         problems.append(f"left in {SHM_DIR}: {leaked}")
     if kids:
         problems.append(f"child processes survived the suite: {kids}")
-    where = f" (pytest-xdist worker {_worker_id()})" if parallel else ""
+    where = f" (pytest-xdist worker {worker})" if parallel else ""
     assert not problems, "; ".join(problems) + where
 
 
@@ -220,14 +221,15 @@ RAY_GROUP, ALONE_GROUP = "ray_cluster", "alone"
 BENCH = pathlib.Path(__file__).resolve().parent / "bench"
 
 
-def _worker_id() -> str | None:
-    """This pytest-xdist worker's id ("gw0", ...), or None outside xdist's workers."""
-    return os.environ.get("PYTEST_XDIST_WORKER")
+def _worker_id(config: pytest.Config) -> str | None:
+    """This pytest-xdist worker's id ("gw0", ...), or None outside xdist's workers (not from the environment, which a
+    worker's children inherit: a pytest run that a test starts is no worker)."""
+    return getattr(config, "workerinput", {}).get("workerid")
 
 
 def _xdist_controller(config: pytest.Config) -> bool:
     """Is this process the controller of a pytest-xdist run (which runs no test itself)?"""
-    return _worker_id() is None and getattr(config.option, "dist", "no") != "no"
+    return _worker_id(config) is None and getattr(config.option, "dist", "no") != "no"
 
 
 def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
@@ -241,15 +243,63 @@ def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    cluster = [i for i in items if "cluster" in i.fixturenames]
-    alone = [i for i in items if i.get_closest_marker("alone") and "cluster" not in i.fixturenames]
-    rest = [i for i in items if "cluster" not in i.fixturenames and not i.get_closest_marker("alone")]
-    items[:] = cluster + rest + alone
-    if config.pluginmanager.hasplugin("xdist"):  # xdist's own modifyitems (trylast) reads the groups
+    """The order: the cluster's tests first (the longest chain), the `alone` ones last; and their xdist groups."""
+    cluster = [i for i in items if "cluster" in getattr(i, "fixturenames", ())]
+    alone = [i for i in items if i.get_closest_marker("alone") and i not in cluster]
+    first, last = {id(i) for i in cluster}, {id(i) for i in alone}
+    items[:] = cluster + [i for i in items if id(i) not in first and id(i) not in last] + alone
+    if config.pluginmanager.hasplugin("xdist"):
         for i in cluster:
             i.add_marker(pytest.mark.xdist_group(RAY_GROUP))
         for i in alone:
             i.add_marker(pytest.mark.xdist_group(ALONE_GROUP))
+
+
+# xdist's loadgroup puts a test's group into its node id (``item._nodeid``), which pytest 9.2 no longer reads (its
+# node ids are ``item._id``): every test would be its own group. So the workers hand the groups to the controller's
+# scheduler here, in a file beside the Turns, as they finish collecting (before they report it).
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    config = session.config
+    directory = getattr(config, "workerinput", {}).get("shmbuf_turns")
+    if directory is None or not config.getvalue("loadgroup"):
+        return
+    groups = {}
+    for item in session.items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
+        if names:
+            groups[item.nodeid] = "_".join(names)
+    import json
+
+    tmp = os.path.join(directory, f"groups.{_worker_id(config)}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(groups, f)
+    os.replace(tmp, os.path.join(directory, "groups.json"))  # every worker collects the same tests: one file
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup`, with the groups the workers wrote (see above)."""
+    if config.getvalue("dist") != "loadgroup" or _TURNS_DIR not in config.stash:
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    path = os.path.join(config.stash[_TURNS_DIR], "groups.json")
+
+    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]  # xdist ships no types for it
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # read once every worker has collected (schedule() runs then)
+                import json
+
+                with open(path) as f:
+                    self.groups = json.load(f)
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
 
 
 class Turns:
