@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import pathlib
@@ -210,10 +211,12 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str, poll: float 
 # What the parallel run keeps from the serial one:
 # - the end check (no_leaks_at_end): each worker judges its own children and open objects, the controller what was
 #   left with its owner dead once every worker has finished (pytest_runtestloop);
-# - one Ray cluster: the tests that take the `cluster` fixture form one xdist group (one worker), run one after the
-#   other, first in the queue (the longest chain), and share one cluster, stopped after the last of them;
+# - one Ray cluster: the tests that take the `cluster` fixture form one xdist group (one worker: the scheduler below
+#   keeps a group together), run one after the other, first in the queue (the longest chain), and share one cluster,
+#   stopped after the last of them;
 # - tests marked `alone` run with no other test beside them: the other workers wait (Turns below). They judge what
-#   the whole machine holds (every new entry of /dev/shm, every process), which tests beside them would change.
+#   the whole machine holds (every new entry of /dev/shm, every process), which tests beside them would change, or
+#   their outcome depends on the pace of their processes, which tests beside them would slow unevenly.
 # They are queued last, in one group, where the others have finished their work anyway.
 # Run serially (plain `pytest`), none of this changes anything but the order: the cluster's tests first, `alone` last.
 
@@ -271,8 +274,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
         if names:
             groups[item.nodeid] = "_".join(names)
-    import json
-
     tmp = os.path.join(directory, f"groups.{_worker_id(config)}.tmp")
     with open(tmp, "w") as f:
         json.dump(groups, f)
@@ -288,13 +289,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     path = os.path.join(config.stash[_TURNS_DIR], "groups.json")
 
-    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]  # xdist ships no types for it
+    class GroupScheduling(LoadScopeScheduling):
         groups: dict[str, str] | None = None
 
         def _split_scope(self, nodeid: str) -> str:
             if self.groups is None:  # read once every worker has collected (schedule() runs then)
-                import json
-
                 with open(path) as f:
                     self.groups = json.load(f)
             return self.groups.get(nodeid, nodeid)
