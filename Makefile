@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo demo-ray test test-slow test-core lint bench bench-quick bench-storage bench-inference bench-collect bench-ray bench-multiagent bench-multiagent-loop bench-train clean-shm clean
+.PHONY: demo demo-ray test test-slow test-core lint bench-smoke bench bench-quick bench-storage bench-inference bench-collect bench-ray bench-multiagent bench-multiagent-loop bench-train clean-shm clean
 
 # One stamp per set of extras, refreshed when pyproject.toml changes. The tests also get rsl_rl's own code, the
 # reference that shmbuf's rsl_rl-style GAE must equal (tests/_rsl_rl.py), with --no-deps: its torch pin would pull
@@ -49,8 +49,15 @@ demo: $(VENV)/.stamp-demo
 demo-ray: $(VENV)/.stamp-ray
 	$(PY) examples/ray_cartpole.py --seconds 15
 
+# The library's tests (tests/, but tests/bench: see bench-smoke), in TEST_WORKERS pytest-xdist worker processes: a few
+# minutes on 2 cores (about 10 in one process, where most of a test's time is waiting). --dist loadgroup keeps each
+# xdist group on one worker (tests/conftest.py hands the groups to xdist's scheduler): the Ray tests share one cluster
+# there, and the tests marked `alone` run with no other beside them. --no-loadscope-reorder keeps the queue in the order
+# conftest gives it: the Ray tests first (the longest chain), the `alone` ones last. TEST_WORKERS=0 runs them all in
+# this process.
+TEST_WORKERS ?= 4
 test: $(VENV)/.stamp-test
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # ruff over the checkout, mypy over the packages, and a reason on every noqa and type: ignore (.ci/lint_reasons.py);
 # all three run, and any failing fails the target.
@@ -69,6 +76,12 @@ test-core: $(CORE_VENV)/.stamp
 
 test-slow: $(VENV)/.stamp-test
 	$(PY) -m pytest -q -m slow
+
+# The benchmarks' smoke tests (tests/bench): each benchmark CLI at its smallest, every system it compares (RLlib's
+# MultiAgentEnvRunner, TorchRL, echo, faster-fifo, ...) with the bench extra's packages, and the report's arithmetic;
+# about 2 minutes. One process: the benchmarks start many processes and Ray clusters of their own.
+bench-smoke: $(VENV)/.stamp-test $(VENV)/.stamp-bench
+	$(PY) -m pytest -q -m "not slow" tests/bench
 
 bench: $(VENV)/.stamp-bench
 	$(PY) -m shmbuf bench

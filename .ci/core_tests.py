@@ -40,7 +40,8 @@ OPTIONAL = {
     "pydantic": "pydantic", "dm-tree": "tree", "lz4": "lz4", "ormsgpack": "ormsgpack", "pyyaml": "yaml", "scipy": "scipy",
 }
 # The test runner (in `test` and in `core-test`): needed by every test, not an optional part of the library.
-RUNNER = {"pytest", "hypothesis", "pytest-timeout"}
+# pytest-xdist runs `make test` in parallel (the `test` extra only; the core job runs in one process).
+RUNNER = {"pytest", "hypothesis", "pytest-timeout", "pytest-xdist"}
 TOOLING_EXTRAS = {"core-test", "lint"}
 
 # "file::test" (or "file::Class::test", or one parametrization: "file::test[id]") -> why it needs an extra, where its
@@ -61,10 +62,12 @@ EXTRA_TESTS: dict[str, str] = {
     "tests/test_storage_files.py::test_docs_block_runs[0]": "gymnasium, in docs/storage.md's first block",
     "tests/test_storage_files.py::test_docs_block_runs[1]": "gymnasium, in docs/storage.md's second block",
     **{f"tests/test_janitor.py::test_a_dead_owner_leaves_nothing_in_dev_shm[{kind}-{sig}]":
-       "gymnasium, in the owner process's collector (tests.test_workers_envs, imported there)"
+       "gymnasium, in the owner process's collector (tests.helpers_workers, imported there)"
        for kind in ("collector", "async_batched") for sig in ("SIGTERM", "SIGINT", "SIGKILL")},
     "tests/test_janitor.py::test_keep_on_crash_keeps_a_killed_owners_objects[collector]":
-        "gymnasium, in the owner process's collector (tests.test_workers_envs, imported there)",
+        "gymnasium, in the owner process's collector (tests.helpers_workers, imported there)",
+    "tests/test_suite_parallel.py::test_a_leak_in_any_worker_fails_the_run_and_is_removed":
+        "pytest-xdist, which runs `make test` in parallel (the test extra; the core job runs in one process)",
 }
 
 

@@ -1,9 +1,16 @@
-"""Shared by tests and their child processes (must be importable under spawn)."""
+"""Shared by tests and their child processes (must be importable under spawn).
+
+This module and tests/conftest.py need nothing but the core (`make test-core` imports them); what needs an extra lives
+beside them: tests/helpers_workers.py (gymnasium), tests/helpers_multiagent.py (pettingzoo), tests/helpers_schema.py
+(hypothesis strategies, kept out of here so that spawned children need not import hypothesis), and
+tests/helpers_storage.py (a synthetic actor's rollouts and 002's recordings). No test module imports another.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import multiprocessing as mp
 import os
 import pathlib
 import re
@@ -20,7 +27,7 @@ import msgpack
 import numpy as np
 
 import shmbuf
-from tests.conftest import small_example
+from tests.conftest import live_processes, shm_objects, small_example
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -185,16 +192,36 @@ def run_doc_block(page: str, k: int, tmp_path: pathlib.Path, timeout: float = 18
     return run_script(script, tmp_path, start_method=start_method, timeout=timeout).stdout
 
 
-def under_each_start_method(run: Callable[[str, pathlib.Path], Any], tmp_path: pathlib.Path) -> dict[str, Any]:
-    """``run(method, directory)`` for every method of START_METHODS at once, each in a directory of its own under
+# A script's own use of multiprocessing (a Process, a Pool, a context, the module itself): the processes it starts then
+# follow multiprocessing's default start method. A script whose processes are all started by workers (a Collector, an
+# AsyncBatchedCollector, ...) does the same under every default: workers picks forkserver whatever multiprocessing's
+# default is (workers/_pool.py default_start_method).
+OWN_PROCESSES = re.compile(r"\bmultiprocessing\b|\bmp\.|\bProcess\(|\bPool\(|ProcessPoolExecutor\(")
+WORKERS_START_METHOD = "forkserver"
+
+
+def start_methods(code: str) -> tuple[str, ...]:
+    """The start methods that change what ``code`` (a script, a docs block) does: every one of START_METHODS where it
+    starts processes of its own through multiprocessing; workers' own, forkserver, where workers starts them all.
+
+    A run under workers' method is the block as written, and it still checks that the block started processes, all by
+    that method (run_script). How workers behaves under spawn and fork is its own tests' matter (test_workers_pool,
+    test_workers_torch, test_workers_inference, ... pass start_method=), not each docs block's.
+    """
+    return START_METHODS if OWN_PROCESSES.search(code) else (WORKERS_START_METHOD,)
+
+
+def under_each_start_method(run: Callable[[str, pathlib.Path], Any], tmp_path: pathlib.Path,
+                            methods: tuple[str, ...] = START_METHODS) -> dict[str, Any]:
+    """``run(method, directory)`` for every method of ``methods`` at once, each in a directory of its own under
     ``tmp_path``; return ``{method: what run returned}``, or fail with every run's failure once all have ended.
 
     For scripts that take long: a run is mostly waits (process start-up, actors attaching, a learner waiting for
     batches), so three at once take far less than three in turn (on a busy 2-core machine, about as long as one).
     """
-    with concurrent.futures.ThreadPoolExecutor(len(START_METHODS)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(methods)) as pool:
         futures = {}
-        for method in START_METHODS:
+        for method in methods:
             (tmp_path / method).mkdir()
             futures[method] = pool.submit(run, method, tmp_path / method)
     failed = {m: f.exception() for m, f in futures.items() if f.exception() is not None}
@@ -204,8 +231,12 @@ def under_each_start_method(run: Callable[[str, pathlib.Path], Any], tmp_path: p
 
 
 def run_doc_block_under_each_start_method(page: str, k: int, tmp_path: pathlib.Path, timeout: float = 240) -> dict[str, str]:
-    """run_doc_block under spawn, forkserver and fork at once (see under_each_start_method): ``{method: printed}``."""
-    return under_each_start_method(lambda m, d: run_doc_block(page, k, d, timeout=timeout, start_method=m), tmp_path)
+    """run_doc_block under each start method that changes what the block does (start_methods: spawn, forkserver and
+    fork at once for a block that starts processes through multiprocessing; forkserver, workers' own, for one whose
+    processes workers starts): ``{method: printed}``."""
+    methods = start_methods(doc_blocks(page)[k])
+    return under_each_start_method(lambda m, d: run_doc_block(page, k, d, timeout=timeout, start_method=m), tmp_path,
+                                   methods)
 
 
 class EpisodicEnv:
@@ -282,6 +313,7 @@ def exactly_once_writer(name: str, tag: int, n: int, t: int, out: Any) -> None:
 # ------------------------------------------------------------- fault tests
 
 FT = 8  # steps per rollout in fault tests
+CTX = mp.get_context("fork")  # fast to start; spawn is covered by test_transfer
 
 
 def fault_example() -> dict[str, Any]:
@@ -347,6 +379,116 @@ def verify(r: shmbuf.Rollout) -> tuple[int, int]:
     return tag, seq
 
 
+class Ledger:
+    """What the reader received, per writer tag: sequence numbers in arrival order, each verified."""
+
+    def __init__(self, reader: shmbuf.Reader):
+        self.reader = reader
+        self.seqs: dict[int, list[int]] = defaultdict(list)
+
+    def take(self, n: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        for _ in range(n):
+            with self.reader.get(timeout=max(0.01, deadline - time.monotonic())) as r:
+                tag, seq = verify(r)
+                self.seqs[tag].append(seq)
+
+    def take_ready(self) -> None:
+        """Take what the reader already holds as ready: after a reclaim, that includes all the dead lane committed."""
+        self.take(self.reader.stats()["ready_depth"])
+
+    def drain(self, quiet: float = 0.2) -> None:
+        while True:
+            try:
+                self.take(1, timeout=quiet)
+            except shmbuf.SlotTimeout:
+                return
+
+    def check_exactly_once(self, tag: int, committed_at_least: int) -> int:
+        got = self.seqs[tag]
+        assert got == list(range(len(got))), f"tag {tag}: duplicates, gaps or reordering in {got[:20]}..."
+        # `committed` is stored just after commit returns, so a kill in between leaves it one behind
+        assert committed_at_least + 1 <= len(got) <= committed_at_least + 2, (tag, committed_at_least, len(got))
+        return len(got)
+
+
+def start_writer(name: str, tag: int, rollouts: int = -1, timeout: float | None = None,
+                 holding: Any = None, pause: float = 0.0) -> tuple[Any, Any]:
+    committed = CTX.RawValue("q", -1)
+    p = CTX.Process(target=loop_writer, args=(name, tag, committed, rollouts, timeout, holding, pause), daemon=True)
+    p.start()
+    return p, committed
+
+
+def slot_accounting(reader: shmbuf.Reader) -> dict[str, int]:
+    s = reader.stats()["slots"]
+    assert sum(s.values()) == reader.slots, f"slots unaccounted for: {s}"
+    return s
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+# ------------------------------------------------------------- one small pipeline's steps
+
+
+def step(tag: float, t: int = 0) -> dict[str, Any]:
+    return {"obs": np.full(4, tag, np.float32), "action": np.int64(t), "reward": np.float32(tag), "done": False}
+
+
+def write(w: shmbuf.Writer, tag: float, length: int = 2) -> None:
+    for t in range(length):
+        w.add("step", step(tag, t))
+    w.commit()
+
+
+# ------------------------------------------------------------- a RayCollector's nodes (tests/test_ray*.py)
+
+
+def described(rc: Any) -> list[dict[str, Any]]:
+    """What each node's owner said about itself at start: pids, names."""
+    return [n.info for n in rc.nodes]  # info is set once a node has described itself, as each has by now
+
+
+def pids_of(info: list[dict[str, Any]]) -> list[int]:
+    """A node's processes: its owner (not the learner, which is the owner of its own node), janitor and actors."""
+    return [p for i in info for p in (i["pid"], i["janitor_pid"], *i["actor_pids"]) if p != os.getpid()]
+
+
+def remote(rc: Any) -> int:
+    """The index of a node with an owner actor (not the learner's own node)."""
+    return next(n.index for n in rc.nodes if n.local is None)
+
+
+def on_shm(info: dict[str, Any]) -> bool:
+    """Is any of a node's shared-memory objects (its pipeline, its weight broadcast) still in /dev/shm?"""
+    return any(e == n[1:] or e.startswith(f"sem.{n[1:]}-") for e in shm_objects() for n in info["names"])
+
+
+class OnceLedger:
+    """The exactly-once check of the Ray tests' ledgers (tests/test_ray.py, tests/test_ray_multiagent.py): a subclass
+    fills ``seqs`` (a delivered rollout's key, node/incarnation/[policy/]lane/epoch -> its sequence numbers) and
+    ``steps`` (an env's uid [and agent] -> arrays of its whole-life step counts) as batches come."""
+
+    seqs: dict[Any, list[int]]
+    steps: dict[Any, list[np.ndarray]]
+
+    def check_once(self) -> None:
+        for key, seqs in self.seqs.items():
+            assert len(seqs) == len(set(seqs)), f"node/incarnation/lane/epoch {key}: a rollout delivered twice"
+        for uid, parts in self.steps.items():
+            g = np.concatenate(parts)
+            assert len(g) == len(np.unique(g)), f"env {uid}: a step delivered twice"
+
+
+# ------------------------------------------------------------- benchmarks
+
+
 def run_bench(cmd: list[str], cwd: pathlib.Path, *, timeout: float = 240, grace: float = 5.0,
               others: Callable[[int], list[Any]] | None = None) -> tuple[int, str, list[int], list[Any]]:
     """Run a benchmark command in a session of its own; return ``(returncode, output, left, others_left)``.
@@ -355,7 +497,6 @@ def run_bench(cmd: list[str], cwd: pathlib.Path, *, timeout: float = 240, grace:
     when it sees the run's end of its pipe); ``others(pid)``: more processes to wait for and report (Ray's). Every
     process of the group is SIGKILLed before returning, whatever happened, so that a failing test leaves none.
     """
-    from tests.conftest import live_processes
 
     def group(pgid: int) -> list[int]:
         return [pid for pid, _, g, _ in live_processes() if g == pgid]
@@ -380,3 +521,9 @@ def run_bench(cmd: list[str], cwd: pathlib.Path, *, timeout: float = 240, grace:
             except ProcessLookupError:
                 pass
     return proc.returncode, out, left, others_left
+
+
+def ray_session_processes(driver: int) -> list[tuple[int, bytes]]:
+    """Live processes of the Ray sessions the run started (Ray names a session directory after its driver's pid)."""
+    token = re.compile(rb"session_[0-9_-]+_" + str(driver).encode() + rb"\b")
+    return [(pid, cmd[:160]) for pid, _, _, cmd in live_processes() if token.search(cmd)]

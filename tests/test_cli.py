@@ -16,7 +16,7 @@ import shmbuf
 from shmbuf import _admin
 from shmbuf._cli import main
 from tests.conftest import shm_objects, small_example
-from tests.test_faults import CTX
+from tests.helpers import CTX
 
 
 def _owner(conn: Any) -> None:
@@ -55,6 +55,7 @@ def test_ls_shows_live_and_dead_owners(make_reader: Any, orphan: str, capsys: An
     w.close()
 
 
+@pytest.mark.alone  # `shmbuf clean` removes every dead owner's objects on the machine: another test's may be in use
 def test_clean_removes_only_dead_owners_objects(make_reader: Any, orphan: str, capsys: Any) -> None:
     live = make_reader(small_example(), slots=1)
     assert main(["clean", "--dry-run"]) == 0
@@ -103,6 +104,7 @@ def test_clean_after_a_pid_waits_for_it_then_removes_only_what_it_created(orphan
             shmbuf._segment.unlink_all(name, 2)
 
 
+@pytest.mark.alone  # `shmbuf clean` removes every dead owner's objects on the machine: another test's may be in use
 def test_clean_removes_semaphores_whose_segment_is_gone(capsys: Any) -> None:
     name = shmbuf._segment.new_name()
     sem = posix_ipc.Semaphore(name + "-r", posix_ipc.O_CREX, mode=0o600)
@@ -113,6 +115,7 @@ def test_clean_removes_semaphores_whose_segment_is_gone(capsys: Any) -> None:
     assert not any(name[1:] in e for e in shm_objects())
 
 
+@pytest.mark.alone  # `shmbuf clean` removes every dead owner's objects on the machine: another test's may be in use
 def test_unreadable_segment_is_kept_and_reported(capsys: Any) -> None:
     name = shmbuf._segment.new_name()
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=4096)
@@ -265,7 +268,7 @@ def test_ls_shows_a_replay_buffer_and_clean_removes_a_dead_owners(capsys) -> Non
 
 def test_convert_needs_allow_pickle_then_turns_a_002_recording_into_shmbufs_format(tmp_path: Any, capsys: Any) -> None:
     from shmbuf.storage.files import RolloutDataset
-    from tests.test_storage_files import write_002_recording
+    from tests.helpers_storage import write_002_recording
 
     write_002_recording(tmp_path / "002")
     assert main(["convert", str(tmp_path / "002"), str(tmp_path / "out")]) == 2

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
-from collections import defaultdict
 from typing import Any
 
 import msgpack
@@ -17,57 +15,19 @@ import shmbuf
 from shmbuf import _admin
 from shmbuf._lane import Record
 from tests.conftest import shm_objects, wait_until
-from tests.helpers import FT, commit_checked, fault_example, fill_step, loop_writer, verify
+from tests.helpers import (
+    CTX,
+    FT,
+    Ledger,
+    commit_checked,
+    fault_example,
+    fill_step,
+    rss_kib,
+    slot_accounting,
+    start_writer,
+)
 
-CTX = mp.get_context("fork")  # fast to start; spawn is covered by test_transfer
 pytestmark = pytest.mark.timeout(120)
-
-
-class Ledger:
-    """What the reader received, per writer tag: sequence numbers in arrival order, each verified."""
-
-    def __init__(self, reader: shmbuf.Reader):
-        self.reader = reader
-        self.seqs: dict[int, list[int]] = defaultdict(list)
-
-    def take(self, n: int, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        for _ in range(n):
-            with self.reader.get(timeout=max(0.01, deadline - time.monotonic())) as r:
-                tag, seq = verify(r)
-                self.seqs[tag].append(seq)
-
-    def take_ready(self) -> None:
-        """Take what the reader already holds as ready: after a reclaim, that includes all the dead lane committed."""
-        self.take(self.reader.stats()["ready_depth"])
-
-    def drain(self, quiet: float = 0.2) -> None:
-        while True:
-            try:
-                self.take(1, timeout=quiet)
-            except shmbuf.SlotTimeout:
-                return
-
-    def check_exactly_once(self, tag: int, committed_at_least: int) -> int:
-        got = self.seqs[tag]
-        assert got == list(range(len(got))), f"tag {tag}: duplicates, gaps or reordering in {got[:20]}..."
-        # `committed` is stored just after commit returns, so a kill in between leaves it one behind
-        assert committed_at_least + 1 <= len(got) <= committed_at_least + 2, (tag, committed_at_least, len(got))
-        return len(got)
-
-
-def start_writer(name: str, tag: int, rollouts: int = -1, timeout: float | None = None,
-                 holding: Any = None, pause: float = 0.0) -> tuple[Any, Any]:
-    committed = CTX.RawValue("q", -1)
-    p = CTX.Process(target=loop_writer, args=(name, tag, committed, rollouts, timeout, holding, pause), daemon=True)
-    p.start()
-    return p, committed
-
-
-def slot_accounting(reader: shmbuf.Reader) -> dict[str, int]:
-    s = reader.stats()["slots"]
-    assert sum(s.values()) == reader.slots, f"slots unaccounted for: {s}"
-    return s
 
 
 # A dead writer's slots are back at the reader's next look for dead writers, due SCAN_INTERVAL (50 ms) after its
@@ -382,20 +342,12 @@ def test_a_slow_reader_makes_writers_wait_and_loses_nothing(make_reader: Any, st
         if i % 3 == 0:
             time.sleep(0.002)  # slower than the writers
         if i in (30, 290):
-            rss.append([_rss_kib(p.pid) for p, _ in procs])
+            rss.append([rss_kib(p.pid) for p, _ in procs])
     for p, _ in procs:
         p.join(10)
         assert p.exitcode == 0
     assert ledger.seqs[0] == list(range(150)) and ledger.seqs[1] == list(range(150))
     assert all(after - before < 2048 for before, after in zip(*rss)), f"writer RSS grew: {rss}"  # KiB
-
-
-def _rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 def test_another_user_cannot_attach(make_reader: Any) -> None:

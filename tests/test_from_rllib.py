@@ -2,7 +2,7 @@
 
 postprocess_trajectory is checked against RLlib's documented guarantee: it is called at the end of every rollout
 fragment and of every episode, one call never sees two episodes' data, and the columns it adds are stored with the
-rollout. CountingEnv (tests/test_workers_envs.py) makes every transition known: obs = [env, episode, t]."""
+rollout. CountingEnv (tests/helpers_workers.py) makes every transition known: obs = [env, episode, t]."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from shmbuf import SchemaError, UsageError
 from shmbuf.layout import rollout_example
 from shmbuf.storage.views import ViewRequirement as VR
 from shmbuf.storage.views import build_views
-from tests.test_workers_envs import CountingEnv, EchoPolicy, expected_stream, make_vector
+from tests.helpers_workers import CountingEnv, EchoPolicy, expected_stream, make_vector
 from workers import ActorLoop, probe
 from workers._postprocess import RLLIB_COLUMNS, discover, template
 
@@ -389,7 +389,7 @@ class DictPostprocessingPolicy(PostprocessingPolicy):
 
 
 def test_pytree_observations_reach_the_hook_as_dicts() -> None:
-    from tests.test_workers_actor import DictObsEnv
+    from tests.helpers_workers import DictObsEnv
 
     policy = DictPostprocessingPolicy()
     rollouts, loop = run_loop(lambda: DictObsEnv(), policy, T=5, n_rollouts=2)

@@ -10,8 +10,8 @@ from typing import Any
 
 import shmbuf
 from tests.conftest import small_example
-from tests.test_hardening import step as _step
-from tests.test_hardening import write as _write
+from tests.helpers import step as _step
+from tests.helpers import write as _write
 
 
 def _reaped_pid() -> int:

@@ -20,18 +20,9 @@ import shmbuf
 from shmbuf import _segment
 from shmbuf._lane import WAIT_SLICE
 from tests.conftest import small_example, wait_until
+from tests.helpers import step, write
 
 FORK = mp.get_context("fork")
-
-
-def step(tag: float, t: int = 0) -> dict[str, Any]:
-    return {"obs": np.full(4, tag, np.float32), "action": np.int64(t), "reward": np.float32(tag), "done": False}
-
-
-def write(w: shmbuf.Writer, tag: float, length: int = 2) -> None:
-    for t in range(length):
-        w.add("step", step(tag, t))
-    w.commit()
 
 
 # ------------------------------------------------------------ data integrity

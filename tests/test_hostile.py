@@ -233,6 +233,7 @@ def test_weight_names_are_checked_by_the_same_rule(fresh: Callable[..., str]) ->
 # ------------------------------------------------------------------ settings
 
 
+@pytest.mark.alone  # judges every new entry of /dev/shm: no other test may make one meanwhile
 @pytest.mark.parametrize(
     ("kw", "setting"),
     [

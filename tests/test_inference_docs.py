@@ -1,8 +1,9 @@
-"""Every python block of docs/inference.md runs as written, under each start method (both start env workers).
+"""Every python block of docs/inference.md runs as written, and prints what the page says it prints.
 
-The workers are started by workers' default method, forkserver, whatever multiprocessing's is; run_doc_block's
-start_method points that default at the method under test, as if the block passed start_method=<method>. A block's
-three runs go at once (tests.helpers.under_each_start_method): each is mostly start-up and waits.
+Each block's env workers are started by workers, with its default method, forkserver, whatever multiprocessing's
+default is: a block runs the same under every default start method, so it runs once, under forkserver (and the run
+fails unless it started processes, all by forkserver: tests.helpers.start_methods, run_script).
+AsyncBatchedCollector under spawn and fork is tests/test_workers_inference.py's matter.
 """
 
 from __future__ import annotations

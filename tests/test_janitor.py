@@ -57,7 +57,7 @@ def _make(kind: str, keep: bool) -> tuple[list[Any], list[str]]:
         r = shmbuf.create(small_example(), 4, **kw)  # 16 lanes: the object and 17 semaphores
         return [r], [r.name]
     if kind in ("collector", "async_batched"):
-        from tests.test_workers_envs import EchoPolicy, make_counting
+        from tests.helpers_workers import EchoPolicy, make_counting
         from workers import AsyncBatchedCollector, Collector
 
         if kind == "collector":

@@ -1,6 +1,6 @@
 """RLlib's postprocess_trajectory with other_agent_batches in multi-agent actors (workers/_multiagent_postprocess.py).
 
-JoinLeaveEnv (tests/test_workers_multiagent.py) makes every transition known: red observations are ``[env, agent, t]``,
+JoinLeaveEnv (tests/helpers_multiagent.py) makes every transition known: red observations are ``[env, agent, t]``,
 blue ones ``[env, agent, t, episode, 1]``, and red_1 joins at step 2 and terminates at step 5. The hook is checked
 against the plain PettingZoo loop, and other_agent_batches against the stored rollouts of the same round."""
 
@@ -17,7 +17,7 @@ import pytest
 pettingzoo = pytest.importorskip("pettingzoo")
 
 import shmbuf  # noqa: E402  # after the importorskip: the module needs pettingzoo
-from tests.test_workers_multiagent import (  # noqa: E402  # same
+from tests.helpers_multiagent import (  # noqa: E402  (after the importorskip above)
     POLICIES,
     JoinLeaveEnv,
     assert_same_streams,
@@ -68,7 +68,7 @@ class RedWithHook:
 def run_post_loop(n_envs, rounds, postprocess, *, rollout_len=4, batch_mode="truncate_episodes", policies=POLICIES,
                   record=None, count_steps_by="env_steps"):
     """A MultiAgentLoop in a thread, postprocessing set up as MultiAgentCollector does (see
-    tests/test_workers_multiagent.py's ``run_loop``). Returns ``({policy: [rollout, ...]}, rows, loop)``."""
+    tests/helpers_multiagent.py's ``run_loop``). Returns ``({policy: [rollout, ...]}, rows, loop)``."""
     return run_loop(n_envs, rounds, postprocess=postprocess, rollout_len=rollout_len, batch_mode=batch_mode,
                     policies=policies, record=record, count_steps_by=count_steps_by)
 
@@ -348,7 +348,7 @@ def test_served_policies_take_a_hook_given_as_a_function_and_refuse_their_own_me
 def test_other_agent_batches_under_a_per_episode_mapping_name_the_policy_of_that_episode():
     """With red_0 and red_1 mapped to opposite red policies in every episode, a red policy's hook sees the other red
     agent under the other red policy, and blue under blue: each other agent once, from the rows it was valid in."""
-    from tests.test_workers_multiagent import LEAGUE, league
+    from tests.helpers_multiagent import LEAGUE, league
 
     calls = []
 
@@ -387,12 +387,13 @@ def red0_actions(sample_batch, other_agent_batches=None, episode=None):
     return sample_batch
 
 
+@pytest.mark.alone  # counts every shmbuf entry of /dev/shm: no other test may add one meanwhile
 def test_policies_not_trained_act_take_weights_and_show_in_other_agent_batches_but_are_not_handed_out():
     """policies_to_train=["blue"]: only blue's pipeline exists and only blue's rollouts come; red still acts (the env
     refuses a step without every live agent's action), takes new weights (scale 2 doubles its actions), and its
     actions reach blue's hook through other_agent_batches."""
     from tests.conftest import shm_objects
-    from tests.test_workers_multiagent import Scaled
+    from tests.helpers_multiagent import Scaled
     from workers import MultiAgentCollector
 
     before = len(shm_objects())

@@ -24,7 +24,7 @@ pettingzoo = pytest.importorskip("pettingzoo")
 
 import shmbuf  # noqa: E402  # after the importorskip: the helpers below need pettingzoo
 from tests.conftest import wait_until  # noqa: E402  # same
-from tests.test_workers_multiagent import (  # noqa: E402  # same
+from tests.helpers_multiagent import (  # noqa: E402  # same
     POLICIES,
     JoinLeaveEnv,
     assert_same_streams,

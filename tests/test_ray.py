@@ -1,7 +1,8 @@
 """RayCollector on a local two-node Ray cluster: exactly once from both nodes, weights to both, node faults, shutdown.
 
 One cluster (``ray.cluster_utils.Cluster``: a head and one more node, each with its own raylet and
-object store) serves the module, about 50 s in all, so every test here runs in ``make test``: the
+object store: the `cluster` fixture of tests/conftest.py, which this module's tests share with
+tests/test_ray_multiagent.py) serves them all, so every test here runs in ``make test``: the
 first collects from both nodes, sends weights and checks that shutdown leaves nothing; the others
 kill an owner, restart one, fail every node's collector, and kill the learner.
 
@@ -31,7 +32,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="the `ray` extra (make test installs it)")
 
 import shmbuf  # noqa: E402  (after the importorskip above)
-from tests.conftest import child_pids, shm_objects, wait_until  # noqa: E402  (after the importorskip above)
+from tests.conftest import shm_objects, wait_until  # noqa: E402  (after the importorskip above)
+from tests.helpers import OnceLedger, described, gone, on_shm, pids_of, remote  # noqa: E402  (after the importorskip above)
 from workers import ActorError, CollectedBatch, RayCollector, _ray, _ray_weights, _ray_wire  # noqa: E402  # after the importorskip: they import ray
 
 T, E = 8, 2
@@ -95,30 +97,6 @@ def weights(version: int) -> dict[str, np.ndarray]:
     return {"w": np.full(1, W(version))}
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Any:
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    try:
-        c.add_node(num_cpus=1)
-        ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-        wait_until(lambda: sum(n["Alive"] for n in ray.nodes()) == 2, 60, "both Ray nodes to be alive")
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        wait_until(lambda: not [p for p in child_pids() if b"ray" in cmdline(p)], 30, "the Ray cluster's processes to exit")
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
 def collector(**kw: Any) -> RayCollector:
     args = dict(frames_per_batch=FRAMES, rollout_len=T, actors_per_node=1, weights=weights(0), timeout=60,
                 create_env_kwargs={}, stop_timeout=5.0)
@@ -126,35 +104,7 @@ def collector(**kw: Any) -> RayCollector:
     return RayCollector(make_count_env, WeightPolicy(), **args)
 
 
-def described(rc: RayCollector) -> list[dict[str, Any]]:
-    """What each node's owner said about itself at start: pids, names."""
-    return [n.info for n in rc.nodes]  # type: ignore[misc]  # info is set once a node has described itself, as each has by now
-
-
-def pids_of(info: list[dict[str, Any]]) -> list[int]:
-    """A node's processes: its owner (not the learner, which is the owner of its own node), janitor and actors."""
-    return [p for i in info for p in (i["pid"], i["janitor_pid"], *i["actor_pids"]) if p != os.getpid()]
-
-
-def remote(rc: RayCollector) -> int:
-    """The index of a node with an owner actor (not the learner's own node)."""
-    return next(n.index for n in rc.nodes if n.local is None)
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
-def on_shm(info: dict[str, Any]) -> bool:
-    """Is any of a node's shared-memory objects (its pipeline, its weight broadcast) still in /dev/shm?"""
-    return any(e == n[1:] or e.startswith(f"sem.{n[1:]}-") for e in shm_objects() for n in info["names"])
-
-
-class Ledger:
+class Ledger(OnceLedger):
     """Every delivered rollout, checked as it comes: each (node, incarnation, lane, epoch, seq) and each env step at most
     once."""
 
@@ -188,13 +138,6 @@ class Ledger:
         assert b.policy_lag.tolist() == lag, f"lag {b.policy_lag.tolist()} for versions {b.policy_version.tolist()} " \
                                              f"at learner version {self.rc.policy_version}"
         self.lag_max = max(lag) if self.lag_max is None else max(self.lag_max, *lag)
-
-    def check_once(self) -> None:
-        for key, seqs in self.seqs.items():
-            assert len(seqs) == len(set(seqs)), f"node/incarnation/lane/epoch {key}: a rollout delivered twice"
-        for uid, parts in self.steps.items():
-            g = np.concatenate(parts)
-            assert len(g) == len(np.unique(g)), f"env {uid}: a step delivered twice"
 
     def check_contiguous(self) -> None:
         for key, seqs in self.seqs.items():

@@ -3,7 +3,7 @@ weights, versions and lag per policy, a restarted owner that waits for every pol
 episodes, aligned batches, and the checks on what a node sends.
 
 The env and policies live here, at module level, so that the node owners (and their forkserver actors) import
-them as ``tests.test_ray_multiagent`` (see tests/test_ray.py, whose cluster fixture this module uses too).
+them as ``tests.test_ray_multiagent`` (see tests/test_ray.py, whose cluster, tests/conftest.py's, this module shares).
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ pettingzoo = pytest.importorskip("pettingzoo", reason="the `multiagent` extra (m
 
 import shmbuf  # noqa: E402  (after the importorskips above)
 from tests.conftest import wait_until  # noqa: E402  (same)
-from tests.test_ray import Ledger as RolloutLedger  # noqa: E402  (same)
-from tests.test_ray import cluster, described, gone, on_shm, pids_of, remote  # noqa: E402, F401  # cluster: the fixture below
+from tests.helpers import OnceLedger, described, gone, on_shm, pids_of, remote  # noqa: E402  (after the importorskip above)
 from workers import MultiAgentBatch, RayCollector, _ray, _ray_multiagent, _ray_wire  # noqa: E402  # they import ray
 
-pytestmark = pytest.mark.usefixtures("cluster")  # test_ray's two-node cluster, one for this module
+pytestmark = pytest.mark.usefixtures("cluster")  # the suite's two-node cluster (tests/conftest.py), shared with test_ray
 
 AGENTS = ["red_0", "red_1", "blue_0"]
 T = 4  # env steps per round
@@ -106,7 +105,7 @@ def collector(**kw: Any) -> RayCollector:
     return RayCollector(CountingEnv, {pid: Versioned(b) for pid, b in BASE.items()}, **args)
 
 
-class Ledger(RolloutLedger):
+class Ledger(OnceLedger):
     """Every delivered policy rollout, checked as it comes: each (node, incarnation, policy, lane, epoch, seq) and each
     agent's env step at most once (test_ray's check, keyed by policy and agent too); actions match the version each
     rollout says it was taken with; lag per policy."""
@@ -240,9 +239,9 @@ def test_dict_observations_come_through_ray_as_each_nodes_env_returned_them() ->
     """PettingZoo classic's observation + action_mask (tests.test_multiagent_dict's env: a Dict for the players, a
     Tuple for a scout that joins later) from both nodes through Ray objects: every stored row of every lane, read back
     in sequence order, is the plain loop's."""
-    from tests.test_multiagent_dict import POLICIES, MaskedEnv, plain_streams
-    from tests.test_multiagent_dict import team as masked_team
-    from tests.test_workers_multiagent import assert_same_streams, stored_streams
+    from tests.helpers_masked import POLICIES, MaskedEnv, plain_streams
+    from tests.helpers_masked import team as masked_team
+    from tests.helpers_multiagent import assert_same_streams, stored_streams
 
     per_lane: dict[tuple[int, int], dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     with RayCollector(MaskedEnv, POLICIES, policy_mapping_fn=masked_team, frames_per_batch=2 * T, rollout_len=T,

@@ -25,7 +25,7 @@ import pytest
 
 import shmbuf
 from tests.conftest import small_example
-from tests.helpers import START_METHODS, EpisodicEnv, run_script, under_each_start_method
+from tests.helpers import START_METHODS, EpisodicEnv, run_script, start_methods, under_each_start_method
 
 ROOT = pathlib.Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
@@ -274,16 +274,19 @@ if __name__ == "__main__":
 
 def test_readme_collector_script_runs(tmp_path: pathlib.Path) -> None:
     """The workers block as the whole script it says it is, with a `train` of ours in front, its actors started by
-    each start method (workers' default pointed at it: see tests/helpers.py). The three runs go at once: each takes
-    tens of seconds on 2 cores, collecting the block's 20,000 frames, mostly waiting."""
+    each start method that changes what it does (tests.helpers.start_methods: workers starts them all, by forkserver
+    whatever multiprocessing's default is, so one run). It takes tens of seconds on 2 cores, collecting the block's
+    20,000 frames, mostly waiting."""
     pytest.importorskip("gymnasium")
+
+    code = COLLECTOR_PRELUDE + python_block("from workers import Collector") + COLLECTOR_EPILOGUE
 
     def run(method: str, directory: pathlib.Path) -> subprocess.CompletedProcess:
         script = directory / "collect.py"
-        script.write_text(COLLECTOR_PRELUDE + python_block("from workers import Collector") + COLLECTOR_EPILOGUE)
+        script.write_text(code)
         return run_script(script, directory, start_method=method, timeout=2 * DEADLINE)
 
-    for method, out in under_each_start_method(run, tmp_path).items():
+    for method, out in under_each_start_method(run, tmp_path, start_methods(code)).items():
         frames = json.loads(out.stdout.split("FRAMES", 1)[1])
         assert set(frames) == {1024} and sum(frames) >= 20_000, (method, frames)
         assert "collecting: 100%" in out.stderr, (method, out.stderr[-500:])  # progress=True: the bar, to the end

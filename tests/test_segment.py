@@ -38,6 +38,7 @@ def test_names_are_random_prefixed_and_fit_macos_limit(make_reader: Any) -> None
     assert a.name != b.name
 
 
+@pytest.mark.alone  # compares all of /dev/shm before and after: no other test may change it meanwhile
 def test_too_large_for_dev_shm_is_refused_with_sizes_and_nothing_left() -> None:
     before = set(os.listdir("/dev/shm"))
     huge = {"step": {"obs": np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), (64, 1 << 30), (0, 0))}}

@@ -16,7 +16,7 @@ import pytest
 
 import shmbuf
 from tests.conftest import small_example
-from tests.test_faults import CTX, Ledger, _rss_kib, slot_accounting, start_writer
+from tests.helpers import CTX, Ledger, rss_kib, slot_accounting, start_writer
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -39,7 +39,7 @@ def soak(make_reader: Any, cycles: int, seed: int = 0) -> dict[str, Any]:
             live[next_tag] = start_writer(reader.name, next_tag)
             next_tag += 1
         ledger.take(300, timeout=30)  # warm up: every slot's views built, arenas settled
-        fds0, rss0 = _fds(), _rss_kib(os.getpid())
+        fds0, rss0 = _fds(), rss_kib(os.getpid())
         for _ in range(cycles):
             ledger.take(int(rng.integers(5, 60)), timeout=30)
             tag = int(rng.choice(list(live)))
@@ -68,7 +68,7 @@ def soak(make_reader: Any, cycles: int, seed: int = 0) -> dict[str, Any]:
         s = reader.stats()
         slot_accounting(reader)
         assert s["slots"]["pool"] == reader.slots, f"slots leaked: {s['slots']}"
-        fds1, rss1 = _fds(), _rss_kib(os.getpid())
+        fds1, rss1 = _fds(), rss_kib(os.getpid())
         assert fds1 == fds0, f"file descriptors: {fds0} before, {fds1} after"
         assert rss1 - rss0 < 16 * 1024, f"reader RSS grew from {rss0} to {rss1} KiB"
         # a writer killed before it took a lane leaves nothing to reclaim; one that committed always does

@@ -24,7 +24,7 @@ import pytest
 
 import shmbuf
 from shmbuf.storage.files import Recorder, RolloutDataset, playback_example, read_metadata
-from tests.test_storage_files import Fake, synth
+from tests.helpers_storage import Fake, synth
 
 
 def record(d: pathlib.Path, dict_obs: bool = False) -> pathlib.Path:

@@ -22,7 +22,7 @@ from shmbuf import SchemaError, ShmbufError, UsageError
 from shmbuf.layout import rollout_example
 from shmbuf.storage.views import MaskedView, ViewRequirement, build_views
 from tests.helpers import doc_blocks, run_doc_block
-from tests.test_workers_envs import CountingEnv, EchoPolicy
+from tests.helpers_workers import CountingEnv, EchoPolicy
 from workers import ActorLoop, probe
 
 VR = ViewRequirement

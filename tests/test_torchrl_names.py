@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch", reason="torch policies need torch")
 tensordict = pytest.importorskip("tensordict", reason="TorchRL's weights TensorDict")
 
 import shmbuf  # noqa: E402  (after the importorskip above)
-from tests.test_workers_envs import make_counting  # noqa: E402  (after the importorskip above)
+from tests.helpers_workers import make_counting  # noqa: E402  (after the importorskip above)
 from tests.test_workers_torch import TorchEcho  # noqa: E402  (after the importorskip above)
 from workers import Collector  # noqa: E402  (after the importorskip above)
 

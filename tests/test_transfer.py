@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 import shmbuf
 from tests.conftest import small_example
 from tests.helpers import checksum, exactly_once_writer
-from tests.test_schema import examples
+from tests.helpers_schema import examples
 
 WRITERS = 4
 ROLLOUTS = 2000

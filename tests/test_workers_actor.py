@@ -7,8 +7,6 @@ known; rollouts are checked against the ground truth in commit order.
 
 from __future__ import annotations
 
-import threading
-import time
 from functools import partial
 
 import gymnasium as gym
@@ -17,130 +15,22 @@ import optree
 import pytest
 
 import shmbuf
-from shmbuf import WeightPublisher, WeightSubscriber
+from shmbuf import WeightPublisher
 from shmbuf.layout import rollout_example, successors
-from tests.test_workers_envs import (
+from tests.helpers_workers import (
     LENGTHS,
     CountingEnv,
+    DictObsEnv,
     EchoPolicy,
     ReusingCountingEnv,
-    expected_stream,
+    check_complete,
+    check_truncated,
+    collect,
     make_async_vector,
     make_vector,
 )
-from workers import ActorLoop, probe
 
 MODES = ["NextStep", "SameStep", "Disabled"]
-
-
-def collect(make_env, *, T, n_rollouts, batch_mode="truncate_episodes", max_episodes=None, weights=None, policy=None,
-            probe_policy=None, general=False, **loop_kw):
-    """Run an ActorLoop in a thread until it committed ``n_rollouts``; return them (copied) in commit order.
-
-    ``probe_policy`` answers the probe call (default: ``policy``), so a policy that records its inputs sees only
-    the loop's; ``loop_kw`` goes to ActorLoop (view_requirements, horizon, ...).
-    """
-    policy = policy or EchoPolicy()
-    probe_env = make_env()
-    try:
-        p = probe(probe_env, probe_policy or policy, view_requirements=loop_kw.get("view_requirements"))
-    finally:
-        probe_env.close()
-    env = make_env()
-    vector = p["vector"] and batch_mode == "truncate_episodes"
-    example = rollout_example(p["obs"], p["action"], rollout_len=T, num_envs=p["num_envs"] if vector else None,
-                              extras=p["extras"], batch_mode=batch_mode, max_episodes=max_episodes)
-    n_writers = p["num_envs"] if batch_mode == "complete_episodes" else 1
-    reader = shmbuf.create(example, slots=4 * n_writers + 2, max_writers=n_writers)
-    errors: list[BaseException] = []
-    out = []
-    loop_box = []
-
-    def actor():
-        writers = []
-        try:
-            writers = [shmbuf.Writer(reader.handle, timeout=20) for _ in range(n_writers)]
-            registered.set()
-            sub = WeightSubscriber(weights) if weights is not None else None
-            loop = ActorLoop(env, policy, writers, rollout_len=T, batch_mode=batch_mode, max_episodes=max_episodes,
-                             weights=sub, **loop_kw)
-            loop_box.append(loop)
-            if general:
-                loop._direct = False  # the general path (Writer.add per step), as pytree observations take it
-            loop.run(n_rollouts)
-            if sub is not None:
-                sub.close()
-        except BaseException as exc:  # noqa: BLE001  # anything the loop raises is surfaced by the main thread
-            errors.append(exc)
-        finally:
-            for w in writers:
-                w.close()
-
-    registered = threading.Event()
-    th = threading.Thread(target=actor, daemon=True)
-    th.start()
-    try:
-        # The reader's first scan must meet every lane: it lends all its free slots to the lanes it knows.
-        assert registered.wait(20) or errors, "the actor's writers did not attach"
-        deadline = time.monotonic() + 60
-        while len(out) < n_rollouts:
-            if errors:
-                raise errors[0]
-            assert time.monotonic() < deadline, f"{len(out)} of {n_rollouts} rollouts in 60 s"
-            try:
-                r = reader.get(timeout=0.5)
-            except shmbuf.SlotTimeout:
-                assert th.is_alive() or errors, "the actor stopped early"
-                continue
-            with r:
-                out.append({"lane": r.lane, "seq": r.seq, "fill": dict(r.fill), "data": r.copy(),
-                            "version": r.policy_version})
-        th.join(20)
-        assert not th.is_alive()
-        if errors:
-            raise errors[0]
-    finally:
-        reader.close()
-        env.close()
-    return out, loop_box[0]
-
-
-def check_truncated(rollouts, env_ids, T, cap_episodes=False):
-    """Concatenate rollouts per sub-env column and compare with the ground truth, field by field."""
-    vector = len(env_ids) > 1 or rollouts[0]["data"]["step"]["obs"].ndim == 3
-    total = sum(r["fill"]["step"] for r in rollouts)
-    for col, env_id in enumerate(env_ids):
-        truth = expected_stream(env_id, total)
-        pos = 0
-        for r in rollouts:
-            d, n = r["data"], r["fill"]["step"]
-            if not cap_episodes:
-                assert n == T
-            step = d["step"]
-            pick = (lambda a, c=col: a[:, c]) if vector else (lambda a: a)
-            succ = pick(successors(d, r["fill"]))
-            ep = d["episode"]
-            m = r["fill"]["episode"]
-            ended = [(int(ep["end"][i]), i) for i in range(m) if int(ep["env"][i]) == col]
-            for t in range(n):
-                tr = truth[pos + t]
-                assert pick(step["obs"])[t].tolist() == tr["obs"], (col, pos + t)
-                assert pick(step["action"])[t] == tr["action"]
-                assert pick(step["reward"])[t] == tr["reward"]
-                assert bool(pick(step["terminated"])[t]) == tr["terminated"]
-                assert bool(pick(step["truncated"])[t]) == tr["truncated"]
-                assert pick(step["twice_t"])[t] == 2 * tr["obs"][2]
-                assert succ[t].tolist() == tr["succ"], ("successor", col, pos + t)
-            # The episode table holds exactly the episodes of this column that ended here, in order.
-            want = [(t, truth[pos + t]) for t in range(n) if truth[pos + t]["ret"] is not None]
-            assert [e for e, _ in ended] == [t for t, _ in want]
-            for (_t, tr), (_, i) in zip(want, ended, strict=True):
-                assert ep["return"][i] == tr["ret"] and ep["length"][i] == tr["len"]
-                assert bool(ep["terminated"][i]) == tr["terminated"] and bool(ep["truncated"][i]) == tr["truncated"]
-                assert ep["final_obs"][i].tolist() == tr["succ"]
-            boot = d["bootstrap"]["obs"][col] if vector else d["bootstrap"]["obs"]
-            assert boot.tolist() == truth[pos + n - 1]["succ"]  # the successor of the last stored step
-            pos += n
 
 
 @pytest.mark.parametrize("T", [4, 9])
@@ -274,17 +164,6 @@ def test_a_policy_output_that_does_not_fit_the_slot_is_refused_by_name(batch_mod
                 policy=TurningPolicy(turn), probe_policy=EchoPolicy())
 
 
-class DictObsEnv(CountingEnv):
-    """CountingEnv with its observation under a dict key: a pytree observation."""
-
-    def __init__(self, env_id: int = 0):
-        super().__init__(env_id)
-        self.observation_space = gym.spaces.Dict({"pos": gym.spaces.Box(0, 1e9, (3,), np.float64)})
-
-    def _obs(self):
-        return {"pos": super()._obs()}
-
-
 def _dict_echo(obs):
     return EchoPolicy()(obs["pos"])
 
@@ -364,34 +243,6 @@ def test_truncate_small_episode_table_vector():
     rollouts, _ = collect(lambda: make_vector(2, "NextStep"), T=6, n_rollouts=8, max_episodes=3)
     assert min(r["fill"]["step"] for r in rollouts) < 6
     check_truncated(rollouts, [0, 1], 6, cap_episodes=True)
-
-
-def check_complete(rollouts, n_envs, T):
-    by_env: dict[int, list] = {e: [] for e in range(n_envs)}
-    for r in sorted(rollouts, key=lambda r: (r["lane"], r["seq"])):
-        by_env[int(r["data"]["episode"]["env"])].append(r)
-    for env_id, rs in by_env.items():
-        truth = expected_stream(env_id, sum(r["fill"]["step"] for r in rs), cap=T)
-        pos = 0
-        for r in rs:
-            d, n = r["data"], r["fill"]["step"]
-            step = d["step"]
-            assert step["obs"][0].tolist()[2] == 0, "a complete-episodes rollout starts at an episode's start"
-            succ = successors(d, r["fill"], batch_mode="complete_episodes")
-            for t in range(n):
-                tr = truth[pos + t]
-                assert step["obs"][t].tolist() == tr["obs"]
-                assert step["action"][t] == tr["action"] and step["reward"][t] == tr["reward"]
-                assert bool(step["terminated"][t]) == tr["terminated"] and bool(step["truncated"][t]) == tr["truncated"]
-                assert succ[t].tolist() == tr["succ"]
-            last = truth[pos + n - 1]
-            assert last["ret"] is not None, "a rollout ends where its episode ends"
-            ep = d["episode"]
-            assert float(ep["return"]) == last["ret"] and int(ep["length"]) == n == last["len"]
-            assert bool(ep["terminated"]) == last["terminated"] and bool(ep["truncated"]) == last["truncated"]
-            assert d["bootstrap"]["obs"].tolist() == last["succ"]
-            pos += n
-    return by_env
 
 
 def test_complete_single_env_one_episode_per_rollout():

@@ -9,31 +9,8 @@ import numpy as np
 import pytest
 
 import shmbuf
-from tests.test_workers_actor import check_complete, check_truncated
-from tests.test_workers_envs import EchoPolicy, make_counting, make_vector
+from tests.helpers_workers import EchoPolicy, WrongPolicy, check_complete, check_truncated, make_counting, make_vector, per_lane
 from workers import ActorError, Collector
-
-
-class WrongPolicy(EchoPolicy):
-    """Acts wrongly from the third episode on: CountingEnv raises inside the actor."""
-
-    def __call__(self, obs):
-        action, extras = super().__call__(obs)
-        return np.where(obs[:, 1] >= 2, action + 1, action), extras
-
-
-def per_lane(batches):
-    """Rollouts regrouped by lane, in commit order (the copy=True batches are the test's own)."""
-    lanes: dict[int, list] = {}
-    for b in batches:
-        for i in range(len(b.lane)):
-            d = {"data": {ts: {k: v[i] for k, v in b.data[ts].items()} for ts in b.data},
-                 "fill": {ts: int(n[i]) for ts, n in b.fill.items()}, "seq": int(b.seq[i])}
-            lanes.setdefault(int(b.lane[i]), []).append(d)
-    for rs in lanes.values():
-        rs.sort(key=lambda r: r["seq"])
-        assert [r["seq"] for r in rs] == list(range(len(rs))), "a rollout of this lane is missing"
-    return lanes
 
 
 def test_truncate_batches_are_the_exact_transitions():
@@ -135,7 +112,7 @@ def test_actor_exception_is_raised_by_the_iterator_with_its_traceback():
                 pass
     err = info.value
     assert err.kind == "AssertionError" and "got action" in str(err)
-    assert "test_workers_envs.py" in err.remote_traceback and "in step" in err.remote_traceback
+    assert "helpers_workers.py" in err.remote_traceback and "in step" in err.remote_traceback  # CountingEnv.step
 
 
 def test_restart_keeps_collecting_and_records_the_failure():

@@ -16,8 +16,8 @@ import pytest
 
 from shmbuf import UsageError
 from shmbuf.layout import successors
-from tests.test_workers_envs import LENGTHS, CountingEnv, EchoPolicy, expected_stream, make_counting
-from tests.test_workers_views import collect, make_vector
+from tests.helpers_workers import LENGTHS, CountingEnv, EchoPolicy, expected_stream, make_counting, make_vector
+from tests.helpers_workers import collect_with as collect
 from workers import ActorLoop, Collector
 
 

@@ -265,7 +265,8 @@ def no_objects_named(names: list[str]) -> bool:
 # -- 1. no cross-wiring ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("min_batch_size", "start_method"), [(1, None), (3, "fork")], ids=["min1-default", "min3-fork"])
+@pytest.mark.parametrize(("min_batch_size", "start_method"), [(1, None), (3, "fork"), (1, "spawn")],
+                         ids=["min1-default", "min3-fork", "min1-spawn"])  # default: forkserver
 def test_every_stored_action_answers_its_own_observation(min_batch_size: int, start_method: str | None) -> None:
     """Five workers at random speeds, thousands of steps: never another worker's answer, never a skipped step."""
     policy = TagPolicy()

@@ -18,7 +18,7 @@ import pytest
 from shmbuf._proc import alive, start_time
 from shmbuf._segment import unlink_all
 from tests.conftest import wait_until
-from tests.test_workers_envs import (
+from tests.helpers_workers import (
     EchoPolicy,
     make_counting,
     target_crash,
@@ -183,7 +183,7 @@ def test_run_actor_error_also_reaches_a_bare_reader_as_writer_error(pools):
     """A learner that only reads (no pool.check) still hears of an actor's exception, with its traceback."""
     import shmbuf
     from shmbuf.layout import rollout_example
-    from tests.test_workers_collector import WrongPolicy
+    from tests.helpers_workers import WrongPolicy
     from workers import probe
 
     p = probe(make_counting(), EchoPolicy())

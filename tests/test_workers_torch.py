@@ -15,9 +15,7 @@ import numpy as np  # noqa: E402  (after the importorskip above)
 from torch import nn  # noqa: E402  (after the importorskip above)
 
 import shmbuf  # noqa: E402  (after the importorskip above)
-from tests.test_workers_actor import check_truncated, collect  # noqa: E402  (after the importorskip above)
-from tests.test_workers_collector import per_lane  # noqa: E402  (after the importorskip above)
-from tests.test_workers_envs import EchoPolicy, make_counting, make_vector  # noqa: E402  (after the importorskip above)
+from tests.helpers_workers import EchoPolicy, check_truncated, collect, make_counting, make_vector, per_lane  # noqa: E402  (after the importorskip above)
 from workers import Collector  # noqa: E402  (after the importorskip above)
 
 

@@ -1,7 +1,7 @@
 """Actor-side views: what the policy is given at every step, against hand-derived truth and the learner's columns.
 
 A recording policy keeps a copy of every input dict the ActorLoop hands it. CountingEnv's ground truth
-(tests/test_workers_envs.py) says what each column held at every step, so the expected input of every
+(tests/helpers_workers.py) says what each column held at every step, so the expected input of every
 call is known: the column at each offset; before the sub-env's episode start, RLlib's fill (the episode's
 first observation for obs, zeros for the other columns), never the previous episode's data. The learner
 side builds the same columns from the stored rollout: with
@@ -18,7 +18,6 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-import optree
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,8 +27,8 @@ from shmbuf import UsageError
 from shmbuf.storage.views import ViewRequirement as VR
 from shmbuf.storage.views import build_views
 from tests.helpers import doc_blocks
-from tests.test_workers_actor import collect as actor_collect
-from tests.test_workers_envs import CountingEnv, expected_stream
+from tests.helpers_workers import CountingEnv, RecordingPolicy, expected_stream
+from tests.helpers_workers import collect_with as collect
 from workers import ActorLoop, Collector
 from workers.lowlevel import ActorViews
 
@@ -43,19 +42,6 @@ REQS = {
     "prev_done": VR("terminated", shift=-1),
     "prev_cut": VR("truncated", shift="-2:-1"),
 }
-
-
-class RecordingPolicy:
-    """Acts as CountingEnv demands (1000 k + t, from the current observation); keeps a copy of every input."""
-
-    def __init__(self) -> None:
-        self.seen: list[dict[str, Any]] = []
-
-    def __call__(self, x: dict[str, Any]) -> Any:
-        self.seen.append(optree.tree_map(np.array, x))
-        obs = x["obs"]
-        action = (obs[:, 1] * 1000 + obs[:, 2]).astype(np.int64)
-        return action, {"twice_t": (2 * obs[:, 2]).astype(np.float32)}
 
 
 class EchoViewsPolicy:
@@ -75,13 +61,6 @@ def make_vector(n: int, mode: str = "NextStep"):
 
 
 # -- running an ActorLoop in a thread (the reader in this one) -------------------------------------------
-
-
-def collect(make_env, policy, *, T, n_rollouts, batch_mode="truncate_episodes", **loop_kw):
-    """test_workers_actor's collect, with a fresh RecordingPolicy for the probe so a recorder sees only the loop's calls."""
-    probe_policy = RecordingPolicy() if isinstance(policy, RecordingPolicy) else policy
-    return actor_collect(make_env, T=T, n_rollouts=n_rollouts, batch_mode=batch_mode, policy=policy,
-                         probe_policy=probe_policy, **loop_kw)
 
 
 # -- the truth: what each column held at each step of CountingEnv ----------------------------------------

@@ -39,7 +39,7 @@ def test_one_run_cleans_up_and_reports() -> None:
 
 def test_sweep_writes_json_table_plot(tmp_path: os.PathLike[str]) -> None:
     try:
-        import matplotlib  # noqa: F401  (the bench extra; `make test` installs only the test extra)
+        import matplotlib  # noqa: F401  (the bench extra, which `make bench-smoke` installs)
         plot = True
     except ImportError:
         plot = False

@@ -27,9 +27,9 @@ for _module in ("pettingzoo", "mpe2", "tqdm", "matplotlib", "torch", "gymnasium"
     pytest.importorskip(_module)
 
 from benchmarks import multiagent  # noqa: E402  # after the skips, as the other bench tests import theirs
-from tests.test_bench_ray import _ray_session_processes  # noqa: E402  # after the skips: that module skips without ray
+from tests.helpers import ray_session_processes  # noqa: E402  (after the importorskip above)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 
 
 def _rllib_importable() -> bool:
@@ -52,7 +52,7 @@ def test_quick_run_measures_every_system_and_leaves_nothing(tmp_path: pathlib.Pa
     cmd = [sys.executable, "-m", "benchmarks.multiagent", "--quick", "--envs", "synthetic", "--policies", "linear2",
            "--variants", "floor:loop,shmbuf:2x2,shmbuf_ray:2x2-owner,rllib:2x2-sync,rllib:local-1x4", "--out", str(tmp_path),
            "--windows", "2", "--window-s", "0.25", "--warmup-s", "0.25", "--stall-s", "60"]
-    code, out, left, ray_left = run_bench(cmd, ROOT, timeout=280, grace=10.0, others=_ray_session_processes)
+    code, out, left, ray_left = run_bench(cmd, ROOT, timeout=280, grace=10.0, others=ray_session_processes)
     assert code == 0, out[-5000:]
     assert left == [], f"processes of the run outlived it: {left}"
     assert ray_left == [], f"Ray processes of the run outlived it: {ray_left}"

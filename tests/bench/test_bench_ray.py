@@ -20,19 +20,13 @@ import sys
 import pytest
 
 from benchmarks import ray_report  # numpy only: importable without the skipped extras
-from tests.conftest import leaked_since, live_processes, shm_objects
-from tests.helpers import run_bench
+from tests.conftest import leaked_since, shm_objects
+from tests.helpers import ray_session_processes, run_bench
 
 for _module in ("ray", "gymnasium"):
     pytest.importorskip(_module)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _ray_session_processes(driver: int) -> list[tuple[int, bytes]]:
-    """Live processes of the Ray sessions the run started (Ray names a session directory after its driver's pid)."""
-    token = re.compile(rb"session_[0-9_-]+_" + str(driver).encode() + rb"\b")
-    return [(pid, cmd[:160]) for pid, _, _, cmd in live_processes() if token.search(cmd)]
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 
 
 def _positive(x: object) -> bool:
@@ -41,10 +35,10 @@ def _positive(x: object) -> bool:
 
 def test_quick_run_has_every_row_computes_ratios_and_leaves_nothing(tmp_path: pathlib.Path) -> None:
     before = shm_objects()
-    plot = importlib.util.find_spec("matplotlib") is not None  # the bench extra; `make test` has it too
+    plot = importlib.util.find_spec("matplotlib") is not None  # the bench extra, which `make bench-smoke` installs
     cmd = [sys.executable, "-m", "benchmarks.on_ray", "--quick", "--workloads", "small", "--out", str(tmp_path),
            "--stall-s", "30"] + ([] if plot else ["--no-plot"])
-    code, out, left, ray_left = run_bench(cmd, ROOT, grace=10.0, others=_ray_session_processes)
+    code, out, left, ray_left = run_bench(cmd, ROOT, grace=10.0, others=ray_session_processes)
     assert code == 0, out[-5000:]
     assert left == [], f"processes of the run outlived it: {left}"
     assert ray_left == [], f"Ray processes of the run outlived it: {ray_left}"

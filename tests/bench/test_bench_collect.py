@@ -1,6 +1,6 @@
 """The collection benchmark end to end at its smallest, as its users run it: ``python -m benchmarks.collect --quick``.
 
-The systems `make test` always installs (the two one-process floors, gymnasium's AsyncVectorEnv, workers.Collector),
+The systems `make bench-smoke` always installs (the two one-process floors, gymnasium's AsyncVectorEnv, workers.Collector),
 CartPole with the numpy linear policy, windows of a fraction of a second: about 30 s. The command runs in a session
 of its own: every process it starts (the forkserver's children keep its process group) is killed at teardown even
 when the test fails, and the test fails if any was still alive once the command had returned. No timing assertions:
@@ -26,7 +26,7 @@ for _module in ("torch", "gymnasium", "tqdm", "matplotlib"):
 
 from benchmarks import collect_report  # noqa: E402  # after the skips, as the other bench tests import theirs
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 SYSTEMS = ("floor_vec", "floor_hand", "gym_async", "collector")
 
 

@@ -29,7 +29,7 @@ for _module in ("torch", "torchrl", "tensordict", "gymnasium", "tqdm"):
 
 from benchmarks import inference  # noqa: E402  # after the skips: it imports torch and gymnasium
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 
 
 def _finite_positive(x: float) -> bool:
@@ -52,7 +52,7 @@ def test_quick_sweep_writes_every_figure_and_leaves_nothing(tmp_path: pathlib.Pa
     with open(tmp_path / "inference-quick.json") as f:
         saved = json.load(f)
     assert (tmp_path / "inference-quick.md").stat().st_size > 0
-    if importlib.util.find_spec("matplotlib") is not None:  # the bench extra; `make test` installs only the test extra
+    if importlib.util.find_spec("matplotlib") is not None:  # the bench extra, which `make bench-smoke` installs
         assert (tmp_path / "inference-quick.png").stat().st_size > 0
     for key in ("cpu_model", "cores", "kernel", "python", "numpy", "shmbuf_commit"):
         assert saved["machine"][key], key
