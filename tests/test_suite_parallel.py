@@ -40,7 +40,7 @@ def tell(what, value):  # the outer test reads what each planted test left (a wo
 
 
 def _create(q):
-    reader = shmbuf.create(small_example(), 2)  # kept: a reader dropped closes and unlinks its pipeline
+    reader = shmbuf.create(small_example(), 2, keep_on_crash=True)  # kept: a reader dropped unlinks; its watcher would too
     q.put(reader.name)
     time.sleep(60)
 

@@ -153,17 +153,24 @@ def test_the_collector_delivers_every_policys_rollouts_once_as_a_plain_loop_make
             for i in range(len(x.seq)):
                 data = optree.tree_map(lambda a, i=i: a[i], x.data)
                 fill = {"step": int(x.fill["step"][i]), "episode": int(x.fill["episode"][i])}
-                per_lane.setdefault((pid, int(x.lane[i])), []).append((int(x.epoch[i]), int(x.seq[i]), data, fill))
-    keys = [(pid, lane, e, s) for (pid, lane), rs in per_lane.items() for e, s, _, _ in rs]
+                # Which actor made it: the env it steps, which row 0's first observation names ([env, agent, t]: red_0
+                # and blue_0 act at every step). Not the lane: lanes are numbered per pipeline, in the order the
+                # actors attach to it, and the two actors may attach to red's and blue's pipelines in other orders.
+                env_id = int(np.asarray(data["step"]["obs"])[0, 0, 0])
+                per_lane.setdefault((pid, env_id), []).append((int(x.lane[i]), int(x.epoch[i]), int(x.seq[i]), data, fill))
+    keys = [(pid, lane, e, s) for (pid, _), rs in per_lane.items() for lane, e, s, _, _ in rs]
     assert len(keys) == len(set(keys)) == 2 * n * 2  # exactly once: 2 policies x n batches x 2 rollouts
-    lanes = sorted({lane for _, lane in per_lane})
-    assert len(lanes) == 2
-    for lane in lanes:
-        out = {pid: [{"seq": s, "fill": f, "data": d} for _, s, d, f in sorted(per_lane[(pid, lane)], key=lambda r: r[1])]
+    for (pid, env_id), rs in per_lane.items():
+        assert len({lane for lane, *_ in rs}) == 1, (pid, env_id)  # one actor's rollouts come through one lane
+    env_ids = sorted({env_id for _, env_id in per_lane})
+    assert env_ids == [0, 1]
+    for env_id in env_ids:
+        out = {pid: [{"seq": s, "fill": f, "data": d}
+                     for _, _, s, d, f in sorted(per_lane[(pid, env_id)], key=lambda r: r[2])]
                for pid in ("red", "blue")}
         n_rounds = min(len(v) for v in out.values())
         assert [r["seq"] for r in out["red"][:n_rounds]] == list(range(n_rounds))  # from the start, none missing
-        env_id = int(out["red"][0]["data"]["step"]["obs"][0, 0, 0])  # which env this actor steps
+        assert [r["seq"] for r in out["blue"][:n_rounds]] == list(range(n_rounds))
         got = stored_streams({pid: v[:n_rounds] for pid, v in out.items()}, c.rows)
         want = plain_streams(1, n_rounds * 8, env_ids=[env_id])
         assert set(got) == set(want)
