@@ -151,6 +151,7 @@ class ActorContext:
         self._learner = learner
         self._conn = conn
         self._send_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()  # the watchdog's way out: see _end_watch
         self.stop_requested = False
 
     def learner_alive(self) -> bool:
@@ -176,22 +177,31 @@ class ActorContext:
                 pass  # the learner is gone; nobody is left to tell
 
     def _watch(self) -> None:
-        conn = self._conn
+        conn, wake = self._conn, self._wake_r
         learner = self._learner.waitable()
-        waitables = [conn, *learner]
+        waitables = [conn, wake, *learner]
         while True:
             try:
-                if conn in mp.connection.wait(waitables, WATCH_INTERVAL):
+                ready = mp.connection.wait(waitables, WATCH_INTERVAL)
+                if wake in ready:
+                    return  # the actor is leaving (_end_watch): it joins us before it lets go of the pipe and fds
+                if conn in ready:
                     msg = _decode(conn.recv_bytes())
                     if msg is not None and msg["kind"] == "stop":
                         self.stop_requested = True
             except (EOFError, OSError):
                 self.stop_requested = True  # the pool closed its end: stopping, or gone
-                waitables = learner
-                if not learner:
-                    time.sleep(WATCH_INTERVAL)
+                waitables = [wake, *learner]
             if not self._learner.alive():
                 os._exit(EXIT_ORPHANED)  # the learner died: leave now, whatever the main thread is doing
+
+    def _end_watch(self, watchdog: threading.Thread) -> None:
+        """Stop the watchdog and join it, then close what it waited on (never the other way round)."""
+        os.write(self._wake_w, b"x")
+        watchdog.join(5 * WATCH_INTERVAL)
+        if not watchdog.is_alive():
+            os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 def _child_main(target: Callable[..., Any], index: int, incarnation: int, conn: Any, learner: LearnerWatch,
@@ -200,7 +210,15 @@ def _child_main(target: Callable[..., Any], index: int, incarnation: int, conn: 
     ctx = ActorContext(index, incarnation, conn, learner)
     if not ctx.learner_alive():
         os._exit(EXIT_ORPHANED)
-    threading.Thread(target=ctx._watch, name="shmbuf-actor-watchdog", daemon=True).start()
+    watchdog = threading.Thread(target=ctx._watch, name="shmbuf-actor-watchdog", daemon=True)
+    watchdog.start()
+    try:
+        _run_target(ctx, target, args, kwargs)
+    finally:
+        ctx._end_watch(watchdog)
+
+
+def _run_target(ctx: ActorContext, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     try:
         target(ctx, *args, **kwargs)
     except shmbuf.PipelineClosed:
@@ -384,14 +402,17 @@ class ActorPool:
             self._close_actor(a)
             restart_or_raise(self, a, err)
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 60.0, *, interrupted: Callable[[], bool] | None = None) -> None:
         """Wait until every running actor called ``ctx.ready()``; raise its failure if one fails first.
 
         The collector uses it so that the reader first meets all writer lanes
-        at once and shares its slots among them.
+        at once and shares its slots among them. ``interrupted``: asked every 0.1 s; True ends the wait
+        with :class:`shmbuf.PipelineClosed` (the collector's close, from another thread).
         """
         deadline = time.monotonic() + timeout
         while True:
+            if interrupted is not None and interrupted():
+                raise shmbuf.PipelineClosed("the wait for the actors to start was interrupted: the collector is closing")
             self.check()
             if all(a.ready for a in self._actors if a.state == "running"):
                 return
