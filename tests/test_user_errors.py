@@ -21,25 +21,18 @@ method (7 runs); ``make test-slow`` runs 50 (each kind under each start method, 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from shmbuf import _admin
-from tests.helpers import ROOT, START_METHOD_WRAPPER, START_METHODS, in_session, kill_all
+from tests.helpers import START_METHOD_WRAPPER, START_METHODS, run_in_session
 
 pytest.importorskip("torchrl", reason="the TorchRL-style runs need torchrl")
 pytest.importorskip("pettingzoo", reason="the multi-agent run needs pettingzoo")
 
 HEAD = '''\
 import json
-import os
-import time
 
 import gymnasium as gym
 import numpy as np
@@ -196,21 +189,7 @@ def run_raising(kind: str, method: str, tmp_path: pathlib.Path, timeout: float =
     wrapper = tmp_path / f"{kind}_{method}_wrapper.py"
     wrapper.write_text(START_METHOD_WRAPPER.format(method=method, uses_workers=True, script=str(script),
                                                    report=str(tmp_path / f"{kind}_{method}.started.json")))
-    out_path, err_path = tmp_path / f"{kind}_{method}.stdout", tmp_path / f"{kind}_{method}.stderr"
-    with open(out_path, "w") as out_f, open(err_path, "w") as err_f:  # files, not pipes: see tests.helpers.run_script
-        proc = subprocess.Popen([sys.executable, str(wrapper)], stdout=out_f, stderr=err_f, cwd=tmp_path,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the script and every process it started: one session
-        proc.wait()
-    deadline = time.monotonic() + cleanup
-    while in_session(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = in_session(proc.pid)
-    kill_all(left)
-    out, err = out_path.read_text(), err_path.read_text()
+    proc, out, err, left = run_in_session([str(wrapper)], tmp_path, f"{kind}_{method}", timeout=timeout, cleanup=cleanup)
     lines = [line for line in out.splitlines() if line.startswith("[")]
     made = set(json.loads(lines[-1])) if lines else set()
     leftovers = [f for f in _admin.scan() if f.name in made or f.owner_pid == proc.pid]

@@ -43,6 +43,7 @@ import msgpack
 import shmbuf
 from shmbuf import ActorError, StartTimeout, StateError
 from shmbuf.lowlevel import int_setting
+from workers._child import Payload, StderrTail, load_error, tee_stderr
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
@@ -165,11 +166,12 @@ class ActorContext:
             except OSError:
                 pass
 
-    def send_error(self, exc: BaseException) -> None:
+    def send_error(self, exc: BaseException, message: str | None = None) -> None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         if len(tb) > MAX_TEXT:
             tb = "…" + tb[-MAX_TEXT:]
-        msg = _encode("error", type=type(exc).__name__, message=str(exc)[:2000], traceback=tb)
+        text = str(exc) if message is None else message
+        msg = _encode("error", type=type(exc).__name__, message=text[:2000], traceback=tb)
         with self._send_lock:
             try:
                 self._conn.send_bytes(msg)
@@ -204,8 +206,9 @@ class ActorContext:
         os.close(self._wake_w)
 
 
-def _child_main(target: Callable[..., Any], index: int, incarnation: int, conn: Any, learner: LearnerWatch,
-                args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _child_main(payload: Payload, index: int, incarnation: int, conn: Any, learner: LearnerWatch,
+                tail: StderrTail | int) -> None:
+    tee_stderr(tail.fd if isinstance(tail, StderrTail) else tail)  # first: what follows may print its death
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = ActorContext(index, incarnation, conn, learner)
     if not ctx.learner_alive():
@@ -213,12 +216,18 @@ def _child_main(target: Callable[..., Any], index: int, incarnation: int, conn: 
     watchdog = threading.Thread(target=ctx._watch, name="shmbuf-actor-watchdog", daemon=True)
     watchdog.start()
     try:
-        _run_target(ctx, target, args, kwargs)
+        _run_target(ctx, payload)
     finally:
         ctx._end_watch(watchdog)
 
 
-def _run_target(ctx: ActorContext, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _run_target(ctx: ActorContext, payload: Payload) -> None:
+    try:
+        target, args, kwargs = payload.load()
+    except Exception as exc:  # noqa: BLE001  # anything unpickling raises: reported, then the exit code says so
+        traceback.print_exc()  # on the child's stderr, where a failed start always showed
+        ctx.send_error(exc, load_error(exc))
+        raise SystemExit(EXIT_ERROR) from None
     try:
         target(ctx, *args, **kwargs)
     except shmbuf.PipelineClosed:
@@ -235,13 +244,14 @@ def _run_target(ctx: ActorContext, target: Callable[..., Any], args: tuple[Any, 
 
 
 class _Actor:
-    __slots__ = ("index", "proc", "pid", "conn", "incarnation", "error", "state", "exitcode", "ready")
+    __slots__ = ("index", "proc", "pid", "conn", "incarnation", "error", "state", "exitcode", "ready", "tail")
 
     def __init__(self, index: int):
         self.index = index
         self.pid: int | None = None
         self.proc: Any = None
         self.conn: Any = None
+        self.tail: StderrTail | None = None  # the last lines of its stderr, read if it dies without a word
         self.incarnation = -1
         self.error: ActorError | None = None
         self.state = "new"  # running, done (exited 0), failed, stopped
@@ -335,19 +345,24 @@ class ActorPool:
     def _spawn(self, a: _Actor) -> None:
         here, there = self._ctx.Pipe(duplex=True)
         learner = LearnerWatch.open(self._pid)  # taken here, where the learner is certainly alive
+        tail = StderrTail()
         a.incarnation += 1
         p = self._ctx.Process(
             target=_child_main,
-            args=(self.target, a.index, a.incarnation, there, learner, self.args, self.kwargs),
+            args=(Payload((self.target, self.args, self.kwargs)), a.index, a.incarnation, there, learner, tail),
             name=f"{self.name}-{a.index}",
             daemon=False,  # an actor may start processes of its own (e.g. an AsyncVectorEnv)
         )
         try:
             p.start()
+        except BaseException:
+            tail.close()
+            raise
         finally:
             there.close()  # the child has its own copies of both fds now
             learner.close()
         a.proc, a.pid, a.conn, a.state, a.error, a.exitcode, a.ready = p, p.pid, here, "running", None, None, False
+        a.tail = tail
 
     # -- watching -----------------------------------------------------------
 
@@ -394,10 +409,9 @@ class ActorPool:
                 a.state = "done"
                 self._close_actor(a)
                 continue
-            err = a.error or ActorError(
-                f"actor {a.index} (pid {a.pid}) died: {_describe_exit(a.exitcode)}, without reporting an exception",
-                index=a.index, pid=a.pid, kind="died", exitcode=a.exitcode,
-            )
+            err = a.error or ActorError(f"actor {a.index} (pid {a.pid}) died: {_describe_exit(a.exitcode)}, without "
+                                        f"reporting an exception{_last_words(a)}", index=a.index, pid=a.pid,
+                                        kind="died", exitcode=a.exitcode)
             err.exitcode = a.exitcode
             self._close_actor(a)
             restart_or_raise(self, a, err)
@@ -498,6 +512,20 @@ def _close_conn(a: _Actor) -> None:
         a.conn.close()
     except OSError:
         pass
+    if a.tail is not None:
+        a.tail.close()
+        a.tail = None
+
+
+def _last_words(a: _Actor) -> str:
+    """The end of a died actor's ActorError: the last lines of its stderr, or that it died before reaching the pool's code."""
+    if a.tail is None:
+        return ""
+    if not a.tail.started():
+        return (" (it died while starting, before it reached the pool's code: under spawn and forkserver the child "
+                "imports the main module first, and an error there is printed on its stderr only)")
+    text = a.tail.tail()
+    return f". The last lines of its stderr:\n{text}" if text else ""
 
 
 def _stop_all(actors: list[_Actor], timeout: float) -> dict[int, int | None]:
