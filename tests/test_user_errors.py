@@ -33,6 +33,8 @@ pytest.importorskip("pettingzoo", reason="the multi-agent run needs pettingzoo")
 
 HEAD = '''\
 import json
+import os
+import time
 
 import gymnasium as gym
 import numpy as np
