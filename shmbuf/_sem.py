@@ -7,12 +7,14 @@ while a thread of the same process still waited on it: a background collection t
 server, an env-worker thread, or any of them at interpreter exit, when the finalizers of objects never
 closed run while daemon threads still wait.
 
-So every semaphore shmbuf opens is a :class:`Sem`. It counts the threads inside :meth:`Sem.acquire`;
-:meth:`Sem.close` marks it closed, posts once per waiter to wake them now, and frees it only if none is
-inside: otherwise the last waiter to leave frees it. A wait that starts on a closed Sem, or wakes to find
-it closed, raises :class:`PipelineClosed`; so does a post. The post at close is safe because each of
-shmbuf's semaphores has one waiting party by design (the reader on its doorbell, a writer on its lane's,
-the server on the table's, a client on its own), and every one of them takes a wake-up as "look again".
+So every semaphore shmbuf opens is a :class:`Sem`, whose :meth:`Sem.close` only marks it closed (and posts
+once if a thread waits, to wake it now): the semaphore itself is let go (``sem_close``) when the Sem's last
+reference goes. A thread inside :meth:`Sem.acquire` holds a reference (its frame's ``self``), so the last user
+to leave frees it, never a close under a wait. A wait that starts on a closed Sem, or wakes to find it closed,
+raises :class:`PipelineClosed`; so does a post. No lock: the closed flag is read before and after the wait,
+and a post racing a close posts to a semaphore that is still there. The post at close is safe because each of
+shmbuf's semaphores has one waiting party by design (the reader on its doorbell, a writer on its lane's, the
+server on the table's, a client on its own), and every one of them takes a wake-up as "look again".
 
 A Sem keeps the semaphore valid; the object around it (a reader, a table, a client) has more that a close
 releases (its mapping's words, its views). :class:`UseLock` covers those: the object's blocking calls hold
@@ -41,17 +43,14 @@ class Sem:
     ``what`` names its object in the :class:`PipelineClosed` message ("pipeline /shmbuf-...").
     """
 
-    __slots__ = ("__weakref__", "_closed", "_freed", "_lock", "_sem", "_waiters", "name", "what")
+    __slots__ = ("_closed", "_sem", "_waiters", "name", "what")
 
     def __init__(self, sem: posix_ipc.Semaphore, what: str):
         self._sem = sem
         self.name: str = sem.name
         self.what = what
-        self._lock = threading.Lock()
-        self._waiters = 0
+        self._waiters = 0  # threads inside acquire: how many posts close() owes (a hint: one waiting party by design)
         self._closed = False
-        self._freed = False
-        _fork.track(self)
 
     @classmethod
     def create(cls, name: str, what: str) -> Sem:
@@ -77,11 +76,9 @@ class Sem:
             posix_ipc.BusyError: no post came in time (as posix_ipc's own).
             PipelineClosed: the Sem was closed before the wait, or during it (by any thread).
         """
-        with self._lock:
-            if self._closed:
-                raise self._error()
-            self._waiters += 1
-        busy = False
+        if self._closed:
+            raise self._error()
+        self._waiters += 1
         try:
             if timeout is None:
                 while not self._closed:
@@ -91,53 +88,42 @@ class Sem:
                     except posix_ipc.BusyError:
                         pass
             else:
-                try:
-                    self._sem.acquire(timeout)
-                except posix_ipc.BusyError:
-                    busy = True
+                self._sem.acquire(timeout)
+        except posix_ipc.BusyError:
+            if not self._closed:
+                raise
         finally:
-            with self._lock:
-                self._waiters -= 1
-                free = self._closed and not self._waiters and not self._freed
-                self._freed = self._freed or free
-            if free:
-                self._sem.close()  # closed while we waited, and we were the last inside: ours to free
+            self._waiters -= 1
         if self._closed:
             raise self._error()
-        if busy:
-            raise posix_ipc.BusyError(f"{self.what}: the wait on {self.name} timed out")
 
     def release(self) -> None:
-        """Post once. Raises PipelineClosed once closed (never posts to a freed semaphore)."""
-        with self._lock:  # sem_post never blocks: held across it, close() cannot free it meanwhile
-            if self._closed:
-                raise self._error()
-            self._sem.release()
+        """Post once. Raises PipelineClosed once closed."""
+        if self._closed:
+            raise self._error()
+        self._sem.release()
 
     def close(self) -> None:
-        """Let go of the semaphore (idempotent): now, or, while threads wait on it, when the last of them leaves.
-
-        Every waiter is woken (one post each) and raises :class:`PipelineClosed`.
-        """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._waiters:
-                for _ in range(self._waiters):
-                    self._sem.release()
-                return
-            self._freed = True
-        self._sem.close()
+        """Mark it closed (idempotent) and wake a thread waiting on it; the semaphore goes with the Sem's last reference."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._waiters:
+            try:
+                self._sem.release()
+            except posix_ipc.Error:
+                pass
 
     def unlink(self) -> None:
         """Remove the name (posix_ipc.ExistentialError if it is gone); this process's handle stays usable."""
         posix_ipc.unlink_semaphore(self.name)
 
-    def _after_fork_in_child(self) -> None:
-        # The parent's threads do not exist here: none waits, and a lock one of them held at the fork is free.
-        self._lock = threading.Lock()
-        self._waiters = 0
+    def __del__(self) -> None:
+        # The last reference: no thread is inside acquire (it would hold one), so sem_close unmaps nothing in use.
+        try:
+            self._sem.close()
+        except Exception:  # noqa: BLE001  # closed already, or the interpreter is going: nothing to free
+            pass
 
     def __repr__(self) -> str:
         return f"Sem({self.name!r}, {'closed' if self._closed else 'open'})"
