@@ -5,7 +5,11 @@ Each actor runs ``target(ctx, *args, **kwargs)`` in its own process, where
 one ``multiprocessing`` pipe carrying msgpack bytes only (``send_bytes``): the
 pool sends ``stop``; the actor sends ``error`` with its exception's type,
 message and traceback as text. Nothing on it is ever pickled; the start
-method pickles only ``target`` and its arguments, once, to start the process.
+method pickles only ``target`` and its arguments, once, to start the process,
+and the child unpickles them in this module's code (:mod:`workers._child`), so
+that a failure there is reported like any other. An actor that dies without a
+word is raised with the last lines of its stderr, which it tees into a ring the
+pool reads (bytes in a temp file, :class:`workers._child.StderrTail`).
 
 Inside each actor a small watchdog thread (started by the pool's child
 wrapper, never in the learner) waits on the pipe and on a pidfd of the
