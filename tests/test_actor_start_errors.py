@@ -76,7 +76,8 @@ def check_failure(pool: ActorPool) -> ActorError:
             pool.check(timeout=0.1)
         except ActorError as exc:
             return exc
-    raise AssertionError("the actor's death was not raised within 60 s")
+    raise AssertionError(f"the actor's death was not raised within 60 s: {pool!r}, exit codes "
+                         f"{[a.exitcode for a in pool._actors]}, failures {pool.failures}")
 
 
 @pytest.mark.parametrize("method", START_METHODS)
