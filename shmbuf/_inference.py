@@ -18,21 +18,20 @@ import numpy as np
 import optree
 import posix_ipc
 
-from shmbuf._errors import BrokenPipeline, PipelineClosed, SchemaError, SegmentError, SlotTimeout, UsageError, WrongProcess
+from shmbuf._errors import PipelineClosed, SchemaError, SegmentError, UsageError
 from shmbuf._handle import InferenceHandle
 from shmbuf._lane import WAIT_SLICE
 from shmbuf._schema import Schema, format_path
+from shmbuf._sem import Sem, UseLock
 from shmbuf._substrate import (
     HEAD,
     HEADER_BYTES,
     INFERENCE_PREFIX,
     Closable,
     Owner,
-    ProcessWatch,
     align,
     check_head,
     check_name,
-    check_semaphore,
     create_object,
     fence,
     fmt_bytes,
@@ -50,7 +49,7 @@ from shmbuf._substrate import (
     unmap,
     write_header,
 )
-from shmbuf._validate import int_setting, timeout_setting
+from shmbuf._validate import int_setting
 
 I_MAGIC = b"\x89SHMBUFI"
 I_LAYOUT_VERSION = 1
@@ -136,21 +135,23 @@ class InferenceTable(Closable):
         self._closed = False
         self._fence = fence()
         self._sl_fence = store_load_fence()
-        self._sems: list[posix_ipc.Semaphore] = []
-        self.doorbell: posix_ipc.Semaphore | None = None
+        self._sems: list[Sem] = []
+        self.doorbell: Sem | None = None
+        self._use = UseLock()  # a close from another thread, under take's wait (shmbuf._sem)
         fd, self._mm = create_object(self.name, lay.total, f"{clients} request and response slots of "
                                      f"{fmt_bytes(lay.total - lay.data_off)} in all", keep=keeping(keep_on_crash))
         os.close(fd)
         self._w = memoryview(self._mm).cast("q")
         # Every semaphore made (the doorbell first), filled in as they are: what close(), collection or exit releases.
-        self._held: list[posix_ipc.Semaphore] = []
+        self._held: list[Sem] = []
         self._lifetime(_withdraw, self._w, self._held, self.name, self._pid, self._sl_fence,
                        unlink=functools.partial(_unlink_all, self.name, clients))
         try:
-            self.doorbell = posix_ipc.Semaphore(sem_name(self.name, "s"), posix_ipc.O_CREX, mode=0o600)
+            what = f"inference table {self.name}"
+            self.doorbell = Sem.create(sem_name(self.name, "s"), what)
             self._held.append(self.doorbell)
             for i in range(clients):
-                self._sems.append(posix_ipc.Semaphore(sem_name(self.name, f"c{i}"), posix_ipc.O_CREX, mode=0o600))
+                self._sems.append(Sem.create(sem_name(self.name, f"c{i}"), what))
                 self._held.append(self._sems[-1])
             me = this_process()
             write_header(self._mm, _HEADER.pack(I_MAGIC, I_LAYOUT_VERSION, HEADER_BYTES, lay.total, me.pid, me.start,
@@ -206,7 +207,18 @@ class InferenceTable(Closable):
         :attr:`next_rotate` as the next ``rotate`` serves everyone in turn. The returned indices are
         sorted; their request words are remembered for :meth:`respond`.
         :meth:`interrupt` (from another thread) makes it return at once with no clients.
+        Raises :class:`PipelineClosed` once the table is closed, by any thread, during the wait too.
         """
+        with self._use:
+            self._check_open()
+            return self._take(max_count, min_count, linger, idle, rotate)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PipelineClosed(f"inference table {self.name} is closed")
+
+    def _take(self, max_count: int, min_count: int, linger: float, idle: float | None,
+              rotate: int) -> tuple[np.ndarray, bool]:
         w = self._w
         first = None
         until = None if idle is None else time.monotonic() + idle
@@ -249,8 +261,7 @@ class InferenceTable(Closable):
     def interrupt(self) -> None:
         """Make the server's current or next :meth:`take` return at once, with no clients (to stop it)."""
         self._interrupted = True
-        if self.doorbell is not None:
-            self.doorbell.release()
+        self.wake_server()
 
     def _sleep(self, timeout: float | None, need: int = 1) -> bool:
         """Sleep on the doorbell unless ``need`` requests are already there; False if the wait timed out."""
@@ -260,11 +271,10 @@ class InferenceTable(Closable):
         if len(self.pending()) >= need:
             w[SLEEP_WORD] = 0
             return True
-        try:
-            self.doorbell.acquire(None if timeout is None else max(timeout, 0.0))  # type: ignore[union-attr]  # None once closed
-            woke = True
-        except posix_ipc.BusyError:
-            woke = False
+        doorbell = self.doorbell
+        assert doorbell is not None  # None only once closed, and take() checked that under _use
+        woke = self._use.sleep(doorbell, None if timeout is None else max(timeout, 0.0))
+        self._check_open()  # closed by another thread while we slept: nothing of ours is left to touch
         w[SLEEP_WORD] = 0
         return woke
 
@@ -280,6 +290,7 @@ class InferenceTable(Closable):
 
     def request_leaves(self, clients: np.ndarray) -> list[np.ndarray]:
         """:meth:`requests` as a list of leaves in the request's leaf order (no tree built), same lifetime."""
+        self._check_open()
         n = len(clients)
         if n and clients[-1] - clients[0] == n - 1:
             a = int(clients[0])
@@ -289,8 +300,13 @@ class InferenceTable(Closable):
     def respond(self, clients: np.ndarray, response: list[np.ndarray], version: int) -> int:
         """Answer the clients of the last :meth:`take`: ``response`` is a list of ``(n, *leaf.shape)`` arrays in
         the response's leaf order (optree's: dict keys sorted). Returns how many were answered; a client
-        retired since :meth:`take` is skipped (counted in :attr:`dropped`).
+        retired since :meth:`take` is skipped (counted in :attr:`dropped`). PipelineClosed once the table is closed.
         """
+        with self._use:
+            self._check_open()
+            return self._respond(clients, response, version)
+
+    def _respond(self, clients: np.ndarray, response: list[np.ndarray], version: int) -> int:
         n = len(clients)
         if n != self._n_taken or not np.array_equal(clients, self._taken_clients[:n]):
             raise UsageError(f"respond: expected the {self._n_taken} clients of the last take(), "
@@ -331,9 +347,13 @@ class InferenceTable(Closable):
         return self._cpid.tolist()
 
     def wake_server(self) -> None:
-        """Post the doorbell (e.g. to let a server thread see a stop flag)."""
-        if self.doorbell is not None:
-            self.doorbell.release()
+        """Post the doorbell (e.g. to let a server thread see a stop flag); a closed table has nothing to wake."""
+        doorbell = self.doorbell
+        if doorbell is not None:
+            try:
+                doorbell.release()
+            except PipelineClosed:
+                pass
 
     def close_to_clients(self) -> None:
         """Mark the table closed and wake every client and the server, keeping it mapped (a server thread
@@ -346,7 +366,7 @@ class InferenceTable(Closable):
         for s in ([self.doorbell] if self.doorbell is not None else []) + self._sems:
             try:
                 s.release()
-            except posix_ipc.ExistentialError:
+            except (posix_ipc.ExistentialError, PipelineClosed):
                 pass
 
     @property
@@ -354,10 +374,17 @@ class InferenceTable(Closable):
         return self._closed
 
     def close(self) -> None:
-        """Mark the table closed, wake every client and the server, unlink the object and its semaphores."""
-        if self._closed:
-            return
-        self._closed = True
+        """Mark the table closed, wake every client and the server, unlink the object and its semaphores.
+
+        Safe from another thread while the server waits in :meth:`take`: that wait raises PipelineClosed.
+        """
+        with self._use:
+            if self._closed:
+                return
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
         super().close()
         self._sems = []
         self.doorbell = None
@@ -370,7 +397,7 @@ class InferenceTable(Closable):
         unmap(self._mm)  # a caller that still holds a view of the rows keeps it until the view goes
 
 
-def _withdraw(w: memoryview, sems: list[posix_ipc.Semaphore], name: str, pid: int, sl_fence: Any) -> None:
+def _withdraw(w: memoryview, sems: list[Sem], name: str, pid: int, sl_fence: Any) -> None:
     """The table's release: in the owner's process mark it closed, wake every sleeper (they see CLOSED), remove
     the semaphores and the object; in any process close the semaphores."""
     mine = os.getpid() == pid
@@ -381,10 +408,13 @@ def _withdraw(w: memoryview, sems: list[posix_ipc.Semaphore], name: str, pid: in
         if mine:
             try:
                 s.release()  # a sleeper wakes and sees CLOSED
+            except PipelineClosed:
+                pass
+            try:
                 s.unlink()
             except posix_ipc.ExistentialError:
                 pass
-        s.close()
+        s.close()  # a thread still asleep on it frees it as it leaves (shmbuf._sem)
     if mine:
         unlink_object(name)
 
@@ -423,148 +453,3 @@ def describe(name: str) -> tuple[Owner, int, int]:
         return owner, len(mm), lay.clients
     finally:
         mm.close()
-
-
-class InferenceClient(Closable):
-    """One env worker's side: write a request into :attr:`request`, :meth:`call`, read :attr:`response`.
-
-    Args:
-        table: the table's name (``table.name``).
-        index: this client's slot, ``0 <= index < clients``. One live client per slot.
-        timeout: longest wait for one answer before :class:`shmbuf.SlotTimeout` (None: no limit).
-
-    ``request`` and ``response`` are trees of views of this client's rows in
-    shared memory. Lifetime: ``request`` is read by the server between
-    :meth:`call`'s start and its return: write it before calling, not during;
-    ``response`` holds the last answer until the next :meth:`call`.
-    Raises :class:`shmbuf.PipelineClosed` when the owner closed the table and
-    :class:`shmbuf.BrokenPipeline` when the owner's process died (checked
-    every 0.1 s while waiting).
-    """
-
-    def __init__(self, table: str, index: int, *, timeout: float | None = None):
-        self.name = check_name(table if isinstance(table, str) else getattr(table, "name", table), "inference")
-        self.timeout = timeout_setting("InferenceClient(timeout=...)", timeout)
-        fd, self._mm = map_object(self.name, readonly=False, min_size=HEADER_BYTES + 64, what="inference table")
-        os.close(fd)
-        self._held: list[Any] = []  # the semaphores and the watch: what close(), collection or exit releases
-        self._lifetime(_close_all, self._held)
-        try:
-            self._setup(len(self._mm), index)
-        except BaseException:
-            self.close()
-            raise
-        track(self)
-
-    def _setup(self, size: int, index: int) -> None:
-        mm = self._mm
-        owner, lay = _read_layout(mm, self.name)
-        schema, clients = lay.schema, lay.clients
-        self.index = i = int_setting("InferenceClient(index=...)", index, 0, clients - 1)
-        self.schema = schema
-        self.owner: Owner = owner
-        self._w = memoryview(mm).cast("q")
-        self._word = {k: off // 8 + i for k, off in (("req", lay.req_off), ("resp", lay.resp_off),
-                                                       ("ver", lay.ver_off), ("gen", lay.gen_off), ("pid", lay.pid_off))}
-        v = lay.views(mm)
-        req_rows = [a[i] for a in v["request"]]
-        resp_rows = [a[i] for a in v["response"]]
-        self.request: Any = optree.tree_unflatten(schema.timescales[0].treespec, req_rows)  # the user's tree; None once closed
-        self.response: Any = optree.tree_unflatten(schema.timescales[1].treespec, resp_rows)
-        self.request_leaves = req_rows
-        self.response_leaves = resp_rows
-        for role in ("s", f"c{i}"):
-            check_semaphore(sem_name(self.name, role))
-        try:
-            self._doorbell = posix_ipc.Semaphore(sem_name(self.name, "s"))
-            self._held.append(self._doorbell)
-            self._sem = posix_ipc.Semaphore(sem_name(self.name, f"c{i}"))
-            self._held.append(self._sem)
-        except posix_ipc.ExistentialError:
-            raise SegmentError(f"{self.name}: its semaphores are gone: the owner closed the table") from None
-        self._watch = ProcessWatch(owner)
-        self._held.append(self._watch)
-        w = self._w
-        w[self._word["pid"]] = os.getpid()
-        self._gen = w[self._word["gen"]] & _SEQ_MASK
-        # Go on from the slot's last word, so that no word of ours can equal an answer already given.
-        last = w[self._word["req"]]
-        self._seq = (last & _SEQ_MASK) if (last >> 32) == self._gen else 0
-        self._pid = os.getpid()
-        self._fence = fence()
-        self._sl_fence = store_load_fence()
-        self.version = -1  # the policy version of the last answer
-        self.calls = 0
-
-    def _after_fork_in_child(self) -> None:
-        self._pid = -1
-
-    def call(self) -> int:
-        """Send the request now in :attr:`request` and wait for the answer; return its policy version.
-
-        The answer is in :attr:`response` when this returns.
-        """
-        if os.getpid() != self._pid:
-            raise WrongProcess(f"this InferenceClient was made in process {self._pid}; attach a new one in this process")
-        w = self._w
-        wd = self._word
-        self._seq = s = (self._seq + 1) & _SEQ_MASK or 1
-        word = (self._gen << 32) | s
-        if self._fence:  # our request rows before the word that publishes them
-            self._fence()
-        w[wd["req"]] = word
-        self._sl_fence()  # our REQ store before our load of SLEEP (docs/design/inference-table.md, "Ordering")
-        if w[SLEEP_WORD]:
-            self._doorbell.release()
-        sem = self._sem
-        resp = wd["resp"]
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while True:
-            try:
-                sem.acquire(WAIT_SLICE)
-            except posix_ipc.BusyError:
-                if w[resp] == word:  # answered, and the post went to someone else (a retired caller of this slot)
-                    break
-                self._check(deadline)
-                continue
-            if w[resp] == word:
-                break
-            if w[CLOSED_WORD]:
-                self._check(deadline)
-        if self._fence:  # the answer's word before its rows
-            self._fence()
-        self.version = w[wd["ver"]]
-        self.calls += 1
-        return self.version
-
-    def _check(self, deadline: float | None) -> None:
-        if self._w[CLOSED_WORD]:
-            raise PipelineClosed(f"inference table {self.name} was closed by its owner")
-        if not self._watch.alive():
-            raise BrokenPipeline(f"inference table {self.name}: its owner (pid {self.owner.pid}) died")
-        if self._w[self._word["gen"]] & _SEQ_MASK != self._gen:
-            raise PipelineClosed(f"inference table {self.name}: client slot {self.index} was given to another client")
-        if deadline is not None and time.monotonic() > deadline:
-            raise SlotTimeout(f"inference table {self.name}: no answer within timeout={self.timeout} s "
-                              "(InferenceClient(timeout=...)); the table's owner is alive, but no answer came")
-
-    def close(self) -> None:
-        """Detach (unmap); the table and its other clients go on."""
-        super().close()  # the semaphores and the watch
-        # closed: nothing of a client runs after close() (call() fails at its mapping, None by then, before these)
-        self._sem = self._doorbell = None
-        self._watch = None  # type: ignore[assignment]  # closed, as the line above
-        self.request = self.response = None
-        self.request_leaves = self.response_leaves = []
-        if getattr(self, "_w", None) is not None:
-            self._w.release()
-            self._w = None  # type: ignore[assignment]  # closed, as above
-        unmap(self._mm)
-
-
-def _close_all(held: list[Any]) -> None:
-    """A client's release: close its semaphores and its watch of the owner (each has a ``close()``)."""
-    for h in held:
-        h.close()
-    held.clear()
-

@@ -84,6 +84,7 @@ from shmbuf._ofd import LOCK_BASE, held, lock
 from shmbuf._proc import start_time
 from shmbuf._ring import Consumer, Fence, Producer, bump, fence, store_load_fence
 from shmbuf._segment import MAILBOX_PAYLOAD_OFF, W_CLOSED, W_NEWCOMER, Plan
+from shmbuf._sem import Sem
 from shmbuf._validate import timeout_setting
 
 # Blocking waits sleep in slices this long, so that a dead peer or a closed pipeline is noticed
@@ -165,8 +166,8 @@ class WriterLane:
 
     __slots__ = ("name", "rec", "w", "mm", "fd", "doorbell", "sem", "ready", "free", "epoch", "_fence", "_sl_fence")
 
-    def __init__(self, name: str, rec: Record, w: memoryview, mm: Any, fd: int, doorbell: posix_ipc.Semaphore,
-                 sem: posix_ipc.Semaphore):
+    def __init__(self, name: str, rec: Record, w: memoryview, mm: Any, fd: int, doorbell: Sem,
+                 sem: Sem):
         self.name = name
         self.rec = rec
         self.w = w
@@ -183,8 +184,8 @@ class WriterLane:
         self.epoch = w[rec.epoch]
 
     @classmethod
-    def claim(cls, name: str, plan: Plan, w: memoryview, mm: Any, fd: int, doorbell: posix_ipc.Semaphore,
-              open_sem: Callable[[int], posix_ipc.Semaphore], label: str, timeout: float | None,
+    def claim(cls, name: str, plan: Plan, w: memoryview, mm: Any, fd: int, doorbell: Sem,
+              open_sem: Callable[[int], Sem], label: str, timeout: float | None,
               reader_alive: Callable[[], None]) -> WriterLane:
         """Take a free lane: an open-file-description lock on the lane's byte of ``fd``, which dies with us.
 
@@ -334,7 +335,7 @@ class ReaderLane:
 
     __slots__ = ("rec", "w", "wn", "ready", "free", "sem", "pid", "start", "label", "given", "stats", "_fence")
 
-    def __init__(self, rec: Record, w: memoryview, wn: np.ndarray, mm: Any, sem: posix_ipc.Semaphore):
+    def __init__(self, rec: Record, w: memoryview, wn: np.ndarray, mm: Any, sem: Sem):
         self.rec = rec
         self.w = w
         self.wn = wn  # the same words as an int64 array: slots are taken and lent in bulk

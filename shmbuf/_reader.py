@@ -7,11 +7,11 @@ the reader put in their lane's free ring, and publish them back on the ready
 ring. So a writer that dies can only lose what its lane held, and the reader
 knows exactly what that was.
 
-:class:`Reader` is the public face and the wait behind ``get`` and ``get_batch``; it holds its parts:
-the slot books (:mod:`shmbuf._books`), the lender and run search (:mod:`shmbuf._lending`), the
-roster of lanes (:mod:`shmbuf._roster`, on :mod:`shmbuf._lane`'s protocol), the mail
-(:mod:`shmbuf._mail`) and the latency window (:mod:`shmbuf._latency`). What it hands out,
-:class:`Rollout` and :class:`Batch`, is in :mod:`shmbuf._rollout`.
+:class:`Reader` is the public face and the wait behind ``get`` and ``get_batch``; it holds its parts: the slot
+books (:mod:`shmbuf._books`), the lender and run search (:mod:`shmbuf._lending`), the roster of lanes
+(:mod:`shmbuf._roster`, on :mod:`shmbuf._lane`'s protocol), the mail (:mod:`shmbuf._mail`) and the latency
+window (:mod:`shmbuf._latency`); the words of a wait that cannot be served are :mod:`shmbuf._reader_text`'s.
+What it hands out, :class:`Rollout` and :class:`Batch`, is in :mod:`shmbuf._rollout`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from shmbuf._lane import WAIT_SLICE
 from shmbuf._latency import LatencyWindow
 from shmbuf._lending import Lender
 from shmbuf._mail import Mail
+from shmbuf._reader_text import asked, holding, why_nothing
 from shmbuf._ring import store_load_fence
 from shmbuf._rollout import Batch, Rollout
 from shmbuf._roster import Roster
@@ -54,6 +55,7 @@ from shmbuf._segment import (
     sem_name,
     unlink_all,
 )
+from shmbuf._sem import Sem, UseLock
 from shmbuf._trees import Trees
 from shmbuf._validate import timeout_setting
 
@@ -128,9 +130,11 @@ class Reader(Closable):
         self._w = seg.words
         self._plan = seg.plan
         self._sl_fence = store_load_fence()
-        self._sems: list[posix_ipc.Semaphore] = []
-        self._doorbell = self._make_sem("r")
-        lane_sems = [self._make_sem(f"f{i}") for i in range(self.max_writers)]
+        self._use = UseLock()  # a close from another thread, under get's wait (shmbuf._sem)
+        self._sems: list[Sem] = []  # filled one by one: a failure leaves what was made for create() to unlink
+        for role in ["r", *(f"f{i}" for i in range(self.max_writers))]:
+            self._sems.append(Sem.create(sem_name(self.name, role), f"pipeline {self.name}"))
+        self._doorbell, *lane_sems = self._sems
         # Stop the pipeline at collection or exit if the user never closes: the owner's duty, in the owner's process only.
         self._lifetime(_stop, seg.words, list(self._sems), self.name, self.max_writers, self._pid,
                        unlink=functools.partial(unlink_all, self.name, self.max_writers))
@@ -163,11 +167,6 @@ class Reader(Closable):
         self._w[W_POOL] = self.slots  # every slot starts in the pool (`shmbuf ls` reads this)
         _fork.track(self)
 
-    def _make_sem(self, role: str) -> posix_ipc.Semaphore:
-        sem = posix_ipc.Semaphore(sem_name(self.name, role), posix_ipc.O_CREX, mode=0o600, initial_value=0)
-        self._sems.append(sem)
-        return sem
-
     @property
     def handle(self) -> Handle:
         """A picklable reference (the name) for other processes: ``Writer(reader.handle)``."""
@@ -197,12 +196,13 @@ class Reader(Closable):
             UsageError: at once, when this reader itself holds every slot (a kept batch, rollouts
                 not released), so no writer could ever fill one: ``get()`` does not end a batch.
             WriterError: a writer reported an exception (``raise_writer_errors``).
-            PipelineClosed: this reader was closed.
+            PipelineClosed: this reader was closed (by another thread too, while this waited).
         """
-        self._guard()
         timeout = timeout_setting("get(timeout=...)", timeout)
-        self._await(1, False, None if timeout is None else time.monotonic() + timeout, timeout)
-        return self._deliver(self._books.take_oldest())
+        with self._use:
+            self._guard()
+            self._await(1, False, None if timeout is None else time.monotonic() + timeout, timeout)
+            return self._deliver(self._books.take_oldest())
 
     def __iter__(self) -> Iterator[Rollout]:
         """Rollouts for ever, until the reader is closed; release each (or use ``with``)."""
@@ -244,14 +244,16 @@ class Reader(Closable):
             raise UsageError(f"get_batch(zero_copy=...): expected True (views where the rollouts sit in a run of slots) "
                              f"or False (always gathered), got {zero_copy!r}")
         timeout = timeout_setting("get_batch(timeout=...)", timeout)
-        if zero_copy and batch_size != self._lender.run:
-            self._lender.batch_size(batch_size)  # lend runs of this size from here on
-        self._end_batch()
-        first = self._await(batch_size, zero_copy, None if timeout is None else time.monotonic() + timeout, timeout)
-        # From here to the return nothing waits or calls out: the slots change hands in one piece.
-        if first >= 0:
-            return self._view_batch(first, batch_size, copy)
-        return self._gather_batch(batch_size, copy)
+        with self._use:
+            self._guard()  # again: closed by another thread since the first look
+            if zero_copy and batch_size != self._lender.run:
+                self._lender.batch_size(batch_size)  # lend runs of this size from here on
+            self._end_batch()
+            first = self._await(batch_size, zero_copy, None if timeout is None else time.monotonic() + timeout, timeout)
+            # From here to the return nothing waits or calls out: the slots change hands in one piece.
+            if first >= 0:
+                return self._view_batch(first, batch_size, copy)
+            return self._gather_batch(batch_size, copy)
 
     def batches(self, batch_size: int, *, timeout: float | None = None, copy: bool = False,
                 zero_copy: bool = True) -> Iterator[Batch]:
@@ -357,10 +359,11 @@ class Reader(Closable):
         t_call = time.monotonic()
         patience_end = None
         if self.slots - books.held < size:
-            raise UsageError(f"pipeline {self.name}: {self._asked(size)} can never be served: this reader itself "
-                             f"{self._holding()}, so the writers can fill at most {self.slots - books.held} of its "
-                             f"{self.slots} slots. Release what you hold first (batch.release(), rollout.release(), "
-                             "or a with block), or copy what must outlive it (rollout.copy(), get_batch(copy=True))")
+            raise UsageError(f"pipeline {self.name}: {asked(size)} can never be served: this reader itself "
+                             f"{holding(books.held, self._held_run, self.slots)}, so the writers can fill at most "
+                             f"{self.slots - books.held} of its {self.slots} slots. Release what you hold first "
+                             "(batch.release(), rollout.release(), or a with block), or copy what must outlive it "
+                             "(rollout.copy(), get_batch(copy=True))")
         while True:
             self._poll()
             if self.errors and self.raise_writer_errors:
@@ -398,21 +401,20 @@ class Reader(Closable):
                 if want <= 0 or patience_end is not None:
                     self._why = "the timeout came with enough rollouts ready but no run ready in order"
                     return -1  # enough are ready: the deadline decides for a gather, not a timeout
-                raise SlotTimeout(f"pipeline {self.name}: {self._asked(size)} got nothing within timeout={timeout} s; "
-                                  f"{self._why_nothing()}")
+                raise SlotTimeout(f"pipeline {self.name}: {asked(size)} got nothing within timeout={timeout} s; "
+                                  f"{why_nothing(self._roster, holding(books.held, self._held_run, self.slots))}")
             if patience_end is not None:
                 wait = max(0.0, min(wait, patience_end - now))
             roster.feed(need=want)  # about to wait: make sure the writers hold enough slots to send it
             if roster.arm(want):
                 roster.disarm()
                 continue  # something came in while we armed: take it in before sleeping
-            try:
-                self._doorbell.acquire(wait)
-            except posix_ipc.BusyError:
-                if wait >= WAIT_SLICE:
-                    self._next_scan = 0.0  # quiet for a while: look for dead writers now
-            finally:
-                roster.disarm()
+            woke = self._use.sleep(self._doorbell, wait)
+            if self._closed:  # by another thread, while we slept: nothing of ours is left to touch
+                raise PipelineClosed(f"pipeline {self.name} was closed while this waited")
+            roster.disarm()
+            if not woke and wait >= WAIT_SLICE:
+                self._next_scan = 0.0  # quiet for a while: look for dead writers now
 
     def _passed_over(self, first: int, size: int) -> bool:
         """Should the oldest ready rollout go out now, gathered, rather than the run at ``first``?
@@ -436,36 +438,6 @@ class Reader(Closable):
             return False
         self._why = "the oldest ready rollout was passed over for longer than the patience"
         return True
-
-    @staticmethod
-    def _asked(size: int) -> str:
-        return "get()" if size == 1 else f"get_batch({size})"
-
-    def _holding(self) -> str:
-        """What this reader holds, in words: the batch not released, and rollouts from get() not released."""
-        held = self._books.held
-        in_batch = self._held_run[1] if self._held_run is not None else 0
-        singles = held - in_batch
-        parts = []
-        if in_batch:
-            parts.append(f"a batch of {in_batch} (until batch.release(), its with block, or the next get_batch)")
-        if singles:
-            parts.append(f"{singles} rollout{'s' if singles != 1 else ''} from get() not released")
-        return f"holds {held} of its {self.slots} slots: " + " and ".join(parts) if parts else "holds no slot"
-
-    def _why_nothing(self) -> str:
-        """The end of a SlotTimeout's message: what the reader holds, and whether any writer ever came."""
-        roster = self._roster
-        lanes = roster.lanes
-        if not roster.writers_seen:
-            writers = ("no writer has attached yet (did the actor processes start? with spawn or forkserver, "
-                       "the code that starts them must sit under `if __name__ == \"__main__\":`)")
-        elif not lanes:
-            died = f", {roster.lanes_reclaimed} of them died" if roster.lanes_reclaimed else ""
-            writers = f"no writer is attached now ({roster.writers_seen} came and left{died})"
-        else:
-            writers = f"{len(lanes)} writer{'s are' if len(lanes) != 1 else ' is'} attached"
-        return f"this reader {self._holding()}; {writers}"
 
     def poll(self) -> int:
         """Serve the writers now, without waiting: take in commits and messages, lend free slots,
@@ -583,12 +555,16 @@ class Reader(Closable):
     # -- closing ------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the pipeline (writers' next call raises PipelineClosed), unlink it, unmap it."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._foreign:  # a forked copy: the pipeline is not ours to stop
-            return
+        """Stop the pipeline (writers' next call raises PipelineClosed), unlink it, unmap it; from any thread (a
+        ``get``/``get_batch`` waiting in another raises PipelineClosed)."""
+        with self._use:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._foreign:  # a forked copy: the pipeline is not ours to stop
+                self._let_go()
+
+    def _let_go(self) -> None:
         super().close()  # stop, wake every writer, unlink names: new attaches fail, current mappings stay valid
         for sem in self._sems:
             sem.close()
@@ -610,7 +586,7 @@ class Reader(Closable):
         return f"Reader({self.name!r}, slots={self.slots}, {state}, {self.schema!r})"
 
 
-def _stop(words: memoryview, sems: list[posix_ipc.Semaphore], name: str, n_lanes: int, pid: int) -> None:
+def _stop(words: memoryview, sems: list[Sem], name: str, n_lanes: int, pid: int) -> None:
     """Close the pipeline for its writers and remove its names: ``close()``, or the finalizer of a Reader never closed.
 
     Writers see the closed word at their next call, and the posts wake those asleep for a slot or
@@ -622,6 +598,6 @@ def _stop(words: memoryview, sems: list[posix_ipc.Semaphore], name: str, n_lanes
         words[W_CLOSED] = 1
         for sem in sems:
             sem.release()
-    except (ValueError, posix_ipc.Error):
+    except (ValueError, posix_ipc.Error, PipelineClosed):
         pass  # already released by an earlier close: the names below are what is left to do
     unlink_all(name, n_lanes)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import posix_ipc
 
 from shmbuf._books import SLOT_POOL, SlotBooks
 from shmbuf._errors import SegmentError
@@ -22,6 +21,7 @@ from shmbuf._mail import Mail
 from shmbuf._proc import alive
 from shmbuf._ring import Fence
 from shmbuf._segment import W_LANES_RECLAIMED, W_PARTIAL_DROPPED, W_POOL, W_READY_DEPTH, Segment
+from shmbuf._sem import Sem
 
 
 class Roster:
@@ -32,7 +32,7 @@ class Roster:
     (and takes back the lanes found corrupt); the roster feeds after it adopts or reclaims a lane.
     """
 
-    def __init__(self, seg: Segment, books: SlotBooks, mail: Mail, lender: Lender, lane_sems: list[posix_ipc.Semaphore],
+    def __init__(self, seg: Segment, books: SlotBooks, mail: Mail, lender: Lender, lane_sems: list[Sem],
                  sl_fence: Fence):
         self._seg = seg
         self._w = seg.words

@@ -232,6 +232,10 @@ class Segment:
             raise
         return cls(name, mm, schema, p, owner=False, fd=fd, creator=creator)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Close the file and unmap this process's view (detach); arrays still held keep the mapping until they go."""
         if self._closed:

@@ -40,6 +40,7 @@ from shmbuf._lane import WriterLane
 from shmbuf._pidwatch import ProcessWatch
 from shmbuf._schema import Schema
 from shmbuf._segment import S_COMMIT_NS, S_EPOCH, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment, sem_name
+from shmbuf._sem import Sem
 from shmbuf._validate import int_setting, timeout_setting
 
 # How often a writer that is not waiting looks whether the reader still lives: every call looks at
@@ -63,7 +64,7 @@ class _Hold:
         self.words = seg.words
         self.pid = os.getpid()
         self.reason: str | None = "garbage collected"
-        self.sems: list[posix_ipc.Semaphore] = []
+        self.sems: list[Sem] = []
         self.lock_fd = -1
         self.watch: ProcessWatch | None = None
         self.lane: WriterLane | None = None
@@ -246,11 +247,11 @@ class Writer(Closable):
             raise
         return fd
 
-    def _open_sem(self, role: str) -> posix_ipc.Semaphore:
+    def _open_sem(self, role: str) -> Sem:
         name = sem_name(self.name, role)
         _segment.check_semaphore(name)  # a symlink, a FIFO or another user's file under the name: refused before sem_open
         try:
-            sem = posix_ipc.Semaphore(name, 0)
+            sem = Sem.open(name, f"pipeline {self.name}")
         except posix_ipc.ExistentialError:
             raise PipelineClosed(f"pipeline {self.name} is closed (its semaphores are gone)") from None
         except (posix_ipc.Error, OSError, ValueError) as exc:
@@ -472,6 +473,11 @@ class Writer(Closable):
             self._counts["waits"] += 1
             try:
                 lane.wait(None if self.timeout is None else t0 + self.timeout, self._guard, self._timeout_message)
+            except ValueError:
+                if self._closed or self._hold.seg.closed:  # closed by another thread (or at exit) under the wait
+                    raise PipelineClosed(f"this Writer of pipeline {self.name} was closed while it waited for a "
+                                         "slot") from None
+                raise
             finally:
                 self._counts["wait_s"] += _now() - t0
         slot = lane.take()

@@ -7,7 +7,8 @@ settings with the same rules and messages).
 """
 
 from shmbuf._handle import InferenceHandle
-from shmbuf._inference import InferenceClient, InferenceTable
+from shmbuf._inference import InferenceTable
+from shmbuf._inference_client import InferenceClient
 from shmbuf._schema import Leaf, Timescale
 from shmbuf._validate import int_setting, name_setting, timeout_setting
 

@@ -137,6 +137,30 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+def run_in_session(args: list[str], tmp_path: pathlib.Path, stem: str, *, timeout: float = 180,
+                   cleanup: float = 15) -> tuple[subprocess.Popen, str, str, list[tuple[int, str]]]:
+    """Run ``python *args`` in a fresh interpreter in a session of its own (cwd ``tmp_path``, this checkout on its
+    path); return the process, what it printed on stdout and stderr, and what of its session was still there
+    ``cleanup`` s after it exited (killed by then). Killed (its whole session) after ``timeout`` s."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # Output to files, not pipes: a process left behind holding a pipe would hold the test up until the deadline.
+    out_path, err_path = tmp_path / f"{stem}.stdout", tmp_path / f"{stem}.stderr"
+    with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
+        proc = subprocess.Popen([sys.executable, *args], stdout=out_f, stderr=err_f, env=env, cwd=tmp_path,
+                                start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script and every process it started: one session
+        proc.wait()
+    deadline = time.monotonic() + cleanup
+    while in_session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = in_session(proc.pid)
+    kill_all(left)
+    return proc, out_path.read_text(), err_path.read_text(), left
+
+
 def run_script(script: pathlib.Path, tmp_path: pathlib.Path, *, start_method: str | None = None,
                timeout: float = 180, cleanup: float = 15) -> subprocess.CompletedProcess:
     """Run ``script`` in a fresh interpreter in a session of its own (warnings are errors, cwd ``tmp_path``) and
@@ -156,23 +180,7 @@ def run_script(script: pathlib.Path, tmp_path: pathlib.Path, *, start_method: st
         wrapper.write_text(START_METHOD_WRAPPER.format(method=start_method, uses_workers=uses_workers,
                                                        script=str(script), report=str(report)))
         args = [str(wrapper)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    # Output to files, not pipes: a process left behind holding a pipe would hold the test up until the deadline.
-    out_path, err_path = tmp_path / f"{script.stem}.stdout", tmp_path / f"{script.stem}.stderr"
-    with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
-        proc = subprocess.Popen([sys.executable, "-W", "error", *args], stdout=out_f, stderr=err_f, env=env,
-                                cwd=tmp_path, start_new_session=True)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the script and every process it started: one session
-        proc.wait()
-    deadline = time.monotonic() + cleanup
-    while in_session(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = in_session(proc.pid)
-    kill_all(left)
-    out, err = out_path.read_text(), err_path.read_text()
+    proc, out, err, left = run_in_session(["-W", "error", *args], tmp_path, script.stem, timeout=timeout, cleanup=cleanup)
     what = f"{script.name}" + (f" under {start_method}" if start_method else "")
     assert proc.returncode == 0, f"{what} exited {proc.returncode} (-9: killed after {timeout} s):\n{out[-2000:]}\n{err[-3000:]}"
     assert "Traceback" not in err, f"{what} exited 0 but printed a traceback:\n{err[-3000:]}"

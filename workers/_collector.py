@@ -41,6 +41,7 @@ from shmbuf.layout import (
 from shmbuf.lowlevel import int_setting, timeout_setting
 from workers._actor import ActorSpec, check_horizon, probe
 from workers._envs import split_among
+from workers._exit import ExitClose
 from workers._placement import LocalPolicy, Placement, weights_of
 from workers._plan import BatchPlan, default_num_actors, plan_batches
 from workers._pool import default_start_method
@@ -361,6 +362,8 @@ class Collector(TorchRLNames):
         self._partial = no_episodes()  # complete-episodes: what the next batch has so far
         self._t0: float | None = None
         self._closed = False
+        self._leaving = False  # close() began: a wait in another thread (a background collection) ends at its next slice
+        self._exit_close: ExitClose | None = None
         self.reader: Any = None  # a shmbuf.Reader once started
         self.pool: Any = None  # the placement's pool once started
         self._bar: Any = None
@@ -386,6 +389,7 @@ class Collector(TorchRLNames):
         except BaseException:
             self.close()
             raise
+        self._exit_close = ExitClose(self)  # last: runs at exit before the finalizers of what _start made
 
     def _start(self, example: dict[str, Any], probed: dict[str, Any], actor: dict[str, Any], *, restart: bool,
                max_restarts: int, progress: bool) -> None:
@@ -452,7 +456,7 @@ class Collector(TorchRLNames):
         if self._t0 is None:
             # Touch the reader only once every writer lane exists, so its first scan shares the slots
             # among all of them (a lane that arrives later gets slots only as others are released).
-            self.pool.wait_ready(self.ready_timeout)
+            self.pool.wait_ready(self.ready_timeout, interrupted=lambda: self._leaving)
             self._t0 = time.monotonic()
         while self.total_frames < 0 or self.frames < self.total_frames:
             batch = self._truncated() if self.batch_mode == TRUNCATE_EPISODES else self._complete()
@@ -472,6 +476,8 @@ class Collector(TorchRLNames):
         """Call ``get`` (a reader call with a short timeout) until it succeeds, checking the actors between tries."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
+            if self._leaving:
+                raise shmbuf.PipelineClosed("this Collector is shutting down")
             try:
                 out = get()
             except shmbuf.SlotTimeout:
@@ -526,11 +532,14 @@ class Collector(TorchRLNames):
 
         With the policy behind a server, the server is stopped first and every worker waiting for an answer
         woken; a server still inside a forward pass at the deadline is left to finish it (a daemon thread):
-        the table stays shut and the thread closes it when its pass returns.
+        the table stays shut and the thread closes it when its pass returns. Threads of this process are stopped
+        and joined before what they wait on is released (docs/workers.md, "Shutting down").
         """
         if self._closed:
             return
-        self._closed = True
+        self._closed = self._leaving = True
+        if self._exit_close is not None:
+            self._exit_close.cancel()
         budget = self.stop_timeout if timeout is None else timeout
         end = time.monotonic() + budget
         self._placement.interrupt(budget)

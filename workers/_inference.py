@@ -492,15 +492,17 @@ class AsyncBatchedCollector(Collector):
             raise RuntimeError("the background collection (start()) failed") from error
 
     def close(self, timeout: float | None = None) -> None:
-        """See :meth:`workers.Collector.close`; also stops the background collection and closes a replay buffer the
+        """See :meth:`workers.Collector.close`; first stops the background collection of :meth:`start` and joins its
+        thread (its waits end within 0.1 s), then closes what that thread was waiting on; last, a replay buffer the
         collector made (``replay_buffer=<rows>``)."""
         if getattr(self, "_stopping", None) is not None:
             self._stopping.set()
-        super().close(timeout)
+            self._leaving = True  # the thread's waits (actors ready, the next batch) end at their next slice
         bg = getattr(self, "_background", None)
-        if bg is not None:
-            bg.join(self.stop_timeout if timeout is None else timeout)
-            self._background = None
+        if bg is not None and bg is not threading.current_thread():
+            bg.join(self.stop_timeout if timeout is None else timeout)  # still inside user code past that: the
+            self._background = None  # pipeline's close below is safe under it (its next wait raises PipelineClosed)
+        super().close(timeout)
         owned = getattr(self, "_owned_replay", None)
         if owned is not None:
             owned.close()

@@ -27,10 +27,11 @@ import shmbuf
 from shmbuf.layout import COMPLETE_EPISODES, STEP, TRUNCATE_EPISODES, VALID, check_batch_mode
 from shmbuf.lowlevel import int_setting, timeout_setting
 from workers._collector import episodes_batch, no_episodes, progress, rounds_batch, take_episode, weights_of
+from workers._exit import ExitClose
 from workers._multiagent import AGENT_STEPS_COUNT, COUNT_STEPS_BY, ENV_STEPS_COUNT, multiagent_examples
 from workers._multiagent_actor import MultiAgentSpec, envs_of, run_multiagent_actor
 from workers._multiagent_batch import MultiAgentBatch
-from workers._multiagent_postprocess import add_columns, discover_policies, setting_for
+from workers._multiagent_postprocess import add_columns, discover_policies, setting_for, trained_policies
 from workers._multiagent_postprocess import check_setting as check_postprocess
 from workers._pool import ActorPool, default_start_method
 from workers._remote import VERSION_KEY
@@ -45,30 +46,6 @@ def valid_steps(data: Any, fill: dict[str, np.ndarray]) -> int:
     return int(sum(valid[i, : fill[STEP][i]].sum() for i in range(len(fill[STEP]))))
 
 
-def trained_policies(policies_to_train: Any, pids: list[Any]) -> list[Any]:
-    """The policy ids ``policies_to_train`` selects from ``pids`` (RLlib's setting: None, ids, or ``id -> bool``).
-
-    Raises:
-        shmbuf.UsageError: an id that is not a policy, a function that is not one of an id, or none selected.
-    """
-    if policies_to_train is None:
-        return list(pids)
-    if callable(policies_to_train):
-        try:
-            chosen = [pid for pid in pids if policies_to_train(pid, None)]  # RLlib's (policy_id, batch)
-        except TypeError:
-            chosen = [pid for pid in pids if policies_to_train(pid)]
-    elif isinstance(policies_to_train, (list, tuple, set, frozenset)):
-        unknown = sorted(str(pid) for pid in policies_to_train if pid not in pids)
-        if unknown:
-            raise shmbuf.UsageError(f"policies_to_train: {unknown} are not in policies ({sorted(map(str, pids))})")
-        chosen = [pid for pid in pids if pid in policies_to_train]
-    else:
-        raise shmbuf.UsageError(f"policies_to_train: expected policy ids or a function of one, got {policies_to_train!r:.80}")
-    if not chosen:
-        raise shmbuf.UsageError(f"policies_to_train: no policy selected (policies: {sorted(map(str, pids))}); a collector "
-                                "with nothing to hand out has nothing to do")
-    return chosen
 
 
 class MultiAgentCollector:
@@ -146,6 +123,7 @@ class MultiAgentCollector:
                  align: bool = False, await_weights: bool = False, postprocess: Any = None,
                  remap_each_episode: bool = False, policies_to_train: Any = None, keep_on_crash: bool = False):
         self._closed = False
+        self._exit_close: ExitClose | None = None
         self.awaited_weights: dict[Any, Any] = {}  # await_weights: each broadcast policy's version 0, not yet published
         self.served: dict[Any, Any] = {}  # serve=True: each policy's ServedPolicy (its server and table)
         self.readers: dict[Any, Any] = {}
@@ -304,6 +282,7 @@ class MultiAgentCollector:
         except BaseException:
             self.close()
             raise
+        self._exit_close = ExitClose(self)  # last: runs at exit before the finalizers of what was made above
 
     def _retire(self, index: int) -> None:
         """An actor failed: drop its pending requests before a replacement takes its client slots."""
@@ -534,6 +513,8 @@ class MultiAgentCollector:
         if self._closed:
             return
         self._closed = True
+        if self._exit_close is not None:
+            self._exit_close.cancel()
         budget = self.stop_timeout if timeout is None else timeout
         end = time.monotonic() + budget
         for sp in self.served.values():

@@ -23,7 +23,8 @@ each) are held, when a hook is set, until their env's episode is over, as RLlib 
 then every agent's hook gets every other agent's whole episode of that env episode, ``t`` counting env steps from
 the env episode's start (:meth:`MultiAgentPostprocessor.apply_env_episode`), and they are committed. The columns a
 hook adds are found at set-up (:func:`discover_policies`, a dummy batch with a dummy batch of every other agent of
-an env) and become step leaves of its policy's pipeline.
+an env) and become step leaves of its policy's pipeline. RLlib's ``policies_to_train`` (:func:`trained_policies`)
+chooses the policies whose data is kept, and so which get a hook.
 """
 
 from __future__ import annotations
@@ -321,3 +322,29 @@ def _pieces(valid: np.ndarray, done: np.ndarray) -> list[tuple[int, int]]:
     if t0 >= 0:
         out.append((t0, prev + 1))
     return out
+
+
+def trained_policies(policies_to_train: Any, pids: list[Any]) -> list[Any]:
+    """The policy ids ``policies_to_train`` selects from ``pids`` (RLlib's setting: None, ids, or ``id -> bool``).
+
+    Raises:
+        UsageError: an id that is not a policy, a function that is not one of an id, or none selected.
+    """
+    if policies_to_train is None:
+        return list(pids)
+    if callable(policies_to_train):
+        try:
+            chosen = [pid for pid in pids if policies_to_train(pid, None)]  # RLlib's (policy_id, batch)
+        except TypeError:
+            chosen = [pid for pid in pids if policies_to_train(pid)]
+    elif isinstance(policies_to_train, (list, tuple, set, frozenset)):
+        unknown = sorted(str(pid) for pid in policies_to_train if pid not in pids)
+        if unknown:
+            raise UsageError(f"policies_to_train: {unknown} are not in policies ({sorted(map(str, pids))})")
+        chosen = [pid for pid in pids if pid in policies_to_train]
+    else:
+        raise UsageError(f"policies_to_train: expected policy ids or a function of one, got {policies_to_train!r:.80}")
+    if not chosen:
+        raise UsageError(f"policies_to_train: no policy selected (policies: {sorted(map(str, pids))}); a collector "
+                                "with nothing to hand out has nothing to do")
+    return chosen

@@ -5,7 +5,11 @@ Each actor runs ``target(ctx, *args, **kwargs)`` in its own process, where
 one ``multiprocessing`` pipe carrying msgpack bytes only (``send_bytes``): the
 pool sends ``stop``; the actor sends ``error`` with its exception's type,
 message and traceback as text. Nothing on it is ever pickled; the start
-method pickles only ``target`` and its arguments, once, to start the process.
+method pickles only ``target`` and its arguments, once, to start the process,
+and the child unpickles them in this module's code (:mod:`workers._child`), so
+that a failure there is reported like any other. An actor that dies without a
+word is raised with the last lines of its stderr, which it tees into a ring the
+pool reads (bytes in a temp file, :class:`workers._child.StderrTail`).
 
 Inside each actor a small watchdog thread (started by the pool's child
 wrapper, never in the learner) waits on the pipe and on a pidfd of the
@@ -43,6 +47,7 @@ import msgpack
 import shmbuf
 from shmbuf import ActorError, StartTimeout, StateError
 from shmbuf.lowlevel import int_setting
+from workers._child import Payload, StderrTail, load_error, tee_stderr
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
@@ -151,6 +156,7 @@ class ActorContext:
         self._learner = learner
         self._conn = conn
         self._send_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()  # the watchdog's way out: see _end_watch
         self.stop_requested = False
 
     def learner_alive(self) -> bool:
@@ -164,11 +170,12 @@ class ActorContext:
             except OSError:
                 pass
 
-    def send_error(self, exc: BaseException) -> None:
+    def send_error(self, exc: BaseException, message: str | None = None) -> None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         if len(tb) > MAX_TEXT:
             tb = "…" + tb[-MAX_TEXT:]
-        msg = _encode("error", type=type(exc).__name__, message=str(exc)[:2000], traceback=tb)
+        text = str(exc) if message is None else message
+        msg = _encode("error", type=type(exc).__name__, message=text[:2000], traceback=tb)
         with self._send_lock:
             try:
                 self._conn.send_bytes(msg)
@@ -176,31 +183,55 @@ class ActorContext:
                 pass  # the learner is gone; nobody is left to tell
 
     def _watch(self) -> None:
-        conn = self._conn
+        conn, wake = self._conn, self._wake_r
         learner = self._learner.waitable()
-        waitables = [conn, *learner]
+        waitables = [conn, wake, *learner]
         while True:
             try:
-                if conn in mp.connection.wait(waitables, WATCH_INTERVAL):
+                ready = mp.connection.wait(waitables, WATCH_INTERVAL)
+                if wake in ready:
+                    return  # the actor is leaving (_end_watch): it joins us before it lets go of the pipe and fds
+                if conn in ready:
                     msg = _decode(conn.recv_bytes())
                     if msg is not None and msg["kind"] == "stop":
                         self.stop_requested = True
             except (EOFError, OSError):
                 self.stop_requested = True  # the pool closed its end: stopping, or gone
-                waitables = learner
-                if not learner:
-                    time.sleep(WATCH_INTERVAL)
+                waitables = [wake, *learner]
             if not self._learner.alive():
                 os._exit(EXIT_ORPHANED)  # the learner died: leave now, whatever the main thread is doing
 
+    def _end_watch(self, watchdog: threading.Thread) -> None:
+        """Stop the watchdog and join it, then close what it waited on (never the other way round)."""
+        os.write(self._wake_w, b"x")
+        watchdog.join(5 * WATCH_INTERVAL)
+        if not watchdog.is_alive():
+            os.close(self._wake_r)
+        os.close(self._wake_w)
 
-def _child_main(target: Callable[..., Any], index: int, incarnation: int, conn: Any, learner: LearnerWatch,
-                args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+
+def _child_main(payload: Payload, index: int, incarnation: int, conn: Any, learner: LearnerWatch,
+                tail: StderrTail | int) -> None:
+    tee_stderr(tail.fd if isinstance(tail, StderrTail) else tail)  # first: what follows may print its death
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = ActorContext(index, incarnation, conn, learner)
     if not ctx.learner_alive():
         os._exit(EXIT_ORPHANED)
-    threading.Thread(target=ctx._watch, name="shmbuf-actor-watchdog", daemon=True).start()
+    watchdog = threading.Thread(target=ctx._watch, name="shmbuf-actor-watchdog", daemon=True)
+    watchdog.start()
+    try:
+        _run_target(ctx, payload)
+    finally:
+        ctx._end_watch(watchdog)
+
+
+def _run_target(ctx: ActorContext, payload: Payload) -> None:
+    try:
+        target, args, kwargs = payload.load()
+    except Exception as exc:  # noqa: BLE001  # anything unpickling raises: reported, then the exit code says so
+        traceback.print_exc()  # on the child's stderr, where a failed start always showed
+        ctx.send_error(exc, load_error(exc))
+        raise SystemExit(EXIT_ERROR) from None
     try:
         target(ctx, *args, **kwargs)
     except shmbuf.PipelineClosed:
@@ -217,13 +248,14 @@ def _child_main(target: Callable[..., Any], index: int, incarnation: int, conn: 
 
 
 class _Actor:
-    __slots__ = ("index", "proc", "pid", "conn", "incarnation", "error", "state", "exitcode", "ready")
+    __slots__ = ("index", "proc", "pid", "conn", "incarnation", "error", "state", "exitcode", "ready", "tail")
 
     def __init__(self, index: int):
         self.index = index
         self.pid: int | None = None
         self.proc: Any = None
         self.conn: Any = None
+        self.tail: StderrTail | None = None  # the last lines of its stderr, read if it dies without a word
         self.incarnation = -1
         self.error: ActorError | None = None
         self.state = "new"  # running, done (exited 0), failed, stopped
@@ -317,19 +349,24 @@ class ActorPool:
     def _spawn(self, a: _Actor) -> None:
         here, there = self._ctx.Pipe(duplex=True)
         learner = LearnerWatch.open(self._pid)  # taken here, where the learner is certainly alive
+        tail = StderrTail()
         a.incarnation += 1
         p = self._ctx.Process(
             target=_child_main,
-            args=(self.target, a.index, a.incarnation, there, learner, self.args, self.kwargs),
+            args=(Payload((self.target, self.args, self.kwargs)), a.index, a.incarnation, there, learner, tail),
             name=f"{self.name}-{a.index}",
             daemon=False,  # an actor may start processes of its own (e.g. an AsyncVectorEnv)
         )
         try:
             p.start()
+        except BaseException:
+            tail.close()
+            raise
         finally:
             there.close()  # the child has its own copies of both fds now
             learner.close()
         a.proc, a.pid, a.conn, a.state, a.error, a.exitcode, a.ready = p, p.pid, here, "running", None, None, False
+        a.tail = tail
 
     # -- watching -----------------------------------------------------------
 
@@ -376,22 +413,24 @@ class ActorPool:
                 a.state = "done"
                 self._close_actor(a)
                 continue
-            err = a.error or ActorError(
-                f"actor {a.index} (pid {a.pid}) died: {_describe_exit(a.exitcode)}, without reporting an exception",
-                index=a.index, pid=a.pid, kind="died", exitcode=a.exitcode,
-            )
+            err = a.error or ActorError(f"actor {a.index} (pid {a.pid}) died: {_describe_exit(a.exitcode)}, without "
+                                        f"reporting an exception{_last_words(a)}", index=a.index, pid=a.pid,
+                                        kind="died", exitcode=a.exitcode)
             err.exitcode = a.exitcode
             self._close_actor(a)
             restart_or_raise(self, a, err)
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 60.0, *, interrupted: Callable[[], bool] | None = None) -> None:
         """Wait until every running actor called ``ctx.ready()``; raise its failure if one fails first.
 
         The collector uses it so that the reader first meets all writer lanes
-        at once and shares its slots among them.
+        at once and shares its slots among them. ``interrupted``: asked every 0.1 s; True ends the wait
+        with :class:`shmbuf.PipelineClosed` (the collector's close, from another thread).
         """
         deadline = time.monotonic() + timeout
         while True:
+            if interrupted is not None and interrupted():
+                raise shmbuf.PipelineClosed("the wait for the actors to start was interrupted: the collector is closing")
             self.check()
             if all(a.ready for a in self._actors if a.state == "running"):
                 return
@@ -477,6 +516,20 @@ def _close_conn(a: _Actor) -> None:
         a.conn.close()
     except OSError:
         pass
+    if a.tail is not None:
+        a.tail.close()
+        a.tail = None
+
+
+def _last_words(a: _Actor) -> str:
+    """The end of a died actor's ActorError: the last lines of its stderr, or that it died before reaching the pool's code."""
+    if a.tail is None:
+        return ""
+    if not a.tail.started():
+        return (" (it died while starting, before it reached the pool's code: under spawn and forkserver the child "
+                "imports the main module first, and an error there is printed on its stderr only)")
+    text = a.tail.tail()
+    return f". The last lines of its stderr:\n{text}" if text else ""
 
 
 def _stop_all(actors: list[_Actor], timeout: float) -> dict[int, int | None]:

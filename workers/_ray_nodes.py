@@ -25,6 +25,7 @@ import ray
 
 import shmbuf
 from workers._collector import Collector
+from workers._exit import ExitClose
 from workers._ray_wire import pack_batch, pack_description, pack_multiagent_batch, pack_multiagent_description
 
 # How long a node owner's next_batch waits for its Collector before looking at its stop flag again.
@@ -197,6 +198,9 @@ class LocalNode(_NodeCollector):
         super().__init__(args, kwargs, ready_timeout, "the learner's node")
         self._thread = threading.Thread(target=self._run, name="shmbuf-ray-local-node", daemon=True)
         self._thread.start()
+        self._shut = False
+        # After the collector's own: at exit this runs first, so the thread is joined before the collector closes
+        self._exit_close = ExitClose(self)
 
     def _run(self) -> None:
         try:
@@ -232,12 +236,20 @@ class LocalNode(_NodeCollector):
         return self.collector.update_policy_weights(weights, version=version)
 
     def shutdown(self, timeout: float) -> None:
-        """Stop the thread, then the actors; remove the node's shared memory; end the janitor."""
+        """Stop the thread and join it, then the actors; remove the node's shared memory; end the janitor. Once."""
+        if self._shut:
+            return
+        self._shut = True
+        self._exit_close.cancel()
         self._stop.set()
         self._given_back.release()
-        self._thread.join(OWNER_SLICE + 5.0)
+        self._thread.join(OWNER_SLICE + 5.0)  # still inside the collector past that: its close is safe under it
         self.collector.shutdown(timeout)
         _end_janitor(self.janitor_pid)
+
+    def close(self) -> None:
+        """At interpreter exit (:class:`workers._exit.ExitClose`): :meth:`shutdown` with the collector's stop_timeout."""
+        self.shutdown(self.collector.stop_timeout)
 
 
 def _end_janitor(pid: int) -> None:

@@ -117,9 +117,12 @@ class ThreadActorPool:
                 continue
             restart_or_raise(self, w, w.error)
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 60.0, *, interrupted: Callable[[], bool] | None = None) -> None:
         deadline = time.monotonic() + timeout
         while True:
+            if interrupted is not None and interrupted():
+                raise shmbuf.PipelineClosed("the wait for the env worker threads to start was interrupted: the "
+                                            "collector is closing")
             self.check()
             if all(w.ctx is not None and w.ctx.is_ready for w in self._workers if w.state == "running"):
                 return
