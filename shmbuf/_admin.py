@@ -213,7 +213,9 @@ def remove(f: Found) -> list[str]:
     """
     if not f.removable:
         return []
-    entries = ([f.name[1:]] if f.segment else []) + list(f.semaphores)
+    # The semaphores first, the segment last, as the owner's own unlink does: a remover stopped half way leaves the
+    # segment, which names the rest for the next look (a watcher's or `shmbuf clean`'s); never semaphores alone.
+    entries = list(f.semaphores) + ([f.name[1:]] if f.segment else [])
     removed = []
     for entry in entries:
         path = os.path.join(f.directory, entry)
@@ -231,4 +233,4 @@ def remove(f: Found) -> list[str]:
                 removed.append("/" + entry if entry == f.name[1:] else entry)
                 continue
         f.kept.append((entry, why))
-    return removed
+    return sorted(removed, key=lambda e: not e.startswith("/"))  # said object first, as it is the one a user knows

@@ -455,13 +455,16 @@ class _Watcher:
             listing = []
         objects, sems = [], 0
         for entry, ident in self.names.items():
-            if _ours(entry, uid) != ident:
-                continue  # gone already, or not the file the owner made
+            now = _ours(entry, uid)
+            if now is not None and now != ident:
+                continue  # not the file the owner made: that name was unlinked and made again, and so are its semaphores
+            # The object itself, or nothing where it was: another remover (the owner's own close, `shmbuf clean`) may
+            # have been stopped after the object and before its semaphores (names with the owner's random token).
             head = f"sem.{entry}-"
             for e in listing:
                 if e.startswith(head) and role_ok(e[len(head):]) and _ours(e, uid) and _unlink(e):
                     sems += 1
-            if _unlink(entry):
+            if now is not None and _unlink(entry):
                 objects.append("/" + entry)
         if objects:
             try:

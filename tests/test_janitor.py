@@ -239,6 +239,46 @@ def test_a_name_made_again_after_its_owner_removed_it_is_left_alone() -> None:
         assert entries_of(o.names) == sems | {name[1:]}
 
 
+def test_semaphores_left_by_a_remover_stopped_after_the_object_are_removed_too() -> None:
+    """A remover stopped half way (a `shmbuf clean` killed, or any unlink of the object alone) leaves the semaphores
+    named after the object, whose own name is gone: the watcher removes those too when its owner dies, instead of
+    leaving 17 semaphores that nothing names any more (seen once under the parallel suite, after a Ray run)."""
+    with owner(["pipeline"], "spawn") as o:
+        [name] = o.names
+        w = watcher_of(o.pid)
+        os.unlink(f"{SHM_DIR}/{name[1:]}")  # the object alone, as a remover stopped right after it would leave it
+        sems = entries_of(o.names)
+        assert sems and name[1:] not in sems
+        os.kill(o.pid, signal.SIGKILL)
+        o.proc.join(10)
+        wait_until(lambda: not entries_of(o.names), DEADLINE, f"{sorted(sems)} to leave /dev/shm")
+        wait_until(lambda: gone(w), DEADLINE, "the watcher to exit")
+
+
+def test_shmbuf_clean_removes_the_object_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`shmbuf clean` (shmbuf._admin.remove) unlinks a dead owner's semaphores before its object, as the owner's own
+    close does: stopped half way, it leaves the object, which names what is left for the next look."""
+    from shmbuf import _admin
+
+    with owner(["pipeline"], "spawn", keep=True) as o:
+        [name] = o.names
+        os.kill(o.pid, signal.SIGKILL)
+        o.proc.join(10)
+        [found] = [f for f in _admin.scan() if f.name == name]
+        order: list[str] = []
+        real = os.unlink
+
+        def unlink(path: Any, *args: Any, **kw: Any) -> None:
+            order.append(os.path.basename(path))
+            real(path, *args, **kw)
+
+        monkeypatch.setattr(os, "unlink", unlink)  # observed in this process only, for the one call below
+        _admin.remove(found)
+        monkeypatch.undo()
+        assert order and order[-1] == name[1:] and all(e.startswith(f"sem.{name[1:]}-") for e in order[:-1]), order
+        assert not entries_of(o.names)
+
+
 @pytest.mark.parametrize("how", ["argument", "environment", "collector"])
 def test_keep_on_crash_keeps_a_killed_owners_objects(how: str) -> None:
     """``keep_on_crash=True`` (given to shmbuf.create, ReplayBuffer.create, a Collector) or SHMBUF_KEEP_ON_CRASH=1: what
