@@ -60,6 +60,7 @@ EXTRA_TESTS: dict[str, str] = {
     "tests/test_inference_docs.py::test_the_tensordict_block_prints_torchrls_layout":
         "gymnasium and torchrl, in docs/inference.md's block",
     "tests/test_storage_files.py::test_docs_block_runs[0]": "gymnasium, in docs/storage.md's first block",
+    "tests/test_storage_views.py::test_docs_block_runs[3]": "gymnasium and ale-py, in docs/views.md's Atari block",
     "tests/test_storage_files.py::test_docs_block_runs[1]": "gymnasium, in docs/storage.md's second block",
     **{f"tests/test_janitor.py::test_a_dead_owner_leaves_nothing_in_dev_shm[{kind}-{sig}]":
        "gymnasium, in the owner process's collector (tests.helpers_workers, imported there)"

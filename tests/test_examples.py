@@ -363,3 +363,64 @@ def test_ppo_cleanrl_hands_max_policy_lag_only_to_a_collector_that_takes_it(monk
     assert ex.lag_setting(None) == ({}, False)  # free-running: nothing to pass, nothing enforced
     monkeypatch.setattr(ex, "Collector", Lacks)
     assert ex.lag_setting(0) == ({}, False) and ex.lag_setting(1) == ({}, False)
+
+
+def test_atari_frames_are_written_once_and_every_learner_stack_is_the_one_the_actor_acted_on():
+    """examples/atari_frames.py: real Pong through gymnasium's AtariPreprocessing, no frame stack; the actors' policy
+    gets (E, 4, 84, 84) stacks from trajectory views and records a checksum of each; the learner builds every step's
+    stack from the stored frames (the lane's previous rollout for the first steps) and none differs. Shared memory
+    holds one frame per env step."""
+    pytest.importorskip("torch", reason="the example's policy is a torch CNN")
+    pytest.importorskip("ale_py", reason="real Atari needs ale-py (the atari extra)")
+    out = run_example("atari_frames.py", "--batches", "3", "--envs", "4", "--rollout-len", "16", "--json", timeout=300)
+    assert out["frames"] == 3 * 4 * 16
+    assert out["steps_checked"] == out["frames"] and out["mismatches"] == 0
+    assert out["shared_bytes_per_env_step"] == 84 * 84 and out["frame_stack_bytes_per_env_step"] == 4 * 84 * 84
+
+
+def test_atari_frames_check_fails_when_the_learner_forgets_the_previous_rollout(monkeypatch):
+    """The example's check can fail: a learner that builds each rollout's first stacks without the lane's previous
+    rollout (prev=None: the first frame repeated, as at an episode's start) differs from what the actors saw."""
+    pytest.importorskip("torch", reason="the example's policy is a torch CNN")
+    pytest.importorskip("ale_py", reason="real Atari needs ale-py (the atari extra)")
+    example = import_example("atari_frames", monkeypatch)
+    monkeypatch.setattr(example.PreviousRollouts, "of", lambda self, *key: None)
+    out = example.main(["--batches", "3", "--envs", "2", "--actors", "1", "--rollout-len", "8", "--json"])
+    assert out["mismatches"] > 0  # in every rollout but each lane's first, its first 3 steps
+
+
+def test_view_stacks_equal_gymnasiums_frame_stack_through_episode_ends():
+    """The stack the actor-side views give (ActorViews, shift "-3:0" on obs) equals gymnasium's
+    FrameStackObservation(4) at every step of real Breakout, episode ends and resets included: both repeat an
+    episode's first frame before it (FrameStackObservation's padding_type="reset", RLlib's fill)."""
+    pytest.importorskip("ale_py", reason="real Atari needs ale-py (the atari extra)")
+    from gymnasium.wrappers import FrameStackObservation
+
+    from workers.lowlevel import ActorViews
+
+    example_dir = os.path.join(ROOT, "examples")
+    sys.path.insert(0, example_dir)
+    try:
+        from atari_frames import STACK, make_env
+    finally:
+        sys.path.remove(example_dir)
+    plain, stacked = make_env("ALE/Breakout-v5"), FrameStackObservation(make_env("ALE/Breakout-v5"), 4)
+    obs, _ = plain.reset(seed=3)
+    want, _ = stacked.reset(seed=3)
+    views = ActorViews(STACK, obs[None], 1, action_space=plain.action_space)
+    rng = np.random.default_rng(0)
+    episodes = steps = 0
+    while episodes < 2 and steps < 5000:
+        got = views.inputs()["obs"][0]
+        assert got.shape == (4, 84, 84) and np.array_equal(got, want), f"step {steps}: the stacks differ"
+        a = int(rng.integers(plain.action_space.n))
+        obs, reward, term, trunc, _ = plain.step(a)
+        want, _, term2, trunc2, _ = stacked.step(a)
+        assert (term, trunc) == (term2, trunc2)
+        steps += 1
+        if term or trunc:
+            episodes += 1
+            obs, _ = plain.reset()
+            want, _ = stacked.reset()
+        views.advance(np.array([a]), {}, np.array([reward], np.float32), np.array([term]), np.array([trunc]), obs[None])
+    assert episodes == 2, f"{episodes} episodes ended in {steps} steps"
