@@ -74,8 +74,9 @@ def quiet_ale() -> None:
     ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)
 
 
-def make_atari(game: str) -> Any:
-    """One gymnasium Atari env with the standard preprocessing and a 4-frame stack (see the module doc)."""
+def make_atari(game: str, stack: bool = True) -> Any:
+    """One gymnasium Atari env with the standard preprocessing and a 4-frame stack (see the module doc); without
+    ``stack``, single ``(84, 84)`` frames (the stack is then built by trajectory views: the ``views`` variants)."""
     import ale_py
     import gymnasium
     from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
@@ -85,14 +86,14 @@ def make_atari(game: str) -> Any:
     env = gymnasium.make(f"ALE/{GAMES[game]}-v5", frameskip=1, repeat_action_probability=STICKY)
     env = AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84, terminal_on_life_loss=False,
                              grayscale_obs=True, scale_obs=False)
-    return FrameStackObservation(env, 4)
+    return FrameStackObservation(env, 4) if stack else env
 
 
-def make_vec(game: str, n: int) -> Any:
+def make_vec(game: str, n: int, stack: bool = True) -> Any:
     """gymnasium ``SyncVectorEnv`` of ``n`` :func:`make_atari` envs, ``copy=False``, ``SAME_STEP`` autoreset."""
     import gymnasium
 
-    return gymnasium.vector.SyncVectorEnv([functools.partial(make_atari, game)] * n, copy=False,
+    return gymnasium.vector.SyncVectorEnv([functools.partial(make_atari, game, stack)] * n, copy=False,
                                           autoreset_mode=gymnasium.vector.AutoresetMode.SAME_STEP)
 
 
@@ -140,6 +141,31 @@ class NatureCNN(nn.Module):
     def forward(self, obs: Any) -> Any:
         one_torch_thread()
         return self.net(obs.float() / 255.0).argmax(-1)
+
+
+class OnViews:
+    """A policy of :func:`make_policy` called with trajectory views' input, ``{"obs": (N, 4, 84, 84)}``: it acts on
+    the stack, as it acts on a wrapper's stacked observation. Picklable; a torch module when the policy is one."""
+
+    def __new__(cls, inner: Any) -> Any:
+        if isinstance(inner, nn.Module):
+            return _TorchOnViews(inner)
+        return super().__new__(cls)
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __call__(self, x: dict[str, Any]) -> Any:
+        return self.inner(x["obs"])
+
+
+class _TorchOnViews(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: dict[str, Any]) -> Any:
+        return self.inner(x["obs"])
 
 
 def make_policy(game: str, policy: str) -> Any:
@@ -329,13 +355,21 @@ def _halves(game: str, n: int) -> list[Any]:
 class ShmbufCollector(AtariRun):
     LABEL = "shmbuf Collector"
     IMPORTS = ("workers", "ale_py", "cv2")
-    VARIANTS: ClassVar[dict[str, str]] = {"2xvec": "2 actors x SyncVectorEnv(n/2, copy=False, SAME_STEP), a policy copy in each"}
+    VARIANTS: ClassVar[dict[str, str]] = {
+        "2xvec": "2 actors x SyncVectorEnv(n/2, copy=False, SAME_STEP), a policy copy in each",
+        "2xvec-views": "the same without FrameStackObservation: each frame written once, the policy's 4-frame stack a "
+                       "view (ViewRequirement('obs', shift='-3:0'), equal to the wrapper's stack)"}
 
     def batches(self) -> Iterator[int]:
+        from shmbuf.storage.views import ViewRequirement
         from workers import Collector
 
-        self.c = Collector(_halves(self.game, self.n), make_policy(self.game, self.policy), frames_per_batch=self.fpb,
-                           torch_threads=1, num_actors=2)
+        views = self.variant.endswith("-views")
+        envs = [functools.partial(make_vec, self.game, self.n // 2, not views)] * 2
+        policy = make_policy(self.game, self.policy)
+        kw = {"view_requirements": {"obs": ViewRequirement("obs", shift="-3:0")}} if views else {}
+        self.c = Collector(envs, OnViews(policy) if views else policy, frames_per_batch=self.fpb, torch_threads=1,
+                           num_actors=2, **kw)
         for b in self.c:
             yield int(b.frames)
 
