@@ -35,6 +35,8 @@ OPTIONAL = {
     "faster-fifo": "faster_fifo", "torchrl": "torchrl", "tensordict": "tensordict", "ray": "ray",
     "rsl-rl-lib": "rsl_rl", "psutil": "psutil",
     "pettingzoo": "pettingzoo", "mpe2": "mpe2",
+    # real Atari (the atari extra, the Atari example's tests, the training benchmark) and EnvPool (its C++ peer)
+    "ale-py": "ale_py", "opencv-python-headless": "cv2", "envpool": "envpool",
     # RLlib's own requirements, in the bench extra for the multi-agent benchmark's RLlib baseline
     "pandas": "pandas", "tensorboardx": "tensorboardX", "requests": "requests", "pyarrow": "pyarrow", "fsspec": "fsspec",
     "pydantic": "pydantic", "dm-tree": "tree", "lz4": "lz4", "ormsgpack": "ormsgpack", "pyyaml": "yaml", "scipy": "scipy",

@@ -28,7 +28,7 @@ for _module in ("torch", "gymnasium", "tqdm", "matplotlib", "ale_py", "cv2"):
 
 from benchmarks import train_report  # noqa: E402  # after the skips, as the other bench tests import theirs
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 ATARI = ("floor", "collector", "async_batched", "ale_vec")
 TRAIN = ("one_process", "shmbuf_lag0", "shmbuf_lag1")
 ENVS = ("CartPole-v1", "Acrobot-v1")
