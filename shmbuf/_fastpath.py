@@ -50,6 +50,17 @@ class PreparedTimescale:
         self.scratch: list[Any] = [None] * len(spec.leaves)
 
 
+def leaf_views(timescales: list[PreparedTimescale], leaf_view: Any) -> list[list[np.ndarray]]:
+    """Per timescale, each leaf's view of every slot (``leaf_view(k)``: the segment's view of leaf k; the schema
+    lists leaves timescale by timescale)."""
+    out, first = [], 0
+    for ts in timescales:
+        n = len(ts.spec.leaves)
+        out.append([leaf_view(first + j) for j in range(n)])
+        first += n
+    return out
+
+
 def slot_views(timescales: list[PreparedTimescale], leaf_views: list[list[np.ndarray]],
                slot: int) -> tuple[list[list[np.ndarray]], list[list[memoryview | None]]]:
     """One slot's views, per timescale and leaf: the array (``leaf_views[t][j][slot]``), and for a timescale
