@@ -347,9 +347,11 @@ class Reader(Closable):
 
     # -- closing ------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Stop the pipeline (writers' next call raises PipelineClosed), unlink it, unmap it; from any thread (a
-        ``get``/``get_batch`` waiting in another raises PipelineClosed)."""
+        ``get``/``get_batch`` waiting in another raises PipelineClosed). It waits for nothing: ``timeout`` is
+        accepted (every shmbuf close takes it) and checked."""
+        timeout_setting("Reader.close(timeout=...)", timeout)
         with self._use:
             if self._closed:
                 return

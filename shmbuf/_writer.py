@@ -30,15 +30,13 @@ from shmbuf._errors import (
     UsageError,
     WrongProcess,
 )
-from shmbuf._fastpath import PreparedTimescale, leaf_views, slot_views
+from shmbuf._fastpath import PreparedTimescale, leaf_views, prepare_timescales, slot_views
 from shmbuf._handle import Handle, name_of
 from shmbuf._lane import WriterLane
 from shmbuf._pidwatch import ProcessWatch
-from shmbuf._schema import Schema
 from shmbuf._segment import S_COMMIT_NS, S_EPOCH, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment
-from shmbuf._sem import Sem
 from shmbuf._validate import int_setting, timeout_setting
-from shmbuf._writer_hold import Hold, let_go, let_go_in_child, open_lock_fd, open_sem
+from shmbuf._writer_hold import BYE_WAIT, Hold, let_go, let_go_in_child, open_lock_fd, open_sem
 from shmbuf._writer_text import also_sent, error_report, no_free_slot, timescale_full, unknown_timescale, wrong_process
 
 # How often a writer that is not waiting looks whether the reader still lives: every call looks at
@@ -122,28 +120,20 @@ class Writer(Closable):
         _fork.track(self)
 
     def _setup(self, seg: Segment, example: Any, label: str) -> None:
-        schema = seg.schema
-        treespecs = {ts.name: ts.treespec for ts in schema.timescales}
-        if example is not None:
-            mine = Schema.from_example(example)
-            if mine != schema:
-                diff = schema.first_difference(mine) or "same leaves, different encoding"
-                raise SchemaError(f"the example does not match pipeline {self.name}: {diff}")
-            treespecs = {ts.name: ts.treespec for ts in mine.timescales}
-        self.schema = schema
-        self._ts = {ts.name: PreparedTimescale(i, ts, treespecs[ts.name]) for i, ts in enumerate(schema.timescales)}
+        self.schema = schema = seg.schema
+        self._ts = prepare_timescales(schema, example, f"pipeline {self.name}")
         self._ts_list = list(self._ts.values())
         self._w = seg.words
         self._plan = p = seg.plan
         hold = self._hold
         self._reader_watch = hold.watch = ProcessWatch(seg.creator)
         self._next_check = 0.0
-        doorbell = self._open_sem("r")
+        doorbell = open_sem(hold, self.name, "r")
         if self._w[W_CLOSED]:
             raise PipelineClosed(f"pipeline {self.name} is closed")
         hold.lock_fd = open_lock_fd(self.name, seg)
         self._lane = hold.lane = WriterLane.claim(self.name, p, self._w, seg.mm, hold.lock_fd, doorbell,
-                                                  lambda i: self._open_sem(f"f{i}"), label, self.timeout,
+                                                  lambda i: open_sem(hold, self.name, f"f{i}"), label, self.timeout,
                                                   self._check_reader)
         self.lane = self._lane.rec.index
         self.epoch = self._lane.epoch
@@ -161,11 +151,17 @@ class Writer(Closable):
 
     # -- set-up and tear-down -----------------------------------------------
 
-    def _open_sem(self, role: str) -> Sem:
-        return open_sem(self._hold, self.name, role)
+    def close(self, timeout: float | str | None = None, *, reason: str = "closed") -> None:
+        """Give the lane back, telling the reader ``reason`` (a "bye"). A rollout started and not committed is dropped.
 
-    def close(self, reason: str = "closed") -> None:
-        """Give the lane back, telling the reader ``reason`` (a "bye"). A rollout started and not committed is dropped."""
+        ``timeout``: the most seconds the bye waits for the reader to take an earlier message from the mailbox
+        (None: 0.2 s, the most it ever waits). ``close("why")``, the older positional form, is ``close(reason="why")``.
+        """
+        if isinstance(timeout, str):  # the older close(reason) form
+            reason, timeout = timeout, None
+        t = timeout_setting("Writer.close(timeout=...)", timeout)
+        if t is not None and not self._closed:
+            self._hold.bye_wait = min(BYE_WAIT, t)
         self._close(str(reason))
 
     def _close(self, reason: str | None) -> None:
