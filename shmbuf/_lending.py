@@ -52,6 +52,16 @@ class Lender:
 
     # -- lending -------------------------------------------------------------
 
+    def allowance(self) -> int:
+        """How many more slots may be lent now: every slot in the pool. The one place a pacing rule goes.
+
+        ``feed`` lends at most this many per call, whichever way it lends (runs, cyclic, or for a wait), so
+        a rule that keeps at most N slots lent to the writers at once (``max_policy_lag``) is
+        ``min(pool, N - lent)`` here, with N given to the Lender at construction; a batch size above N is
+        then one more NEVER in the hand-out's ``never()`` (the writers could never fill it).
+        """
+        return self.books.where.count(SLOT_POOL)  # books.pool(), inline: this runs at every batch
+
     def feed(self, need: int = 0) -> list[ReaderLane]:
         """Lend pool slots to the lanes, so that they never wait on the reader while it has slots to give;
         return the lanes whose counters were found corrupt (for the reader to take back).
@@ -68,13 +78,13 @@ class Lender:
         lanes = self.lanes
         if not lanes:
             return []
-        pool = self.books.where.count(SLOT_POOL)  # books.pool(), inline: this runs at every batch
+        pool = self.allowance()  # what may still be lent in this call, whichever way below
         if not pool:
             return []
         fed: list[ReaderLane] = []
         corrupt: list[ReaderLane] = []
         if self.run and len(lanes) <= self.run:
-            pool -= self._feed_runs(need, fed, corrupt)
+            pool -= self._feed_runs(need, pool, fed, corrupt)
         else:
             order = sorted(lanes.values(), key=_given) if len(lanes) > 1 else lanes.values()
             depth = max(1, self.slots // (2 * len(lanes)))
@@ -104,9 +114,9 @@ class Lender:
         wake_waiting(fed, self._sl_fence)
         return corrupt
 
-    def _feed_runs(self, need: int, fed: list[ReaderLane], corrupt: list[ReaderLane]) -> int:
+    def _feed_runs(self, need: int, budget: int, fed: list[ReaderLane], corrupt: list[ReaderLane]) -> int:
         """Lend whole runs of ``self.run`` slots, each to one lane that is short of slots (the one with
-        fewest untaken first). Return how many slots were lent.
+        fewest untaken first), at most ``budget`` slots in all (:meth:`allowance`). Return how many were lent.
 
         A run lent to one lane in one piece is filled by that writer in its commit order, and it
         completes whatever the other writers do: a slow or idle writer delays only its own runs, and
@@ -129,12 +139,12 @@ class Lender:
             if not short:
                 return lent
             lane = short[0]
-            first = self._free_run(self.open_end)
-            if first < 0:  # no whole run in the pool: the short lanes get what there is
+            first = self._free_run(self.open_end) if size <= budget - lent else -1
+            if first < 0:  # no whole run in the pool (or allowed): the short lanes get what there is
                 for lane in short:
-                    if not self.books.where.count(SLOT_POOL):
+                    if lent >= budget:
                         break
-                    got = self._lend(lane, max(1, depth - queued[lane.index]), fed)
+                    got = self._lend(lane, min(max(1, depth - queued[lane.index]), budget - lent), fed)
                     if got < 0 and lane not in corrupt:
                         corrupt.append(lane)
                     lent += max(got, 0)

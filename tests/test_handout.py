@@ -111,6 +111,33 @@ def test_a_run_is_never_lent_while_a_slot_of_it_is_still_lent() -> None:
     assert lane.lent[8:] == [0, 1, 2]  # no whole run in the pool: what there is, as before runs (never a held slot)
 
 
+@pytest.mark.parametrize("run", [0, 4])
+def test_feed_lends_no_more_than_the_allowance_whichever_way_it_lends(run: int) -> None:
+    """Lender.allowance() is the one place a pacing rule goes (a cap on the slots lent at once, as max_policy_lag
+    will be): with it capped, no way of lending (cyclic, whole runs, the short lanes' fallback, lending for a wait)
+    lends past it."""
+
+    class Capped(Lender):
+        cap = 6
+
+        def allowance(self) -> int:
+            return max(0, min(super().allowance(), self.cap - self.books.where.count(SLOT_LENT)))
+
+    books = books_of("PPPP PPPP PPPP PPPP")
+    lender = Capped(books, lambda: None)
+    lanes = [StandIn(0), StandIn(1)]
+    for lane in lanes:
+        lender.lanes[lane.index] = lane
+    if run:
+        lender.batch_size(run)
+    for need in (0, 0, 12, 16):  # the last ones: the reader about to wait, every lane short
+        lender.feed(need=need)
+        for lane in lanes:
+            lane.taken = len(lane.lent)  # the writers took what they were lent: they are short again
+        assert sum(len(lane.lent) for lane in lanes) == books.where.count(SLOT_LENT) <= 6
+    assert sum(len(lane.lent) for lane in lanes) == 6  # it lends up to the allowance, not less
+
+
 # -- what a released batch or rollout says (test_a_released_batch_raises_on_access_and_on_a_second_release, ...) -----
 
 
