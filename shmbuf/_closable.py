@@ -64,6 +64,7 @@ class Closable:
     """
 
     _kind = "shmbuf object"  # how messages name the object, before its name
+    _has_names = True  # False: it holds no shared names (files, a lock), so unlink() has nothing to destroy
     name: str
     _finalizer: weakref.finalize | None = None
     _owned: list[Owned] | None = None
@@ -85,7 +86,11 @@ class Closable:
         of the names, for :meth:`unlink` (``release`` does it too where the creator's close should)."""
         self._own(self._kind, release, *args)
         if unlink is not None:
-            self._unlinker, self._creator_pid = unlink, os.getpid()
+            self._unlinks(unlink)
+
+    def _unlinks(self, unlink: Callable[[], None]) -> None:
+        """``unlink()`` calls ``unlink`` in this (the creating) process only."""
+        self._unlinker, self._creator_pid = unlink, os.getpid()
 
     def close(self, timeout: float | None = None) -> None:
         """Detach: release what this process holds (at most once). ``timeout``: see the class."""
@@ -95,6 +100,9 @@ class Closable:
 
     def unlink(self) -> None:
         """Remove the object's names now: attached processes keep their mapping, new attaches fail. The creator's call alone."""
+        if not self._has_names:
+            raise UsageError(f"{type(self).__name__} {self.name}: it holds no shared names to remove; close() releases "
+                             "what it holds")
         if self._unlinker is None or os.getpid() != self._creator_pid:
             raise UsageError(f"{self._kind} {self.name}: only the process that created it unlinks it; call close() to detach")
         self._unlinker()

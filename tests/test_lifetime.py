@@ -123,6 +123,9 @@ def test_every_closable_public_class_takes_close_timeout(cls: str, made: list[An
     obj.close(timeout=None)  # idempotent, in the same words
     with obj:  # a closed object's block closes it again, quietly
         pass
+    if cls in ("Recorder", "RolloutDataset"):  # files, not shared names: nothing for unlink() to destroy
+        with pytest.raises(shmbuf.UsageError, match=rf"{cls} .*: it holds no shared names to remove; close\(\) releases"):
+            obj.unlink()
 
 
 def test_a_writer_still_takes_its_reason_positionally(made: list[Any]) -> None:
@@ -147,6 +150,15 @@ def test_an_owner_dropped_without_close_leaves_nothing_in_dev_shm(cls: str, made
         o.close()
     made.clear()
     assert {n: in_shm(n) for n in names} == {n: [] for n in names}
+
+
+def test_a_slot_buffer_unlinks_its_pipeline_as_its_reader_does(made: list[Any], tmp_path: pathlib.Path) -> None:
+    b = _slot_buffer(made, tmp_path)
+    made.append(b)
+    b.unlink()  # the creator's destroy: the names go, this process keeps its mapping
+    assert in_shm(b.name) == []
+    with pytest.raises(shmbuf.SegmentError):
+        RolloutBufferWriter(b.handle, timeout=1)
 
 
 def test_a_dropped_recorder_lets_go_of_its_directory(tmp_path: pathlib.Path) -> None:

@@ -299,6 +299,7 @@ class SlotBuffer(Closable):
         self._reader = shmbuf.create(self.layout.example(), slots, max_writers=max_writers, keep_on_crash=keep_on_crash)
         self.name = self._reader.name
         self._own("reader", self._reader.close)
+        self._unlinks(self._reader.unlink)  # unlink(): the pipeline's names, as its Reader's
         self.slots = self._reader.slots
         self._local: RolloutBufferWriter | None = None
         self._held: shmbuf.Rollout | None = None

@@ -188,6 +188,8 @@ class RolloutDataset(RolloutFileBase, Closable):
     removes the converted copy of a pickled recording; so does dropping the dataset, or exit.
     """
 
+    _has_names = False
+
     def __init__(self, data_dir: str | os.PathLike[str], num_envs: int, dataset_loops: int = 1,
                  random_shuffle_traj_order: bool = False, keep_latest_n_trajs: int = 0,
                  starting_frame_range: Sequence[int] = (0, 1), device: Any = None, *, obs_key: str = L.OBS,

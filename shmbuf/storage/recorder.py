@@ -100,6 +100,8 @@ class Recorder(Closable):
     the temporary directories of its unfinished episodes; only :meth:`close` publishes them.
     """
 
+    _has_names = False
+
     def __init__(self, data_dir: str | os.PathLike[str], *, fsync: bool = True, chunk_bytes: int = 16 << 20,
                  keep_partial: bool = True):
         chunk_bytes = int_setting("Recorder(chunk_bytes=...)", chunk_bytes)
