@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from shmbuf._coerce import MISSING, LeafCoercer
-from shmbuf._schema import Timescale
+from shmbuf._errors import SchemaError
+from shmbuf._schema import Schema, Timescale
 
 # Compiling a timescale's ItemStore costs about 0.3 ms per leaf, once per Writer; a timescale with more
 # leaves than this takes the general path instead.
@@ -48,6 +49,30 @@ class PreparedTimescale:
         fast = flat and spec.buffered and len(spec.leaves) <= MAX_FAST_LEAVES
         self.store = ItemStore(self) if fast else None
         self.scratch: list[Any] = [None] * len(spec.leaves)
+
+
+def prepare_timescales(schema: Schema, example: Any, where: str) -> dict[str, PreparedTimescale]:
+    """Each timescale of ``schema`` prepared, by name; with the treespecs (container types) of ``example`` where it
+    is given, after checking that it describes exactly ``schema`` (a SchemaError naming the first differing leaf)."""
+    treespecs = {ts.name: ts.treespec for ts in schema.timescales}
+    if example is not None:
+        mine = Schema.from_example(example)
+        if mine != schema:
+            diff = schema.first_difference(mine) or "same leaves, different encoding"
+            raise SchemaError(f"the example does not match {where}: {diff}")
+        treespecs = {ts.name: ts.treespec for ts in mine.timescales}
+    return {ts.name: PreparedTimescale(i, ts, treespecs[ts.name]) for i, ts in enumerate(schema.timescales)}
+
+
+def leaf_views(timescales: list[PreparedTimescale], leaf_view: Any) -> list[list[np.ndarray]]:
+    """Per timescale, each leaf's view of every slot (``leaf_view(k)``: the segment's view of leaf k; the schema
+    lists leaves timescale by timescale)."""
+    out, first = [], 0
+    for ts in timescales:
+        n = len(ts.spec.leaves)
+        out.append([leaf_view(first + j) for j in range(n)])
+        first += n
+    return out
 
 
 def slot_views(timescales: list[PreparedTimescale], leaf_views: list[list[np.ndarray]],

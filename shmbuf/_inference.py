@@ -49,7 +49,7 @@ from shmbuf._substrate import (
     unmap,
     write_header,
 )
-from shmbuf._validate import int_setting
+from shmbuf._validate import int_setting, timeout_setting
 
 I_MAGIC = b"\x89SHMBUFI"
 I_LAYOUT_VERSION = 1
@@ -373,11 +373,13 @@ class InferenceTable(Closable):
     def closed(self) -> bool:
         return self._closed
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Mark the table closed, wake every client and the server, unlink the object and its semaphores.
 
         Safe from another thread while the server waits in :meth:`take`: that wait raises PipelineClosed.
+        Waits for nothing (``timeout``: accepted, as by every shmbuf close, and checked).
         """
+        timeout_setting("InferenceTable.close(timeout=...)", timeout)
         with self._use:
             if self._closed:
                 return

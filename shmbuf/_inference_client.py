@@ -168,9 +168,11 @@ class InferenceClient(Closable):
             raise SlotTimeout(f"inference table {self.name}: no answer within timeout={self.timeout} s "
                               "(InferenceClient(timeout=...)); the table's owner is alive, but no answer came")
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Detach (unmap); the table and its other clients go on. Safe from another thread while one waits in
-        :meth:`call`: that call raises PipelineClosed."""
+        :meth:`call`: that call raises PipelineClosed. Waits for nothing (``timeout``: accepted, as by every shmbuf
+        close, and checked)."""
+        timeout_setting("InferenceClient.close(timeout=...)", timeout)
         with self._use:
             self._closed = True
             self._detach()

@@ -1,10 +1,11 @@
-"""Lending slots to the lanes, and finding the runs of ready slots a zero-copy batch can be.
+"""Lending slots to the lanes, so that the ready slots form the runs a zero-copy batch can be.
 
 Once ``get_batch`` has said its size B, slots go out a whole aligned run at a time, each run to the
 one lane shortest of slots, so that a writer fills its run in its commit order and a slow writer
 delays only its own runs; before that (or with more lanes than B) they go out in cyclic order from
-a cursor. The run search hands out an aligned run of ready slots only if that keeps each lane's
-commit order. Why, and what was measured: "Making runs: how slots are lent" in docs/design/reader.md.
+a cursor. Which ready run goes out, and when a batch is gathered instead, is the hand-out's
+(:mod:`shmbuf._handout`). Why, and what was measured: "Making runs: how slots are lent" in
+docs/design/reader.md.
 
 :class:`Lender` is the reader's; it writes the lent slots into the :class:`~shmbuf._books.SlotBooks`
 and pushes them to the lanes' free rings, and reports the lanes whose counters it found corrupt
@@ -13,9 +14,7 @@ for the reader to take back.
 
 from __future__ import annotations
 
-import numpy as np
-
-from shmbuf._books import NOT_READY, SLOT_HELD, SLOT_POOL, SLOT_READY, SlotBooks
+from shmbuf._books import SLOT_POOL, SlotBooks
 from shmbuf._errors import SegmentError
 from shmbuf._lane import ReaderLane, wake_waiting
 from shmbuf._ring import Fence
@@ -24,12 +23,9 @@ CYCLE_MASK = 0xFFFFFFFF  # lending rounds are numbered mod 2**32: a slot would h
 
 
 class Lender:
-    """Lends pool slots to ``lanes`` (the live lanes by index, which the roster adopts and takes back)
-    and searches for runs.
+    """Lends pool slots to ``lanes`` (the live lanes by index, which the roster adopts and takes back).
 
     ``run``: ``get_batch``'s size once it said one (0 before), set with :meth:`batch_size`.
-    ``read_cursor``: runs are looked for from here, the end of the last one handed out (the reader
-    moves it).
     """
 
     def __init__(self, books: SlotBooks, sl_fence: Fence):
@@ -41,7 +37,6 @@ class Lender:
         self.cycle = 0  # a number per lending round (mod 2**32); each slot's at lending is in books.lent_in
         self.run = 0  # get_batch's size, once it said one: slots are then lent a run at a time
         self.open_end = 0  # the end of the run being lent
-        self.read_cursor = 0
 
     def batch_size(self, size: int) -> None:
         """``get_batch(size)`` with views, a size other than ``run``: lend runs of this size from here on."""
@@ -56,6 +51,16 @@ class Lender:
         return max(1, min(16, self.slots // (2 * max(1, len(self.lanes)))))
 
     # -- lending -------------------------------------------------------------
+
+    def allowance(self) -> int:
+        """How many more slots may be lent now: every slot in the pool. The one place a pacing rule goes.
+
+        ``feed`` lends at most this many per call, whichever way it lends (runs, cyclic, or for a wait), so
+        a rule that keeps at most N slots lent to the writers at once (``max_policy_lag``) is
+        ``min(pool, N - lent)`` here, with N given to the Lender at construction; a batch size above N is
+        then one more NEVER in the hand-out's ``never()`` (the writers could never fill it).
+        """
+        return self.books.where.count(SLOT_POOL)  # books.pool(), inline: this runs at every batch
 
     def feed(self, need: int = 0) -> list[ReaderLane]:
         """Lend pool slots to the lanes, so that they never wait on the reader while it has slots to give;
@@ -73,13 +78,13 @@ class Lender:
         lanes = self.lanes
         if not lanes:
             return []
-        pool = self.books.where.count(SLOT_POOL)  # books.pool(), inline: this runs at every batch
+        pool = self.allowance()  # what may still be lent in this call, whichever way below
         if not pool:
             return []
         fed: list[ReaderLane] = []
         corrupt: list[ReaderLane] = []
         if self.run and len(lanes) <= self.run:
-            pool -= self._feed_runs(need, fed, corrupt)
+            pool -= self._feed_runs(need, pool, fed, corrupt)
         else:
             order = sorted(lanes.values(), key=_given) if len(lanes) > 1 else lanes.values()
             depth = max(1, self.slots // (2 * len(lanes)))
@@ -109,13 +114,13 @@ class Lender:
         wake_waiting(fed, self._sl_fence)
         return corrupt
 
-    def _feed_runs(self, need: int, fed: list[ReaderLane], corrupt: list[ReaderLane]) -> int:
+    def _feed_runs(self, need: int, budget: int, fed: list[ReaderLane], corrupt: list[ReaderLane]) -> int:
         """Lend whole runs of ``self.run`` slots, each to one lane that is short of slots (the one with
-        fewest untaken first). Return how many slots were lent.
+        fewest untaken first), at most ``budget`` slots in all (:meth:`allowance`). Return how many were lent.
 
         A run lent to one lane in one piece is filled by that writer in its commit order, and it
         completes whatever the other writers do: a slow or idle writer delays only its own runs, and
-        ``in_order`` passes at its first test. A lane is short when it has fewer than ``depth``
+        the hand-out's ``in_order`` passes at its first test. A lane is short when it has fewer than ``depth``
         untaken (``slots // (2 * lanes)``, at least one); a lane that does not take its slots (an idle
         writer) stops getting any, so it holds at most one run. A run is opened only when all its
         slots are in the pool; when none is, a short lane gets pool slots in cyclic order, as before
@@ -134,12 +139,12 @@ class Lender:
             if not short:
                 return lent
             lane = short[0]
-            first = self._free_run(self.open_end)
-            if first < 0:  # no whole run in the pool: the short lanes get what there is
+            first = self._free_run(self.open_end) if size <= budget - lent else -1
+            if first < 0:  # no whole run in the pool (or allowed): the short lanes get what there is
                 for lane in short:
-                    if not self.books.where.count(SLOT_POOL):
+                    if lent >= budget:
                         break
-                    got = self._lend(lane, max(1, depth - queued[lane.index]), fed)
+                    got = self._lend(lane, min(max(1, depth - queued[lane.index]), budget - lent), fed)
                     if got < 0 and lane not in corrupt:
                         corrupt.append(lane)
                     lent += max(got, 0)
@@ -198,106 +203,6 @@ class Lender:
             if first >= 0:
                 return first
         return -1
-
-    # -- the run search --------------------------------------------------------
-
-    def full_run(self, size: int) -> int:
-        """The first slot of an aligned run of ``size`` ready slots that can be handed out in order (see
-        ``in_order``), looked for from the end of the last run handed out, round to it; or -1."""
-        where, run, n = self.books.where, self.books.fill[SLOT_READY][:size], self.slots
-        top = n - n % size
-        start = self.read_cursor - self.read_cursor % size
-        start = start if start < top else 0
-        for lo, hi in ((start, top), (0, start)):
-            at = lo
-            while at < hi:
-                first = where.find(run, at, hi)
-                if first < 0:
-                    break
-                if first % size:  # not aligned: the next place an aligned run could start
-                    at = first - first % size + size
-                    continue
-                if self.in_order(first, size):
-                    return first
-                at = first + size
-        return -1
-
-    def in_order(self, first: int, size: int) -> bool:
-        """May the run be handed out without breaking any lane's commit order? Its rows are in slot order,
-        so each lane's rollouts in it must have arrived in slot order, and no ready rollout of that lane
-        outside it may be older than one inside (it would be handed out after its successors)."""
-        books = self.books
-        run = slice(first, first + size)
-        inner = books.arrived[run]
-        lent_in = books.lent_in[4 * first : 4 * (first + size)]
-        # Lent in one turn of the cursor: in slot order, so each lane took them, and committed them, in slot order.
-        # Otherwise look at the arrival order, per lane.
-        if lent_in != lent_in[:4] * size and _against_arrival(inner, books.lane_of[run]):
-            return False
-        if books.n_ready == size:
-            return True  # nothing ready outside the run
-        arrived, top = books.arrived, int(inner.max())
-        before, after = arrived[:first], arrived[first + size :]
-        if (not len(before) or int(before.min()) > top) and (not len(after) or int(after.min()) > top):
-            return True  # everything ready outside is newer than everything inside
-        saved = inner.copy()
-        arrived[run] = NOT_READY  # the run, hidden for a moment, so that the minima below are outside it
-        try:
-            lanes_in = books.lane_of[run]
-            for lane in set(lanes_in.tolist()):
-                theirs = books.lane_of == lane
-                oldest = int(arrived[theirs].min())
-                newest = int(saved[lanes_in == lane].max())
-                # equal: one commit group on both sides of the run's edge; the part before it is older
-                if oldest < newest or (oldest == newest and bool((arrived[:first][theirs[:first]] == oldest).any())):
-                    return False
-        finally:
-            arrived[run] = saved
-        return True
-
-    def stranded(self, slot: int, size: int) -> bool:
-        """Can the oldest ready rollout, in ``slot``, never go out as part of a view? True when it sits past the
-        last aligned run (``slots`` not a multiple of ``size``), or when its run is complete and out of order for
-        good: a lane's rollouts in it out of their arrival order, or a rollout of the oldest's own lane outside it
-        older than one of that lane inside.
-
-        A complete run stays as it is while it is ready. In the second case, the rollout outside sits in a run
-        that holds a rollout of the lane newer than the oldest (itself), so that run fails ``in_order`` for as long
-        as this one is ready, and the other way round: neither can ever go out in order, and that lane's writer
-        starves once its ready rollouts fill the slots. A run out of order only for another lane's older rollout
-        outside it may come right once that one goes out: the patience decides for it.
-        """
-        n = self.slots
-        first = slot - slot % size
-        if first + size > n - n % size:
-            return True
-        books = self.books
-        if books.where[first : first + size] != books.fill[SLOT_READY][:size]:
-            return False
-        run = slice(first, first + size)
-        arrived, lanes = books.arrived, books.lane_of
-        inner, inner_lanes = arrived[run], lanes[run]
-        if _against_arrival(inner, inner_lanes):
-            return True
-        lane = lanes[slot]
-        newest = int(inner[inner_lanes == lane].max())
-        theirs = lanes == lane
-        theirs[run] = False
-        return bool(theirs.any()) and int(arrived[theirs].min()) < newest
-
-    def run_possible(self, size: int) -> bool:
-        """Can an aligned run of ``size`` slots still fill? Not if each holds a rollout taken with get()."""
-        held = self.books.fill[SLOT_HELD][:1]
-        where = self.books.where
-        return any(held not in where[k : k + size] for k in range(0, self.slots - size + 1, size))
-
-
-def _against_arrival(arrived: np.ndarray, lanes: np.ndarray) -> bool:
-    """Does a run (its slots' arrival numbers and lanes, in slot order) hold some lane's rollouts out of their
-    arrival order? Views hand a run out in slot order, so that lane would see them reordered."""
-    order = lanes.argsort(kind="stable")
-    a, ln = arrived[order], lanes[order]
-    return bool(((ln[1:] == ln[:-1]) & (a[1:] < a[:-1])).any())
 
 
 def _given(lane: ReaderLane) -> int:

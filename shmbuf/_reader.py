@@ -8,10 +8,12 @@ ring. So a writer that dies can only lose what its lane held, and the reader
 knows exactly what that was.
 
 :class:`Reader` is the public face and the wait behind ``get`` and ``get_batch``; it holds its parts: the slot
-books (:mod:`shmbuf._books`), the lender and run search (:mod:`shmbuf._lending`), the roster of lanes
-(:mod:`shmbuf._roster`, on :mod:`shmbuf._lane`'s protocol), the mail (:mod:`shmbuf._mail`) and the latency
-window (:mod:`shmbuf._latency`); the words of a wait that cannot be served are :mod:`shmbuf._reader_text`'s.
-What it hands out, :class:`Rollout` and :class:`Batch`, is in :mod:`shmbuf._rollout`.
+books (:mod:`shmbuf._books`), the hand-out (:mod:`shmbuf._handout`: what goes out, as views, gathered or not
+yet, and building it), the lender (:mod:`shmbuf._lending`), the roster of lanes (:mod:`shmbuf._roster`, on
+:mod:`shmbuf._lane`'s protocol), the mail (:mod:`shmbuf._mail`) and the latency window
+(:mod:`shmbuf._latency`); the words of a wait that cannot be served are :mod:`shmbuf._reader_text`'s. What it
+hands out, :class:`Rollout` and :class:`Batch`, and the loan they hold instead of the reader, are in
+:mod:`shmbuf._rollout`.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import posix_ipc
 
 from shmbuf import _fork
-from shmbuf._books import SLOT_LENT, SLOT_READY, SlotBooks
+from shmbuf._books import SlotBooks
 from shmbuf._closable import Closable
-from shmbuf._errors import PipelineClosed, SlotTimeout, StaleRollout, UsageError, WriterError, WrongProcess
+from shmbuf._errors import PipelineClosed, SlotTimeout, UsageError, WriterError
 from shmbuf._handle import Handle
+from shmbuf._handout import GATHER, NEVER, TIMEOUT, VIEWS, Decision, Handout, decide, never
 from shmbuf._janitor import keeping
 from shmbuf._lane import WAIT_SLICE
 from shmbuf._latency import LatencyWindow
@@ -38,35 +40,15 @@ from shmbuf._lending import Lender
 from shmbuf._mail import Mail
 from shmbuf._reader_text import asked, holding, why_nothing
 from shmbuf._ring import store_load_fence
-from shmbuf._rollout import Batch, Rollout
+from shmbuf._rollout import Batch, Rollout, forked_copy
 from shmbuf._roster import Roster
 from shmbuf._schema import Schema
-from shmbuf._segment import (
-    S_COMMIT_NS,
-    S_EPOCH,
-    S_FILL,
-    S_POLICY,
-    S_SEQ,
-    W_CLOSED,
-    W_DELIVERED,
-    W_NEWCOMER,
-    W_POOL,
-    Segment,
-    sem_name,
-    unlink_all,
-)
+from shmbuf._segment import W_CLOSED, W_NEWCOMER, W_POOL, Segment, sem_name, unlink_all
 from shmbuf._sem import Sem, UseLock
-from shmbuf._trees import Trees
 from shmbuf._validate import timeout_setting
 
 # How often the reader looks at the lane table for writers that came, left or died.
 SCAN_INTERVAL = 0.05
-# get_batch() with enough rollouts ready but no run of consecutive slots complete (and in order) waits
-# for one at least this long (longer if the batch itself took longer to arrive), then gathers.
-RUN_PATIENCE = 0.02
-# The oldest ready rollout, passed over by runs that go out before it (its own run waits on a writer that
-# went quiet), waits at most this long; then get_batch gathers the oldest. See "Nothing waits for ever".
-OVERTAKE_PATIENCE = 0.25
 
 
 def create(example: Any, slots: int, *, max_writers: int = 16, raise_writer_errors: bool = True,
@@ -138,31 +120,16 @@ class Reader(Closable):
         # Stop the pipeline at collection or exit if the user never closes: the owner's duty, in the owner's process only.
         self._lifetime(_stop, seg.words, list(self._sems), self.name, self.max_writers, self._pid,
                        unlink=functools.partial(unlink_all, self.name, self.max_writers))
-        n = self.slots
         # The parts (see "Where it lives" in docs/design/reader.md): where each slot is; the mail; the lanes
-        # and what comes in from them; lending and the run search; the latency of what was delivered.
-        self._books = SlotBooks(n)
+        # and what comes in from them; lending; the latency of what was delivered; the hand-out (what goes out,
+        # and the loan its rollouts and batches hold).
+        self._books = SlotBooks(self.slots)
         self._mail = Mail(seg.words, seg.mm, self.errors)
         self._lender = Lender(self._books, self._sl_fence)
         self._roster = Roster(seg, self._books, self._mail, self._lender, lane_sems, self._sl_fence)
         self._latency = LatencyWindow()
+        self._handout = Handout(seg, self._books, self._latency, self._roster.feed, self._lender.chunk)
         self._next_scan = 0.0
-        # The batch handed out last: its token (a Batch is live while it matches), and the run of slots it holds.
-        self._batch_token = 0
-        self._held_run: tuple[int, int] | None = None
-        self._batches = {"views": 0, "gathered": 0}
-        self._why = ""  # why _await chose to gather: stats()["gathered_why"] counts each reason
-        self._gathered_why: dict[str, int] = {}
-        self._head: tuple[int, float] | None = None  # the oldest ready rollout's arrival, and since when runs pass it over
-        # Kept here and only stored to shared memory (for `shmbuf ls`): a word another process scribbled
-        # over can neither overflow it nor make stats() lie.
-        self._delivered = 0
-        self._leaf_all = [seg.leaf_view(i) for i in range(len(self.schema.leaves))]
-        self._slot_table = np.ndarray((n, self._plan.slot_bytes // 8), np.int64, buffer=seg.base, offset=self._plan.slots_off)
-        self._slot_leaves: dict[int, list[np.ndarray]] = {}  # views of one slot's leaves; never the containers
-        self._batch_bufs: dict[int, list[np.ndarray]] = {}
-        self._ts_names = [ts.name for ts in self.schema.timescales]
-        self._trees = Trees(self.schema)  # the example's containers, new each time, around leaf views
         self._rollout_bytes = sum(lf.nbytes for lf in self.schema.leaves)
         self._w[W_POOL] = self.slots  # every slot starts in the pool (`shmbuf ls` reads this)
         _fork.track(self)
@@ -177,11 +144,11 @@ class Reader(Closable):
 
     def _after_fork_in_child(self) -> None:
         self._foreign = True
+        self._handout.loan.foreign = True
 
     def _guard(self) -> None:
         if self._foreign:
-            raise WrongProcess(f"this Reader belongs to process {self._pid}, and this is a copy made by fork in "
-                               f"{os.getpid()}; in a child, attach a Writer with the reader's handle")
+            raise forked_copy(self._pid)
         if self._closed:
             raise PipelineClosed(f"pipeline {self.name} is closed")
 
@@ -202,7 +169,7 @@ class Reader(Closable):
         with self._use:
             self._guard()
             self._await(1, False, None if timeout is None else time.monotonic() + timeout, timeout)
-            return self._deliver(self._books.take_oldest())
+            return self._handout.rollout(self._books.take_oldest(), self.policy_version)
 
     def __iter__(self) -> Iterator[Rollout]:
         """Rollouts for ever, until the reader is closed; release each (or use ``with``)."""
@@ -248,12 +215,13 @@ class Reader(Closable):
             self._guard()  # again: closed by another thread since the first look
             if zero_copy and batch_size != self._lender.run:
                 self._lender.batch_size(batch_size)  # lend runs of this size from here on
-            self._end_batch()
-            first = self._await(batch_size, zero_copy, None if timeout is None else time.monotonic() + timeout, timeout)
+            handout = self._handout
+            handout.loan.end_batch()
+            d = self._await(batch_size, zero_copy, None if timeout is None else time.monotonic() + timeout, timeout)
             # From here to the return nothing waits or calls out: the slots change hands in one piece.
-            if first >= 0:
-                return self._view_batch(first, batch_size, copy)
-            return self._gather_batch(batch_size, copy)
+            if d.act == VIEWS:
+                return handout.views(d.first, batch_size, copy, self.policy_version)
+            return handout.gather(batch_size, copy, d.why, self.policy_version)
 
     def batches(self, batch_size: int, *, timeout: float | None = None, copy: bool = False,
                 zero_copy: bool = True) -> Iterator[Batch]:
@@ -265,179 +233,55 @@ class Reader(Closable):
         """echo-style name for :meth:`batches`: for users of ``Server.dataset_iter(copy=False)``."""
         return self.batches(batch_size, copy=copy)
 
-    # -- batches ------------------------------------------------------------
-
-    def _view_batch(self, first: int, size: int, copy: bool) -> Batch:
-        """Hand out slots ``first .. first + size - 1`` (all ready) as one batch of views."""
-        books = self._books
-        run = slice(first, first + size)
-        leaves = [leaf_all[run] for leaf_all in self._leaf_all]  # new views: a batch's are its own to reshape
-        if copy:
-            leaves = [np.array(leaf) for leaf in leaves]
-        meta = self._slot_table[run].copy()
-        lanes, pids = books.lane_of[run].copy(), books.pid_of[run].copy()
-        data = self._trees.unflatten(leaves)
-        # Everything that can fail is done: the slots change hands.
-        books.take_run(first, size)
-        self._lender.read_cursor = first + size if first + size < self.slots else 0
-        self._batches["views"] += 1
-        self._delivered_batch(meta)
-        if copy:
-            books.held += size
-            books.release_run(first, size)
-            self._roster.feed()
-            return Batch(data, meta, lanes, pids, self.schema, None, 0, False)
-        books.hold_run(first, size)
-        self._held_run = (first, size)
-        return Batch(data, meta, lanes, pids, self.schema, self, self._batch_token, True)
-
-    def _gather_batch(self, size: int, copy: bool) -> Batch:
-        """Copy the ``size`` oldest ready rollouts into a buffer, leaf by leaf, and release their slots."""
-        books = self._books
-        idx = books.oldest(size)
-        if copy:
-            leaves = [leaf_all.take(idx, axis=0, mode="clip") for leaf_all in self._leaf_all]
-        else:
-            leaves = self._batch_buffer(size)
-            for leaf_all, out in zip(self._leaf_all, leaves):
-                # mode="clip": the indices are ours and in range; the default "raise" makes numpy gather
-                # into a scratch buffer and copy again (measured here: 421 vs 91 us per atari rollout)
-                leaf_all.take(idx, axis=0, out=out, mode="clip")
-        meta = self._slot_table.take(idx, axis=0, mode="clip")
-        lanes, pids = books.lane_of[idx], books.pid_of[idx]
-        data = self._trees.unflatten(leaves)
-        # The data is in the batch: the slots go back.
-        books.release_ready(idx)
-        self._batches["gathered"] += 1
-        self._gathered_why[self._why] = self._gathered_why.get(self._why, 0) + 1
-        self._delivered_batch(meta)
-        self._roster.feed()  # once for the batch: one wake-up per waiting writer, not one per slot
-        if copy:
-            return Batch(data, meta, lanes, pids, self.schema, None, 0, False)
-        return Batch(data, meta, lanes, pids, self.schema, self, self._batch_token, False)
-
-    def _delivered_batch(self, meta: np.ndarray) -> None:
-        self._delivered += len(meta)
-        self._w[W_DELIVERED] = self._delivered
-        self._latency.record(meta[:, S_COMMIT_NS], meta[:, S_POLICY], self.policy_version)
-
-    def _end_batch(self) -> None:
-        """The batch handed out last is over: stale from now on, and the run of slots it held goes back."""
-        self._batch_token += 1
-        run = self._held_run
-        if run is not None:
-            self._held_run = None
-            self._books.release_run(*run)
-            self._roster.feed()
-
-    def _check_batch(self, b: Batch) -> None:
-        """Raise unless ``b`` is the batch handed out last and still held (``_check_live``'s twin for batches)."""
-        if b._token == self._batch_token and not self._closed and not self._foreign:
-            return
-        if self._foreign:
-            self._guard()
-        if self._closed:
-            raise StaleRollout(f"pipeline {self.name} is closed; the batch of {b.size} is gone")
-        raise StaleRollout(
-            f"this batch of {b.size} was released (by release(), its with block, or the reader's next get_batch); "
-            "its slots now belong to other rollouts. Use get_batch(copy=True), or copy what you keep, to use data "
-            "past that."
-        )
-
     # -- the wait behind get and get_batch ------------------------------------
 
-    def _await(self, size: int, zero_copy: bool, deadline: float | None, timeout: float | None) -> int:
-        """Serve the writers and sleep until ``size`` rollouts can be handed out.
+    def _await(self, size: int, zero_copy: bool, deadline: float | None, timeout: float | None) -> Decision:
+        """Serve the writers and sleep until ``size`` rollouts can be handed out; return how (VIEWS or GATHER).
 
-        Returns the first slot of a run of ``size`` ready slots to hand out as views, or -1 to
-        gather the ``size`` oldest. ``zero_copy``: as in :meth:`get_batch` (``get`` passes False).
-        With enough rollouts ready but no run complete (or none that keeps every lane's order),
-        it waits for one for as long as the batch took to arrive (at least ``RUN_PATIENCE``), then
-        gathers: a slow or hung writer delays a batch at most that much.
+        What goes out, and when to stop waiting, is :func:`shmbuf._handout.decide`'s, from the books: this
+        loop takes in what the writers sent, raises what the decision cannot serve, lends what a wait needs,
+        and sleeps on the doorbell. ``zero_copy``: as in :meth:`get_batch` (``get`` passes False).
         """
-        books, lender, roster = self._books, self._lender, self._roster
-        t_call = time.monotonic()
+        books, handout, roster = self._books, self._handout, self._roster
+        since = time.monotonic()
         patience_end = None
-        if self.slots - books.held < size:
-            raise UsageError(f"pipeline {self.name}: {asked(size)} can never be served: this reader itself "
-                             f"{holding(books.held, self._held_run, self.slots)}, so the writers can fill at most "
-                             f"{self.slots - books.held} of its {self.slots} slots. Release what you hold first "
-                             "(batch.release(), rollout.release(), or a with block), or copy what must outlive it "
-                             "(rollout.copy(), get_batch(copy=True))")
+        if never(books, size):
+            raise self._never(size)
         while True:
             self._poll()
             if self.errors and self.raise_writer_errors:
                 raise self.errors.pop(0)
-            want = size - books.n_ready
-            now = None
-            if want <= 0:
-                if not zero_copy:
-                    self._why = "zero_copy=False"
-                    return -1
-                first = lender.full_run(size)
-                if first >= 0:
-                    if books.n_ready > size and self._passed_over(first, size):
-                        return -1
-                    return first
-                if not lender.run_possible(size):
-                    self._why = "every run held a rollout taken with get()"
-                    return -1  # no run can fill: gather now
-                if SLOT_LENT not in books.where:
-                    self._why = "no run was ready in order, and no writer held a slot to complete one"
-                    return -1  # no commit can arrive: gather now
-                now = time.monotonic()
-                if patience_end is None:
-                    patience_end = now + max(RUN_PATIENCE, now - t_call)
-                elif now >= patience_end:
-                    self._why = "no run was ready in order within the patience"
-                    return -1
-                # A run is filling: the next one in order (after the last handed out) lacks this many.
-                nxt = books.where[lender.read_cursor : lender.read_cursor + size]
-                want = max(1, size - nxt.count(SLOT_READY)) if len(nxt) == size else 1
-            if now is None:
-                now = time.monotonic()
-            wait = WAIT_SLICE if deadline is None else min(WAIT_SLICE, deadline - now)
-            if wait <= 0:
-                if want <= 0 or patience_end is not None:
-                    self._why = "the timeout came with enough rollouts ready but no run ready in order"
-                    return -1  # enough are ready: the deadline decides for a gather, not a timeout
+            now = time.monotonic()
+            d = decide(books, size, zero_copy=zero_copy, cursor=handout.cursor, now=now, since=since,
+                       deadline=deadline, patience_end=patience_end, head=handout.head)
+            handout.head = d.head
+            act = d.act
+            if act == VIEWS or act == GATHER:
+                return d
+            if act == TIMEOUT:
                 raise SlotTimeout(f"pipeline {self.name}: {asked(size)} got nothing within timeout={timeout} s; "
-                                  f"{why_nothing(self._roster, holding(books.held, self._held_run, self.slots))}")
-            if patience_end is not None:
-                wait = max(0.0, min(wait, patience_end - now))
-            roster.feed(need=want)  # about to wait: make sure the writers hold enough slots to send it
-            if roster.arm(want):
+                                  f"{why_nothing(roster, holding(books.held, handout.loan.held_run, self.slots))}")
+            if act == NEVER:
+                raise self._never(size)
+            patience_end = d.patience_end
+            roster.feed(need=d.want)  # about to wait: make sure the writers hold enough slots to send it
+            if roster.arm(d.want):
                 roster.disarm()
                 continue  # something came in while we armed: take it in before sleeping
-            woke = self._use.sleep(self._doorbell, wait)
+            woke = self._use.sleep(self._doorbell, d.sleep)
             if self._closed:  # by another thread, while we slept: nothing of ours is left to touch
                 raise PipelineClosed(f"pipeline {self.name} was closed while this waited")
             roster.disarm()
-            if not woke and wait >= WAIT_SLICE:
+            if not woke and d.sleep >= WAIT_SLICE:
                 self._next_scan = 0.0  # quiet for a while: look for dead writers now
 
-    def _passed_over(self, first: int, size: int) -> bool:
-        """Should the oldest ready rollout go out now, gathered, rather than the run at ``first``?
-
-        Yes when its own run can never go out in order (``Lender.stranded``: then its lane's later runs
-        cannot either, and its writer starves once they fill the slots), and when it has been passed
-        over for ``OVERTAKE_PATIENCE`` (its run waits on a writer that went quiet).
-        """
-        books = self._books
-        oldest = int(books.arrived.argmin())
-        if first <= oldest < first + size:
-            return False
-        if self._lender.stranded(oldest, size):
-            self._why = "the oldest ready rollout could never go out in a run in order"
-            return True
-        arrival, now = int(books.arrived[oldest]), time.monotonic()
-        if self._head is None or self._head[0] != arrival:
-            self._head = (arrival, now)  # passed over from now on: the clock starts
-            return False
-        if now - self._head[1] < OVERTAKE_PATIENCE:
-            return False
-        self._why = "the oldest ready rollout was passed over for longer than the patience"
-        return True
+    def _never(self, size: int) -> UsageError:
+        held = self._books.held
+        return UsageError(f"pipeline {self.name}: {asked(size)} can never be served: this reader itself "
+                          f"{holding(held, self._handout.loan.held_run, self.slots)}, so the writers can fill at most "
+                          f"{self.slots - held} of its {self.slots} slots. Release what you hold first "
+                          "(batch.release(), rollout.release(), or a with block), or copy what must outlive it "
+                          "(rollout.copy(), get_batch(copy=True))")
 
     def poll(self) -> int:
         """Serve the writers now, without waiting: take in commits and messages, lend free slots,
@@ -464,57 +308,6 @@ class Reader(Closable):
             self._next_scan = now + SCAN_INTERVAL
         self._roster.take_in()
 
-    def _deliver(self, slot: int) -> Rollout:
-        w = self._w
-        row = self._slot_table[slot]
-        fill = {name: int(row[S_FILL + t]) for t, name in enumerate(self._ts_names)}
-        commit_ns = int(row[S_COMMIT_NS])
-        policy = int(row[S_POLICY])
-        self._latency.record(row[S_COMMIT_NS : S_COMMIT_NS + 1], row[S_POLICY : S_POLICY + 1], self.policy_version)
-        books = self._books
-        books.hold(slot)
-        self._delivered += 1
-        w[W_DELIVERED] = self._delivered
-        return Rollout(self, slot, int(books.gen[slot]), int(books.lane_of[slot]), int(books.pid_of[slot]),
-                       int(row[S_EPOCH]), int(row[S_SEQ]), commit_ns, policy, fill)
-
-    # -- slots going back ---------------------------------------------------
-
-    def _check_live(self, r: Rollout) -> None:
-        if self._foreign:
-            self._guard()
-        if self._closed:
-            raise StaleRollout(f"pipeline {self.name} is closed; rollout lane={r.lane} seq={r.seq} is gone")
-        if self._books.gen[r.slot] != r.generation:
-            raise StaleRollout(
-                f"rollout lane={r.lane} seq={r.seq} was released; its slot {r.slot} now belongs to another rollout. "
-                "Use rollout.copy() to keep data past release()."
-            )
-
-    def _generation_of(self, slot: int) -> int:
-        return int(self._books.gen[slot])
-
-    def _release(self, r: Rollout) -> None:
-        self._check_live(r)
-        self._books.release_run(r.slot, 1)  # stale handles to this slot fail to match from now on
-        if self._books.pool() >= self._lender.chunk():
-            self._roster.feed()
-
-    # -- views and buffers --------------------------------------------------
-
-    def _tree(self, slot: int) -> dict[str, Any]:
-        """New containers around the slot's (cached) leaf views."""
-        leaves = self._slot_leaves.get(slot)
-        if leaves is None:
-            leaves = self._slot_leaves[slot] = [leaf_all[slot, ...] for leaf_all in self._leaf_all]
-        return self._trees.unflatten(leaves)
-
-    def _batch_buffer(self, b: int) -> list[np.ndarray]:
-        bufs = self._batch_bufs.get(b)
-        if bufs is None:
-            bufs = self._batch_bufs[b] = [np.zeros((b, *lf.shape), lf.dtype) for lf in self.schema.leaves]
-        return bufs
-
     # -- introspection ------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -524,11 +317,11 @@ class Reader(Closable):
         w = self._w if not self._closed else None
         if w is not None:
             self._poll()
-        books, roster = self._books, self._roster
+        books, roster, handout = self._books, self._roster, self._handout
         in_rings = sum(lane.ready.available() for lane in roster.lanes.values()) if w is not None else 0
         return {
-            "rollouts": self._delivered,
-            "bytes": self._delivered * self._rollout_bytes,
+            "rollouts": handout.delivered,
+            "bytes": handout.delivered * self._rollout_bytes,
             "ready_depth": books.n_ready + in_rings,
             # latency_us_p50/p99, and policy_lag_mean/max when the learner sets reader.policy_version
             **self._latency.summary(self.policy_version),
@@ -537,10 +330,10 @@ class Reader(Closable):
             "lanes_reclaimed": roster.lanes_reclaimed,
             "writers": len(roster.lanes),
             # batches handed out as views of consecutive slots, and gathered (see Reader.get_batch)
-            "batches": dict(self._batches),
+            "batches": dict(handout.batches),
             # why the gathered ones were gathered, counted: a zero-copy batch needs B ready slots in a run, in each
             # lane's order (mixing get() and get_batch() scatters the slots among the writers: see docs/design/reader.md)
-            "gathered_why": dict(self._gathered_why),
+            "gathered_why": dict(handout.gathered_why),
             # every slot is in exactly one place: the pool, lent to a lane (being written, or
             # committed and not yet taken in), ready here, or held by the user (rollouts and a zero-copy batch)
             "slots": {
@@ -554,13 +347,16 @@ class Reader(Closable):
 
     # -- closing ------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Stop the pipeline (writers' next call raises PipelineClosed), unlink it, unmap it; from any thread (a
-        ``get``/``get_batch`` waiting in another raises PipelineClosed)."""
+        ``get``/``get_batch`` waiting in another raises PipelineClosed). It waits for nothing: ``timeout`` is
+        accepted (every shmbuf close takes it) and checked."""
+        timeout_setting("Reader.close(timeout=...)", timeout)
         with self._use:
             if self._closed:
                 return
             self._closed = True
+            self._handout.loan.closed = True
             if not self._foreign:  # a forked copy: the pipeline is not ours to stop
                 self._let_go()
 
@@ -569,12 +365,8 @@ class Reader(Closable):
         for sem in self._sems:
             sem.close()
         self._sems = []
-        self._slot_leaves = {}
-        self._batch_bufs = {}
-        self._leaf_all = []
-        self._held_run = None
+        self._handout.close()
         self._roster.close()
-        del self._slot_table
         self._seg.close()
 
     @property

@@ -7,12 +7,13 @@ while a thread of the same process still waited on it: a background collection t
 server, an env-worker thread, or any of them at interpreter exit, when the finalizers of objects never
 closed run while daemon threads still wait.
 
-So every semaphore shmbuf opens is a :class:`Sem`, whose :meth:`Sem.close` only marks it closed (and posts
-once if a thread waits, to wake it now): the semaphore itself is let go (``sem_close``) when the Sem's last
-reference goes. A thread inside :meth:`Sem.acquire` holds a reference (its frame's ``self``), so the last user
-to leave frees it, never a close under a wait. A wait that starts on a closed Sem, or wakes to find it closed,
-raises :class:`PipelineClosed`; so does a post. No lock: the closed flag is read before and after the wait,
-and a post racing a close posts to a semaphore that is still there. The post at close is safe because each of
+So every semaphore shmbuf opens is a :class:`Sem`, whose :meth:`Sem.close` marks it closed and lets the
+semaphore go (``sem_close``) at once if no thread of this process waits on it; else it posts once, to wake
+the waiter now, and the last thread to leave :meth:`Sem.acquire` lets it go. Never a close under a wait, and
+no ``__del__``: the owner's close (its finalizer, for an owner never closed) closes each of its Sems. A small
+lock orders the count of waiters against the close (made anew in a forked child). A wait that starts on a
+closed Sem, or wakes to find it closed, raises :class:`PipelineClosed`; so does a post (posix_ipc refuses a
+closed semaphore: ``ExistentialError``, never a wild access). The post at close is safe because each of
 shmbuf's semaphores has one waiting party by design (the reader on its doorbell, a writer on its lane's, the
 server on the table's, a client on its own), and every one of them takes a wake-up as "look again".
 
@@ -43,14 +44,16 @@ class Sem:
     ``what`` names its object in the :class:`PipelineClosed` message ("pipeline /shmbuf-...").
     """
 
-    __slots__ = ("_closed", "_sem", "_waiters", "name", "what")
+    __slots__ = ("__weakref__", "_closed", "_count_lock", "_sem", "_waiters", "name", "what")
 
     def __init__(self, sem: posix_ipc.Semaphore, what: str):
         self._sem = sem
         self.name: str = sem.name
         self.what = what
-        self._waiters = 0  # threads inside acquire: how many posts close() owes (a hint: one waiting party by design)
+        self._waiters = 0  # threads inside acquire: the last to leave a closed Sem lets the semaphore go
         self._closed = False
+        self._count_lock = threading.Lock()  # orders _waiters against close (held for a few bytecodes, never a wait)
+        _fork.track(self)
 
     @classmethod
     def create(cls, name: str, what: str) -> Sem:
@@ -76,9 +79,10 @@ class Sem:
             posix_ipc.BusyError: no post came in time (as posix_ipc's own).
             PipelineClosed: the Sem was closed before the wait, or during it (by any thread).
         """
-        if self._closed:
-            raise self._error()
-        self._waiters += 1
+        with self._count_lock:
+            if self._closed:
+                raise self._error()
+            self._waiters += 1
         try:
             if timeout is None:
                 while not self._closed:
@@ -93,7 +97,11 @@ class Sem:
             if not self._closed:
                 raise
         finally:
-            self._waiters -= 1
+            with self._count_lock:
+                self._waiters -= 1
+                last = self._closed and not self._waiters
+            if last:
+                self._let_go()
         if self._closed:
             raise self._error()
 
@@ -101,29 +109,38 @@ class Sem:
         """Post once. Raises PipelineClosed once closed."""
         if self._closed:
             raise self._error()
-        self._sem.release()
+        try:
+            self._sem.release()
+        except posix_ipc.ExistentialError:  # closed by another thread since the test above
+            raise self._error() from None
 
     def close(self) -> None:
-        """Mark it closed (idempotent) and wake a thread waiting on it; the semaphore goes with the Sem's last reference."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._waiters:
+        """Mark it closed (idempotent); let the semaphore go now, or wake the thread waiting on it, which does."""
+        with self._count_lock:
+            if self._closed:
+                return
+            self._closed = True
+            waiting = self._waiters
+        if waiting:
             try:
                 self._sem.release()
             except posix_ipc.Error:
                 pass
+        else:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        try:
+            self._sem.close()
+        except posix_ipc.Error:  # closed already
+            pass
+
+    def _after_fork_in_child(self) -> None:
+        self._count_lock = threading.Lock()  # a thread of the parent may have held it at the fork
 
     def unlink(self) -> None:
         """Remove the name (posix_ipc.ExistentialError if it is gone); this process's handle stays usable."""
         posix_ipc.unlink_semaphore(self.name)
-
-    def __del__(self) -> None:
-        # The last reference: no thread is inside acquire (it would hold one), so sem_close unmaps nothing in use.
-        try:
-            self._sem.close()
-        except Exception:  # noqa: BLE001  # closed already, or the interpreter is going: nothing to free
-            pass
 
     def __repr__(self) -> str:
         return f"Sem({self.name!r}, {'closed' if self._closed else 'open'})"

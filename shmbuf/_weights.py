@@ -41,7 +41,7 @@ from shmbuf._substrate import (
     unmap,
     write_header,
 )
-from shmbuf._validate import int_setting
+from shmbuf._validate import int_setting, timeout_setting
 
 W_MAGIC = b"\x89SHMBUFW"
 W_LAYOUT_VERSION = 2  # 2: the segment's header head (owner before buffer count), pid namespace in the last word
@@ -193,8 +193,10 @@ class WeightPublisher(Closable):
             out.append(x)
         return out
 
-    def close(self) -> None:
-        """Unlink the object and unmap it. Subscribers keep the last version they read."""
+    def close(self, timeout: float | None = None) -> None:
+        """Unlink the object and unmap it. Subscribers keep the last version they read. Waits for nothing (``timeout``:
+        accepted, as by every shmbuf close, and checked)."""
+        timeout_setting("WeightPublisher.close(timeout=...)", timeout)
         if self._closed:
             return
         self._closed = True
@@ -325,8 +327,10 @@ class WeightSubscriber(Closable):
         """True while the publisher's process runs (and when that cannot be known: another pid namespace)."""
         return self.owner.alive()
 
-    def close(self) -> None:
-        """Unmap (detach). Arrays returned by read() are this process's own and stay valid."""
+    def close(self, timeout: float | None = None) -> None:
+        """Unmap (detach). Arrays returned by read() are this process's own and stay valid. Waits for nothing
+        (``timeout``: accepted, as by every shmbuf close, and checked)."""
+        timeout_setting("WeightSubscriber.close(timeout=...)", timeout)
         if getattr(self, "_bufs", None) is None:
             return
         self._bufs = None  # type: ignore[assignment]  # closed: None is the mark close() tests for; read() is not for after close

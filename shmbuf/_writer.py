@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from typing import Any, NoReturn
 
 import numpy as np
 import optree
-import posix_ipc
 
-from shmbuf import _control, _fork, _segment
+from shmbuf import _control, _fork
 from shmbuf._closable import Closable
 from shmbuf._coerce import coerce_into
 from shmbuf._errors import (
@@ -29,85 +27,22 @@ from shmbuf._errors import (
     PipelineClosed,
     SchemaError,
     SegmentError,
-    TimescaleFull,
-    UnknownTimescale,
     UsageError,
     WrongProcess,
 )
-from shmbuf._fastpath import PreparedTimescale, slot_views
+from shmbuf._fastpath import PreparedTimescale, leaf_views, prepare_timescales, slot_views
 from shmbuf._handle import Handle, name_of
 from shmbuf._lane import WriterLane
 from shmbuf._pidwatch import ProcessWatch
-from shmbuf._schema import Schema
-from shmbuf._segment import S_COMMIT_NS, S_EPOCH, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment, sem_name
-from shmbuf._sem import Sem
+from shmbuf._segment import S_COMMIT_NS, S_EPOCH, S_FILL, S_POLICY, S_SEQ, W_CLOSED, Segment
 from shmbuf._validate import int_setting, timeout_setting
+from shmbuf._writer_hold import BYE_WAIT, Hold, let_go, let_go_in_child, open_lock_fd, open_sem
+from shmbuf._writer_text import also_sent, error_report, no_free_slot, timescale_full, unknown_timescale, wrong_process
 
 # How often a writer that is not waiting looks whether the reader still lives: every call looks at
 # the closed flag (one load), and at most this often at the reader's process (a few microseconds).
 LIVENESS_INTERVAL = 0.25
 _now = time.monotonic
-
-
-class _Hold:
-    """What a Writer holds and its release lets go of, shared by the Writer and its finalizer.
-
-    It never refers to the Writer (the finalizer keeps it alive until it runs). Filled in as the
-    Writer acquires each piece; ``reason`` is the bye's text: close()'s, else "garbage collected"
-    (a Writer dropped, or still open at exit), None for a Writer() that failed after its claim.
-    """
-
-    __slots__ = ("lane", "lock_fd", "pid", "reason", "seg", "sems", "watch", "words")
-
-    def __init__(self, seg: Segment):
-        self.seg = seg
-        self.words = seg.words
-        self.pid = os.getpid()
-        self.reason: str | None = "garbage collected"
-        self.sems: list[Sem] = []
-        self.lock_fd = -1
-        self.watch: ProcessWatch | None = None
-        self.lane: WriterLane | None = None
-
-    def reader_gone(self) -> bool:
-        """The reader closed the pipeline or its process died (what a post gives up on)."""
-        watch = self.watch
-        return bool(self.words[W_CLOSED]) or (watch is not None and not watch.alive())
-
-
-def _let_go(hold: _Hold) -> None:
-    """A Writer's release (Closable._lifetime): at close(), at its collection, or at exit if never closed.
-
-    Says bye and gives the lane back (unless the pipeline is closed), then closes the reader watch,
-    the semaphores, the lane lock's descriptor (which drops the lock) and the segment. Bounded, so
-    exit cannot hang on it: the bye waits at most 0.2 s for the reader to take an earlier message
-    (less once ``reader_gone``), and nothing else waits. In a forked child it does nothing: the
-    lane, its lock and its semaphores are the parent's (see Writer._after_fork_in_child).
-    """
-    if os.getpid() != hold.pid:
-        return
-    lane, hold.lane = hold.lane, None
-    if lane is not None:
-        try:
-            if hold.reason is None:  # claimed, then Writer() failed: hand the lane back for the reader to reclaim
-                lane.retire()
-            elif not hold.words[W_CLOSED]:
-                lane.post(_control.encode("bye", reason=hold.reason[:200]), 0.2, hold.reader_gone)
-                lane.retire()
-        except Exception:  # noqa: BLE001  # closing must not raise because the reader went first
-            pass
-    if hold.watch is not None:
-        hold.watch.close()
-    for sem in hold.sems:
-        try:
-            sem.close()
-        except posix_ipc.Error:
-            pass
-    hold.sems = []
-    if hold.lock_fd >= 0:
-        os.close(hold.lock_fd)  # drops the lane lock
-        hold.lock_fd = -1
-    hold.seg.close()  # arrays on the slots that still live keep the mapping until they go
 
 
 class Writer(Closable):
@@ -175,8 +110,8 @@ class Writer(Closable):
         self.epoch = 0
         seg = Segment.attach(self.name)
         self._seg: Segment | None = seg
-        self._hold = _Hold(seg)
-        self._lifetime(_let_go, self._hold)
+        self._hold = Hold(seg)
+        self._lifetime(let_go, self._hold)
         try:
             self._setup(seg, example, label)
         except BaseException:
@@ -185,37 +120,24 @@ class Writer(Closable):
         _fork.track(self)
 
     def _setup(self, seg: Segment, example: Any, label: str) -> None:
-        schema = seg.schema
-        treespecs = {ts.name: ts.treespec for ts in schema.timescales}
-        if example is not None:
-            mine = Schema.from_example(example)
-            if mine != schema:
-                diff = schema.first_difference(mine) or "same leaves, different encoding"
-                raise SchemaError(f"the example does not match pipeline {self.name}: {diff}")
-            treespecs = {ts.name: ts.treespec for ts in mine.timescales}
-        self.schema = schema
-        self._ts = {ts.name: PreparedTimescale(i, ts, treespecs[ts.name]) for i, ts in enumerate(schema.timescales)}
+        self.schema = schema = seg.schema
+        self._ts = prepare_timescales(schema, example, f"pipeline {self.name}")
         self._ts_list = list(self._ts.values())
         self._w = seg.words
         self._plan = p = seg.plan
         hold = self._hold
         self._reader_watch = hold.watch = ProcessWatch(seg.creator)
         self._next_check = 0.0
-        doorbell = self._open_sem("r")
+        doorbell = open_sem(hold, self.name, "r")
         if self._w[W_CLOSED]:
             raise PipelineClosed(f"pipeline {self.name} is closed")
-        hold.lock_fd = self._open_lock_fd(seg)
+        hold.lock_fd = open_lock_fd(self.name, seg)
         self._lane = hold.lane = WriterLane.claim(self.name, p, self._w, seg.mm, hold.lock_fd, doorbell,
-                                                  lambda i: self._open_sem(f"f{i}"), label, self.timeout,
+                                                  lambda i: open_sem(hold, self.name, f"f{i}"), label, self.timeout,
                                                   self._check_reader)
         self.lane = self._lane.rec.index
         self.epoch = self._lane.epoch
-        # Per timescale, each leaf's view of every slot (the schema lists leaves timescale by timescale).
-        self._leaf_views: list[list[np.ndarray]] = []
-        first = 0
-        for ts in schema.timescales:
-            self._leaf_views.append([seg.leaf_view(first + j) for j in range(len(ts.leaves))])
-            first += len(ts.leaves)
+        self._leaf_views = leaf_views(self._ts_list, seg.leaf_view)  # per timescale, each leaf's view of every slot
         # Per slot, built on its first use and then reused: per timescale, each leaf's array view and
         # (for add's fast path) its flat memoryview, or None (see shmbuf._fastpath.slot_views).
         self._slot_views: dict[int, tuple[list[list[np.ndarray]], list[list[memoryview | None]]]] = {}
@@ -229,38 +151,17 @@ class Writer(Closable):
 
     # -- set-up and tear-down -----------------------------------------------
 
-    def _open_lock_fd(self, seg: Segment) -> int:
-        """A descriptor of the segment that only this Writer holds, for its lane lock.
+    def close(self, timeout: float | str | None = None, *, reason: str = "closed") -> None:
+        """Give the lane back, telling the reader ``reason`` (a "bye"). A rollout started and not committed is dropped.
 
-        An open-file-description lock lives as long as any descriptor of that description, and
-        ``mmap`` keeps a ``dup`` of the descriptor it mapped; locking through the mapping's own
-        description would let a forked child's copy of the mapping keep the lane locked. So the
-        lock gets a description of its own, checked to be the file we mapped.
+        ``timeout``: the most seconds the bye waits for the reader to take an earlier message from the mailbox
+        (None: 0.2 s, the most it ever waits). ``close("why")``, the older positional form, is ``close(reason="why")``.
         """
-        fd, _ = _segment.open_object(self.name, readonly=False)
-        try:
-            a, b = os.fstat(fd), os.fstat(seg.fd)
-            if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
-                raise SegmentError(f"pipeline {self.name} was replaced while this Writer attached to it")
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _open_sem(self, role: str) -> Sem:
-        name = sem_name(self.name, role)
-        _segment.check_semaphore(name)  # a symlink, a FIFO or another user's file under the name: refused before sem_open
-        try:
-            sem = Sem.open(name, f"pipeline {self.name}")
-        except posix_ipc.ExistentialError:
-            raise PipelineClosed(f"pipeline {self.name} is closed (its semaphores are gone)") from None
-        except (posix_ipc.Error, OSError, ValueError) as exc:
-            raise SegmentError(f"pipeline {self.name}: semaphore {name} cannot be opened: {exc}") from None
-        self._hold.sems.append(sem)
-        return sem
-
-    def close(self, reason: str = "closed") -> None:
-        """Give the lane back, telling the reader ``reason`` (a "bye"). A rollout started and not committed is dropped."""
+        if isinstance(timeout, str):  # the older close(reason) form
+            reason, timeout = timeout, None
+        t = timeout_setting("Writer.close(timeout=...)", timeout)
+        if t is not None and not self._closed:
+            self._hold.bye_wait = min(BYE_WAIT, t)
         self._close(str(reason))
 
     def _close(self, reason: str | None) -> None:
@@ -278,7 +179,7 @@ class Writer(Closable):
         self._forget_views()
         self._slot_views = {}
         self._leaf_views = []
-        super().close()  # _let_go: bye, retire, then everything held
+        super().close()  # let_go: bye, retire, then everything held
         self._seg = None
 
     def _after_fork_in_child(self) -> None:
@@ -286,15 +187,7 @@ class Writer(Closable):
         self._foreign = True
         self._slot = -1
         self._forget_views()
-        hold = self._hold
-        if hold.watch is not None:
-            hold.watch.close()
-        if hold.lock_fd >= 0:
-            try:
-                os.close(hold.lock_fd)  # our copy: while it is open, the lane's lock outlives the parent's writer
-            except OSError:
-                pass
-            hold.lock_fd = -1
+        let_go_in_child(self._hold)
 
     def __exit__(  # type: ignore[override]  # a bool, not Closable's None: it ends the block quietly on a reader's close
         self, exc_type: Any, exc: BaseException | None, tb: Any
@@ -304,10 +197,7 @@ class Writer(Closable):
             if exc is not None and not isinstance(exc, (PipelineClosed, BrokenPipeline, WrongProcess, KeyboardInterrupt)):
                 try:
                     if self.report_error(exc) and hasattr(exc, "add_note"):
-                        # It goes on up, and the process that dies of it prints it too (multiprocessing does): say
-                        # where else it went, so that two tracebacks do not read as two failures.
-                        exc.add_note(f"(shmbuf: also sent to the learner, which raises it as WriterError from "
-                                     f"pipeline {self.name}, lane {self.lane})")
+                        exc.add_note(also_sent(self.name, self.lane))
                 except Exception:  # noqa: BLE001  # the user's exception is the one that matters
                     pass
         finally:
@@ -498,10 +388,7 @@ class Writer(Closable):
     def _guard(self) -> None:
         """Raise if this Writer can do nothing more: forked copy, closed, pipeline closed, reader dead, lane lost."""
         if self._foreign:
-            raise WrongProcess(
-                f"this Writer was made in process {self._pid} and copied into {os.getpid()} by fork; "
-                "make a new Writer in this process from the pipeline's handle"
-            )
+            raise wrong_process(self._pid, os.getpid())
         if self._closed or self._lane is None:
             raise PipelineClosed(f"this Writer of pipeline {self.name} was closed (Writer.close()); make a new one")
         if self._w[W_CLOSED]:
@@ -520,13 +407,7 @@ class Writer(Closable):
             raise BrokenPipeline(f"pipeline {self.name}: the reader's process (pid {self._reader_watch.owner.pid}) died")
 
     def _timeout_message(self) -> str:
-        where = f"pipeline {self.name}: no free slot within Writer(timeout={self.timeout})"
-        if self._lane is not None and not self._lane.served():
-            return (f"{where}, and the reader has not served this writer yet: it lends slots only inside get, "
-                    "get_batch, batches and poll. Have the learner call reader.poll() (or start reading) sooner, "
-                    "or give the Writer a longer timeout")
-        return (f"{where}: the reader is not releasing rollouts as fast as writers commit them, or there are "
-                "too few slots (shmbuf.create(slots=...))")
+        return no_free_slot(self.name, self.timeout, self._lane is None or self._lane.served())
 
     # -- control messages ---------------------------------------------------
 
@@ -538,9 +419,7 @@ class Writer(Closable):
         """
         if self._closed or self._foreign or self._lane is None or self._hold.reader_gone():
             return False  # (a closed pipeline's mailbox would take the message, and nobody would read it)
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        msg = _control.encode("error", exc_type=type(exc).__name__, message=str(exc), traceback=tb)
-        return self._lane.post(msg, timeout, self._hold.reader_gone)
+        return self._lane.post(error_report(exc), timeout, self._hold.reader_gone)
 
     def stats(self) -> dict[str, float]:
         """This writer's counters, a copy: ``commits``, ``waits`` (for a free slot) and ``wait_s`` (seconds spent so).
@@ -556,11 +435,7 @@ class Writer(Closable):
     # -- errors, the slow way -----------------------------------------------
 
     def _unknown(self, timescale: Any) -> NoReturn:
-        raise UnknownTimescale(f"Unknown timescale {timescale!r}. Known: {list(self._ts)}")
+        raise unknown_timescale(timescale, list(self._ts))
 
     def _full(self, ts: PreparedTimescale, i: int) -> NoReturn:
-        what = "steps" if ts.buffered else "item (it is single-item)"
-        raise TimescaleFull(
-            f"Timescale '{ts.spec.name}' is full: it holds {ts.capacity} {what}, and add() was called for index {i}. "
-            "commit() (or reset()) starts the next rollout"
-        )
+        raise timescale_full(ts, i)

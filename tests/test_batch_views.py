@@ -61,7 +61,7 @@ def test_the_old_name_view_still_works_with_a_warning(one_writer: Any) -> None:
 
 
 def _is_view_of_the_segment(reader: shmbuf.Reader, a: np.ndarray) -> bool:
-    return any(np.shares_memory(a, leaf) for leaf in reader._leaf_all)
+    return any(np.shares_memory(a, leaf) for leaf in reader._handout.leaf_all)
 
 
 def test_a_run_of_consecutive_slots_is_handed_out_as_views(one_writer: Any) -> None:
@@ -524,44 +524,3 @@ def test_a_quiet_writers_committed_rollouts_are_delivered_while_another_keeps_th
         reader.close()
         reader.unlink()
 
-
-def test_runs_that_each_hold_a_rollout_older_than_one_in_the_other_are_stranded() -> None:
-    """The slot books a fresh-clone CI run stopped in (8 slots, runs of 2): lane 0's six ready rollouts sit in three
-    runs, each with a rollout newer than one of lane 0's outside it, so none can go out as views in lane 0's order;
-    lane 1's run kept going out instead, and lane 0's restarted writer never got a slot. The oldest is stranded
-    (and get_batch gathers it at once)."""
-    from shmbuf._books import NOT_READY, SLOT_LENT, SLOT_POOL, SLOT_READY, SlotBooks
-    from shmbuf._lending import Lender
-
-    books = SlotBooks(8)
-    books.where[:] = bytes([SLOT_READY, SLOT_READY, SLOT_LENT, SLOT_LENT, SLOT_READY, SLOT_READY, SLOT_READY, SLOT_READY])
-    books.arrived[:] = [22, 25, NOT_READY, NOT_READY, 3, 20, 15, 18]
-    books.lane_of[:] = [0, 0, 1, 1, 0, 0, 0, 0]
-    for slot, cycle in enumerate([14, 14, 1898, 1898, 3, 12, 10, 10]):
-        books.lent_in[4 * slot : 4 * slot + 4] = cycle.to_bytes(4, "little")
-    books.n_ready = 6
-    lender = Lender(books, lambda: None)
-    lender.run = 2
-    assert lender.full_run(2) < 0, "a run of lane 0's went out of its order"
-    assert [lender.in_order(first, 2) for first in (0, 4, 6)] == [False, False, False]
-    assert lender.stranded(4, 2), "the oldest ready rollout (slot 4) was not found stranded"
-    books.where[6] = SLOT_LENT  # slot 6 not ready: the oldest's run is (4, 5), whole; slot 6's is not
-    books.arrived[6] = NOT_READY
-    assert not lender.stranded(7, 2), "a run a writer may still complete was called stranded"
-    lender_5 = Lender(SlotBooks(5), lambda: None)
-    assert lender_5.stranded(4, 2), "slot 4 of 5 is in no run of 2, but was not called stranded"
-    # Out of order only for another lane: the oldest (slot 0, lane 0) shares its run with lane 1's rollout 5, and
-    # lane 1's older rollout 3 waits in slot 2 for slot 3 (lent). Once that run goes out, this one is in order.
-    books = SlotBooks(4)
-    books.where[:] = bytes([SLOT_READY, SLOT_READY, SLOT_READY, SLOT_LENT])
-    books.arrived[:] = [1, 5, 3, NOT_READY]
-    books.lane_of[:] = [0, 1, 1, -1]
-    books.n_ready = 3
-    lender = Lender(books, lambda: None)
-    assert not lender.in_order(0, 2)
-    assert not lender.stranded(0, 2), "a run another lane's older rollout holds back was called stranded"
-    books.arrived[:] = [5, 1, NOT_READY, NOT_READY]  # one lane, its run in slot order against arrival order
-    books.lane_of[:] = [0, 0, -1, -1]
-    books.where[:] = bytes([SLOT_READY, SLOT_READY, SLOT_POOL, SLOT_POOL])
-    books.n_ready = 2
-    assert lender.stranded(1, 2), "a lane's rollouts in a run against their arrival order were not called stranded"

@@ -95,13 +95,13 @@ def test_a_failure_during_get_batch_puts_every_taken_slot_back(pair: Any, monkey
         write(writer, float(k))
     reader.poll()
 
-    bufs = reader._batch_buffer(3)
-    monkeypatch.setattr(reader, "_leaf_all", [_Exploding(v) for v in reader._leaf_all])
+    bufs = reader._handout.batch_buffer(3)
+    monkeypatch.setattr(reader._handout, "leaf_all", [_Exploding(v) for v in reader._handout.leaf_all])
     for view in (False, True):  # a gather, and a run of views (whose leaf views are made from _leaf_all)
         with pytest.raises(MemoryError):
             reader.get_batch(3, timeout=5, zero_copy=view)
     monkeypatch.undo()
-    assert bufs is reader._batch_buffer(3)
+    assert bufs is reader._handout.batch_buffer(3)
     assert reader.stats()["slots"]["ready"] == 3
     batch = reader.get_batch(3, timeout=5)
     assert batch.data["step"]["obs"][:, 0, 0].tolist() == [0.0, 1.0, 2.0]  # all three, in order

@@ -164,18 +164,20 @@ class ReplayObject(Closable):
     def _fd(self, fd: int) -> None:
         self._fdbox[0] = fd
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Detach: give up the writer slot, unmap, close the file; in the creator's process, also unlink the name
         (as a Reader does: processes attached keep their mapping, new attaches fail). Idempotent.
 
-        An insert through this instance in another thread is waited for (up to ``timeout``, then
-        SlotTimeout and nothing is closed): closing under it would drop its writer slot mid-copy.
+        An insert through this instance in another thread is waited for (up to ``timeout`` seconds, by default
+        the buffer's own ``timeout``; then SlotTimeout and nothing is closed): closing under it would drop its
+        writer slot mid-copy.
         An instance that is never closed is released the same way when it is collected, or at exit.
         """
+        wait = self.timeout if timeout is None else timeout_setting(f"{type(self).__name__}.close(timeout=...)", timeout)
         if self._closed:
             return
-        if not self._insert_lock.acquire(timeout=-1 if self.timeout is None else self.timeout):
-            raise SlotTimeout(f"replay buffer {self.name}: close() waited timeout={self.timeout} s for an insert through this "
+        if not self._insert_lock.acquire(timeout=-1 if wait is None else wait):
+            raise SlotTimeout(f"replay buffer {self.name}: close() waited timeout={wait} s for an insert through this "
                               "instance (in another thread) to finish; nothing was closed. Stop inserting, then close")
         try:
             if self._closed:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 import shmbuf
+from shmbuf._closable import Closable
 from shmbuf._errors import BufferEmpty, BufferFull, PipelineClosed, SchemaError, SlotTimeout, StaleRollout, UsageError
 from shmbuf._moved import moved
 from shmbuf._validate import timeout_setting
@@ -149,7 +150,7 @@ class RolloutSlot(MutableMapping):
 # -- the writing side --------------------------------------------------------
 
 
-class RolloutBufferWriter:
+class RolloutBufferWriter(Closable):
     """The actor side: fills slots of a SlotBuffer's (or RolloutBuffer's) pipeline in place, from any process.
 
     Make it from the buffer's ``handle`` (or name) in the actor's process:
@@ -167,6 +168,8 @@ class RolloutBufferWriter:
         if isinstance(pipeline, SlotBuffer):
             pipeline = pipeline.handle
         self._writer = shmbuf.Writer(pipeline, timeout=timeout, label=label)
+        self.name = self._writer.name
+        self._own("writer", self._writer.close)
         try:
             self.layout = Layout.from_schema(self._writer.schema, self._writer.name)
         except BaseException:
@@ -240,27 +243,32 @@ class RolloutBufferWriter:
             if not same_array(view, x):  # e.g. slot["obs"][...]: the view itself, nothing to copy
                 view[...] = x
 
-    def close(self) -> None:
-        """Give the writer lane back; a rollout started and not added is dropped."""
+    def close(self, timeout: float | None = None) -> None:
+        """Give the writer lane back; a rollout started and not added is dropped. ``timeout``: as ``Writer.close``'s
+        (the most its goodbye waits for the reader)."""
+        timeout = timeout_setting("RolloutBufferWriter.close(timeout=...)", timeout)
         if self._slot is not None:
             self._slot._live = False
             self._slot = None
-        self._writer.close()
+        self._writer.close(timeout)
+        super().close()
 
-    def __enter__(self) -> RolloutBufferWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(  # type: ignore[override]  # a bool, not Closable's None: it ends the block quietly on a reader's close
+        self, exc_type: Any, exc: BaseException | None, tb: Any
+    ) -> bool:
         if self._slot is not None:
             self._slot._live = False
             self._slot = None
-        return self._writer.__exit__(exc_type, exc, tb)
+        try:
+            return self._writer.__exit__(exc_type, exc, tb)
+        finally:
+            super().close()
 
 
 # -- the buffer (learner side, and the in-process writer) --------------------
 
 
-class SlotBuffer:
+class SlotBuffer(Closable):
     """``[num_envs, T+1]`` rollouts of named fields on shared memory, ``slots`` in flight.
 
     Args:
@@ -289,6 +297,9 @@ class SlotBuffer:
         self.layout = Layout(num_envs, rollout_len, merge_fields({}, fields, where), where)
         self.num_envs, self.rollout_len = self.layout.num_envs, self.layout.rollout_len
         self._reader = shmbuf.create(self.layout.example(), slots, max_writers=max_writers, keep_on_crash=keep_on_crash)
+        self.name = self._reader.name
+        self._own("reader", self._reader.close)
+        self._unlinks(self._reader.unlink)  # unlink(): the pipeline's names, as its Reader's
         self.slots = self._reader.slots
         self._local: RolloutBufferWriter | None = None
         self._held: shmbuf.Rollout | None = None
@@ -341,6 +352,7 @@ class SlotBuffer:
             raise PipelineClosed(f"start_rollout(): this {type(self).__name__} (pipeline {self._reader.name}) is closed")
         if self._local is None:
             self._local = RolloutBufferWriter(self._reader.handle, timeout=0, label="in-process")
+            self._own("in-process writer", self._local.close)  # after the reader's: released before it
         if self._local.buffer is None:
             self._reader.poll()  # lend slots to our own lane (the reader lends only inside poll/get)
         try:
@@ -419,23 +431,16 @@ class SlotBuffer:
 
     # -- lifetime -----------------------------------------------------------
 
-    def close(self) -> None:
-        """Stop the pipeline: writers' next calls raise PipelineClosed; the shared memory is removed."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the pipeline: writers' next calls raise PipelineClosed; the shared memory is removed. Waits for
+        nothing (``timeout``: accepted, as by every shmbuf close, and checked)."""
         self._held = None
-        if self._local is not None:
-            self._local.close()
-            self._local = None
-        self._reader.close()
+        super().close(timeout)  # the in-process writer, then the reader
+        self._local = None
 
     @property
     def closed(self) -> bool:
         return self._reader.closed
-
-    def __enter__(self) -> SlotBuffer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(num_envs={self.num_envs}, rollout_len={self.rollout_len}, slots={self.slots}, "

@@ -12,13 +12,13 @@ import os
 import shutil
 import tempfile
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from shmbuf import layout as L
+from shmbuf._closable import Closable
 from shmbuf._errors import SegmentError, SlotTimeout, UsageError
 from shmbuf._validate import int_setting, timeout_setting
 from shmbuf.storage._file_base import RolloutFileBase
@@ -152,7 +152,7 @@ class _Handler:
         self.traj, self.cursor, self.fresh = traj, cursor, True
 
 
-class RolloutDataset(RolloutFileBase):
+class RolloutDataset(RolloutFileBase, Closable):
     """The legged-robot forks' RolloutDataset over a directory a :class:`Recorder` wrote: per-env trajectory cursors,
     batches of transitions.
 
@@ -184,8 +184,11 @@ class RolloutDataset(RolloutFileBase):
             not trust**: unpickling runs code chosen by whoever wrote them. Off by default; a pickled recording is
             then refused, naming ``shmbuf convert --allow-pickle`` (convert once, keep the result).
 
-    Each batch is new arrays, the caller's to keep (the forks refill one buffer).
+    Each batch is new arrays, the caller's to keep (the forks refill one buffer). ``close()`` (or a ``with`` block)
+    removes the converted copy of a pickled recording; so does dropping the dataset, or exit.
     """
+
+    _has_names = False
 
     def __init__(self, data_dir: str | os.PathLike[str], num_envs: int, dataset_loops: int = 1,
                  random_shuffle_traj_order: bool = False, keep_latest_n_trajs: int = 0,
@@ -209,11 +212,11 @@ class RolloutDataset(RolloutFileBase):
             raise UsageError(f"RolloutDataset(poll_interval=...): expected seconds > 0, got {poll_interval!r}")
         if not isinstance(obs_key, str):
             raise UsageError(f"RolloutDataset(obs_key=...): expected a step leaf name (str), got {obs_key!r}")
-        self.data_dir = os.fspath(data_dir)
+        self.data_dir = self.name = os.fspath(data_dir)
         self.source_dir = self.data_dir
         if allow_pickle is True and is_pickled_recording(self.data_dir):
             self.data_dir = tempfile.mkdtemp(prefix="shmbuf-converted-")
-            weakref.finalize(self, shutil.rmtree, self.data_dir, True)
+            self._own("converted copy", shutil.rmtree, self.data_dir, True)
             convert_pickled_recording(self.source_dir, self.data_dir, allow_pickle=True, fsync=False)
         self.num_envs = int(num_envs)
         self.dataset_loops = int(dataset_loops)

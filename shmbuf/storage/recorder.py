@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from shmbuf import layout as L
+from shmbuf._closable import Closable
 from shmbuf._errors import SchemaError, SegmentError, UsageError
 from shmbuf._validate import int_setting
 from shmbuf.storage._fileformat import (
@@ -66,7 +67,16 @@ class _Open:
         self.successor: Any = None  # the obs after the last frame, if no episode end says otherwise
 
 
-class Recorder:
+def _drop_unfinished(open_: dict[tuple[int, int], _Open]) -> None:
+    """A Recorder dropped without close(): remove the temporary directories of the episodes still running (close()
+    publishes or drops them first, and leaves nothing here)."""
+    for o in open_.values():
+        if o.tmp is not None:
+            remove_path(o.tmp)
+    open_.clear()
+
+
+class Recorder(Closable):
     """Writes rollouts to ``data_dir``, one trajectory (one episode of one sub-env) per directory.
 
     Args:
@@ -85,7 +95,12 @@ class Recorder:
     raises :class:`UsageError`.
 
     :meth:`write` copies what it keeps: the rollout (or batch) may be released as soon as it returns.
+
+    A Recorder dropped without :meth:`close` (or still open at exit) releases the directory's lock and removes
+    the temporary directories of its unfinished episodes; only :meth:`close` publishes them.
     """
+
+    _has_names = False
 
     def __init__(self, data_dir: str | os.PathLike[str], *, fsync: bool = True, chunk_bytes: int = 16 << 20,
                  keep_partial: bool = True):
@@ -114,10 +129,13 @@ class Recorder:
         except BaseException:
             os.close(self._lock)
             raise
+        self.name = self.data_dir
+        self._own("the directory's lock", os.close, self._lock)
         self._closed = False
         self._token = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._tmp_count = 0
         self._open: dict[tuple[int, int], _Open] = {}
+        self._own("unfinished episodes", _drop_unfinished, self._open)  # released before the lock
         self._seen: dict[tuple[int, int], int | None] = {}  # (lane, env): seq of its last rollout written
         self.metadata: dict[str, Any] | None = None
         self.frames = 0  # the frame counter: frames published so far (continued from the directory)
@@ -311,8 +329,9 @@ class Recorder:
         elif o.tmp is not None:
             remove_path(o.tmp)
 
-    def close(self) -> None:
-        """Publish (``keep_partial``) or drop the episodes still running, and release the directory's lock."""
+    def close(self, timeout: float | None = None) -> None:
+        """Publish (``keep_partial``) or drop the episodes still running, and release the directory's lock. Waits for
+        nothing (``timeout``: accepted, as by every shmbuf close, and checked)."""
         if self._closed:
             return
         self._closed = True
@@ -320,13 +339,7 @@ class Recorder:
             for key in list(self._open):
                 self._cut(key)
         finally:
-            os.close(self._lock)
-
-    def __enter__(self) -> Recorder:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+            super().close(timeout)
 
     def __repr__(self) -> str:
         return f"Recorder({self.data_dir!r}, frames={self.frames}, trajectories={self.trajectories})"

@@ -202,7 +202,8 @@ class RolloutBuffer(SlotBuffer):
         flat = self._flat(r, data)
         return as_tensordict(flat, (self.num_envs * self.rollout_len,), self.device, "RolloutBuffer.get()")
 
-    def close(self) -> None:
-        """Stop the pipeline: writers' next calls raise PipelineClosed; the shared memory is removed."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the pipeline: writers' next calls raise PipelineClosed; the shared memory is removed. Waits for
+        nothing (``timeout``: accepted, as by every shmbuf close, and checked)."""
         self._td = None
-        super().close()
+        super().close(timeout)
