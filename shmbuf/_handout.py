@@ -281,6 +281,7 @@ class Handout:
         self.head: Head | None = None
         self.batches = {"views": 0, "gathered": 0}
         self.gathered_why: dict[str, int] = {}
+        self.stale_dropped = 0  # ready rollouts given back unread: older than max_policy_lag allows
         self.delivered = 0  # kept here and only stored to shared memory (for `shmbuf ls`)
         self._w = seg.words
         self._latency = latency
@@ -356,6 +357,19 @@ class Handout:
         if copy:
             return Batch(data, meta, lanes, pids, self.schema, None, 0, False)
         return Batch(data, meta, lanes, pids, self.schema, self.loan, self.loan.token, False)
+
+    def drop_stale(self, oldest: int) -> int:
+        """Give back, unread, every ready rollout committed with a policy version below ``oldest`` (the reader's
+        ``max_policy_lag`` rule); return how many. Their slots go back to the pool with a new generation."""
+        books = self.books
+        ready = np.flatnonzero(books.arrived != NOT_READY)
+        if not len(ready):
+            return 0
+        stale = ready[self.slot_table[ready, S_POLICY] < oldest]
+        if len(stale):
+            books.release_ready(stale)
+            self.stale_dropped += len(stale)
+        return len(stale)
 
     def batch_buffer(self, b: int) -> list[np.ndarray]:
         """The buffers a gathered batch of ``b`` fills (one per leaf), made at the first such batch and reused."""

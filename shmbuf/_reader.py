@@ -106,6 +106,7 @@ class Reader(Closable):
         # The learner's current policy version, if it sets one: stats() then reports policy lag
         # (this minus the version each delivered rollout was collected with).
         self.policy_version: int | None = None
+        self._max_lag: int | None = None  # see max_policy_lag
         self._pid = os.getpid()
         self._closed = False
         self._foreign = False
@@ -133,6 +134,20 @@ class Reader(Closable):
         self._rollout_bytes = sum(lf.nbytes for lf in self.schema.leaves)
         self._w[W_POOL] = self.slots  # every slot starts in the pool (`shmbuf ls` reads this)
         _fork.track(self)
+
+    @property
+    def max_policy_lag(self) -> int | None:
+        """The oldest rollouts this reader hands out: with ``policy_version`` set, a ready rollout committed with a
+        version below ``policy_version - max_policy_lag`` is given back to the writers unread (its slot is free
+        again; ``stats()["stale_dropped"]`` counts them), so every rollout ``get`` and ``get_batch`` hand out has
+        a lag of at most this. None (the default): every rollout goes out, whatever its version."""
+        return self._max_lag
+
+    @max_policy_lag.setter
+    def max_policy_lag(self, lag: int | None) -> None:
+        if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
+            raise UsageError(f"max_policy_lag: expected None or an int >= 0 (policy versions), got {lag!r}")
+        self._max_lag = lag
 
     @property
     def handle(self) -> Handle:
@@ -251,6 +266,9 @@ class Reader(Closable):
             self._poll()
             if self.errors and self.raise_writer_errors:
                 raise self.errors.pop(0)
+            if self._max_lag is not None and self.policy_version is not None and books.n_ready:
+                if handout.drop_stale(self.policy_version - self._max_lag):
+                    roster.feed()  # the writers may have waited for those slots
             now = time.monotonic()
             d = decide(books, size, zero_copy=zero_copy, cursor=handout.cursor, now=now, since=since,
                        deadline=deadline, patience_end=patience_end, head=handout.head)
@@ -326,6 +344,8 @@ class Reader(Closable):
             # latency_us_p50/p99, and policy_lag_mean/max when the learner sets reader.policy_version
             **self._latency.summary(self.policy_version),
             "partial_dropped": roster.partial_dropped,
+            # ready rollouts given back unread, older than max_policy_lag allowed
+            "stale_dropped": handout.stale_dropped,
             "bad_messages": self._mail.bad_messages,
             "lanes_reclaimed": roster.lanes_reclaimed,
             "writers": len(roster.lanes),
