@@ -37,6 +37,10 @@ class Lender:
         self.cycle = 0  # a number per lending round (mod 2**32); each slot's at lending is in books.lent_in
         self.run = 0  # get_batch's size, once it said one: slots are then lent a run at a time
         self.open_end = 0  # the end of the run being lent
+        # A reader with a max_policy_lag: slots go out in cyclic order even once get_batch said its size, so that
+        # every batch's run is spread over the lanes (each lane a part of it, in its commit order) instead of a run
+        # a lane: a batch is then as old as one rollout of each writer, not as several rollouts of one.
+        self.spread = False
 
     def batch_size(self, size: int) -> None:
         """``get_batch(size)`` with views, a size other than ``run``: lend runs of this size from here on."""
@@ -83,7 +87,7 @@ class Lender:
             return []
         fed: list[ReaderLane] = []
         corrupt: list[ReaderLane] = []
-        if self.run and len(lanes) <= self.run:
+        if self.run and len(lanes) <= self.run and not self.spread:
             pool -= self._feed_runs(need, pool, fed, corrupt)
         else:
             order = sorted(lanes.values(), key=_given) if len(lanes) > 1 else lanes.values()

@@ -148,6 +148,7 @@ class Reader(Closable):
         if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
             raise UsageError(f"max_policy_lag: expected None or an int >= 0 (policy versions), got {lag!r}")
         self._max_lag = lag
+        self._lender.spread = lag is not None  # each batch's run spread over the writers (shmbuf._lending)
 
     @property
     def handle(self) -> Handle:

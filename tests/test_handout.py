@@ -435,3 +435,21 @@ def test_more_writers_than_the_batch_size_still_make_runs() -> None:
     assert p.views > p.gathered, (p.views, p.gathered)
     assert all(ks == sorted(ks) for ks in ([k for wr, k in p.out if wr == i] for i in range(3)))
 
+
+
+def test_a_spread_lender_gives_every_lane_a_part_of_each_run() -> None:
+    """With ``spread`` (a reader with a max_policy_lag), a batch's run of slots goes out over the lanes, each its part
+    in slot order, instead of a whole run to one lane: a batch is as old as one rollout of each writer."""
+    for spread, want in ((False, [[0, 1], [2, 3]]), (True, [[0, 2], [1, 3]])):
+        books = books_of("PPPP")
+        lender = Lender(books, lambda: None)
+        lender.spread = spread
+        lanes = [StandIn(0), StandIn(1)]
+        for lane in lanes:
+            lender.lanes[lane.index] = lane
+        lender.batch_size(2)
+        for _ in range(2):
+            lender.feed()
+            for lane in lanes:
+                lane.taken = len(lane.lent)
+        assert [sorted(lane.lent) for lane in lanes] == want, spread
