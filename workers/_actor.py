@@ -50,27 +50,7 @@ import optree
 
 import shmbuf
 from shmbuf import UsageError
-from shmbuf.layout import (
-    ACTION,
-    BOOTSTRAP,
-    COMPLETE_EPISODES,
-    END,
-    ENV,
-    ENV_STEPS,
-    EPISODE,
-    FINAL_OBS,
-    LENGTH,
-    OBS,
-    RETURN,
-    REWARD,
-    STEP,
-    TERMINATED,
-    TRUNCATE_EPISODES,
-    TRUNCATED,
-    check_batch_mode,
-    rollout_example,  # noqa: F401  # re-exported: workers.rollout_example is shmbuf.layout's
-    successors,  # noqa: F401  # re-exported: workers.successors is shmbuf.layout's
-)
+from shmbuf import layout as L
 from workers._complete import SlotEpisodes
 from workers._envs import EnvDriver, tree_copy, tree_index
 from workers._postprocess import Postprocessor
@@ -155,8 +135,8 @@ def probe(env: Any, policy: Callable[[Any], Any], seed: int | None = None, *,
     action, extras = split_policy_output(as_numpy_policy(policy)(x))
     action = optree.tree_map(np.asarray, action)
     return {
-        OBS: tree_copy(tree_index(obs, 0)),
-        ACTION: tree_copy(tree_index(action, 0)),
+        L.OBS: tree_copy(tree_index(obs, 0)),
+        L.ACTION: tree_copy(tree_index(action, 0)),
         "extras": {k: np.array(np.asarray(v)[0]) for k, v in extras.items()},
         "num_envs": driver.num_envs,
         "vector": driver.vector,
@@ -175,7 +155,7 @@ def check_horizon(batch_mode: str, horizon: int | None, soft_horizon: bool, no_d
             raise UsageError(f"{name}: expected a bool, got {v!r}")
     if soft_horizon and horizon is None:
         raise UsageError("soft_horizon=True needs horizon=<steps>: it says what happens at the horizon")
-    if soft_horizon and batch_mode == COMPLETE_EPISODES:
+    if soft_horizon and batch_mode == L.COMPLETE_EPISODES:
         raise UsageError("soft_horizon=True with batch_mode='complete_episodes': a soft horizon does not reset the env, so "
                          "the next rollout would start mid-episode, which complete-episodes rollouts never do; use "
                          "batch_mode='truncate_episodes' (or a hard horizon)")
@@ -214,13 +194,13 @@ class ActorLoop:
     """
 
     def __init__(self, env: Any, policy: Any, writers: list[Any], *, rollout_len: int,
-                 batch_mode: str = TRUNCATE_EPISODES, max_episodes: int | None = None, weights: Any = None,
+                 batch_mode: str = L.TRUNCATE_EPISODES, max_episodes: int | None = None, weights: Any = None,
                  seed: int | None = None, should_stop: Callable[[], bool] | None = None,
                  view_requirements: dict[str, Any] | None = None, horizon: int | None = None,
                  soft_horizon: bool = False, no_done_at_end: bool = False, reset_each_rollout: bool = False,
                  postprocess: Any = None):
-        check_batch_mode(batch_mode)
-        if reset_each_rollout and batch_mode != TRUNCATE_EPISODES:
+        L.check_batch_mode(batch_mode)
+        if reset_each_rollout and batch_mode != L.TRUNCATE_EPISODES:
             raise UsageError("reset_each_rollout=True: complete-episodes rollouts start with a reset already; "
                              "use it with batch_mode='truncate_episodes'")
         check_horizon(batch_mode, horizon, soft_horizon, no_done_at_end)
@@ -232,7 +212,7 @@ class ActorLoop:
         self.policy = policy
         self._call = as_numpy_policy(policy)
         self.writers = list(writers)
-        need = self.E if batch_mode == COMPLETE_EPISODES else 1
+        need = self.E if batch_mode == L.COMPLETE_EPISODES else 1
         if len(self.writers) != need:
             raise UsageError(f"{batch_mode} with {self.E} sub-envs needs {need} writer(s), got {len(self.writers)}")
         self.T = rollout_len
@@ -250,14 +230,14 @@ class ActorLoop:
         self.soft_horizon = soft_horizon
         self.no_done_at_end = no_done_at_end
         self.reset_each_rollout = reset_each_rollout
-        limits = [x for x in (self.horizon, self.T if batch_mode == COMPLETE_EPISODES else None) if x is not None]
+        limits = [x for x in (self.horizon, self.T if batch_mode == L.COMPLETE_EPISODES else None) if x is not None]
         self.limit = min(limits) if limits else None  # where the actor ends an episode itself
         self.obs = self.driver.reset(seed)
         self.views = None
         if view_requirements is not None:
             self.views = ActorViews(view_requirements, self.obs, self.E, action_space_of(env))
         self.postprocess = None if postprocess is None else Postprocessor(
-            postprocess, policy, num_envs=self.E, vector=self.driver.vector and batch_mode == TRUNCATE_EPISODES,
+            postprocess, policy, num_envs=self.E, vector=self.driver.vector and batch_mode == L.TRUNCATE_EPISODES,
             batch_mode=batch_mode)
         if self.postprocess is not None:
             self._call = self.postprocess.with_placeholders(self._call)
@@ -363,8 +343,8 @@ class ActorLoop:
             w = self.writers[0]
             fast = usable(self, w.slot())
             w.reset()  # the slot stays claimed for the first rollout; nothing was written
-            self._direct = (SlotRollouts(self) if self.mode == TRUNCATE_EPISODES else SlotEpisodes(self)) if fast else False
-        if self.mode == TRUNCATE_EPISODES:
+            self._direct = (SlotRollouts(self) if self.mode == L.TRUNCATE_EPISODES else SlotEpisodes(self)) if fast else False
+        if self.mode == L.TRUNCATE_EPISODES:
             rollout = self._direct.rollout if isinstance(self._direct, SlotRollouts) else self._truncate_rollout
             while max_rollouts is None or self.rollouts - start < max_rollouts:
                 if not rollout():
@@ -384,6 +364,10 @@ class ActorLoop:
         w = self.writers[0]
         row = _squeeze0 if self.single else _same
         E, M = self.E, self.max_episodes
+        # the keys the per-step loop uses, as locals (a module attribute is a lookup more per use)
+        STEP, EPISODE, OBS, ACTION, REWARD, TERMINATED, TRUNCATED = (L.STEP, L.EPISODE, L.OBS, L.ACTION, L.REWARD,
+                                                                      L.TERMINATED, L.TRUNCATED)
+        record = L.EpisodeTable.record
         n_ep = 0
         succ = self.obs
         for t in range(self.T):
@@ -407,8 +391,7 @@ class ActorLoop:
             ends = done if soft is None else done | soft
             if ends.any():
                 for e in np.flatnonzero(ends):
-                    w.add(EPISODE, {RETURN: self.ep_ret[e], LENGTH: self.ep_len[e], TERMINATED: term[e],
-                                    TRUNCATED: trunc[e], ENV: np.int32(e), END: np.int32(t), FINAL_OBS: tree_index(succ, e)})
+                    w.add(EPISODE, record(self.ep_ret[e], self.ep_len[e], term[e], trunc[e], e, t, tree_index(succ, e)))
                 n_ep += int(ends.sum())
                 self.episodes += int(ends.sum())
                 self.ep_ret[ends] = 0.0
@@ -422,7 +405,7 @@ class ActorLoop:
             self.obs = nobs
             if (last or n_ep + E > M) and t < self.T - 1:
                 break  # the next step could overflow the episode table: commit short
-        w.add(BOOTSTRAP, {OBS: row(succ), ENV_STEPS: np.int64(self.env_steps)})
+        w.add(L.BOOTSTRAP, {OBS: row(succ), L.ENV_STEPS: np.int64(self.env_steps)})
         w.commit(self.version, fill=self._before_commit(w, {STEP: t + 1, EPISODE: n_ep}))
         self.rollouts += 1
         return True
@@ -431,6 +414,8 @@ class ActorLoop:
 
     def _complete(self, until: int | None) -> None:
         E = self.E
+        # the keys the per-step loop uses, as locals (a module attribute is a lookup more per use)
+        STEP, OBS, ACTION, REWARD, TERMINATED, TRUNCATED = L.STEP, L.OBS, L.ACTION, L.REWARD, L.TERMINATED, L.TRUNCATED
         self.ep_version[:] = self.version
         while until is None or self.rollouts < until:
             if self.should_stop():
@@ -461,10 +446,9 @@ class ActorLoop:
                 continue
             for e in np.flatnonzero(done).tolist():
                 w = self.writers[e]
-                w.add(EPISODE, {RETURN: self.ep_ret[e], LENGTH: self.ep_len[e], TERMINATED: term[e], TRUNCATED: trunc[e],
-                                ENV: np.int32(e)})
-                w.add(BOOTSTRAP, {OBS: tree_index(succ, e), ENV_STEPS: np.int64(self.env_steps)})
-                fill = self._before_commit(w, {STEP: int(self.ep_len[e]), EPISODE: 1})
+                w.add(L.EPISODE, L.EpisodeTable.record(self.ep_ret[e], self.ep_len[e], term[e], trunc[e], e))
+                w.add(L.BOOTSTRAP, {OBS: tree_index(succ, e), L.ENV_STEPS: np.int64(self.env_steps)})
+                fill = self._before_commit(w, {STEP: int(self.ep_len[e]), L.EPISODE: 1})
                 w.commit(int(self.ep_version[e]), fill=fill)  # the oldest policy that acted in this episode
                 self.rollouts += 1
                 self.episodes += 1
@@ -508,7 +492,7 @@ class ActorSpec:
     rollout_len: int
     policy: Any = None
     policy_factory: Callable[[], Any] | None = None
-    batch_mode: str = TRUNCATE_EPISODES
+    batch_mode: str = L.TRUNCATE_EPISODES
     max_episodes: int | None = None
     weights: str | None = None
     seed: int | None = None
@@ -555,7 +539,7 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         else:  # a TypeError, as calling the missing factory was
             raise shmbuf.UsageError("ActorSpec: expected a policy, a policy_factory or an inference table, got none")
         torch_threads(spec.torch_threads)
-        n_writers = EnvDriver(env).num_envs if spec.batch_mode == COMPLETE_EPISODES else 1
+        n_writers = EnvDriver(env).num_envs if spec.batch_mode == L.COMPLETE_EPISODES else 1
         for k in range(n_writers):
             label = f"{spec.label}-{ctx.index}" + (f"/{k}" if n_writers > 1 else "")
             writers.append(shmbuf.Writer(spec.pipeline, timeout=None, label=label))

@@ -25,19 +25,7 @@ import numpy as np
 import optree
 
 import shmbuf
-from shmbuf.layout import (
-    ACTION,
-    BOOTSTRAP,
-    COMPLETE_EPISODES,
-    EPISODE,
-    LENGTH,
-    OBS,
-    RETURN,
-    STEP,
-    TRUNCATE_EPISODES,
-    check_batch_mode,
-    rollout_example,
-)
+from shmbuf import layout as L
 from shmbuf.lowlevel import int_setting, timeout_setting
 from workers._actor import ActorSpec, check_horizon, probe
 from workers._envs import split_among
@@ -69,14 +57,14 @@ def rounds_batch(data: Any, fill: dict[str, np.ndarray], *, policy_version: np.n
                  epoch: np.ndarray, seq: np.ndarray, learner_version: int, frames: int) -> CollectedBatch:
     """A truncate-episodes batch of ``B`` rollouts (leaves ``(B, T, ...)``, ``fill`` each timescale's count per
     rollout), with the episodes they recorded concatenated; ``learner_version``: the learner's, for the lag."""
-    ep_n = fill[EPISODE]
+    ep_n = fill[L.EPISODE]
     rows = range(len(ep_n))
     return CollectedBatch(
         data=data, fill=fill, policy_version=policy_version, policy_lag=learner_version - policy_version, lane=lane,
         epoch=epoch, seq=seq, frames=frames,
-        episode_returns=np.concatenate([data[EPISODE][RETURN][i, : ep_n[i]] for i in rows]),
-        episode_lengths=np.concatenate([data[EPISODE][LENGTH][i, : ep_n[i]] for i in rows]), lengths=fill[STEP],
-        batch_mode=TRUNCATE_EPISODES,
+        episode_returns=np.concatenate([data[L.EPISODE][L.RETURN][i, : ep_n[i]] for i in rows]),
+        episode_lengths=np.concatenate([data[L.EPISODE][L.LENGTH][i, : ep_n[i]] for i in rows]), lengths=fill[L.STEP],
+        batch_mode=L.TRUNCATE_EPISODES,
     )
 
 
@@ -85,16 +73,16 @@ def episodes_batch(part: dict[str, Any], policy_version: int) -> CollectedBatch:
     steps concatenated, ``(N, ...)``, split by ``lengths``; ``policy_version``: the learner's, for the lag."""
     got = part["got"]
     data = {
-        STEP: optree.tree_map(lambda *xs: np.concatenate(xs), *[g[STEP] for g in got]),
-        EPISODE: optree.tree_map(lambda *xs: np.stack(xs), *[g[EPISODE] for g in got]),
-        BOOTSTRAP: optree.tree_map(lambda *xs: np.stack(xs), *[g[BOOTSTRAP] for g in got]),
+        L.STEP: optree.tree_map(lambda *xs: np.concatenate(xs), *[g[L.STEP] for g in got]),
+        L.EPISODE: optree.tree_map(lambda *xs: np.stack(xs), *[g[L.EPISODE] for g in got]),
+        L.BOOTSTRAP: optree.tree_map(lambda *xs: np.stack(xs), *[g[L.BOOTSTRAP] for g in got]),
     }
     v = np.asarray(part["versions"], np.int64)
     return CollectedBatch(
         data=data, fill=None, policy_version=v, policy_lag=policy_version - v, lane=np.asarray(part["lanes"], np.int64),
         epoch=np.asarray(part["epochs"], np.int64), seq=np.asarray(part["seqs"], np.int64),
-        frames=part["frames"], episode_returns=data[EPISODE][RETURN], episode_lengths=data[EPISODE][LENGTH],
-        lengths=np.asarray(part["lengths"], np.int64), batch_mode=COMPLETE_EPISODES,
+        frames=part["frames"], episode_returns=data[L.EPISODE][L.RETURN], episode_lengths=data[L.EPISODE][L.LENGTH],
+        lengths=np.asarray(part["lengths"], np.int64), batch_mode=L.COMPLETE_EPISODES,
     )
 
 
@@ -106,8 +94,8 @@ def take_episode(part: dict[str, Any], r: Any) -> None:
         part["lanes"].append(r.lane)
         part["epochs"].append(r.epoch)
         part["seqs"].append(r.seq)
-        part["lengths"].append(r.fill[STEP])
-        part["frames"] += r.fill[STEP]
+        part["lengths"].append(r.fill[L.STEP])
+        part["frames"] += r.fill[L.STEP]
     finally:
         r.release()
 
@@ -138,11 +126,11 @@ def check_settings(create_env_fn: Any, create_env_kwargs: Any, policy: Any, poli
     Raises:
         shmbuf.UsageError: the first bad setting, named.
     """
-    check_batch_mode(batch_mode)
+    L.check_batch_mode(batch_mode)
     check_horizon(batch_mode, horizon, soft_horizon, no_done_at_end)
     if view_requirements is not None:
         check_view_requirements(view_requirements)
-    if reset_at_each_iter and batch_mode != TRUNCATE_EPISODES:
+    if reset_at_each_iter and batch_mode != L.TRUNCATE_EPISODES:
         raise shmbuf.UsageError("reset_at_each_iter=True: complete-episodes batches start every episode from a reset "
                                 "already; use it with batch_mode='truncate_episodes'")
     if postproc is not None and not callable(postproc):
@@ -179,10 +167,10 @@ def probe_env(env_fn: Callable[[], Any], policy: Callable[[], Any], seed: int | 
 def rollout_layout(plan: BatchPlan, probed: dict[str, Any], extras: dict[str, Any],
                    max_episodes: int | None) -> dict[str, Any]:
     """The pipeline's example: one rollout as the plan lays it out."""
-    if plan.batch_mode == COMPLETE_EPISODES:
-        return rollout_example(probed[OBS], probed[ACTION], rollout_len=plan.rollout_len, extras=extras,
-                               batch_mode=COMPLETE_EPISODES)
-    return rollout_example(probed[OBS], probed[ACTION], rollout_len=plan.rollout_len,
+    if plan.batch_mode == L.COMPLETE_EPISODES:
+        return L.rollout_example(probed[L.OBS], probed[L.ACTION], rollout_len=plan.rollout_len, extras=extras,
+                               batch_mode=L.COMPLETE_EPISODES)
+    return L.rollout_example(probed[L.OBS], probed[L.ACTION], rollout_len=plan.rollout_len,
                            num_envs=plan.num_envs if probed["vector"] else None, extras=extras,
                            max_episodes=max_episodes)
 
@@ -324,7 +312,7 @@ class Collector(TorchRLNames):
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
                  policy_factory: Callable[[], Any] | None = None, frames_per_batch: int, total_frames: int = -1,
                  num_actors: int | None = None, rollout_len: int | None = None,
-                 batch_mode: str = TRUNCATE_EPISODES, max_episodes: int | None = None, weights: Any = None,
+                 batch_mode: str = L.TRUNCATE_EPISODES, max_episodes: int | None = None, weights: Any = None,
                  slots: int | None = None, start_method: str | None = None, restart: bool = False,
                  max_restarts: int = 3, progress: bool = False, copy: bool = False, seed: int | None = 0,
                  torch_threads: int | None = 1, stop_timeout: float = 5.0, ready_timeout: float = 120.0,
@@ -459,7 +447,7 @@ class Collector(TorchRLNames):
             self.pool.wait_ready(self.ready_timeout, interrupted=lambda: self._leaving)
             self._t0 = time.monotonic()
         while self.total_frames < 0 or self.frames < self.total_frames:
-            batch = self._truncated() if self.batch_mode == TRUNCATE_EPISODES else self._complete()
+            batch = self._truncated() if self.batch_mode == L.TRUNCATE_EPISODES else self._complete()
             self.frames += batch.frames
             self.batches += 1
             self._lags.extend(batch.policy_lag.tolist())
@@ -468,7 +456,7 @@ class Collector(TorchRLNames):
                 self._bar.update(batch.frames)
                 post: dict[str, int | str] = {"lag": int(batch.policy_lag.max())}
                 if self._returns:
-                    post[RETURN] = f"{np.mean(self._returns):.1f}"
+                    post[L.RETURN] = f"{np.mean(self._returns):.1f}"
                 self._bar.set_postfix(post, refresh=False)
             yield batch if self.postproc is None else self.postproc(batch)
 
@@ -502,7 +490,7 @@ class Collector(TorchRLNames):
         b = self._wait(lambda: self.reader.get_batch(B, WAIT_SLICE, copy=self.copy))
         self._check_actors()
         return rounds_batch(b.data, b.fill, policy_version=b.policy_version, lane=b.lane, epoch=b.epoch, seq=b.seq,
-                            learner_version=self.policy_version, frames=int(b.fill[STEP].sum()) * self.num_envs)
+                            learner_version=self.policy_version, frames=int(b.fill[L.STEP].sum()) * self.num_envs)
 
     def _complete(self) -> CollectedBatch:
         # The episodes taken so far live on the collector, not in this frame: an exception between two of

@@ -33,7 +33,7 @@ import optree
 
 import shmbuf
 import shmbuf.lowlevel
-from shmbuf.layout import COMPLETE_EPISODES, TRUNCATE_EPISODES
+from shmbuf import layout as L
 from shmbuf.lowlevel import int_setting
 from workers._collector import CollectedBatch, Collector
 from workers._placement import ServedPolicy
@@ -198,7 +198,7 @@ class AsyncBatchedCollector(Collector):
             kwargs.setdefault("start_method", "fork")  # nothing is started; skips the picklability checks
         super().__init__(create_env_fn, server_policy, frames_per_batch=frames_per_batch, total_frames=total_frames,
                          num_actors=n_workers,
-                         batch_mode=COMPLETE_EPISODES if yield_completed_trajectories else TRUNCATE_EPISODES,
+                         batch_mode=L.COMPLETE_EPISODES if yield_completed_trajectories else L.TRUNCATE_EPISODES,
                          reset_at_each_iter=reset_at_each_iter, postproc=postproc,
                          create_env_kwargs=create_env_kwargs, _placement=served, **kwargs)
         dtypes = [f.reward_dtype for f in factories if f.reward_dtype is not None]
@@ -269,7 +269,7 @@ class AsyncBatchedCollector(Collector):
                 td = torchrl.torchrl_batch(batch, reward_dtype=self._reward_dtype)
                 if not self.copy:
                     td = td.clone()  # TorchRL's batches are the caller's to keep: no views of the reused buffer
-                if self.total_frames >= 0 and self.batch_mode == TRUNCATE_EPISODES:  # whole episodes are never cut
+                if self.total_frames >= 0 and self.batch_mode == L.TRUNCATE_EPISODES:  # whole episodes are never cut
                     remaining = self.total_frames - (self.frames - batch.frames)
                     if td.batch_size[0] > remaining:  # TorchRL stops at total_frames exactly
                         td = td[:remaining]

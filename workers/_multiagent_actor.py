@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import shmbuf
-from shmbuf.layout import COMPLETE_EPISODES, TRUNCATE_EPISODES
+from shmbuf import layout as L
 from workers._multiagent import ENV_STEPS_COUNT, MultiAgentLoop
 
 AWAIT_SLICE = 0.02  # how often an actor awaiting its first weights looks again
@@ -35,7 +35,7 @@ class MultiAgentSpec:
     seed: int | None = None
     torch_threads: int | None = 1
     label: str = "multiagent"
-    batch_mode: str = TRUNCATE_EPISODES
+    batch_mode: str = L.TRUNCATE_EPISODES
     rows: dict[Any, int] | None = None  # complete-episodes: each policy's rows (one writer each)
     inference: dict[Any, str] | None = None  # served policies: each policy's inference table
     view_requirements: dict[Any, Any] | None = None
@@ -80,16 +80,16 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
     policies: dict[Any, Any] = {}
     try:
         for pid, name in spec.pipelines.items():
-            if spec.batch_mode == COMPLETE_EPISODES:  # one writer per row: each agent's episode is a rollout
+            if spec.batch_mode == L.COMPLETE_EPISODES:  # one writer per row: each agent's episode is a rollout
                 writers[pid] = [shmbuf.Writer(name, timeout=None, label=f"{spec.label}-{ctx.index}/{pid}/{k}")
                                 for k in range((spec.rows or {})[pid])]
             else:
                 writers[pid] = shmbuf.Writer(name, timeout=None, label=f"{spec.label}-{ctx.index}/{pid}")
         for pid, raw in (spec.scratch or {}).items():  # policies not trained act, and their rollouts stay here
             schema = shmbuf.Schema.from_msgpack(raw)
-            n = (spec.rows or {})[pid] if spec.batch_mode == COMPLETE_EPISODES else 1
+            n = (spec.rows or {})[pid] if spec.batch_mode == L.COMPLETE_EPISODES else 1
             made = [ScratchWriter(schema) for _ in range(n)]
-            writers[pid] = made if spec.batch_mode == COMPLETE_EPISODES else made[0]
+            writers[pid] = made if spec.batch_mode == L.COMPLETE_EPISODES else made[0]
         for pid, name in (spec.weights or {}).items():
             subs[pid] = shmbuf.WeightSubscriber(name)
         ready = getattr(ctx, "ready", None)

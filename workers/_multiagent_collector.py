@@ -24,7 +24,7 @@ import numpy as np
 import optree
 
 import shmbuf
-from shmbuf.layout import COMPLETE_EPISODES, STEP, TRUNCATE_EPISODES, VALID, check_batch_mode
+from shmbuf import layout as L
 from shmbuf.lowlevel import int_setting, timeout_setting
 from workers._collector import episodes_batch, no_episodes, progress, rounds_batch, take_episode, weights_of
 from workers._exit import ExitClose
@@ -42,8 +42,8 @@ WAIT_SLICE = 0.05
 
 def valid_steps(data: Any, fill: dict[str, np.ndarray]) -> int:
     """The agent steps of truncate-episodes rollouts ``(B, T, K, ...)``: each one's valid rows up to its fill."""
-    valid = data[STEP][VALID]
-    return int(sum(valid[i, : fill[STEP][i]].sum() for i in range(len(fill[STEP]))))
+    valid = data[L.STEP][L.VALID]
+    return int(sum(valid[i, : fill[L.STEP][i]].sum() for i in range(len(fill[L.STEP]))))
 
 
 
@@ -112,7 +112,7 @@ class MultiAgentCollector:
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]],
                  policies: dict[Any, Any] | None = None, *, policy_factories: dict[Any, Callable[[], Any]] | None = None,
                  policy_mapping_fn: Callable[..., Any] | None = None, frames_per_batch: int, total_frames: int = -1,
-                 count_steps_by: str = ENV_STEPS_COUNT, batch_mode: str = TRUNCATE_EPISODES,
+                 count_steps_by: str = ENV_STEPS_COUNT, batch_mode: str = L.TRUNCATE_EPISODES,
                  num_actors: int | None = None, rollout_len: int | None = None,
                  weights: dict[Any, Any] | None = None, slots: int | None = None, start_method: str | None = None,
                  restart: bool = False, max_restarts: int = 3, copy: bool = False, seed: int | None = 0,
@@ -131,8 +131,8 @@ class MultiAgentCollector:
         self.pool: ActorPool | None = None
         if count_steps_by not in COUNT_STEPS_BY:
             raise shmbuf.UsageError(f"count_steps_by: expected one of {COUNT_STEPS_BY}, got {count_steps_by!r}")
-        check_batch_mode(batch_mode)
-        if batch_mode == COMPLETE_EPISODES:
+        L.check_batch_mode(batch_mode)
+        if batch_mode == L.COMPLETE_EPISODES:
             if count_steps_by != AGENT_STEPS_COUNT:
                 raise shmbuf.UsageError("batch_mode='complete_episodes' holds one agent's episode per rollout, whose env "
                                         "steps are not the batch's: pass count_steps_by='agent_steps'")
@@ -140,7 +140,7 @@ class MultiAgentCollector:
                 raise shmbuf.UsageError("batch_mode='complete_episodes': give rollout_len, the most steps an agent's "
                                         "episode may take (the env's max_cycles)")
         self.batch_mode = batch_mode
-        if align and batch_mode != TRUNCATE_EPISODES:
+        if align and batch_mode != L.TRUNCATE_EPISODES:
             raise shmbuf.UsageError("align=True lines rounds up across policies; complete-episodes rollouts are one "
                                     "agent's episode each, with no round to line up: use batch_mode='truncate_episodes'")
         self.align = align
@@ -195,7 +195,7 @@ class MultiAgentCollector:
                                             f"({n_actors}) x {per_round} envs per actor, to give each actor one round")
                 rollout_len = frames_per_batch // (n_actors * per_round)
             T = int_setting("rollout_len", rollout_len, 2)
-            if batch_mode == TRUNCATE_EPISODES and frames_per_batch % (T * per_round):
+            if batch_mode == L.TRUNCATE_EPISODES and frames_per_batch % (T * per_round):
                 raise shmbuf.UsageError(f"frames_per_batch={frames_per_batch}: expected a multiple of one round's "
                                         f"{T * per_round} {count_steps_by} (rollout_len={T} x {per_round})")
             self.rounds_per_batch = max(1, frames_per_batch // (T * per_round))
@@ -225,8 +225,8 @@ class MultiAgentCollector:
         self.rollout_len, self.num_envs, self.num_actors, self.frames_per_batch = T, num_envs, n_actors, frames_per_batch
         B = self.rounds_per_batch
         n_rows = {pid: len(r) for pid, r in self.rows.policies.items()}
-        writers_of = {pid: n_actors * (n_rows[pid] if batch_mode == COMPLETE_EPISODES else 1) for pid in n_rows}
-        if slots is None and batch_mode == TRUNCATE_EPISODES:
+        writers_of = {pid: n_actors * (n_rows[pid] if batch_mode == L.COMPLETE_EPISODES else 1) for pid in n_rows}
+        if slots is None and batch_mode == L.TRUNCATE_EPISODES:
             slots = -(-max(3 * B, 2 * B + 2 * n_actors) // B) * B  # two batches and two per writer, whole batches
         self._partial = {pid: no_episodes() for pid in self.trained}  # complete-episodes: what the next batch has so far
         self.frames = self.batches = self.env_steps = self.agent_steps = 0
@@ -245,11 +245,11 @@ class MultiAgentCollector:
             inference = {}
             for pid, sp in self.served.items():  # a table (requests of every row of every actor) and a server
                 ex = examples[pid]["step"]
-                lead = 2 if batch_mode == TRUNCATE_EPISODES else 1
+                lead = 2 if batch_mode == L.TRUNCATE_EPISODES else 1
                 probed = {"num_envs": n_rows[pid], "obs": optree.tree_map(lambda a, i=(0,) * lead: a[i], ex["obs"]),
                           "action": ex["action"][(0,) * lead],
                           "extras": {k: v[(0,) * lead] for k, v in ex.items()
-                                     if k not in ("obs", "action", "reward", "terminated", "truncated", VALID,
+                                     if k not in ("obs", "action", "reward", "terminated", "truncated", L.VALID,
                                                   VERSION_KEY) and k not in (post[pid].columns if pid in post else ())}}
                 inference[pid] = sp.start(probed, n_actors, keep_on_crash=keep_on_crash)["inference"]
             for pid, policy in ({} if serve else self.policies).items():  # served policies take no broadcast
@@ -336,7 +336,7 @@ class MultiAgentCollector:
             self.pool.wait_ready(self.ready_timeout)
             self._t0 = time.monotonic()
         while self.total_frames < 0 or self.frames < self.total_frames:
-            if self.batch_mode == COMPLETE_EPISODES:
+            if self.batch_mode == L.COMPLETE_EPISODES:
                 batch = self._next_complete()
             else:
                 batch = self._next_aligned() if self.align else self._next()
@@ -392,7 +392,7 @@ class MultiAgentCollector:
             frames = valid_steps(b.data, fill)
             agent_steps += frames
             if not env_steps:  # the first policy's rollouts: each round's rollouts of every policy cover the same steps
-                env_steps = int(fill[STEP].sum()) * self.num_envs
+                env_steps = int(fill[L.STEP].sum()) * self.num_envs
             out[pid] = rounds_batch(b.data, fill, policy_version=b.policy_version, lane=b.lane, epoch=b.epoch,
                                     seq=b.seq, learner_version=self.policy_versions[pid], frames=frames)
             self._lags.extend(out[pid].policy_lag.tolist())
@@ -462,7 +462,7 @@ class MultiAgentCollector:
             self._returns.extend(b.episode_returns.tolist())
         for k in keys:
             del self._arrival[k]
-        out.env_steps = int(out[pids[0]].fill[STEP].sum()) * self.num_envs
+        out.env_steps = int(out[pids[0]].fill[L.STEP].sum()) * self.num_envs
         out.agent_steps = agent_steps
         out.frames = out.env_steps if self.count_steps_by == ENV_STEPS_COUNT else agent_steps
         out.rows = self.rows

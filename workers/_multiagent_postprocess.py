@@ -36,18 +36,7 @@ import numpy as np
 import optree
 
 from shmbuf import SchemaError, UsageError
-from shmbuf.layout import (
-    ACTION,
-    COMPLETE_EPISODES,
-    OBS,
-    STEP,
-    STEP_KEYS,
-    TERMINATED,
-    TRUNCATE_EPISODES,
-    TRUNCATED,
-    VALID,
-    successors,
-)
+from shmbuf import layout as L
 from workers._postprocess import (
     DUMMY_STEPS,
     METHOD,
@@ -87,13 +76,13 @@ def setting_for(postprocess: Any, pid: Any) -> Any:
 
 def _items(example: Mapping[str, Any], lead: int) -> tuple[Any, Any, dict[str, Any]]:
     """One item (no lead dims) of a rollout example's obs, action and extras (step leaves but the flags and valid)."""
-    step = example[STEP]
+    step = example[L.STEP]
 
     def item(x: Any) -> Any:
         return optree.tree_map(lambda a: np.asarray(a)[(0,) * lead], x)
 
-    extras = {k: item(v) for k, v in step.items() if k not in STEP_KEYS and k != VALID}
-    return item(step[OBS]), item(step[ACTION]), extras
+    extras = {k: item(v) for k, v in step.items() if k not in L.STEP_KEYS and k != L.VALID}
+    return item(step[L.OBS]), item(step[L.ACTION]), extras
 
 
 def _with_t(batch: dict[str, Any], t: np.ndarray) -> dict[str, Any]:
@@ -114,7 +103,7 @@ def discover_policies(postprocess: Any, policies: Mapping[Any, Any], examples: M
         SchemaError: a hook that does not return a mapping (naming the policy).
     """
     check_setting(postprocess, policies)
-    lead = 1 if batch_mode == COMPLETE_EPISODES else 2
+    lead = 1 if batch_mode == L.COMPLETE_EPISODES else 2
     n = DUMMY_STEPS
     pre = {}
     for pid, ex in examples.items():
@@ -149,9 +138,9 @@ def discover_policies(postprocess: Any, policies: Mapping[Any, Any], examples: M
 def add_columns(examples: dict[Any, Any], specs: Mapping[Any, PostprocessSpec], *, batch_mode: str) -> None:
     """Give each policy's example a step leaf per column its hook adds (zeros, the example's lead dims), in place."""
     for pid, spec in specs.items():
-        step = examples[pid][STEP]
-        lead = np.shape(step[TERMINATED])
-        assert len(lead) == (1 if batch_mode == COMPLETE_EPISODES else 2)  # (T,) or (T, K)
+        step = examples[pid][L.STEP]
+        lead = np.shape(step[L.TERMINATED])
+        assert len(lead) == (1 if batch_mode == L.COMPLETE_EPISODES else 2)  # (T,) or (T, K)
         for k, (shape, dt) in spec.columns.items():
             step[k] = np.zeros((*lead, *shape), np.dtype(dt))
 
@@ -209,21 +198,21 @@ class MultiAgentPostprocessor:
     def _given(self, pid: Any, step: Mapping[str, Any]) -> dict[str, str]:
         """Policy ``pid``'s columns given to a hook (RLlib's names and every extra): column -> step leaf."""
         cols = self.columns.get(pid, {})
-        return {**RLLIB_COLUMNS, **{k: k for k in step if k not in STEP_KEYS and k != VALID and k not in cols}}
+        return {**RLLIB_COLUMNS, **{k: k for k in step if k not in L.STEP_KEYS and k != L.VALID and k not in cols}}
 
     def apply_round(self, views: Mapping[Any, Mapping[str, Any]], fills: Mapping[Any, Mapping[str, int]]) -> None:
         """Postprocess a round's rollouts (``views``: each policy's writer's slot views, filled as ``fills`` say), in
         place: every hooked policy's rows, piece by piece, with the other agents of the same env."""
         pre: dict[Any, tuple[dict[str, Any], np.ndarray]] = {}  # every policy's columns before any hook, and valid
         for pid, view in views.items():
-            cols = self._columns(pid, view, fills[pid], TRUNCATE_EPISODES)
-            pre[pid] = (cols, np.asarray(view[STEP][VALID][: int(fills[pid][STEP])]))
+            cols = self._columns(pid, view, fills[pid], L.TRUNCATE_EPISODES)
+            pre[pid] = (cols, np.asarray(view[L.STEP][L.VALID][: int(fills[pid][L.STEP])]))
         windows: dict[tuple[int, int, int], dict[Any, Any]] = {}
         for pid, hook in self.hooks.items():
-            step = views[pid][STEP]
+            step = views[pid][L.STEP]
             given = self._given(pid, step)
             cols, valid = pre[pid]
-            done = np.asarray(step[TERMINATED][: len(valid)]) | np.asarray(step[TRUNCATED][: len(valid)])
+            done = np.asarray(step[L.TERMINATED][: len(valid)]) | np.asarray(step[L.TRUNCATED][: len(valid)])
             for row, (env_i, me) in enumerate(self.rows.policies[pid]):
                 for t0, t1 in _pieces(valid[:, row], done[:, row]):
                     def piece(x: Any, t0: int = t0, t1: int = t1, row: int = row) -> Any:
@@ -265,32 +254,32 @@ class MultiAgentPostprocessor:
         step from the env episode's start."""
         pre = []
         for pid, agent, view, n, t0 in episodes:
-            cols = self._columns(pid, view, {STEP: n}, COMPLETE_EPISODES)
+            cols = self._columns(pid, view, {L.STEP: n}, L.COMPLETE_EPISODES)
             cols[T_COLUMN] = t0 + np.arange(n)
             pre.append((agent, (pid, self.policies[pid], cols)))
         for pid, agent, view, n, t0 in episodes:
             hook = self.hooks.get(pid)
             if hook is None or not n:
                 continue
-            step = view[STEP]
+            step = view[L.STEP]
             given = self._given(pid, step)
 
             def piece(x: Any, n: int = n) -> Any:
                 return x[:n]
 
             batch: dict[str, Any] = {name: optree.tree_map(piece, step[leaf]) for name, leaf in given.items()}
-            batch[NEW_OBS] = successors(view, {STEP: n}, batch_mode=COMPLETE_EPISODES)
+            batch[NEW_OBS] = L.successors(view, {L.STEP: n}, batch_mode=L.COMPLETE_EPISODES)
             batch[T_COLUMN] = t0 + np.arange(n)
             self._call(pid, hook, step, given, batch, {a: v for a, v in pre if a != agent}, piece, n)
 
     def _columns(self, pid: Any, view: Mapping[str, Any], fill: Mapping[str, int], batch_mode: str) -> dict[str, Any]:
         """Policy ``pid``'s columns of a filled slot ``view`` as a hook sees them (each step's successor as
         ``new_obs``), copies taken before any hook runs: what ``other_agent_batches`` are cut from."""
-        n = int(fill[STEP])
-        step = view[STEP]
+        n = int(fill[L.STEP])
+        step = view[L.STEP]
         cols: dict[str, Any] = {name: optree.tree_map(lambda x: np.array(x[:n]), step[leaf])
                                 for name, leaf in self._given(pid, step).items()}
-        cols[NEW_OBS] = successors(view, fill, batch_mode=batch_mode)
+        cols[NEW_OBS] = L.successors(view, fill, batch_mode=batch_mode)
         return cols
 
     def _call(self, pid: Any, hook: Callable[..., Any], step: Mapping[str, Any], given: dict[str, str],

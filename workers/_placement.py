@@ -17,7 +17,7 @@ import numpy as np
 
 import shmbuf
 import shmbuf.lowlevel
-from shmbuf.layout import ACTION, OBS, zeros_with_lead
+from shmbuf import layout as L
 from workers._actor import ActorSpec, run_actor
 from workers._pool import ActorPool
 from workers._remote import VERSION_KEY
@@ -194,10 +194,10 @@ class ServedPolicy:
 
     def start(self, probed: dict[str, Any], num_actors: int, *, keep_on_crash: bool = False) -> dict[str, Any]:
         E = probed["num_envs"]
-        request = zeros_with_lead(probed[OBS], E)
-        response = {ACTION: zeros_with_lead(probed[ACTION], E)}
+        request = L.zeros_with_lead(probed[L.OBS], E)
+        response = {L.ACTION: L.zeros_with_lead(probed[L.ACTION], E)}
         if probed["extras"]:
-            response["extras"] = {k: zeros_with_lead(v, E) for k, v in probed["extras"].items()}
+            response["extras"] = {k: L.zeros_with_lead(v, E) for k, v in probed["extras"].items()}
         self.table = shmbuf.lowlevel.InferenceTable(request, response, num_actors, keep_on_crash=keep_on_crash)
         self.server = InferenceServer(self.table, self.policy, num_envs=E, max_batch_size=self.max_batch_size,
                                       min_batch_size=self.min_batch_size, server_timeout=self.server_timeout,

@@ -30,25 +30,12 @@ import numpy as np
 import optree
 
 from shmbuf import SchemaError, UsageError
-from shmbuf.layout import (
-    ACTION,
-    COMPLETE_EPISODES,
-    END,
-    ENV,
-    EPISODE,
-    OBS,
-    REWARD,
-    STEP,
-    STEP_KEYS,
-    TERMINATED,
-    TRUNCATED,
-    successors,
-)
+from shmbuf import layout as L
 
 METHOD = "postprocess_trajectory"  # RLlib's Policy method
 NEW_OBS = "new_obs"
 # RLlib's SampleBatch column -> the step leaf it is
-RLLIB_COLUMNS = {"obs": OBS, "actions": ACTION, "rewards": REWARD, "terminateds": TERMINATED, "truncateds": TRUNCATED}
+RLLIB_COLUMNS = {"obs": L.OBS, "actions": L.ACTION, "rewards": L.REWARD, "terminateds": L.TERMINATED, "truncateds": L.TRUNCATED}
 DUMMY_STEPS = 2
 
 
@@ -125,7 +112,7 @@ def added_columns(out: Mapping[str, Any], given: set[str], extras: Mapping[str, 
             continue
         if not isinstance(k, str) or not k or "/" in k:
             raise UsageError(f"{who}{METHOD} added column {k!r}: a column name is a non-empty str without '/'")
-        if k in STEP_KEYS or k in extras:
+        if k in L.STEP_KEYS or k in extras:
             raise UsageError(f"{who}{METHOD} added column {k!r}, which is already a step leaf; rename it")
         a = np.asarray(v)
         if a.ndim < 1 or a.shape[0] != n or a.dtype.kind not in "biufc":
@@ -147,7 +134,7 @@ def discover(postprocess: Any, policy: Any, probed: Mapping[str, Any]) -> Postpr
     if hook is None:
         return None
     extras = dict(probed.get("extras") or {})
-    batch = dummy_batch(probed[OBS], probed[ACTION], extras)
+    batch = dummy_batch(probed[L.OBS], probed[L.ACTION], extras)
     given = set(batch)
     columns = added_columns(call_hook(hook, batch), given, extras, DUMMY_STEPS)
     return PostprocessSpec(hook if callable(postprocess) and not isinstance(postprocess, bool) else None, columns)
@@ -195,17 +182,17 @@ class Postprocessor:
 
     def pieces(self, tree: Mapping[str, Any], fill: Mapping[str, int]) -> list[tuple[int, int, int]]:
         """``(env, t0, t1)`` of every episode piece of the rollout, steps ``t0 .. t1 - 1``, env by env in time order."""
-        n = int(fill[STEP])
-        if self.mode == COMPLETE_EPISODES:
+        n = int(fill[L.STEP])
+        if self.mode == L.COMPLETE_EPISODES:
             return [(0, 0, n)] if n else []
-        step = tree[STEP]
-        done = np.asarray(step[TERMINATED])[:n] | np.asarray(step[TRUNCATED])[:n]
+        step = tree[L.STEP]
+        done = np.asarray(step[L.TERMINATED])[:n] | np.asarray(step[L.TRUNCATED])[:n]
         done = done.reshape(n, -1)
-        ep = tree[EPISODE]
-        k = int(fill[EPISODE])
-        soft = ~(np.asarray(ep[TERMINATED])[:k] | np.asarray(ep[TRUNCATED])[:k])
+        ep = tree[L.EPISODE]
+        k = int(fill[L.EPISODE])
+        soft = ~(np.asarray(ep[L.TERMINATED])[:k] | np.asarray(ep[L.TRUNCATED])[:k])
         ends = done.copy()
-        ends[np.asarray(ep[END])[:k][soft], np.asarray(ep[ENV])[:k][soft]] = True
+        ends[np.asarray(ep[L.END])[:k][soft], np.asarray(ep[L.ENV])[:k][soft]] = True
         out = []
         for e in range(ends.shape[1]):
             t0 = 0
@@ -218,9 +205,9 @@ class Postprocessor:
 
     def apply(self, tree: Mapping[str, Any], fill: Mapping[str, int]) -> None:
         """Postprocess the rollout in ``tree`` (the writer's slot views), filled as ``fill`` says, in place."""
-        step = tree[STEP]
-        new_obs = successors(tree, fill, batch_mode=self.mode)
-        given = {**RLLIB_COLUMNS, **{k: k for k in step if k not in STEP_KEYS and k not in self.columns}}
+        step = tree[L.STEP]
+        new_obs = L.successors(tree, fill, batch_mode=self.mode)
+        given = {**RLLIB_COLUMNS, **{k: k for k in step if k not in L.STEP_KEYS and k not in self.columns}}
         for e, t0, t1 in self.pieces(tree, fill):
             def piece(x: Any, e: int = e, t0: int = t0, t1: int = t1) -> Any:
                 return x[t0:t1, e] if self.vector else x[t0:t1]

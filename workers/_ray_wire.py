@@ -23,7 +23,7 @@ import numpy as np
 import optree
 
 import shmbuf
-from shmbuf.layout import COMPLETE_EPISODES, STEP
+from shmbuf import layout as L
 
 if TYPE_CHECKING:
     from workers._collector import CollectedBatch, Collector
@@ -103,7 +103,7 @@ def unpack_batch(got: Any, schema: shmbuf.Schema, batch_mode: str, copy: bool, w
     if type(frames) is not int or frames < 0 or type(has_fill) is not bool:
         raise shmbuf.SchemaError(f"{what}: header field frames (an int >= 0) or fill (a bool) missing or wrong: "
                                  f"{frames!r}, {has_fill!r}")
-    complete = batch_mode == COMPLETE_EPISODES
+    complete = batch_mode == L.COMPLETE_EPISODES
     if has_fill == complete:
         raise shmbuf.SchemaError(f"{what}: fill={has_fill} in {batch_mode} mode")
     leaves = [lf for ts in schema.timescales for lf in ts.leaves]
@@ -116,7 +116,7 @@ def unpack_batch(got: Any, schema: shmbuf.Schema, batch_mode: str, copy: bool, w
                                  f"{getattr(bad, 'shape', '')}")
     lead: dict[bool, int] = {}  # step leaves in complete-episodes mode (frames) vs the rest (rollouts)
     for lf, a in zip(leaves, arrays):
-        per_step = complete and lf.path[0] == STEP
+        per_step = complete and lf.path[0] == L.STEP
         tail = lf.item_shape if per_step else lf.shape
         n_rows = lead.setdefault(per_step, a.shape[0])
         if a.dtype != lf.dtype or a.shape != (n_rows, *tail):

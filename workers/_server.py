@@ -21,7 +21,7 @@ import optree
 
 import shmbuf
 import shmbuf.lowlevel
-from shmbuf.layout import ACTION
+from shmbuf import layout as L
 from workers._actor import split_policy_output
 
 _NONE = np.zeros(0, np.int64)
@@ -123,7 +123,7 @@ class InferenceServer(threading.Thread):
                 else:
                     action, extras = split_policy_output(got)
                     # Any: optree's annotations take a dict as an opaque PyTree, not as the dict it is
-                    response: Any = {ACTION: action, **({"extras": extras} if extras else {})}
+                    response: Any = {L.ACTION: action, **({"extras": extras} if extras else {})}
                     out = optree.tree_leaves(response)
                 table.respond(idx, [np.asarray(x).reshape(n, E, *np.shape(x)[1:]) for x in out], version)
                 self.forwards += 1
