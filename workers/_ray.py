@@ -22,7 +22,7 @@ What crosses between nodes, per batch: one Ray object, a msgpack header and
 the batch's arrays as out-of-band buffers (``ray.get`` on the learner's node
 maps them without a copy); once per weights version, one ``ray.put`` object.
 The format and its checks are in workers._ray_wire; the node side (owners,
-the learner's node, janitors) in workers._ray_nodes; the owners' answers to
+the learner's node) in workers._ray_nodes; the owners' answers to
 new weights in workers._ray_weights.
 
 Exactly once: each ``next_batch`` call returns a batch that no other call
@@ -481,7 +481,7 @@ class RayCollector:
         self.failures.append(NodeFailure(n.index, n.node_id, exc, 0, False))
         logger.warning("shmbuf RayCollector: %s", self.failures[-1])
         n.state, n.describe_ref = "dead", None
-        ray.kill(n.owner, no_restart=True)  # its janitor removes what it had made
+        ray.kill(n.owner, no_restart=True)  # its shmbuf watcher removes what it had made
 
     def _unpack(self, n: _Node, got: Any) -> Any:
         """Check a batch against the schema and the wire format (it came over the network) and rebuild it.

@@ -1,21 +1,19 @@
-"""RayCollector's node side: the collecting half that runs on each node, and the janitor that cleans up after it.
+"""RayCollector's node side: the collecting half that runs on each node.
 
 :class:`NodeOwner` is a Ray actor pinned to one node, holding that node's :class:`workers.Collector`
 and answering the learner's calls (``describe``, ``next_batch``, ``set_weights``, ``stop``,
 ``shutdown``); :class:`LocalNode` is the same on the learner's own node, in the learner's process,
-handing batches over through a thread instead of Ray. Each starts a detached janitor first thing
-(``shmbuf clean --after <pid>``), so that nothing it creates outlives its process.
+handing batches over through a thread instead of Ray. Nothing either creates outlives its process: every
+shared-memory object it makes (pipelines, weight broadcasts, inference tables) is watched by its process's
+shmbuf watcher from its first microseconds, which removes it within a second of that process's death, a
+SIGKILL from Ray included (docs/design/janitor.md); its actor processes create none, and watch their owner.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import queue
 import secrets
-import signal
-import subprocess
-import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -33,30 +31,21 @@ OWNER_SLICE = 0.25
 
 
 class _NodeCollector:
-    """What every node's collecting side does, in a node owner or in the learner: a janitor first, the
-    ``Collector``, its actors up within ``ready_timeout``, and its batches one at a time until stopped."""
-
-    lives_on = False  # the process outlives its node (the learner's): its janitor is ended with the node
+    """What every node's collecting side does, in a node owner or in the learner: the ``Collector``, its actors up
+    within ``ready_timeout``, and its batches one at a time until stopped."""
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float, where: str):
         self.token = secrets.token_hex(8)  # this process: a restarted owner has another
-        # First, so that nothing this process creates can outlive it: Ray SIGKILLs an owner whose learner
-        # died, or that ray.kill hits (at any point, this constructor included).
-        self.janitor_pid = _start_janitor()
         self._stop = threading.Event()
         self._iter: Iterator[Any] | None = None
         self._failure: Exception | None = None  # what the collector raised: every later _next raises it again
         self.multiagent = "policies" in kwargs or "policy_factories" in kwargs  # see RayCollector(policies=...)
-        try:
-            if self.multiagent:
-                from workers._multiagent_collector import MultiAgentCollector
+        if self.multiagent:
+            from workers._multiagent_collector import MultiAgentCollector
 
-                self.collector: Any = MultiAgentCollector(*args, **kwargs)
-            else:
-                self.collector = Collector(*args, **kwargs)
-        except BaseException:
-            self._janitor_done()
-            raise
+            self.collector: Any = MultiAgentCollector(*args, **kwargs)
+        else:
+            self.collector = Collector(*args, **kwargs)
         try:
             c = self.collector
             if self.multiagent:
@@ -70,19 +59,13 @@ class _NodeCollector:
                                          f"ready_timeout={ready_timeout} s ({exc})") from None
         except BaseException:
             self.collector.shutdown()
-            self._janitor_done()
             raise
-
-    def _janitor_done(self) -> None:
-        if self.lives_on:
-            _end_janitor(self.janitor_pid)
 
     def describe(self) -> bytes:
         """Who and where this node's collector is, and the rollout layout: msgpack."""
         pack = pack_multiagent_description if self.multiagent else pack_description
-        return pack(self.collector, self.names, self.janitor_pid, self.token,
-                                node_id=ray.get_runtime_context().get_node_id(), host=ray.util.get_node_ip_address(),
-                                pid=os.getpid())
+        return pack(self.collector, self.names, self.token, node_id=ray.get_runtime_context().get_node_id(),
+                    host=ray.util.get_node_ip_address(), pid=os.getpid())
 
     def _next(self) -> Any:
         """The collector's next batch (a CollectedBatch, or a MultiAgentBatch), releasing the one before; None once
@@ -189,8 +172,6 @@ class LocalNode(_NodeCollector):
     ``copy=False``), valid until the learner's next batch, never copied on the way.
     """
 
-    lives_on = True
-
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float):
         self._ready: queue.Queue[Any] = queue.Queue()
         self._given_back = threading.Semaphore(0)
@@ -236,7 +217,7 @@ class LocalNode(_NodeCollector):
         return self.collector.update_policy_weights(weights, version=version)
 
     def shutdown(self, timeout: float) -> None:
-        """Stop the thread and join it, then the actors; remove the node's shared memory; end the janitor. Once."""
+        """Stop the thread and join it, then the actors; remove the node's shared memory. Once."""
         if self._shut:
             return
         self._shut = True
@@ -245,40 +226,7 @@ class LocalNode(_NodeCollector):
         self._given_back.release()
         self._thread.join(OWNER_SLICE + 5.0)  # still inside the collector past that: its close is safe under it
         self.collector.shutdown(timeout)
-        _end_janitor(self.janitor_pid)
 
     def close(self) -> None:
         """At interpreter exit (:class:`workers._exit.ExitClose`): :meth:`shutdown` with the collector's stop_timeout."""
         self.shutdown(self.collector.stop_timeout)
-
-
-def _end_janitor(pid: int) -> None:
-    """A clean end: the janitor of a process that lives on (the learner) has nothing to wait for."""
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-
-
-# Started through a short-lived middle process, so that the janitor is not the owner's child: Ray kills a
-# worker's children with it (kill_child_processes_on_worker_exit), and the janitor must outlive the owner.
-# The janitor writes its errors where the owner does (Ray's log of that worker).
-_DETACH = ("import subprocess, sys; "
-           "p = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, "
-           "start_new_session=True); print(p.pid)")
-
-
-def _start_janitor() -> int:
-    """Start ``shmbuf clean --after <this pid>``, detached; return its pid.
-
-    Once this process has exited, the janitor removes every shmbuf object it created (their headers
-    name it, by pid and start time), and nothing else. After a clean shutdown it finds nothing.
-    shmbuf's own directory goes on its path, for a shmbuf shipped with ``runtime_env`` rather than installed.
-    """
-    spec = importlib.util.find_spec("shmbuf")  # where this process found it (a module attribute is not shmbuf's API)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin))) if spec and spec.origin else ""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-c", _DETACH, sys.executable, "-m", "shmbuf", "clean", "--after", str(os.getpid())]
-    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=60, check=True,
-                         env=env)
-    return int(out.stdout)

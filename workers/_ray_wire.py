@@ -57,15 +57,14 @@ def pack_batch(schema: shmbuf.Schema, b: CollectedBatch) -> tuple[bytes, list[np
     return header, arrays
 
 
-def pack_description(c: Collector, names: list[str], janitor_pid: int, token: str, *, node_id: str, host: str,
-                     pid: int) -> bytes:
+def pack_description(c: Collector, names: list[str], token: str, *, node_id: str, host: str, pid: int) -> bytes:
     """A node's collector ``c`` described for the learner (msgpack): where it runs, its layout, its processes."""
     return msgpack.packb({
         "magic": WIRE_MAGIC, "version": WIRE_VERSION, "node_id": node_id,
         "host": host, "pid": pid, "schema": c.reader.schema.to_msgpack(),
         "batch_mode": c.batch_mode, "num_actors": c.num_actors, "num_envs": c.num_envs,
         "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.reader.slots,
-        "broadcast": c.publisher is not None, "actor_pids": list(c.pool.pids), "janitor_pid": janitor_pid,
+        "broadcast": c.publisher is not None, "actor_pids": list(c.pool.pids),
         "names": names, "token": token, "weights_version": c.policy_version,
         "awaiting_weights": c.publisher is not None and c.publisher.version is None,
     }, use_bin_type=True)
@@ -158,8 +157,8 @@ def pack_multiagent_batch(schemas: dict[Any, shmbuf.Schema], b: MultiAgentBatch)
     return header, [pack_batch(schemas[pid], b[pid]) for pid in pids]
 
 
-def pack_multiagent_description(c: MultiAgentCollector, names: list[str], janitor_pid: int, token: str, *,
-                                node_id: str, host: str, pid: int) -> bytes:
+def pack_multiagent_description(c: MultiAgentCollector, names: list[str], token: str, *, node_id: str, host: str,
+                                pid: int) -> bytes:
     """A node's multi-agent collector described for the learner (msgpack): its policies (id, schema, rows, weights),
     its agents and layout, its processes."""
     policies = [[_wire_id(p, "policy id"), c.schemas[p].to_msgpack(), p in c.publishers or p in c.served,
@@ -171,7 +170,6 @@ def pack_multiagent_description(c: MultiAgentCollector, names: list[str], janito
         "policies": policies, "batch_mode": c.batch_mode, "count_steps_by": c.count_steps_by,
         "num_actors": c.num_actors, "num_envs": c.num_envs, "rollout_len": c.rollout_len,
         "rounds_per_batch": c.rounds_per_batch, "actor_pids": list(c.pool.pids) if c.pool is not None else [],
-        "janitor_pid": janitor_pid,
         "names": names, "token": token, "awaiting_weights": bool(c.awaited_weights),
     }, use_bin_type=True)
 
