@@ -34,7 +34,7 @@ ray = pytest.importorskip("ray", reason="the `ray` extra (make test installs it)
 import shmbuf  # noqa: E402  (after the importorskip above)
 from tests.conftest import shm_objects, wait_until  # noqa: E402  (after the importorskip above)
 from tests.helpers import OnceLedger, described, gone, on_shm, pids_of, remote, watcher_of  # noqa: E402  (after the importorskip above)
-from workers import ActorError, CollectedBatch, RayCollector, _ray, _ray_weights, _ray_wire  # noqa: E402  # after the importorskip: they import ray
+from workers import ActorError, CollectedBatch, RayCollector, _ray, _ray_node, _ray_weights, _ray_wire  # noqa: E402  # after the importorskip: they import ray
 
 T, E = 8, 2
 FRAMES = 4 * T * E  # four rollouts a batch
@@ -208,7 +208,7 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
     rc = RayCollector.__new__(RayCollector)
     rc.schema, rc.batch_mode, rc.copy, rc.policy_version, rc._closed = shmbuf.Schema.from_example(example), \
         "truncate_episodes", False, 0, True
-    node = _ray._Node(0, "n0")
+    node = _ray_node.Node(0, "n0")
     leaves = [lf for ts in rc.schema.timescales for lf in ts.leaves]
     good = [np.zeros((2, *lf.shape), lf.dtype) for lf in leaves]
     good += [np.zeros(2, np.int64) for _ in rc.schema.timescales]
@@ -595,7 +595,7 @@ def test_weights_refused_by_two_nodes_are_raised_once(monkeypatch: Any, second_a
     monkeypatch.setattr(_ray_weights, "done", lambda ref: ref.done)
     rc = RayCollector.__new__(RayCollector)
     rc._closed = True  # a shell: nothing to shut down
-    nodes = [_ray._Node(k, f"n{k}", state="running", incarnation=0) for k in range(3)]
+    nodes = [_ray_node.Node(k, f"n{k}", state="running", incarnation=0) for k in range(3)]
     first = FakeAck(ValueError("leaf w: expected shape (1,), got (3,) on node 0"), done=True)
     second = FakeAck(ValueError("leaf w: expected shape (1,), got (3,) on node 1"), done=False,
                      answers_within_wait=second_answers == "within-the-wait")

@@ -29,7 +29,8 @@ import warnings
 
 from shmbuf import ActorError
 from workers._actor import ActorLoop, ActorSpec, probe, run_actor
-from workers._collector import CollectedBatch, Collector
+from workers._batches import CollectedBatch
+from workers._collector import Collector
 from workers._inference import AsyncBatchedCollector
 from workers._multiagent_collector import MultiAgentBatch, MultiAgentCollector
 from workers._pool import ActorContext, ActorPool

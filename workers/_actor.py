@@ -39,7 +39,6 @@ neither flag set); ``no_done_at_end`` records every episode end as
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,64 +52,11 @@ from shmbuf import UsageError
 from shmbuf import layout as L
 from workers._complete import SlotEpisodes
 from workers._envs import EnvDriver, tree_copy, tree_index
+from workers._policy import apply_weights, as_numpy_policy, split_policy_output, torch_threads
 from workers._postprocess import Postprocessor
 from workers._seeding import actor_seed
 from workers._truncate import SlotRollouts, usable
 from workers._views import ActorViews, check_view_requirements
-
-
-def split_policy_output(out: Any) -> tuple[Any, dict[str, Any]]:
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
-        return out[0], out[1]
-    return out, {}
-
-
-def _torch_module(policy: Any) -> Any:
-    """torch, if ``policy`` is a ``torch.nn.Module`` (torch is then loaded already: it made the policy), else None."""
-    torch = sys.modules.get("torch")
-    return torch if torch is not None and isinstance(policy, torch.nn.Module) else None
-
-
-class TorchPolicy:
-    """A ``torch.nn.Module`` as a numpy policy: observations in as tensors, actions and extras out as numpy.
-
-    ``torch.from_numpy`` shares memory with the observation (no copy; the
-    module must not write into its input); the call runs under
-    ``torch.no_grad()``; every tensor the module returns (an action, or
-    ``(action, {name: tensor})``) comes back as ``detach().cpu().numpy()``.
-    """
-
-    def __init__(self, module: Any):
-        self.module = module
-        self._torch = sys.modules["torch"]
-
-    def __call__(self, obs: Any) -> Any:
-        torch = self._torch
-        with torch.no_grad():
-            out = self.module(optree.tree_map(torch.from_numpy, obs))
-        return optree.tree_map(lambda x: x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x, out)
-
-
-def as_numpy_policy(policy: Any) -> Callable[[Any], Any]:
-    """What :class:`ActorLoop` calls: ``policy`` itself, or a :class:`TorchPolicy` around a torch module."""
-    return TorchPolicy(policy) if _torch_module(policy) is not None else policy
-
-
-def apply_weights(policy: Any, params: Any) -> None:
-    """Give new parameters to a policy: ``load_weights(params)``, or a torch module's ``load_state_dict``."""
-    load = getattr(policy, "load_weights", None)
-    if load is not None:
-        load(params)
-        return
-    if hasattr(policy, "load_state_dict") and isinstance(params, dict):
-        import torch
-
-        policy.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in params.items()})
-        return
-    raise UsageError(
-        f"the policy ({type(policy).__name__}) cannot take broadcast weights: give it a load_weights(params) "
-        "method (or make it a torch.nn.Module and broadcast its state_dict as numpy arrays)"
-    )
 
 
 def action_space_of(env: Any) -> Any:
@@ -465,12 +411,6 @@ def _squeeze0(x: Any) -> Any:
 
 def _same(x: Any) -> Any:
     return x
-
-
-def torch_threads(n: int | None) -> None:
-    """Limit torch's intra-op threads in an actor, if torch is loaded (actors share the cores)."""
-    if n is not None and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(n)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ import shmbuf
 import shmbuf.lowlevel
 from shmbuf import layout as L
 from shmbuf.lowlevel import int_setting
-from workers._collector import CollectedBatch, Collector
+from workers._batches import CollectedBatch
+from workers._collector import Collector
 from workers._placement import ServedPolicy
 from workers._server import InferenceServer, load_into
 from workers._settings import (

@@ -34,9 +34,9 @@ import optree
 
 from shmbuf import SchemaError, UsageError
 from shmbuf import layout as L
-from workers._actor import apply_weights, as_numpy_policy, split_policy_output
 from workers._agent_obs import obs_example, put, space_example, take
 from workers._agent_rows import AgentRows, Episode, ParallelDriver, agents_of
+from workers._policy import apply_weights, as_numpy_policy, split_policy_output
 from workers._truncate import OutputCheck, check_extras
 from workers._views import ActorViews, check_view_requirements
 

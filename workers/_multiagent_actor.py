@@ -11,6 +11,7 @@ from typing import Any
 import shmbuf
 from shmbuf import layout as L
 from workers._multiagent import ENV_STEPS_COUNT, MultiAgentLoop
+from workers._policy import torch_threads
 
 AWAIT_SLICE = 0.02  # how often an actor awaiting its first weights looks again
 
@@ -71,8 +72,6 @@ class ScratchWriter:
 def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
     """An :class:`workers.ActorPool` target: make the envs (a factory returns a ParallelEnv or a list of them), a
     writer per policy, and run a :class:`workers.MultiAgentLoop` until stopped."""
-    from workers._actor import torch_threads
-
     torch_threads(spec.torch_threads)
     envs = envs_of(spec.env_fns[ctx.index % len(spec.env_fns)])
     writers: dict[Any, Any] = {}

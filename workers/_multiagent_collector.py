@@ -26,26 +26,19 @@ import optree
 import shmbuf
 from shmbuf import layout as L
 from shmbuf.lowlevel import int_setting, timeout_setting
-from workers._collector import episodes_batch, no_episodes, progress, rounds_batch, take_episode, weights_of
+from workers._batches import episodes_batch, no_episodes, progress, rounds_batch, take_episode, valid_steps
 from workers._exit import ExitClose
 from workers._multiagent import AGENT_STEPS_COUNT, COUNT_STEPS_BY, ENV_STEPS_COUNT, multiagent_examples
 from workers._multiagent_actor import MultiAgentSpec, envs_of, run_multiagent_actor
 from workers._multiagent_batch import MultiAgentBatch
 from workers._multiagent_postprocess import add_columns, discover_policies, setting_for, trained_policies
 from workers._multiagent_postprocess import check_setting as check_postprocess
+from workers._policy import weights_of
 from workers._pool import ActorPool, default_start_method
 from workers._remote import VERSION_KEY
 from workers._views import check_view_requirements
 
 WAIT_SLICE = 0.05
-
-
-def valid_steps(data: Any, fill: dict[str, np.ndarray]) -> int:
-    """The agent steps of truncate-episodes rollouts ``(B, T, K, ...)``: each one's valid rows up to its fill."""
-    valid = data[L.STEP][L.VALID]
-    return int(sum(valid[i, : fill[L.STEP][i]].sum() for i in range(len(fill[L.STEP]))))
-
-
 
 
 class MultiAgentCollector:

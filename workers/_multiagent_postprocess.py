@@ -183,7 +183,7 @@ class MultiAgentPostprocessor:
     def wrap(self, calls: Mapping[Any, Callable[[Any], Any]]) -> dict[Any, Callable[[Any], Any]]:
         """The loop's numpy policies, those whose hook adds columns returning zeros for them as extras: the step leaves
         are written from the first step, and the hook overwrites them before the commit."""
-        from workers._actor import split_policy_output
+        from workers._policy import split_policy_output
 
         out = dict(calls)
         for pid, zeros in self._zeros.items():

@@ -19,6 +19,7 @@ import shmbuf
 import shmbuf.lowlevel
 from shmbuf import layout as L
 from workers._actor import ActorSpec, run_actor
+from workers._policy import numpy_state, weights_of
 from workers._pool import ActorPool
 from workers._remote import VERSION_KEY
 from workers._server import Forward, InferenceServer
@@ -63,21 +64,6 @@ class Placement(Protocol):
 
     def close(self, end: float) -> None:
         """Shutdown, after the actors are stopped: release what :meth:`start` made, by ``end`` (monotonic)."""
-
-
-def numpy_state(policy: Any) -> dict[str, np.ndarray]:
-    """A torch module's state_dict as numpy arrays (copies, CPU)."""
-    return {k: v.detach().cpu().numpy().copy() for k, v in policy.state_dict().items()}
-
-
-def weights_of(policy_or_weights: Any, held: Any) -> Any:
-    """What ``update_policy_weights`` publishes: a torch module's ``state_dict`` as numpy, a pytree as it is,
-    or for None the policy the collector holds (``held``), re-read."""
-    src = policy_or_weights if policy_or_weights is not None else held
-    if src is None:
-        raise shmbuf.UsageError("update_policy_weights(): no weights given and the collector holds no policy to read "
-                                "them from")
-    return numpy_state(src) if hasattr(src, "state_dict") else src
 
 
 class LocalPolicy:

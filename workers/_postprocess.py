@@ -170,7 +170,7 @@ class Postprocessor:
     def with_placeholders(self, call: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``call`` (a numpy policy) whose extras also hold zeros for the added columns: the step leaves exist
         from the first step, and the hook overwrites them before the commit."""
-        from workers._actor import split_policy_output
+        from workers._policy import split_policy_output
 
         zeros = self._zeros
 

@@ -35,49 +35,31 @@ away takes its actor processes (they watch the owner, see workers._pool).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import shmbuf
-from workers._collector import checked_sources, progress, weights_of
+from workers._batches import progress
+from workers._policy import weights_of
 from workers._pool import default_start_method
 from workers._ray_batch import NodeFailure, RayBatch  # workers.RayBatch, workers.NodeFailure come from here
 from workers._ray_multiagent import MultiAgentNodes
+from workers._ray_node import Node, rate
 from workers._ray_nodes import OWNER_SLICE, LocalNode, NodeOwner  # NodeOwner: workers.NodeOwner comes from here
 from workers._ray_weights import Ack, check_acks, done, send_weights
 from workers._ray_wire import unpack_batch, unpack_header
+from workers._settings import checked_sources
 
 logger = logging.getLogger(__name__)
 
 WAIT_SLICE = 0.1
 # How long the learner waits on its own node's batches before it looks at the other nodes' again.
 LOCAL_SLICE = 0.002
-
-
-@dataclass
-class _Node:
-    index: int
-    node_id: str
-    owner: Any = None
-    state: str = "starting"  # starting -> running -> (restarting -> running)* -> dead | stopped
-    host: str = ""
-    info: dict[str, Any] | None = None
-    describe_ref: Any = None
-    incarnation: int = -1  # one more each time a new owner process describes itself: 0 once it has started
-    back_by: float = 0.0  # a restarting owner not back by then is out
-    local: LocalNode | None = None  # the learner's own node, read in its process (no owner)
-    batches: int = 0
-    frames: int = 0
-    lost: int = 0
-    first: float | None = None
-    last: float | None = None
 
 
 class RayCollector:
@@ -177,13 +159,13 @@ class RayCollector:
         self._weights_ref: Any = None  # the latest version's object, sent again to an owner that restarts
         self._weight_acks: list[Ack] = []  # the owners' set_weights calls, followed (workers._ray_weights)
         self._stopping: list[Any] = []  # shutdown calls to owners whose collector raised
-        self._pending: dict[Any, _Node] = {}
+        self._pending: dict[Any, Node] = {}
         self._lags: deque[int] = deque(maxlen=10_000)
         self._returns: deque[float] = deque(maxlen=100)
         self._t0: float | None = None
         self._closed = False
         self._bar = None
-        self.nodes = [_Node(k, i) for k, i in enumerate(ids)]
+        self.nodes = [Node(k, i) for k, i in enumerate(ids)]
         here = ray.get_runtime_context().get_node_id() if local_node else None
         owner_cls = ray.remote(concurrency_groups={"control": 1})(NodeOwner)  # one: publishes never overlap
         options = {"num_cpus": 0, "max_restarts": max_restarts if restart else 0, "max_task_retries": 0,
@@ -232,7 +214,7 @@ class RayCollector:
             n = refs.pop(ready[0])
             self._took_description(n, ray.get(ready[0]))  # an owner that failed to start raises here, with Ray's error
 
-    def _took_description(self, n: _Node, raw: bytes) -> None:
+    def _took_description(self, n: Node, raw: bytes) -> None:
         info = unpack_header(raw, f"node {n.index}'s description")
         if bool(info.get("multiagent")) != (self._ma is not None):
             raise shmbuf.SchemaError(f"node {n.index}: a {'multi' if info.get('multiagent') else 'single'}-agent "
@@ -314,7 +296,7 @@ class RayCollector:
                     self._send_weights(n)
         return new
 
-    def _send_weights(self, n: _Node) -> None:
+    def _send_weights(self, n: Node) -> None:
         self._weight_acks.append(send_weights(n, self._weights_ref, self.policy_version))
 
     def _check_acks(self) -> None:
@@ -345,7 +327,7 @@ class RayCollector:
                 self._bar.set_postfix(self._rates(), refresh=False)
             yield batch
 
-    def _fill(self, n: _Node) -> None:
+    def _fill(self, n: Node) -> None:
         """Keep ``max_in_flight`` next_batch calls outstanding on a running node."""
         if n.state != "running" or n.local is not None:
             return
@@ -408,18 +390,18 @@ class RayCollector:
         return self._counted(n, batch)
 
     @staticmethod
-    def _counted(n: _Node, batch: Any) -> Any:
+    def _counted(n: Node, batch: Any) -> Any:
         now = time.monotonic()
         n.first = n.first if n.first is not None else now
         n.last, n.batches, n.frames = now, n.batches + 1, n.frames + batch.frames
         return batch
 
-    def _from_local(self, n: _Node, b: Any) -> Any:
+    def _from_local(self, n: Node, b: Any) -> Any:
         if self._ma is not None:
             return self._ma.from_local(n, b)
         return RayBatch.of(b, n, learner_version=self.policy_version)
 
-    def _failed(self, n: _Node, exc: BaseException) -> None:
+    def _failed(self, n: Node, exc: BaseException) -> None:
         """A call of node ``n`` failed: count its lost calls, report it, and follow it as restarting or stop it."""
         failed_call = not isinstance(exc, shmbuf.SchemaError) and n.local is None  # a local failure loses no batch
         lost = int(failed_call) + sum(1 for m in self._pending.values() if m is n)
@@ -439,7 +421,7 @@ class RayCollector:
         if self.raise_on_node_failure:
             raise shmbuf.BrokenPipeline(f"a node failed: {failure}") from exc
 
-    def _out(self, n: _Node) -> None:
+    def _out(self, n: Node) -> None:
         """Take node ``n`` out of the collection. Its owner may live (its collector raised, it sent garbage, it
         was only unreachable): stop it, so that its actors exit and its shared memory goes."""
         n.state, n.describe_ref = "dead", None
@@ -476,14 +458,14 @@ class RayCollector:
                 self._send_weights(n)
             self._fill(n)
 
-    def _gone(self, n: _Node, exc: BaseException) -> None:
+    def _gone(self, n: Node, exc: BaseException) -> None:
         """A restarting owner that did not come back: report it, and make sure Ray does not bring it back later."""
         self.failures.append(NodeFailure(n.index, n.node_id, exc, 0, False))
         logger.warning("shmbuf RayCollector: %s", self.failures[-1])
         n.state, n.describe_ref = "dead", None
         ray.kill(n.owner, no_restart=True)  # its shmbuf watcher removes what it had made
 
-    def _unpack(self, n: _Node, got: Any) -> Any:
+    def _unpack(self, n: Node, got: Any) -> Any:
         """Check a batch against the schema and the wire format (it came over the network) and rebuild it.
 
         Raises:
@@ -498,7 +480,7 @@ class RayCollector:
     # -- introspection and shutdown -----------------------------------------
 
     def _rates(self) -> dict[str, str]:
-        return {f"node{n.index}": f"{_rate(n):,.0f}/s" for n in self.nodes}
+        return {f"node{n.index}": f"{rate(n):,.0f}/s" for n in self.nodes}
 
     def _states(self) -> str:
         return ", ".join(f"node {n.index} {n.state}" for n in self.nodes)
@@ -508,7 +490,7 @@ class RayCollector:
         return {
             **progress(self.frames, self.batches, self._t0, self.policy_version, self._lags, self._returns),
             "nodes": [{"node": n.index, "node_id": n.node_id, "host": n.host, "state": n.state, "batches": n.batches,
-                       "frames": n.frames, "frames_per_s": _rate(n), "lost_batches": n.lost, "restarts": max(0, n.incarnation),
+                       "frames": n.frames, "frames_per_s": rate(n), "lost_batches": n.lost, "restarts": max(0, n.incarnation),
                        "local": n.local is not None}
                       for n in self.nodes],
             "failures": [str(f) for f in self.failures],
@@ -527,7 +509,7 @@ class RayCollector:
         if self._bar is not None:
             self._bar.close()
         timeout = self.stop_timeout if timeout is None else timeout
-        stops: dict[Any, _Node | None] = {ref: None for ref in self._stopping}
+        stops: dict[Any, Node | None] = {ref: None for ref in self._stopping}
         for n in self.nodes:
             if n.owner is not None and n.state in ("starting", "running", "restarting"):
                 stops[self._stop_owner(n, timeout)] = n
@@ -550,7 +532,7 @@ class RayCollector:
         self._weight_acks.clear()
 
     @staticmethod
-    def _stop_owner(n: _Node, timeout: float) -> Any:
+    def _stop_owner(n: Node, timeout: float) -> Any:
         """Ask an owner to stop (at once, through the control group), then to shut down after its last batch."""
         n.owner.stop.options(concurrency_group="control").remote()
         return n.owner.shutdown.remote(timeout)
@@ -566,9 +548,3 @@ class RayCollector:
             self.close()
         except Exception:  # noqa: BLE001  # a finalizer must not raise (it may run at interpreter exit)
             pass
-
-
-def _rate(n: _Node) -> float:
-    if n.first is None or n.last is None or n.last <= n.first or n.batches < 2:
-        return math.nan
-    return n.frames * (n.batches - 1) / n.batches / (n.last - n.first)

@@ -19,20 +19,18 @@ before it collects. The wire format is :func:`workers._ray_wire.pack_multiagent_
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import ray
 
 import shmbuf
 from workers._agent_rows import AgentRows
-from workers._collector import weights_of
 from workers._multiagent_collector import MultiAgentBatch
+from workers._policy import weights_of
 from workers._ray_batch import RayBatch
+from workers._ray_node import Node
 from workers._ray_weights import Ack, send_weights
 from workers._ray_wire import _wire_id, unpack_multiagent_batch
-
-if TYPE_CHECKING:
-    from workers._ray import _Node
 
 
 class PolicyVersion(NamedTuple):
@@ -81,7 +79,7 @@ class MultiAgentNodes:
         self.latest: dict[Any, Any] = {}  # each policy's latest weights object, sent again to an owner that restarts
         self.sends = 0  # update_policy_weights calls: what an Ack's version counts here
 
-    def took(self, n: _Node, info: dict[str, Any], first: _Node) -> None:
+    def took(self, n: Node, info: dict[str, Any], first: Node) -> None:
         """A node's description: the first sets the layout; every later one must lay every policy out the same."""
         entries = info.get("policies")
         if not isinstance(entries, list) or not all(isinstance(e, list) and len(e) == 7 for e in entries):
@@ -121,7 +119,7 @@ class MultiAgentNodes:
 
     # -- weights ------------------------------------------------------------
 
-    def update(self, weights: dict[Any, Any] | None, nodes: list[_Node], acks: list[Ack]) -> dict[Any, int]:
+    def update(self, weights: dict[Any, Any] | None, nodes: list[Node], acks: list[Ack]) -> dict[Any, int]:
         """New weights ``{policy_id: weights}`` (None: every policy the learner holds a torch module of, re-read): to
         the learner's own node now, to the others as one ``ray.put`` object per policy. Returns the new versions."""
         if weights is None:
@@ -156,7 +154,7 @@ class MultiAgentNodes:
                     self.send(n, list(params), acks)
         return new
 
-    def send(self, n: _Node, pids: list[Any], acks: list[Ack]) -> None:
+    def send(self, n: Node, pids: list[Any], acks: list[Ack]) -> None:
         """Each of ``pids``' latest weights (None: never updated, the ones the node started from) to node ``n``."""
         for pid in pids:
             acks.append(send_weights(n, self.latest.get(pid), self.versions[pid], policy_id=pid,
@@ -164,7 +162,7 @@ class MultiAgentNodes:
 
     # -- batches ------------------------------------------------------------
 
-    def _batch(self, n: _Node, parts: dict[Any, RayBatch], *, frames: int, env_steps: int, agent_steps: int,
+    def _batch(self, n: Node, parts: dict[Any, RayBatch], *, frames: int, env_steps: int, agent_steps: int,
                aligned: bool) -> RayMultiAgentBatch:
         out = RayMultiAgentBatch(parts)
         out.frames, out.env_steps, out.agent_steps = frames, env_steps, agent_steps
@@ -172,7 +170,7 @@ class MultiAgentNodes:
         out.node, out.node_id, out.incarnation = n.index, n.node_id, n.incarnation
         return out
 
-    def unpack(self, n: _Node, got: Any, batch_mode: str, copy: bool) -> RayMultiAgentBatch:
+    def unpack(self, n: Node, got: Any, batch_mode: str, copy: bool) -> RayMultiAgentBatch:
         """A batch from node ``n``'s owner, checked (see :func:`workers._ray_wire.unpack_multiagent_batch`)."""
         w = unpack_multiagent_batch(got, self.schemas, batch_mode, copy, f"a batch from node {n.index}")
         parts = {pid: RayBatch.from_wire(p, n, batch_mode=batch_mode, learner_version=self.versions[pid])
@@ -180,7 +178,7 @@ class MultiAgentNodes:
         return self._batch(n, parts, frames=w.frames, env_steps=w.env_steps, agent_steps=w.agent_steps,
                            aligned=w.aligned)
 
-    def from_local(self, n: _Node, mb: MultiAgentBatch) -> RayMultiAgentBatch:
+    def from_local(self, n: Node, mb: MultiAgentBatch) -> RayMultiAgentBatch:
         """A batch of the learner's own node: its MultiAgentCollector's, each policy's batch as a RayBatch."""
         parts = {pid: RayBatch.of(b, n, learner_version=self.versions[pid]) for pid, b in mb.items()}
         return self._batch(n, parts, frames=mb.frames, env_steps=mb.env_steps, agent_steps=mb.agent_steps,

@@ -26,7 +26,8 @@ import shmbuf
 from shmbuf import layout as L
 
 if TYPE_CHECKING:
-    from workers._collector import CollectedBatch, Collector
+    from workers._batches import CollectedBatch
+    from workers._collector import Collector
     from workers._multiagent_collector import MultiAgentBatch, MultiAgentCollector
 
 WIRE_MAGIC = "shmbuf-ray-batch"

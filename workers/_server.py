@@ -22,7 +22,7 @@ import optree
 import shmbuf
 import shmbuf.lowlevel
 from shmbuf import layout as L
-from workers._actor import split_policy_output
+from workers._policy import split_policy_output
 
 _NONE = np.zeros(0, np.int64)
 
