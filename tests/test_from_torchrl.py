@@ -427,7 +427,7 @@ def test_start_collects_into_shmbufs_shared_memory_replay_buffer() -> None:
 def test_a_given_shmbuf_replay_buffer_takes_the_batches_rows() -> None:
     """A shmbuf.storage.ReplayBuffer made by the caller, laid out as one frame of a batch (workers._torchrl.numpy_tree)."""
     from shmbuf.storage import ReplayBuffer
-    from workers._torchrl import numpy_tree
+    from workers.compat._torchrl import numpy_tree
 
     c = collector(total_frames=64)
     try:

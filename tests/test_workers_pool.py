@@ -251,7 +251,8 @@ def test_workers_uses_only_shmbuf_public_api():
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shmbuf"):
                 assert node.module in public, f"{path.name}:{node.lineno} imports {node.module}"
                 # a public module of the package is public too: `from shmbuf import layout as L` is `import shmbuf.layout`
-                bad = [a.name for a in node.names if a.name not in public[node.module] and f"{node.module}.{a.name}" not in public]
+                bad = [a.name for a in node.names
+                       if a.name not in public[node.module] and f"{node.module}.{a.name}" not in public]
                 assert not bad, f"{path.name}:{node.lineno} imports {bad} from {node.module}, outside its __all__"
                 used += [(path.name, node.lineno, a.name) for a in node.names if node.module == "shmbuf"]
             elif isinstance(node, ast.Import):

@@ -32,9 +32,10 @@ from workers._actor import ActorLoop, ActorSpec, probe, run_actor
 from workers._batches import CollectedBatch
 from workers._collector import Collector
 from workers._inference import AsyncBatchedCollector
-from workers._multiagent_collector import MultiAgentBatch, MultiAgentCollector
+from workers._multiagent_batch import MultiAgentBatch
+from workers._multiagent_collector import MultiAgentCollector
 from workers._pool import ActorContext, ActorPool
-from workers._tensordict import to_tensordict
+from workers.compat._tensordict import to_tensordict
 
 __all__ = [
     "ActorContext",

@@ -29,12 +29,11 @@ requirement's fill value), never the previous episode's data; episodes are
 delimited by the *recorded* ``terminated | truncated``, exactly what the
 learner reads back from the stored rollout. See :class:`ActorViews`.
 
-Horizons (RLlib's ``horizon``, ``soft_horizon``, ``no_done_at_end``; see
-:class:`Horizon`): an episode reaching ``horizon`` steps is cut like a time
-limit (recorded ``truncated``, the sub-env reset); with ``soft_horizon`` it is
-not cut: only its return/length bookkeeping restarts (an episode record with
-neither flag set); ``no_done_at_end`` records every episode end as
-``truncated``, never ``terminated``.
+Episode limits (RLlib's ``horizon``, ``soft_horizon``, ``no_done_at_end``, accepted under those names too:
+:mod:`workers.compat.rllib`): an episode reaching ``episode_limit`` steps is cut like a time limit (recorded
+``truncated``, the sub-env reset); with ``soft_limit`` it is not cut: only its return/length bookkeeping restarts
+(an episode record with neither flag set); ``ends_truncated`` records every episode end as ``truncated``, never
+``terminated``.
 """
 
 from __future__ import annotations
@@ -53,10 +52,12 @@ from shmbuf import layout as L
 from workers._complete import SlotEpisodes
 from workers._envs import EnvDriver, tree_copy, tree_index
 from workers._policy import apply_weights, as_numpy_policy, split_policy_output, torch_threads
-from workers._postprocess import Postprocessor
 from workers._seeding import actor_seed
+from workers._settings import check_limits
 from workers._truncate import SlotRollouts, usable
 from workers._views import ActorViews, check_view_requirements
+from workers.compat import rllib
+from workers.compat._rllib_postprocess import Postprocessor
 
 
 def action_space_of(env: Any) -> Any:
@@ -89,24 +90,6 @@ def probe(env: Any, policy: Callable[[Any], Any], seed: int | None = None, *,
     }
 
 
-# -- horizons (RLlib's horizon, soft_horizon, no_done_at_end) ------------------------------------------
-
-
-def check_horizon(batch_mode: str, horizon: int | None, soft_horizon: bool, no_done_at_end: bool) -> None:
-    """UsageError for a bad horizon setting or a combination the batch mode cannot honour."""
-    if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, (int, np.integer)) or horizon < 1):
-        raise UsageError(f"horizon: expected an int >= 1 (the most steps an episode may last) or None, got {horizon!r}")
-    for name, v in (("soft_horizon", soft_horizon), ("no_done_at_end", no_done_at_end)):
-        if not isinstance(v, bool):
-            raise UsageError(f"{name}: expected a bool, got {v!r}")
-    if soft_horizon and horizon is None:
-        raise UsageError("soft_horizon=True needs horizon=<steps>: it says what happens at the horizon")
-    if soft_horizon and batch_mode == L.COMPLETE_EPISODES:
-        raise UsageError("soft_horizon=True with batch_mode='complete_episodes': a soft horizon does not reset the env, so "
-                         "the next rollout would start mid-episode, which complete-episodes rollouts never do; use "
-                         "batch_mode='truncate_episodes' (or a hard horizon)")
-
-
 class ActorLoop:
     """Drives one env (single or vector) with a policy, writing rollouts through shmbuf Writers.
 
@@ -120,36 +103,50 @@ class ActorLoop:
         should_stop: checked every step; a partial rollout is then dropped.
         view_requirements: ``{name: ViewRequirement}``: call the policy with a dict of views
             (:class:`ActorViews`) instead of the bare observation; None: the observation.
-        horizon: no episode lasts more than this many steps: it is cut there, recorded
-            ``truncated``, the sub-env reset (complete-episodes: cut at ``min(horizon, T)``).
+        episode_limit: (RLlib's ``horizon``) no episode lasts more than this many steps: it is cut there,
+            recorded ``truncated``, the sub-env reset (complete-episodes: cut at ``min(episode_limit, T)``).
             The env's own time limit is left as it is.
         reset_each_rollout: (truncate-episodes) every rollout starts with freshly reset envs
             (TorchRL's ``reset_at_each_iter``): an episode still running at a rollout's last step is
             cut there, recorded ``truncated`` (bootstrapped from ``bootstrap.obs``), and reset.
-        soft_horizon: at the horizon, neither reset nor flag: only the episode's return and
-            length bookkeeping restart (an episode record with neither flag). Truncate-episodes only.
-        no_done_at_end: never record ``terminated``: an episode that ends (or is cut) is
-            recorded ``truncated`` (the learner bootstraps from its final observation).
-        postprocess: a :class:`workers._postprocess.PostprocessSpec` (``Collector(postprocess=...)`` makes
-            it): RLlib's ``postprocess_trajectory`` on every episode piece of each rollout before its
-            commit, its added columns written into the slot (see workers/_postprocess.py).
+        soft_limit: (RLlib's ``soft_horizon``) at the limit, neither reset nor flag: only the episode's return
+            and length bookkeeping restart (an episode record with neither flag). Truncate-episodes only.
+        ends_truncated: (RLlib's ``no_done_at_end``) never record ``terminated``: an episode that ends (or is
+            cut) is recorded ``truncated`` (the learner bootstraps from its final observation).
+        episode_hook: (RLlib's ``postprocess``) a :class:`workers.compat.rllib.PostprocessSpec` (a collector's
+            ``episode_hook=`` makes it): RLlib's ``postprocess_trajectory`` on every episode piece of each
+            rollout before its commit, its added columns written into the slot (workers/compat/_rllib_postprocess.py).
+        **rllib_names: RLlib's names for the settings above (``horizon``, ``soft_horizon``, ``no_done_at_end``,
+            ``postprocess``; :mod:`workers.compat.rllib`).
 
     Raises:
-        shmbuf.UsageError: a bad view requirement or horizon setting (see :func:`check_view_requirements`,
-            :func:`check_horizon`).
+        shmbuf.UsageError: a bad view requirement or episode-limit setting (see :func:`check_view_requirements`,
+            :func:`workers._settings.check_limits`), or a keyword that is none of these.
     """
 
     def __init__(self, env: Any, policy: Any, writers: list[Any], *, rollout_len: int,
                  batch_mode: str = L.TRUNCATE_EPISODES, max_episodes: int | None = None, weights: Any = None,
                  seed: int | None = None, should_stop: Callable[[], bool] | None = None,
-                 view_requirements: dict[str, Any] | None = None, horizon: int | None = None,
-                 soft_horizon: bool = False, no_done_at_end: bool = False, reset_each_rollout: bool = False,
-                 postprocess: Any = None):
+                 view_requirements: dict[str, Any] | None = None, episode_limit: int | None = None,
+                 soft_limit: bool = False, ends_truncated: bool = False, reset_each_rollout: bool = False,
+                 episode_hook: Any = None, **rllib_names: Any):
         L.check_batch_mode(batch_mode)
+        names: dict[str, str] = {}
+        given = rllib.translate(rllib_names, rllib.ALIASES, names, framework="RLlib")
+        mine = {"episode_limit": episode_limit, "soft_limit": soft_limit, "ends_truncated": ends_truncated,
+                "episode_hook": episode_hook}
+        for k in list(given):
+            if k not in mine:
+                raise UsageError(f"ActorLoop({names.get(k, k)}=...): not a setting of ActorLoop")
+            if mine[k] not in (None, False):
+                raise UsageError(f"{names[k]}= (RLlib's name) and {k}= are one setting; give one of them")
+            mine[k] = given[k]
+        episode_limit, soft_limit, ends_truncated, episode_hook = (mine["episode_limit"], mine["soft_limit"],
+                                                                   mine["ends_truncated"], mine["episode_hook"])
         if reset_each_rollout and batch_mode != L.TRUNCATE_EPISODES:
             raise UsageError("reset_each_rollout=True: complete-episodes rollouts start with a reset already; "
                              "use it with batch_mode='truncate_episodes'")
-        check_horizon(batch_mode, horizon, soft_horizon, no_done_at_end)
+        check_limits(batch_mode, episode_limit, soft_limit, ends_truncated, names)
         if view_requirements is not None:
             check_view_requirements(view_requirements)
         self.driver = EnvDriver(env)
@@ -172,18 +169,18 @@ class ActorLoop:
         self.episodes = 0
         self.cut_episodes = 0
         self.soft_horizons = 0
-        self.horizon = None if horizon is None else int(horizon)
-        self.soft_horizon = soft_horizon
-        self.no_done_at_end = no_done_at_end
+        self.episode_limit = None if episode_limit is None else int(episode_limit)
+        self.soft_limit = soft_limit
+        self.ends_truncated = ends_truncated
         self.reset_each_rollout = reset_each_rollout
-        limits = [x for x in (self.horizon, self.T if batch_mode == L.COMPLETE_EPISODES else None) if x is not None]
+        limits = [x for x in (self.episode_limit, self.T if batch_mode == L.COMPLETE_EPISODES else None) if x is not None]
         self.limit = min(limits) if limits else None  # where the actor ends an episode itself
         self.obs = self.driver.reset(seed)
         self.views = None
         if view_requirements is not None:
             self.views = ActorViews(view_requirements, self.obs, self.E, action_space_of(env))
-        self.postprocess = None if postprocess is None else Postprocessor(
-            postprocess, policy, num_envs=self.E, vector=self.driver.vector and batch_mode == L.TRUNCATE_EPISODES,
+        self.postprocess = None if episode_hook is None else Postprocessor(
+            episode_hook, policy, num_envs=self.E, vector=self.driver.vector and batch_mode == L.TRUNCATE_EPISODES,
             batch_mode=batch_mode)
         if self.postprocess is not None:
             self._call = self.postprocess.with_placeholders(self._call)
@@ -228,8 +225,8 @@ class ActorLoop:
     def _flags(self, term: np.ndarray, trunc: np.ndarray) -> tuple[np.ndarray, np.ndarray, Any, Any]:
         """``(terminated, truncated, cut, soft)`` to record for a step, ``ep_len`` already counting it.
 
-        ``cut``: sub-envs the actor ends itself at its limit (horizon, or T in complete-episodes mode),
-        recorded truncated, to be reset; ``soft``: sub-envs at a soft horizon (a bookkeeping record, no
+        ``cut``: sub-envs the actor ends itself at its limit (episode_limit, or T in complete-episodes mode),
+        recorded truncated, to be reset; ``soft``: sub-envs at a soft limit (a bookkeeping record, no
         reset, no flag). Each None when nobody is there.
         """
         cut = soft = None
@@ -238,12 +235,12 @@ class ActorLoop:
             if np.count_nonzero(at):
                 at &= ~(term | trunc)  # an episode the env ended on this very step ended by itself (RLlib's hit_horizon)
                 if at.any():
-                    if self.soft_horizon:
+                    if self.soft_limit:
                         soft = at
                     else:
                         cut = at
                         trunc = trunc | cut
-        if self.no_done_at_end and np.count_nonzero(term):
+        if self.ends_truncated and np.count_nonzero(term):
             trunc = trunc | term
             term = np.zeros_like(term)
         return term, trunc, cut, soft
@@ -374,7 +371,7 @@ class ActorLoop:
             self.ep_ret += rew
             self.ep_len += 1
             self.env_steps += E
-            term, trunc, cut, _ = self._flags(term, trunc)  # no soft horizon in this mode (check_horizon)
+            term, trunc, cut, _ = self._flags(term, trunc)  # no soft limit in this mode (check_limits)
             rew32 = rew.astype(np.float32)
             for e in range(E):
                 step = {OBS: tree_index(obs, e), ACTION: tree_index(action, e), REWARD: rew32[e], TERMINATED: term[e],
@@ -420,7 +417,7 @@ class ActorSpec:
     ``env_fns``: one env factory per actor (actor i uses ``env_fns[i % len]``).
     ``policy`` or ``policy_factory`` (called in the actor, for policies that
     cannot be pickled). ``pipeline``/``weights``: shmbuf names.
-    ``view_requirements``, ``horizon``, ``soft_horizon``, ``no_done_at_end``, ``reset_each_rollout``: as
+    ``view_requirements``, ``episode_limit``, ``soft_limit``, ``ends_truncated``, ``reset_each_rollout``: as
     :class:`ActorLoop`. ``inference``: an inference table's name: the policy is then a
     :class:`workers.RemotePolicy` on client slot ``ctx.index`` (give neither policy nor factory).
     ``await_weights``: with ``weights``, collect nothing until the broadcast holds a version (see
@@ -440,13 +437,13 @@ class ActorSpec:
     torch_threads: int | None = 1
     label: str = "actor"
     view_requirements: dict[str, Any] | None = None
-    horizon: int | None = None
-    soft_horizon: bool = False
-    no_done_at_end: bool = False
+    episode_limit: int | None = None
+    soft_limit: bool = False
+    ends_truncated: bool = False
     reset_each_rollout: bool = False
     inference: str | None = None
     await_weights: bool = False
-    postprocess: Any = None  # a workers._postprocess.PostprocessSpec
+    episode_hook: Any = None  # a workers.compat.rllib.PostprocessSpec
 
 
 # How often an actor that awaits its first weights looks at the broadcast and at its stop flag.
@@ -497,8 +494,9 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         loop = ActorLoop(env, policy, writers, rollout_len=spec.rollout_len, batch_mode=spec.batch_mode,
                          max_episodes=spec.max_episodes, weights=sub, seed=seed,
                          should_stop=lambda: ctx.stop_requested, view_requirements=spec.view_requirements,
-                         horizon=spec.horizon, soft_horizon=spec.soft_horizon, no_done_at_end=spec.no_done_at_end,
-                         reset_each_rollout=spec.reset_each_rollout, postprocess=spec.postprocess)
+                         episode_limit=spec.episode_limit, soft_limit=spec.soft_limit,
+                         ends_truncated=spec.ends_truncated, reset_each_rollout=spec.reset_each_rollout,
+                         episode_hook=spec.episode_hook)
         loop.run(spec.max_rollouts)
     except BaseException as exc:
         # Also tell the reader (it raises WriterError from its next get); the pool gets it from our caller.

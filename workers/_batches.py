@@ -66,7 +66,7 @@ class CollectedBatch:
 
     def to_tensordict(self, *, rename: dict[str, str] | None = None) -> Any:
         """This batch in TorchRL's layout (tensordict needed): see :func:`workers.to_tensordict`."""
-        from workers._tensordict import to_tensordict
+        from workers.compat._tensordict import to_tensordict
 
         return to_tensordict(self, rename=rename)
 

@@ -86,7 +86,7 @@ class SlotEpisodes:
             ep_ret += rew
             ep_len += 1
             loop.env_steps += E
-            term, trunc, cut, _ = loop._flags(term, trunc)  # no soft horizon in this mode (check_horizon)
+            term, trunc, cut, _ = loop._flags(term, trunc)  # no soft limit in this mode (check_limits)
             lens = ep_len.tolist()
             for e in envs:
                 s = rows[e]

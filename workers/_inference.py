@@ -23,6 +23,7 @@ each action. See docs/inference.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 import threading
@@ -36,21 +37,31 @@ import shmbuf.lowlevel
 from shmbuf import layout as L
 from shmbuf.lowlevel import int_setting
 from workers._batches import CollectedBatch
-from workers._collector import Collector
+from workers._collector import Collector, build
+from workers._engine import Engine
+from workers._gym_envs import GymEnvs
 from workers._placement import ServedPolicy
+from workers._seeding import next_base_seed
 from workers._server import InferenceServer, load_into
-from workers._settings import (
+from workers._settings import collect_settings, refuse_unknown
+from workers.compat._torchrl_factory import TorchRLFactory
+from workers.compat._torchrl_settings import (
     check_torchrl_refused,
     check_torchrl_settings,
     is_tensordict_module,
     resolve_backends,
     rollout_len_for,
 )
-from workers._torchrl_factory import TorchRLFactory
 
 _log = logging.getLogger("workers.inference")  # verbose=True logs each batch here; nothing is configured
 
 __all__ = ["AsyncBatchedCollector", "InferenceServer"]  # InferenceServer: its home was this module
+
+# AsyncBatchedCollector's own keywords (the rest of its **kwargs are workers.CollectSettings' fields).
+OWN = ("policy", "policy_factory", "max_batch_size", "min_batch_size", "server_timeout", "transport", "device",
+       "backend", "env_backend", "policy_backend", "yield_completed_trajectories", "weight_sync",
+       "weight_sync_model_id", "verbose", "create_env_kwargs", "replay_buffer", "exploration_type",
+       "post_collect_hook", "num_envs", "num_workers", "server_threads", "static_seed")
 
 
 class AsyncBatchedCollector(Collector):
@@ -76,7 +87,7 @@ class AsyncBatchedCollector(Collector):
             TensorDict-module policy and ``"multiprocessing"`` for any other.
         backend, policy_backend: TorchRL's; ``"threading"`` and ``"multiprocessing"`` accepted (the env workers
             reach the server through the same shared-memory table either way), ``"ray"`` and ``"monarch"``
-            refused naming what to use (see :func:`workers._settings.resolve_backends`).
+            refused naming what to use (see :func:`workers.compat._torchrl_settings.resolve_backends`).
         transport, weight_sync: TorchRL's; accepted at their defaults (None; ``transport="auto"``), refused
             beyond: the table is the transport, and the one copy of the policy is updated in place.
         weight_sync_model_id: the ``model_id`` naming the whole policy in :meth:`update_policy_weights_`.
@@ -117,7 +128,7 @@ class AsyncBatchedCollector(Collector):
     (``workers._torchrl``; docs/from-torchrl.md).
     """
 
-    def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], *, policy: Any = None,
+    def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
                  policy_factory: Callable[[], Any] | None = None, frames_per_batch: int, total_frames: int = -1,
                  max_batch_size: int | None = 64, min_batch_size: int | None = 1, server_timeout: float | None = 0.01,
                  transport: Any = None, device: Any = None, backend: str | None = None, env_backend: str | None = None,
@@ -135,6 +146,44 @@ class AsyncBatchedCollector(Collector):
         check_torchrl_refused(kwargs)
         check_torchrl_settings(transport=transport, weight_sync=weight_sync, weight_sync_model_id=weight_sync_model_id,
                                verbose=verbose)
+        self.replay_buffer = replay_buffer
+        self.post_collect_hook = post_collect_hook
+        self.verbose = verbose
+        self.weight_sync_model_id = weight_sync_model_id
+        self._background: threading.Thread | None = None
+        self._background_error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._pause_lock = threading.Lock()  # held by pause(); the replay writer holds it around each write
+        self._paused_by: int | None = None  # the thread inside pause() (it holds the server's lock too)
+        self._owned_replay: Any = None
+        self._torchrl: Any = None
+        self._reward_dtype: Any = None
+        self._td_postproc: Any = None
+        self._given_policy: Any = None
+        if "policies" in kwargs or "policy_factories" in kwargs or (isinstance(policy, dict) and not callable(policy)):
+            # PettingZoo envs: every policy behind a server of its own (the engine's multi-agent envs, served)
+            unused = {"policy_factory": policy_factory, "replay_buffer": replay_buffer, "num_envs": num_envs,
+                      "num_workers": num_workers, "exploration_type": exploration_type,
+                      "post_collect_hook": post_collect_hook, "yield_completed_trajectories": yield_completed_trajectories,
+                      "static_seed": static_seed}
+            named = [k for k, v in unused.items() if v is not None and v is not False]
+            if named:
+                raise shmbuf.UsageError(f"{named[0]}=: not a setting of AsyncBatchedCollector with multi-agent envs "
+                                        "(policies=); see docs/multiagent.md")
+            options = {**kwargs, "serve": True, "max_batch_size": max_batch_size, "min_batch_size": min_batch_size,
+                       "server_timeout": server_timeout, "device": device, "server_threads": server_threads,
+                       "create_env_kwargs": create_env_kwargs}
+            if reset_at_each_iter:
+                options["reset_at_each_iter"] = reset_at_each_iter
+            if postproc is not None:
+                options["postproc"] = postproc
+            settings, rest = collect_settings(options.pop("settings", None), options, frames_per_batch=frames_per_batch,
+                                              total_frames=total_frames)
+            backend_ = resolve_backends(backend, env_backend, policy_backend, torchrl_default=False)
+            envs, placements = build(type(self).__name__, create_env_fn, policy, settings, rest, env_backend=backend_)
+            Engine.__init__(self, envs, placements, settings)
+            self._seeding = (settings.seed, False, next_base_seed(settings.seed, self.num_actors), False)
+            return
         if post_collect_hook is not None and not callable(post_collect_hook):
             raise shmbuf.UsageError(f"post_collect_hook: expected a callable taking a batch, got {post_collect_hook!r:.80}")
         if (policy is None) == (policy_factory is None):
@@ -187,7 +236,7 @@ class AsyncBatchedCollector(Collector):
             factories = [TorchRLFactory(f, wrap_gym=td_policy, seeded=seeded, static_seed=bool(static_seed)) for f in given]
             create_env_fn = factories if isinstance(create_env_fn, Sequence) else factories[0]
         if td_policy:
-            from workers import _torchrl as torchrl
+            from workers.compat import _torchrl as torchrl
 
             server_policy = torchrl.TensorDictPolicy(server_policy, exploration_type=exploration_type)
             if "rollout_len" not in kwargs and not yield_completed_trajectories and num_workers is None:
@@ -195,30 +244,24 @@ class AsyncBatchedCollector(Collector):
         served = ServedPolicy(server_policy, env_backend=env_backend, max_batch_size=max_batch_size,
                               min_batch_size=min_batch_size, server_timeout=float(server_timeout), device=device,
                               server_threads=server_threads)
-        if env_backend == "threading":
-            kwargs.setdefault("start_method", "fork")  # nothing is started; skips the picklability checks
-        super().__init__(create_env_fn, server_policy, frames_per_batch=frames_per_batch, total_frames=total_frames,
-                         num_actors=n_workers,
-                         batch_mode=L.COMPLETE_EPISODES if yield_completed_trajectories else L.TRUNCATE_EPISODES,
-                         reset_at_each_iter=reset_at_each_iter, postproc=postproc,
-                         create_env_kwargs=create_env_kwargs, _placement=served, **kwargs)
+        options = dict(kwargs)
+        if reset_at_each_iter:
+            options["reset_at_each_iter"] = reset_at_each_iter
+        if postproc is not None:
+            options["postproc"] = postproc
+        settings, rest = collect_settings(
+            options.pop("settings", None), options, frames_per_batch=frames_per_batch, total_frames=total_frames,
+            num_actors=n_workers, batch_mode=L.COMPLETE_EPISODES if yield_completed_trajectories else L.TRUNCATE_EPISODES)
+        refuse_unknown(rest, type(self).__name__, OWN)
+        Engine.__init__(self, GymEnvs(create_env_fn, create_env_kwargs), {None: served}, settings)
+        self._seeding = (settings.seed, False, next_base_seed(settings.seed, self.num_actors), False)
         dtypes = [f.reward_dtype for f in factories if f.reward_dtype is not None]
         # TorchRL inputs (a TensorDict module, a TorchRL env): TorchRL's batches, its postproc on them
-        self._torchrl: Any = torchrl if td_policy else _import_torchrl() if dtypes else None
+        self._torchrl = torchrl if td_policy else _import_torchrl() if dtypes else None
         self._reward_dtype = dtypes[0] if dtypes else None
-        self._td_postproc = postproc if self._torchrl is not None else None
-        if self._torchrl is not None:
-            self.postproc = None
-        self.replay_buffer = replay_buffer
-        self.post_collect_hook = post_collect_hook
-        self.verbose = verbose
-        self.weight_sync_model_id = weight_sync_model_id
-        self._background: threading.Thread | None = None
-        self._background_error: BaseException | None = None
-        self._stopping = threading.Event()
-        self._pause_lock = threading.Lock()  # held by pause(); the replay writer holds it around each write
-        self._paused_by: int | None = None  # the thread inside pause() (it holds the server's lock too)
-        self._owned_replay: Any = None
+        self._td_postproc = settings.on_batch if self._torchrl is not None else None
+        if self._torchrl is not None:  # TorchRL's postproc takes TorchRL's batches: iterator() applies it to them
+            self.settings = dataclasses.replace(settings, on_batch=None, names=settings.__dict__.get("_names"))
         self._seed_torchrl_envs(bool(dtypes), kwargs.get("seed"), static_seed)
 
     def _seed_torchrl_envs(self, torchrl_envs: bool, seed: Any, static_seed: Any) -> None:
@@ -239,16 +282,14 @@ class AsyncBatchedCollector(Collector):
     @property
     def server(self) -> InferenceServer | None:
         """The inference server thread (None until started)."""
-        placement = self._placement
-        assert isinstance(placement, ServedPolicy)  # given to Collector.__init__ above
-        return placement.server
+        placement = self.placements.get(None)
+        return placement.server if isinstance(placement, ServedPolicy) else None
 
     @property
     def table(self) -> shmbuf.lowlevel.InferenceTable | None:
         """The inference table the env workers ask through (None until started)."""
-        placement = self._placement
-        assert isinstance(placement, ServedPolicy)  # given to Collector.__init__ above
-        return placement.table
+        placement = self.placements.get(None)
+        return placement.table if isinstance(placement, ServedPolicy) else None
 
 
     # -- TorchRL's batches and replay buffer ---------------------------------------------------------------
@@ -446,7 +487,7 @@ class AsyncBatchedCollector(Collector):
                 else:
                     load_into(target, src)
             server.version += 1
-            self.policy_version = server.version
+            self.policy_versions[None] = server.version
 
     def _model(self, model_id: str) -> Any:
         policy = self._given_policy
@@ -498,7 +539,7 @@ class AsyncBatchedCollector(Collector):
         collector made (``replay_buffer=<rows>``)."""
         if getattr(self, "_stopping", None) is not None:
             self._stopping.set()
-            self._leaving = True  # the thread's waits (actors ready, the next batch) end at their next slice
+            self._state.leaving = True  # the thread's waits (actors ready, the next batch) end at their next slice
         bg = getattr(self, "_background", None)
         if bg is not None and bg is not threading.current_thread():
             bg.join(self.stop_timeout if timeout is None else timeout)  # still inside user code past that: the
@@ -528,7 +569,7 @@ def _torchrl_loaded() -> bool:
 
 def _import_torchrl() -> Any:
     try:
-        from workers import _torchrl
+        from workers.compat import _torchrl
     except ImportError as exc:
         raise shmbuf.UsageError(f"a replay buffer and TorchRL's batches need torch and tensordict ({exc}): "
                                 "pip install tensordict") from exc

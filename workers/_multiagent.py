@@ -17,7 +17,7 @@ array, or a dict or tuple of arrays (a Dict or Tuple space, e.g. PettingZoo clas
 its policy's rows are then a tree of the same structure, and the policy is called with it (see
 :mod:`workers._agent_obs`).
 
-**Counting** (RLlib's ``count_steps_by``): with ``"env_steps"`` a rollout is ``rollout_len`` env steps; with
+**Counting** (``count_by``, RLlib's ``count_steps_by``): with ``"env_steps"`` a rollout is ``rollout_len`` env steps; with
 ``"agent_steps"`` it ends after the env step at which the agent steps of all policies together reach
 ``rollout_len`` (RLlib's check, made after each env step, so it may go over by one step's agents). Every
 policy's rollout of a round covers the same env steps, and every policy commits one rollout per round.
@@ -39,6 +39,8 @@ from workers._agent_rows import AgentRows, Episode, ParallelDriver, agents_of
 from workers._policy import apply_weights, as_numpy_policy, split_policy_output
 from workers._truncate import OutputCheck, check_extras
 from workers._views import ActorViews, check_view_requirements
+from workers.compat import rllib
+from workers.compat._rllib_multiagent import MultiAgentPostprocessor
 
 ENV_STEPS_COUNT = "env_steps"
 AGENT_STEPS_COUNT = "agent_steps"
@@ -157,7 +159,7 @@ class MultiAgentLoop:
             ``"complete_episodes"`` (each rollout one agent's whole episode, committed when it ends).
         policy_mapping_fn: agent id -> policy id (RLlib's, see :func:`workers._agent_rows.mapping_of`); None: one policy,
             ``"default_policy"``.
-        count_steps_by: ``"env_steps"`` or ``"agent_steps"`` (RLlib's ``count_steps_by``).
+        count_by: ``"env_steps"`` or ``"agent_steps"`` (RLlib's ``count_steps_by``, accepted under that name).
         weights: ``{policy_id: WeightSubscriber}`` for the policies whose weights are broadcast, polled at round
             boundaries (see :func:`workers.ActorLoop`'s ``weights``); each policy's rollouts carry its own version.
         should_stop: checked every step; a partial round is then dropped.
@@ -167,12 +169,13 @@ class MultiAgentLoop:
             those policies are called with a dict of views of their agents' streams instead of the bare
             observations (see :class:`workers.ActorViews`; rows in place of sub-envs, one agent's stream per
             row: an agent that joins starts with zeros behind it).
-        postprocess: ``{policy_id: PostprocessSpec}`` (:func:`workers._multiagent_postprocess.discover_policies`;
-            ``MultiAgentCollector(postprocess=...)`` makes it): RLlib's ``postprocess_trajectory`` with
+        episode_hook: (RLlib's ``postprocess``, accepted under that name) ``{policy_id: PostprocessSpec}``
+            (:func:`workers.compat.rllib.discover_policies`; ``MultiAgentCollector(episode_hook=...)`` makes it):
+            RLlib's ``postprocess_trajectory`` with
             ``other_agent_batches`` on every agent's episode pieces before a round's commits (complete-episodes:
             on every agent episode of an env episode when it is over, before their commits), its added columns
             written into the slots (see
-            workers/_multiagent_postprocess.py).
+            workers/compat/_rllib_multiagent.py).
         remap_each_episode: call ``policy_mapping_fn(agent_id, episode)`` at every env's episode start, as RLlib does
             (``episode`` a :class:`workers.lowlevel.Episode`), instead of once per agent id: every policy has a
             row for every ``(env, agent)``, and an agent's steps of an episode go to the row of the policy it was
@@ -183,16 +186,25 @@ class MultiAgentLoop:
     """
 
     def __init__(self, envs: Any, policies: dict[Any, Any], writers: dict[Any, Any], *, rollout_len: int,
-                 policy_mapping_fn: Callable[..., Any] | None = None, count_steps_by: str = ENV_STEPS_COUNT,
+                 policy_mapping_fn: Callable[..., Any] | None = None, count_by: str = ENV_STEPS_COUNT,
                  seed: int | None = None, weights: dict[Any, Any] | None = None,
                  should_stop: Callable[[], bool] | None = None, batch_mode: str = L.TRUNCATE_EPISODES,
                  every_row: bool = False, view_requirements: dict[Any, Any] | None = None,
-                 postprocess: dict[Any, Any] | None = None, remap_each_episode: bool = False):
+                 episode_hook: dict[Any, Any] | None = None, remap_each_episode: bool = False, **rllib_names: Any):
         L.check_batch_mode(batch_mode)
         self.mode = batch_mode
         self.every_row = every_row
-        if count_steps_by not in COUNT_STEPS_BY:
-            raise UsageError(f"count_steps_by: expected one of {COUNT_STEPS_BY}, got {count_steps_by!r}")
+        names: dict[str, str] = {}
+        given = rllib.translate(rllib_names, rllib.ALIASES, names, framework="RLlib")
+        for k, v in given.items():  # RLlib's count_steps_by and postprocess
+            if k == "count_by" and count_by == ENV_STEPS_COUNT:
+                count_by = v
+            elif k == "episode_hook" and episode_hook is None:
+                episode_hook = v
+            else:
+                raise UsageError(f"MultiAgentLoop({names.get(k, k)}=...): not a setting of MultiAgentLoop, or given twice")
+        if count_by not in COUNT_STEPS_BY:
+            raise UsageError(f"{names.get('count_by', 'count_by')}: expected one of {COUNT_STEPS_BY}, got {count_by!r}")
         self.envs = list(envs) if isinstance(envs, (list, tuple)) else [envs]
         if not self.envs:
             raise UsageError("envs: expected a PettingZoo ParallelEnv or a list of them, got an empty list")
@@ -204,10 +216,10 @@ class MultiAgentLoop:
                              f"{sorted(map(str, policies))} and writers {sorted(map(str, writers))}")
         if batch_mode == L.COMPLETE_EPISODES:
             for pid, ws in writers.items():
-                k = len(self.rows.policies[pid])
-                if not isinstance(ws, (list, tuple)) or len(ws) != k:
+                n_rows = len(self.rows.policies[pid])
+                if not isinstance(ws, (list, tuple)) or len(ws) != n_rows:
                     raise UsageError(f"writers[{pid!r}]: complete-episodes rollouts need one writer per row of the policy "
-                                     f"({k}: {self.rows.policies[pid]}), got {ws!r:.80}")
+                                     f"({n_rows}: {self.rows.policies[pid]}), got {ws!r:.80}")
         self.view_requirements = dict(view_requirements or {})
         unknown_vr = sorted(map(str, set(self.view_requirements) - set(self.rows.policies)))
         if unknown_vr:
@@ -220,14 +232,12 @@ class MultiAgentLoop:
         self.policies = policies
         self._calls = {pid: as_numpy_policy(p) for pid, p in policies.items()}
         self.postprocess = None
-        if postprocess:  # the hooks' added columns are zeros until the hooks fill them before the commits
-            from workers._multiagent_postprocess import MultiAgentPostprocessor
-
-            self.postprocess = MultiAgentPostprocessor(postprocess, policies, self.rows, batch_mode=batch_mode)
+        if episode_hook:  # the hooks' added columns are zeros until the hooks fill them before the commits
+            self.postprocess = MultiAgentPostprocessor(episode_hook, policies, self.rows, batch_mode=batch_mode)
             self._calls = self.postprocess.wrap(self._calls)
         self.writers = writers
         self.T = rollout_len
-        self.count_agent_steps = count_steps_by == AGENT_STEPS_COUNT
+        self.count_agent_steps = count_by == AGENT_STEPS_COUNT
         self.should_stop = should_stop or (lambda: False)
         self.weights = dict(weights or {})
         unknown = sorted(map(str, set(self.weights) - set(self.rows.policies)))

@@ -31,7 +31,7 @@ class MultiAgentSpec:
     policy_factories: dict[Any, Callable[[], Any]] | None
     policy_mapping_fn: Callable[..., Any] | None
     rollout_len: int
-    count_steps_by: str = ENV_STEPS_COUNT
+    count_by: str = ENV_STEPS_COUNT
     weights: dict[Any, str] | None = None
     seed: int | None = None
     torch_threads: int | None = 1
@@ -41,7 +41,7 @@ class MultiAgentSpec:
     inference: dict[Any, str] | None = None  # served policies: each policy's inference table
     view_requirements: dict[Any, Any] | None = None
     await_weights: bool = False  # collect nothing until every broadcast policy has a version (a restarted Ray node)
-    postprocess: dict[Any, Any] | None = None  # {policy_id: workers._postprocess.PostprocessSpec}
+    episode_hook: dict[Any, Any] | None = None  # {policy_id: workers.compat.rllib.PostprocessSpec}
     remap_each_episode: bool = False
     scratch: dict[Any, bytes] | None = None  # policies not trained: their schema (msgpack), for a slot of the actor's own
 
@@ -109,10 +109,10 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
         else:
             policies = {pid: make() for pid, make in (spec.policy_factories or {}).items()}
         loop = MultiAgentLoop(envs, policies, writers, rollout_len=spec.rollout_len,
-                              policy_mapping_fn=spec.policy_mapping_fn, count_steps_by=spec.count_steps_by, seed=seed,
+                              policy_mapping_fn=spec.policy_mapping_fn, count_by=spec.count_by, seed=seed,
                               weights=subs, should_stop=lambda: ctx.stop_requested, batch_mode=spec.batch_mode,
                               every_row=spec.inference is not None, view_requirements=spec.view_requirements,
-                              postprocess=spec.postprocess, remap_each_episode=spec.remap_each_episode)
+                              episode_hook=spec.episode_hook, remap_each_episode=spec.remap_each_episode)
         loop.run()
     except BaseException as exc:
         quiet = (KeyboardInterrupt, SystemExit, shmbuf.PipelineClosed, shmbuf.BrokenPipeline)

@@ -25,7 +25,7 @@ import ray
 
 import shmbuf
 from workers._agent_rows import AgentRows
-from workers._multiagent_collector import MultiAgentBatch
+from workers._multiagent_batch import MultiAgentBatch
 from workers._policy import weights_of
 from workers._ray_batch import RayBatch
 from workers._ray_node import Node

@@ -39,19 +39,12 @@ class _NodeCollector:
         self._stop = threading.Event()
         self._iter: Iterator[Any] | None = None
         self._failure: Exception | None = None  # what the collector raised: every later _next raises it again
-        self.multiagent = "policies" in kwargs or "policy_factories" in kwargs  # see RayCollector(policies=...)
-        if self.multiagent:
-            from workers._multiagent_collector import MultiAgentCollector
-
-            self.collector: Any = MultiAgentCollector(*args, **kwargs)
-        else:
-            self.collector = Collector(*args, **kwargs)
+        # one engine whatever the envs: given policies= (see RayCollector(policies=...)), PettingZoo envs
+        self.collector: Any = Collector(*args, **kwargs)
+        self.multiagent = self.collector.envs.keyed  # its streams keyed by policy id: MultiAgentBatches
         try:
             c = self.collector
-            if self.multiagent:
-                self.names = [r.name for r in c.readers.values()] + [p.name for p in c.publishers.values()]
-            else:
-                self.names = [c.reader.name] + ([c.publisher.name] if c.publisher is not None else [])
+            self.names = [r.name for r in c.readers.values()] + [p.name for p in c.publishers.values()]
             try:
                 c.pool.wait_ready(ready_timeout)  # the constructor returns once the actor processes are up
             except TimeoutError as exc:

@@ -28,7 +28,8 @@ from shmbuf import layout as L
 if TYPE_CHECKING:
     from workers._batches import CollectedBatch
     from workers._collector import Collector
-    from workers._multiagent_collector import MultiAgentBatch, MultiAgentCollector
+    from workers._multiagent_batch import MultiAgentBatch
+    from workers._multiagent_collector import MultiAgentCollector
 
 WIRE_MAGIC = "shmbuf-ray-batch"
 WIRE_VERSION = 3  # 2: each rollout's epoch (its writer's claim of the lane) in META; 3: multi-agent batches
@@ -62,9 +63,9 @@ def pack_description(c: Collector, names: list[str], token: str, *, node_id: str
     """A node's collector ``c`` described for the learner (msgpack): where it runs, its layout, its processes."""
     return msgpack.packb({
         "magic": WIRE_MAGIC, "version": WIRE_VERSION, "node_id": node_id,
-        "host": host, "pid": pid, "schema": c.reader.schema.to_msgpack(),
+        "host": host, "pid": pid, "schema": c.readers[None].schema.to_msgpack(),
         "batch_mode": c.batch_mode, "num_actors": c.num_actors, "num_envs": c.num_envs,
-        "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.reader.slots,
+        "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.readers[None].slots,
         "broadcast": c.publisher is not None, "actor_pids": list(c.pool.pids),
         "names": names, "token": token, "weights_version": c.policy_version,
         "awaiting_weights": c.publisher is not None and c.publisher.version is None,

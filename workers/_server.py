@@ -145,15 +145,15 @@ class InferenceServer(threading.Thread):
                 if self.close_table_at_exit:
                     self.table.close()
 
-    def close(self, timeout: float) -> bool:
-        """Ask the thread to end and wait up to ``timeout`` s; True if it ended."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Ask the thread to end and wait up to ``timeout`` s (None: 1 s, a forward pass's worth); True if it ended."""
         self._stop_requested = True
         try:
             self.table.interrupt()  # out of take() at once, even while it lingers for min_batch_size
         except Exception:  # noqa: BLE001  # best effort: a table already closed must not stop the join below
             pass
         if self.is_alive():
-            self.join(timeout)
+            self.join(1.0 if timeout is None else timeout)
         return not self.is_alive()
 
     def load(self, src: Any, version: int | None = None) -> int:

@@ -31,6 +31,7 @@ import optree
 
 from shmbuf import SchemaError, UsageError
 from shmbuf import layout as L
+from workers._policy import split_policy_output
 
 METHOD = "postprocess_trajectory"  # RLlib's Policy method
 NEW_OBS = "new_obs"
@@ -52,26 +53,27 @@ class PostprocessSpec:
     columns: dict[str, tuple[tuple[int, ...], str]]
 
 
-def check_setting(postprocess: Any) -> None:
-    """UsageError unless ``postprocess`` is None, a bool, or a callable."""
+def check_setting(postprocess: Any, name: str = "postprocess") -> None:
+    """UsageError unless ``postprocess`` is None, a bool, or a callable; ``name``: the setting as the user gave it
+    (RLlib's ``postprocess``, or the engine's ``episode_hook``)."""
     if postprocess is not None and not isinstance(postprocess, bool) and not callable(postprocess):
-        raise UsageError(f"postprocess: expected None (the policy's {METHOD} if it has one), True (it must have one), "
+        raise UsageError(f"{name}: expected None (the policy's {METHOD} if it has one), True (it must have one), "
                          f"False (none), or a callable (sample_batch, other_agent_batches, episode) -> sample_batch; "
                          f"got {postprocess!r:.80}")
 
 
-def resolve(postprocess: Any, policy: Any) -> Callable[..., Any] | None:
+def resolve(postprocess: Any, policy: Any, name: str = "postprocess") -> Callable[..., Any] | None:
     """The hook a setting names for ``policy``: a callable setting itself, else the policy's method (or None)."""
-    check_setting(postprocess)
+    check_setting(postprocess, name)
     if postprocess is False:
         return None
     if callable(postprocess) and not isinstance(postprocess, bool):
         return postprocess
     method = getattr(policy, METHOD, None)
     if method is None and postprocess is True:
-        raise UsageError(f"postprocess=True: the policy ({type(policy).__name__}) has no {METHOD} method; define "
+        raise UsageError(f"{name}=True: the policy ({type(policy).__name__}) has no {METHOD} method; define "
                          f"{METHOD}(self, sample_batch, other_agent_batches=None, episode=None), or pass the function "
-                         "as postprocess=")
+                         f"as {name}=")
     if method is not None and not callable(method):
         raise UsageError(f"the policy's {METHOD} is not callable: {method!r:.80}")
     return method
@@ -122,7 +124,7 @@ def added_columns(out: Mapping[str, Any], given: set[str], extras: Mapping[str, 
     return columns
 
 
-def discover(postprocess: Any, policy: Any, probed: Mapping[str, Any]) -> PostprocessSpec | None:
+def discover(postprocess: Any, policy: Any, probed: Mapping[str, Any], name: str = "postprocess") -> PostprocessSpec | None:
     """Call the hook once on a dummy batch of :data:`DUMMY_STEPS` steps built from the probe's templates (zeros,
     no episode end) and return the columns it adds, or None when there is no hook.
 
@@ -130,7 +132,7 @@ def discover(postprocess: Any, policy: Any, probed: Mapping[str, Any]) -> Postpr
         UsageError: a bad setting; an added column that is not an array with one row per step, or whose
             name is a step leaf or a policy extra.
     """
-    hook = resolve(postprocess, policy)
+    hook = resolve(postprocess, policy, name)
     if hook is None:
         return None
     extras = dict(probed.get("extras") or {})
@@ -170,8 +172,6 @@ class Postprocessor:
     def with_placeholders(self, call: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``call`` (a numpy policy) whose extras also hold zeros for the added columns: the step leaves exist
         from the first step, and the hook overwrites them before the commit."""
-        from workers._policy import split_policy_output
-
         zeros = self._zeros
 
         def policy(obs: Any) -> Any:

@@ -8,7 +8,7 @@ of the same episode with steps in that fragment. Here the same, right before a r
 agent's valid steps up to one recorded ``terminated`` or ``truncated``, or to the round's last step, and the hook of
 the row's policy is called on each piece with:
 
-- ``sample_batch``: the agent's columns over the piece, as :mod:`workers._postprocess` gives them (views of the
+- ``sample_batch``: the agent's columns over the piece, as :mod:`workers.compat._rllib_postprocess` gives them (views of the
   slot, ``new_obs`` each step's successor), plus ``t``: each step's env step index within the round;
 - ``other_agent_batches``: ``{agent_id: (policy_id, policy, batch)}`` for every other agent of the same env with a
   valid step in the piece's env-step window (``t[0] .. t[-1]``), ``batch`` holding those steps only (copies, taken
@@ -37,7 +37,8 @@ import optree
 
 from shmbuf import SchemaError, UsageError
 from shmbuf import layout as L
-from workers._postprocess import (
+from workers._policy import split_policy_output
+from workers.compat._rllib_postprocess import (
     DUMMY_STEPS,
     METHOD,
     NEW_OBS,
@@ -49,24 +50,25 @@ from workers._postprocess import (
     resolve,
     store,
 )
-from workers._postprocess import check_setting as check_one
+from workers.compat._rllib_postprocess import check_setting as check_one
 
 T_COLUMN = "t"  # RLlib's SampleBatch.T
 
 
-def check_setting(postprocess: Any, policies: Mapping[Any, Any]) -> None:
-    """UsageError unless ``postprocess`` is None, a bool, a callable, or ``{policy_id: one of those}`` of known ids."""
+def check_setting(postprocess: Any, policies: Mapping[Any, Any], name: str = "postprocess") -> None:
+    """UsageError unless ``postprocess`` is None, a bool, a callable, or ``{policy_id: one of those}`` of known ids;
+    ``name``: the setting as the user gave it."""
     if isinstance(postprocess, dict):
         unknown = sorted(str(pid) for pid in postprocess if pid not in policies)
         if unknown:
-            raise UsageError(f"postprocess: keyed by policy id; {unknown} are not in policies ({sorted(map(str, policies))})")
+            raise UsageError(f"{name}: keyed by policy id; {unknown} are not in policies ({sorted(map(str, policies))})")
         for pid, one in postprocess.items():
             try:
-                check_one(one)
+                check_one(one, name)
             except UsageError as exc:
-                raise UsageError(f"postprocess[{pid!r}]: {exc}") from None
+                raise UsageError(f"{name}[{pid!r}]: {exc}") from None
     else:
-        check_one(postprocess)
+        check_one(postprocess, name)
 
 
 def setting_for(postprocess: Any, pid: Any) -> Any:
@@ -91,9 +93,9 @@ def _with_t(batch: dict[str, Any], t: np.ndarray) -> dict[str, Any]:
 
 
 def discover_policies(postprocess: Any, policies: Mapping[Any, Any], examples: Mapping[Any, Any], rows: Any, *,
-                      batch_mode: str, served: bool = False) -> dict[Any, PostprocessSpec]:
-    """Each hooked policy's :class:`~workers._postprocess.PostprocessSpec`: its hook called once on a dummy batch of
-    :data:`~workers._postprocess.DUMMY_STEPS` steps of zeros (from ``examples[policy_id]``, the pipelines'
+                      batch_mode: str, served: bool = False, name: str = "postprocess") -> dict[Any, PostprocessSpec]:
+    """Each hooked policy's :class:`~workers.compat._rllib_postprocess.PostprocessSpec`: its hook called once on a dummy batch of
+    :data:`~workers.compat._rllib_postprocess.DUMMY_STEPS` steps of zeros (from ``examples[policy_id]``, the pipelines'
     examples), with ``other_agent_batches`` a dummy batch for every other agent of an env (none in complete-episodes
     mode), as a hook will see them. ``served``: the policies are not in the actors (an own method is refused).
 
@@ -102,7 +104,7 @@ def discover_policies(postprocess: Any, policies: Mapping[Any, Any], examples: M
             step leaf; a served policy's own method.
         SchemaError: a hook that does not return a mapping (naming the policy).
     """
-    check_setting(postprocess, policies)
+    check_setting(postprocess, policies, name)
     lead = 1 if batch_mode == L.COMPLETE_EPISODES else 2
     n = DUMMY_STEPS
     pre = {}
@@ -112,14 +114,14 @@ def discover_policies(postprocess: Any, policies: Mapping[Any, Any], examples: M
     specs = {}
     for pid in examples:
         one = setting_for(postprocess, pid)
-        hook = resolve(one, policies[pid])
+        hook = resolve(one, policies[pid], name)
         if hook is None:
             continue
         own = not (callable(one) and not isinstance(one, bool))
         if own and served:
-            raise UsageError(f"postprocess: policy {pid!r} has a {METHOD} method, but with serve=True the policies stay "
+            raise UsageError(f"{name}: policy {pid!r} has a {METHOD} method, but with serve=True the policies stay "
                              f"in this process and the hook runs in the actors: pass the hook as a picklable function, "
-                             f"postprocess={{{pid!r}: fn}}, or postprocess={{{pid!r}: False}}")
+                             f"{name}={{{pid!r}: fn}}, or {name}={{{pid!r}: False}}")
         # an agent the policy has (a per-episode mapping: one it has in the first episode), and its env's others
         env_i, me = next(((e, a) for (e, a), (p, _) in rows.where.items() if p == pid), rows.policies[pid][0])
         others = {}
@@ -183,8 +185,6 @@ class MultiAgentPostprocessor:
     def wrap(self, calls: Mapping[Any, Callable[[Any], Any]]) -> dict[Any, Callable[[Any], Any]]:
         """The loop's numpy policies, those whose hook adds columns returning zeros for them as extras: the step leaves
         are written from the first step, and the hook overwrites them before the commit."""
-        from workers._policy import split_policy_output
-
         out = dict(calls)
         for pid, zeros in self._zeros.items():
             def policy(x: Any, call: Callable[[Any], Any] = calls[pid], zeros: dict[str, np.ndarray] = zeros) -> Any:
@@ -313,8 +313,9 @@ def _pieces(valid: np.ndarray, done: np.ndarray) -> list[tuple[int, int]]:
     return out
 
 
-def trained_policies(policies_to_train: Any, pids: list[Any]) -> list[Any]:
-    """The policy ids ``policies_to_train`` selects from ``pids`` (RLlib's setting: None, ids, or ``id -> bool``).
+def trained_policies(policies_to_train: Any, pids: list[Any], name: str = "policies_to_train") -> list[Any]:
+    """The policy ids ``policies_to_train`` selects from ``pids`` (RLlib's setting: None, ids, or ``id -> bool``;
+    ``name``: the setting as the user gave it, RLlib's ``policies_to_train`` or the engine's ``trained``).
 
     Raises:
         UsageError: an id that is not a policy, a function that is not one of an id, or none selected.
@@ -329,11 +330,11 @@ def trained_policies(policies_to_train: Any, pids: list[Any]) -> list[Any]:
     elif isinstance(policies_to_train, (list, tuple, set, frozenset)):
         unknown = sorted(str(pid) for pid in policies_to_train if pid not in pids)
         if unknown:
-            raise UsageError(f"policies_to_train: {unknown} are not in policies ({sorted(map(str, pids))})")
+            raise UsageError(f"{name}: {unknown} are not in policies ({sorted(map(str, pids))})")
         chosen = [pid for pid in pids if pid in policies_to_train]
     else:
-        raise UsageError(f"policies_to_train: expected policy ids or a function of one, got {policies_to_train!r:.80}")
+        raise UsageError(f"{name}: expected policy ids or a function of one, got {policies_to_train!r:.80}")
     if not chosen:
-        raise UsageError(f"policies_to_train: no policy selected (policies: {sorted(map(str, pids))}); a collector "
+        raise UsageError(f"{name}: no policy selected (policies: {sorted(map(str, pids))}); a collector "
                                 "with nothing to hand out has nothing to do")
     return chosen
