@@ -34,7 +34,16 @@ ray = pytest.importorskip("ray", reason="the `ray` extra (make test installs it)
 import shmbuf  # noqa: E402  (after the importorskip above)
 from tests.conftest import shm_objects, wait_until  # noqa: E402  (after the importorskip above)
 from tests.helpers import OnceLedger, described, gone, on_shm, pids_of, remote, watcher_of  # noqa: E402  (after the importorskip above)
-from workers import ActorError, CollectedBatch, RayCollector, _ray, _ray_node, _ray_weights, _ray_wire  # noqa: E402  # after the importorskip: they import ray
+from workers import (  # noqa: E402  # after the importorskip: they import ray
+    ActorError,
+    CollectedBatch,
+    RayCollector,
+    _ray,
+    _ray_node,
+    _ray_single,
+    _ray_weights,
+    _ray_wire,
+)
 
 T, E = 8, 2
 FRAMES = 4 * T * E  # four rollouts a batch
@@ -195,7 +204,8 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
         _ray_wire.unpack_header(b"\xc1", "a batch from node 0")
     with pytest.raises(shmbuf.SchemaError, match=f"wire version 99, expected {_ray_wire.WIRE_VERSION}"):
         _ray_wire.unpack_header(msgpack.packb({"magic": _ray_wire.WIRE_MAGIC, "version": 99}), "a batch from node 0")
-    # _unpack against a real schema, without a cluster: a collector shell with the schema of CountEnv's rollouts
+    # _unpack against a real schema, without a cluster: a collector shell with the schema of CountEnv's rollouts (its
+    # learner's side of one stream, workers._ray_single, holds the schema every batch is checked against)
     from shmbuf.layout import rollout_example
     from workers import probe
 
@@ -206,8 +216,9 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
         env.close()
     example = rollout_example(p["obs"], p["action"], rollout_len=T, num_envs=E, extras=p["extras"])
     rc = RayCollector.__new__(RayCollector)
-    rc.schema, rc.batch_mode, rc.copy, rc.policy_version, rc._closed = shmbuf.Schema.from_example(example), \
-        "truncate_episodes", False, 0, True
+    rc.schema, rc.batch_mode, rc.copy, rc._closed = shmbuf.Schema.from_example(example), "truncate_episodes", False, True
+    rc._streams = _ray_single.SingleAgentNodes(None)
+    rc._streams.schema = rc.schema
     node = _ray_node.Node(0, "n0")
     leaves = [lf for ts in rc.schema.timescales for lf in ts.leaves]
     good = [np.zeros((2, *lf.shape), lf.dtype) for lf in leaves]

@@ -152,6 +152,8 @@ class Engine:
         """Create each stream's pipeline and what its placement needs, start the actors, open the progress bar; each
         registered with the lifetime as it is made, so that what was made is let go if a later step fails."""
         s, lay, life = self.settings, self.layout, self._life
+        # Slot planning ends here for every collector: each envs plans its streams' slots (lay.slots), and this is
+        # where they become pipelines. A bound on the policy lag (max_policy_lag) sizes them here, once.
         for key, example in lay.examples.items():
             reader = shmbuf.create(example, lay.slots[key], max_writers=lay.writers[key], raise_writer_errors=False,
                                    keep_on_crash=s.keep_on_crash)
@@ -324,6 +326,9 @@ class Engine:
         s, lay = self.settings, self.layout
         on_batch = s.on_batch
         while s.total_frames < 0 or self.frames < s.total_frames:
+            # Batch taking for every collector: which rollouts make a batch is the Taker's rule (workers/_take.py,
+            # per rollout taken; a max_policy_lag bound tests each one's policy_version against
+            # self.policy_versions there).
             if lay.batch_mode == L.COMPLETE_EPISODES:
                 taken: Any = self._take.episodes()
             elif lay.extra.get("align"):

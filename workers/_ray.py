@@ -34,6 +34,7 @@ away takes its actor processes (they watch the owner, see workers._pool).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -45,14 +46,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import shmbuf
 from workers._batches import progress
-from workers._policy import weights_of
+from workers._lifetime import Lifetime
 from workers._pool import default_start_method
 from workers._ray_batch import NodeFailure, RayBatch  # workers.RayBatch, workers.NodeFailure come from here
 from workers._ray_multiagent import MultiAgentNodes
 from workers._ray_node import Node, rate
 from workers._ray_nodes import OWNER_SLICE, LocalNode, NodeOwner  # NodeOwner: workers.NodeOwner comes from here
-from workers._ray_weights import Ack, check_acks, done, send_weights
-from workers._ray_wire import unpack_batch, unpack_header
+from workers._ray_single import SingleAgentNodes
+from workers._ray_weights import Ack, check_acks, done
+from workers._ray_wire import unpack_header
 from workers._settings import checked_sources
 
 logger = logging.getLogger(__name__)
@@ -96,8 +98,6 @@ class RayCollector:
     ``Collector``. Seeds: node ``k`` uses ``seed + 10**7 * k`` (then ``Collector``'s per-actor rule).
     """
 
-    _ma: MultiAgentNodes | None = None  # multi-agent envs (policies=...): the learner's side of it
-
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
                  policy_factory: Callable[[], Any] | None = None, frames_per_batch: int, total_frames: int = -1,
                  nodes: Sequence[str] | None = None, actors_per_node: int | None = None, max_in_flight: int = 2,
@@ -110,38 +110,22 @@ class RayCollector:
                  create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None, **collector_kwargs: Any):
         if not ray.is_initialized():
             raise shmbuf.UsageError("RayCollector needs a Ray cluster: call ray.init() (or ray.init(address=...)) first")
-        for name in ("num_actors", "total_frames", "progress", "postproc"):
-            if name in collector_kwargs:
-                raise shmbuf.UsageError(f"RayCollector({name}=...): not passed to the nodes; "
-                                        + ("use actors_per_node" if name == "num_actors" else "the learner does this"))
-        fixed = sorted(set(owner_options or {}) & {"max_restarts", "max_task_retries", "max_concurrency",
-                                                   "concurrency_groups", "scheduling_strategy", "name", "lifetime"})
-        if fixed:
-            raise shmbuf.UsageError(f"owner_options: {fixed} are RayCollector's to set (exactly-once delivery, the "
-                                    "owners' concurrency groups, one owner pinned per node; use restart=/max_restarts=)")
-        if not isinstance(max_in_flight, int) or max_in_flight < 1:
-            raise shmbuf.UsageError(f"max_in_flight: expected an int >= 1, got {max_in_flight!r}")
+        _check_options(collector_kwargs, owner_options, max_in_flight)
         if isinstance(policy, dict) and not callable(policy) and policies is None and policy_factories is None:
             policy, policies = None, policy  # RayCollector(make_env, {"red": red, ...}): MultiAgentCollector's order
         if policies is not None or policy_factories is not None:
             if policy is not None or policy_factory is not None or create_env_kwargs is not None:
                 raise shmbuf.UsageError("RayCollector: multi-agent envs take policies= (or policy_factories=), not "
                                         "policy/policy_factory/create_env_kwargs")
-            self._ma = MultiAgentNodes(policies, policy_factories, collector_kwargs.get("policy_mapping_fn"),
-                                       bool(collector_kwargs.get("remap_each_episode")))
+            self._streams: MultiAgentNodes | SingleAgentNodes = MultiAgentNodes(
+                policies, policy_factories, collector_kwargs.get("policy_mapping_fn"),
+                bool(collector_kwargs.get("remap_each_episode")))
             env_fns: Any = create_env_fn
         else:  # the owners hand these on to actor processes the way Collector does: check here, not on each node
             env_fns = checked_sources(create_env_fn, create_env_kwargs, policy, policy_factory,
                                       start_method or default_start_method())
-        alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
-        ids = list(alive) if nodes is None else list(nodes)
-        if not ids:
-            raise shmbuf.UsageError("nodes: no alive Ray node to collect on")
-        for i in ids:
-            if i not in alive:
-                raise shmbuf.UsageError(f"nodes: {i!r} is not an alive node of this Ray cluster (alive: {sorted(alive)})")
-        if len(set(ids)) != len(ids):
-            raise shmbuf.UsageError("nodes: a node is listed twice; one owner runs per node (raise actors_per_node)")
+            self._streams = SingleAgentNodes(policy)
+        ids = _node_ids(nodes)
         self.frames_per_batch = frames_per_batch
         self.total_frames = total_frames
         self.max_in_flight = max_in_flight
@@ -151,12 +135,9 @@ class RayCollector:
         self.copy = copy
         self.restart = restart
         self.raise_on_node_failure = raise_on_node_failure
-        self.policy_version = 0
         self.frames = self.batches = 0
         self.failures: list[NodeFailure] = []
         self.schema: shmbuf.Schema | None = None
-        self._policy = policy
-        self._weights_ref: Any = None  # the latest version's object, sent again to an owner that restarts
         self._weight_acks: list[Ack] = []  # the owners' set_weights calls, followed (workers._ray_weights)
         self._stopping: list[Any] = []  # shutdown calls to owners whose collector raised
         self._pending: dict[Any, Node] = {}
@@ -166,12 +147,14 @@ class RayCollector:
         self._closed = False
         self._bar = None
         self.nodes = [Node(k, i) for k, i in enumerate(ids)]
+        self._life = Lifetime(self, stop_timeout)
+        self._life.hold("nodes", functools.partial(_stop_nodes, self.nodes, self._stopping))
         here = ray.get_runtime_context().get_node_id() if local_node else None
         owner_cls = ray.remote(concurrency_groups={"control": 1})(NodeOwner)  # one: publishes never overlap
         options = {"num_cpus": 0, "max_restarts": max_restarts if restart else 0, "max_task_retries": 0,
                    **(owner_options or {})}
-        sources = (dict(policy=policy, policy_factory=policy_factory) if self._ma is None
-                   else dict(policies=policies, policy_factories=policy_factories))
+        sources = (dict(policies=policies, policy_factories=policy_factories) if self._streams.keyed
+                   else dict(policy=policy, policy_factory=policy_factory))
         base = dict(**sources, frames_per_batch=frames_per_batch,
                     num_actors=actors_per_node, weights=weights, start_method=start_method, restart=restart,
                     max_restarts=max_restarts, timeout=OWNER_SLICE, stop_timeout=stop_timeout, copy=False,
@@ -197,9 +180,11 @@ class RayCollector:
 
                 self._bar = tqdm(total=total_frames if total_frames > 0 else None, unit="frame", unit_scale=True,
                                  desc=f"collecting on {len(self.nodes)} nodes", dynamic_ncols=True)
+                self._life.hold("progress bar", functools.partial(_close_bar, self._bar))
         except BaseException:
             self.close()
             raise
+        self._life.arm()  # last: at exit it closes before the finalizers of what the nodes made here
 
     # -- start --------------------------------------------------------------
 
@@ -216,48 +201,37 @@ class RayCollector:
 
     def _took_description(self, n: Node, raw: bytes) -> None:
         info = unpack_header(raw, f"node {n.index}'s description")
-        if bool(info.get("multiagent")) != (self._ma is not None):
+        if bool(info.get("multiagent")) != self._streams.keyed:
             raise shmbuf.SchemaError(f"node {n.index}: a {'multi' if info.get('multiagent') else 'single'}-agent "
                                      "collector described itself to a collector of the other kind")
-        if self._ma is not None:
-            first = next((m for m in self.nodes if m.info is not None), n)
-            self._ma.took(n, info, first)
-            if self.schema is None:
-                self.schema = next(iter(self._ma.schemas.values()))
-                self.batch_mode, self.num_envs = info["batch_mode"], info["num_envs"]
-                self.rollout_len, self.rollouts_per_batch = info["rollout_len"], info["rounds_per_batch"]
-                self._broadcast = any(self._ma.broadcast.values())
-        else:
-            schema = shmbuf.Schema.from_msgpack(info["schema"])
-            if self.schema is None:
-                self.schema = schema
-                self.batch_mode = info["batch_mode"]
-                self.num_envs = info["num_envs"]
-                self.rollout_len = info["rollout_len"]
-                self.rollouts_per_batch = info["rollouts_per_batch"]
-                self._broadcast = info["broadcast"]
-            elif schema != self.schema:
-                raise shmbuf.UsageError(f"node {n.index} ({n.node_id[:12]}) lays rollouts out differently from node "
-                                        f"{self.nodes[0].index}: {self.schema.first_difference(schema)}; every node "
-                                        "must build the same envs and policy")
+        self._streams.took(n, info, next((m for m in self.nodes if m.info is not None), n))
+        if self.schema is None:
+            self.schema = self._streams.schema
+            self.batch_mode, self.num_envs, self.rollout_len = info["batch_mode"], info["num_envs"], info["rollout_len"]
+            self.rollouts_per_batch = self._streams.rollouts_per_batch(info)
         if n.info is None or n.info.get("token") != info.get("token"):
             n.incarnation += 1  # a new owner process, with a new pipeline (not one that was only unreachable)
         n.info, n.host, n.state, n.describe_ref = info, info["host"], "running", None
 
     @property
+    def policy_version(self) -> int:
+        """The weights version the nodes are given (multi-agent: the highest of the policies')."""
+        return self._streams.policy_version
+
+    @property
     def policy_versions(self) -> dict[Any, int]:
         """Multi-agent: each policy's current weights version (UsageError for a single-agent collector)."""
-        if self._ma is None:
+        if not isinstance(self._streams, MultiAgentNodes):
             raise shmbuf.UsageError("policy_versions: a multi-agent RayCollector's; this one has policy_version")
-        return dict(self._ma.versions)
+        return dict(self._streams.versions)
 
     @property
     def rows(self) -> Any:
         """Multi-agent: the agents' rows, as :attr:`workers.MultiAgentCollector.rows` (``rows.policies[pid][k]`` is the
         ``(env, agent)`` of row ``k`` of every actor, on every node)."""
-        if self._ma is None:
+        if not isinstance(self._streams, MultiAgentNodes):
             raise shmbuf.UsageError("rows: a multi-agent RayCollector's (policies=...)")
-        return self._ma.rows
+        return self._streams.rows
 
     # -- weights ------------------------------------------------------------
 
@@ -269,35 +243,14 @@ class RayCollector:
         Multi-agent: ``{policy_id: weights}`` (as :meth:`workers.MultiAgentCollector.update_policy_weights`; one
         object per policy), each policy's version one more than its last; returns ``{policy_id: version}``.
         """
-        if self._ma is not None:
-            if version is not None:
-                raise shmbuf.UsageError("update_policy_weights(version=...): multi-agent versions count per policy, "
-                                        "each one more than its last")
-            self._check_acks()
-            versions = self._ma.update(policy_or_weights, self.nodes, self._weight_acks)
-            self.policy_version = max(self._ma.versions.values())
-            return versions
-        if not self._broadcast:
+        if version is not None and self._streams.keyed:
+            raise shmbuf.UsageError("update_policy_weights(version=...): multi-agent versions count per policy, "
+                                    "each one more than its last")
+        if not self._streams.keyed and not self._streams.broadcast:
             raise shmbuf.StateError(
                 "this RayCollector has no weight broadcast: pass weights=... (or a torch policy) at construction")
         self._check_acks()
-        params = weights_of(policy_or_weights, self._policy)
-        new = self.policy_version + 1 if version is None else int(version)
-        if new <= self.policy_version:
-            raise shmbuf.UsageError(f"version: expected more than the current {self.policy_version}, got {new}")
-        local = [n.local for n in self.nodes if n.local is not None and n.state == "running"]
-        for node in local:  # here: published now, and what it raises is raised now
-            node.set_weights(params, new)
-        self.policy_version = new
-        if len(local) < len(self.nodes):
-            self._weights_ref = ray.put(params)
-            for n in self.nodes:
-                if n.state == "running" and n.local is None:
-                    self._send_weights(n)
-        return new
-
-    def _send_weights(self, n: Node) -> None:
-        self._weight_acks.append(send_weights(n, self._weights_ref, self.policy_version))
+        return self._streams.update(policy_or_weights, version, self.nodes, self._weight_acks)
 
     def _check_acks(self) -> None:
         """Raise here what the owners' ``set_weights`` raised, once per refused version (see ``check_acks``)."""
@@ -319,7 +272,7 @@ class RayCollector:
             batch = self._next()
             self.frames += batch.frames
             self.batches += 1
-            for b in batch.values() if self._ma is not None else (batch,):
+            for b in self._streams.parts(batch):
                 self._lags.extend(b.policy_lag.tolist())
                 self._returns.extend(b.episode_returns.tolist())
             if self._bar is not None:
@@ -397,9 +350,7 @@ class RayCollector:
         return batch
 
     def _from_local(self, n: Node, b: Any) -> Any:
-        if self._ma is not None:
-            return self._ma.from_local(n, b)
-        return RayBatch.of(b, n, learner_version=self.policy_version)
+        return self._streams.from_local(n, b)
 
     def _failed(self, n: Node, exc: BaseException) -> None:
         """A call of node ``n`` failed: count its lost calls, report it, and follow it as restarting or stop it."""
@@ -428,7 +379,7 @@ class RayCollector:
         if n.local is not None:
             n.local.shutdown(self.stop_timeout)
         else:
-            self._stopping.append(self._stop_owner(n, self.stop_timeout))
+            self._stopping.append(_stop_owner(n, self.stop_timeout))
 
     def _look_at_restarting(self) -> None:
         for n in self.nodes:
@@ -445,17 +396,8 @@ class RayCollector:
             except Exception as exc:  # noqa: BLE001 - out of restarts, or its new collector failed to start
                 self._gone(n, exc)
                 continue
-            info = n.info
-            assert info is not None
-            if self._ma is not None:  # every policy it is behind on (awaiting: all), each its latest or its first
-                self._ma.send(n, self._ma.behind(info), self._weight_acks)
-                self._fill(n)
-                continue
-            # A restarted owner's actors collect nothing until it has weights from here: the latest version,
-            # or (never published) the ones it started from. One that has them already is not sent them again.
-            if info.get("awaiting_weights") or (self._weights_ref is not None
-                                                and info["weights_version"] < self.policy_version):
-                self._send_weights(n)
+            assert n.info is not None  # just taken
+            self._streams.resend(n, n.info, self._weight_acks)  # what a restarted owner's actors wait for
             self._fill(n)
 
     def _gone(self, n: Node, exc: BaseException) -> None:
@@ -471,11 +413,7 @@ class RayCollector:
         Raises:
             shmbuf.SchemaError: naming the node and what is wrong (the node is then taken out).
         """
-        assert self.schema is not None
-        if self._ma is not None:
-            return self._ma.unpack(n, got, self.batch_mode, self.copy)
-        w = unpack_batch(got, self.schema, self.batch_mode, self.copy, f"a batch from node {n.index}")
-        return RayBatch.from_wire(w, n, batch_mode=self.batch_mode, learner_version=self.policy_version)
+        return self._streams.unpack(n, got, self.batch_mode, self.copy)
 
     # -- introspection and shutdown -----------------------------------------
 
@@ -494,7 +432,7 @@ class RayCollector:
                        "local": n.local is not None}
                       for n in self.nodes],
             "failures": [str(f) for f in self.failures],
-            **({"policy_versions": dict(self._ma.versions)} if self._ma is not None else {}),
+            **self._streams.stats(),
         }
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -502,40 +440,15 @@ class RayCollector:
         self.close(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop every node (its actors, its shared memory) within ``timeout`` (default ``stop_timeout``), then its owner."""
-        if self._closed:
-            return
+        """Stop every node (its actors, its shared memory) within ``timeout`` (default ``stop_timeout``), then its
+        owner; the progress bar first. Once (:mod:`workers._lifetime`: also when dropped, and at exit)."""
         self._closed = True
-        if self._bar is not None:
-            self._bar.close()
-        timeout = self.stop_timeout if timeout is None else timeout
-        stops: dict[Any, Node | None] = {ref: None for ref in self._stopping}
-        for n in self.nodes:
-            if n.owner is not None and n.state in ("starting", "running", "restarting"):
-                stops[self._stop_owner(n, timeout)] = n
-        for n in self.nodes:  # meanwhile, the learner's own node
-            if n.local is not None and n.state != "dead":
-                n.local.shutdown(timeout)
-        if stops:
-            done, _ = ray.wait(list(stops), num_returns=len(stops), timeout=timeout + OWNER_SLICE + 5.0)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
-                    pass  # already gone: nothing of it is left to stop
-        for n in self.nodes:
-            if n.owner is not None:
-                ray.kill(n.owner, no_restart=True)
-            n.state = "stopped" if n.state != "dead" else n.state
-        self._pending.clear()
-        self._weights_ref = None
-        self._weight_acks.clear()
-
-    @staticmethod
-    def _stop_owner(n: Node, timeout: float) -> Any:
-        """Ask an owner to stop (at once, through the control group), then to shut down after its last batch."""
-        n.owner.stop.options(concurrency_group="control").remote()
-        return n.owner.shutdown.remote(timeout)
+        try:
+            self._life.close(timeout)
+        finally:
+            self._pending.clear()
+            self._streams.forget()
+            self._weight_acks.clear()
 
     def __enter__(self) -> RayCollector:
         return self
@@ -543,8 +456,64 @@ class RayCollector:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001  # a finalizer must not raise (it may run at interpreter exit)
-            pass
+
+def _close_bar(bar: Any, timeout: float) -> None:
+    bar.close()
+
+
+def _stop_owner(n: Node, timeout: float) -> Any:
+    """Ask an owner to stop (at once, through the control group), then to shut down after its last batch."""
+    n.owner.stop.options(concurrency_group="control").remote()
+    return n.owner.shutdown.remote(timeout)
+
+
+def _stop_nodes(nodes: list[Node], stopping: list[Any], timeout: float) -> None:
+    """A RayCollector's release: every node stopped (its actors, its shared memory) within ``timeout``, then its
+    owner killed (with no restart). ``stopping``: shutdown calls already made to owners taken out."""
+    stops: dict[Any, Node | None] = {ref: None for ref in stopping}
+    for n in nodes:
+        if n.owner is not None and n.state in ("starting", "running", "restarting"):
+            stops[_stop_owner(n, timeout)] = n
+    for n in nodes:  # meanwhile, the learner's own node
+        if n.local is not None and n.state != "dead":
+            n.local.shutdown(timeout)
+    if stops:
+        finished, _ = ray.wait(list(stops), num_returns=len(stops), timeout=timeout + OWNER_SLICE + 5.0)
+        for ref in finished:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                pass  # already gone: nothing of it is left to stop
+    for n in nodes:
+        if n.owner is not None:
+            ray.kill(n.owner, no_restart=True)
+        n.state = "stopped" if n.state != "dead" else n.state
+
+
+def _check_options(collector_kwargs: dict[str, Any], owner_options: dict[str, Any] | None, max_in_flight: Any) -> None:
+    """RayCollector's own settings, and the Collector settings it does not pass on to the nodes."""
+    for name in ("num_actors", "total_frames", "progress", "postproc"):
+        if name in collector_kwargs:
+            raise shmbuf.UsageError(f"RayCollector({name}=...): not passed to the nodes; "
+                                    + ("use actors_per_node" if name == "num_actors" else "the learner does this"))
+    fixed = sorted(set(owner_options or {}) & {"max_restarts", "max_task_retries", "max_concurrency",
+                                               "concurrency_groups", "scheduling_strategy", "name", "lifetime"})
+    if fixed:
+        raise shmbuf.UsageError(f"owner_options: {fixed} are RayCollector's to set (exactly-once delivery, the "
+                                "owners' concurrency groups, one owner pinned per node; use restart=/max_restarts=)")
+    if not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise shmbuf.UsageError(f"max_in_flight: expected an int >= 1, got {max_in_flight!r}")
+
+
+def _node_ids(nodes: Sequence[str] | None) -> list[str]:
+    """The Ray node ids to collect on (None: every alive node), each alive and listed once."""
+    alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    ids = list(alive) if nodes is None else list(nodes)
+    if not ids:
+        raise shmbuf.UsageError("nodes: no alive Ray node to collect on")
+    for i in ids:
+        if i not in alive:
+            raise shmbuf.UsageError(f"nodes: {i!r} is not an alive node of this Ray cluster (alive: {sorted(alive)})")
+    if len(set(ids)) != len(ids):
+        raise shmbuf.UsageError("nodes: a node is listed twice; one owner runs per node (raise actors_per_node)")
+    return ids

@@ -59,7 +59,10 @@ class RayMultiAgentBatch(MultiAgentBatch):
 
 class MultiAgentNodes:
     """The learner's side of a multi-agent RayCollector: every node's policies and rows checked against the first
-    node's, each policy's weights version, batches rebuilt as :class:`RayMultiAgentBatch`."""
+    node's, each policy's weights version, batches rebuilt as :class:`RayMultiAgentBatch`. The same methods as
+    :class:`workers._ray_single.SingleAgentNodes` (the one-stream case), a stream per policy."""
+
+    keyed = True  # streams keyed by policy id
 
     def __init__(self, policies: dict[Any, Any] | None, policy_factories: dict[Any, Callable[[], Any]] | None,
                  policy_mapping_fn: Callable[..., Any] | None, remap_each_episode: bool = False):
@@ -110,6 +113,34 @@ class MultiAgentNodes:
             raise shmbuf.UsageError(f"node {n.index} ({n.node_id[:12]}) puts the agents in other rows than node "
                                     f"{first.index}: every node must build the same envs")
 
+    @property
+    def schema(self) -> shmbuf.Schema | None:
+        """The first trained policy's layout (None before the first description)."""
+        return next(iter(self.schemas.values()), None)
+
+    @property
+    def policy_version(self) -> int:
+        return max(self.versions.values())
+
+    @staticmethod
+    def rollouts_per_batch(info: dict[str, Any]) -> int:
+        return int(info["rounds_per_batch"])
+
+    @staticmethod
+    def parts(batch: Any) -> Any:
+        return batch.values()
+
+    def stats(self) -> dict[str, Any]:
+        return {"policy_versions": dict(self.versions)}
+
+    def forget(self) -> None:
+        """At close: the weights objects are no longer needed."""
+        self.latest.clear()
+
+    def resend(self, n: Node, info: dict[str, Any], acks: list[Ack]) -> None:
+        """A restarted owner: every policy it is behind on (awaiting: all), each its latest or its first."""
+        self.send(n, self.behind(info), acks)
+
     def behind(self, info: dict[str, Any]) -> list[Any]:
         """The policies a (restarted) node must be sent weights for: all of them if it awaits weights, else those
         whose version there is behind the learner's."""
@@ -119,9 +150,13 @@ class MultiAgentNodes:
 
     # -- weights ------------------------------------------------------------
 
-    def update(self, weights: dict[Any, Any] | None, nodes: list[Node], acks: list[Ack]) -> dict[Any, int]:
+    def update(self, weights: dict[Any, Any] | None, version: int | None, nodes: list[Node],
+               acks: list[Ack]) -> dict[Any, int]:
         """New weights ``{policy_id: weights}`` (None: every policy the learner holds a torch module of, re-read): to
         the learner's own node now, to the others as one ``ray.put`` object per policy. Returns the new versions."""
+        if version is not None:
+            raise shmbuf.UsageError("update_policy_weights(version=...): multi-agent versions count per policy, "
+                                    "each one more than its last")
         if weights is None:
             weights = {pid: None for pid, p in self.held.items() if hasattr(p, "state_dict")}
             if not weights:

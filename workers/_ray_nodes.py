@@ -11,6 +11,7 @@ SIGKILL from Ray included (docs/design/janitor.md); its actor processes create n
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import secrets
@@ -23,7 +24,7 @@ import ray
 
 import shmbuf
 from workers._collector import Collector
-from workers._exit import ExitClose
+from workers._lifetime import Lifetime
 from workers._ray_wire import pack_batch, pack_description, pack_multiagent_batch, pack_multiagent_description
 
 # How long a node owner's next_batch waits for its Collector before looking at its stop flag again.
@@ -172,9 +173,12 @@ class LocalNode(_NodeCollector):
         super().__init__(args, kwargs, ready_timeout, "the learner's node")
         self._thread = threading.Thread(target=self._run, name="shmbuf-ray-local-node", daemon=True)
         self._thread.start()
-        self._shut = False
-        # After the collector's own: at exit this runs first, so the thread is joined before the collector closes
-        self._exit_close = ExitClose(self)
+        # The thread is stopped and joined before the collector closes (what it waits on), at shutdown, when
+        # dropped, or at exit: armed after the collector's own lifetime, this one runs first there
+        self._life = Lifetime(self, self.collector.stop_timeout)
+        self._life.hold("collector", self.collector.shutdown)
+        self._life.hold("thread", functools.partial(_stop_thread, self._stop, self._given_back, self._thread))
+        self._life.arm()
 
     def _run(self) -> None:
         try:
@@ -209,17 +213,19 @@ class LocalNode(_NodeCollector):
             return int(self.collector.update_policy_weights({policy_id: weights}, versions={policy_id: version})[policy_id])
         return self.collector.update_policy_weights(weights, version=version)
 
-    def shutdown(self, timeout: float) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Stop the thread and join it, then the actors; remove the node's shared memory. Once."""
-        if self._shut:
-            return
-        self._shut = True
-        self._exit_close.cancel()
-        self._stop.set()
-        self._given_back.release()
-        self._thread.join(OWNER_SLICE + 5.0)  # still inside the collector past that: its close is safe under it
-        self.collector.shutdown(timeout)
+        self._life.close(timeout)
 
-    def close(self) -> None:
-        """At interpreter exit (:class:`workers._exit.ExitClose`): :meth:`shutdown` with the collector's stop_timeout."""
-        self.shutdown(self.collector.stop_timeout)
+    def close(self, timeout: float | None = None) -> None:
+        """:meth:`shutdown` (default: the collector's stop_timeout)."""
+        self._life.close(timeout)
+
+
+def _stop_thread(stop: threading.Event, given_back: threading.Semaphore, thread: threading.Thread,
+                 timeout: float) -> None:
+    """LocalNode's thread asked to stop and joined (still inside the collector past the join's wait: the collector's
+    close is safe under it)."""
+    stop.set()
+    given_back.release()
+    thread.join(OWNER_SLICE + 5.0)

@@ -12,6 +12,23 @@ BACKENDS = ("threading", "multiprocessing", "ray", "monarch")  # TorchRL's backe
 ENV_BACKENDS = ("multiprocessing", "threading")
 
 
+# AsyncBatchedCollector's own keywords (TorchRL's names and defaults; its other keywords are CollectSettings' fields),
+# in the order its constructor unpacks them.
+OPTIONS: dict[str, Any] = {
+    "policy_factory": None, "max_batch_size": 64, "min_batch_size": 1, "server_timeout": 0.01, "transport": None,
+    "device": None, "backend": None, "env_backend": None, "policy_backend": None, "reset_at_each_iter": False,
+    "postproc": None, "yield_completed_trajectories": False, "weight_sync": None, "weight_sync_model_id": "policy",
+    "verbose": False, "create_env_kwargs": None, "replay_buffer": None, "exploration_type": None,
+    "post_collect_hook": None, "num_envs": None, "num_workers": None, "server_threads": 1, "static_seed": False,
+}
+
+
+def take_options(options: dict[str, Any]) -> tuple[Any, ...]:
+    """AsyncBatchedCollector's own keywords, taken out of ``options`` (each its default when not given), in the order of
+    :data:`OPTIONS`; what is left in ``options`` is for the settings."""
+    return tuple(options.pop(k, default) for k, default in OPTIONS.items())
+
+
 def is_tensordict_module(policy: Any) -> bool:
     """Is ``policy`` a TensorDict module (TorchRL's policies)? Without importing tensordict if nothing has."""
     mod = sys.modules.get("tensordict.nn")
