@@ -34,6 +34,7 @@ away takes its actor processes (they watch the owner, see workers._pool).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -55,11 +56,20 @@ from workers._ray_nodes import OWNER_SLICE, LocalNode, NodeOwner  # NodeOwner: w
 from workers._ray_single import SingleAgentNodes
 from workers._ray_weights import Ack, check_acks, done
 from workers._ray_wire import unpack_header
-from workers._settings import checked_sources
+from workers._settings import CollectSettings, checked_sources
 
 logger = logging.getLogger(__name__)
 
 WAIT_SLICE = 0.1
+# RayCollector's own keywords and the Collector settings it reads too, with its defaults, in the order its
+# constructor unpacks them; the rest of its keywords go to every node's Collector as they are.
+OPTIONS: dict[str, Any] = {
+    "policy_factory": None, "nodes": None, "actors_per_node": None, "max_in_flight": 2, "restart": False,
+    "max_restarts": 3, "timeout": None, "ready_timeout": 300.0, "copy": False, "weights": None, "seed": 0,
+    "start_method": None, "stop_timeout": 5.0, "progress": False, "owner_options": None,
+    "raise_on_node_failure": False, "local_node": True, "policies": None, "policy_factories": None,
+    "create_env_kwargs": None,
+}
 # How long the learner waits on its own node's batches before it looks at the other nodes' again.
 LOCAL_SLICE = 0.002
 
@@ -69,6 +79,11 @@ class RayCollector:
 
     Takes :class:`workers.Collector`'s arguments (env factories, policy, layout, restart...), which
     each node's owner uses as they are, plus:
+
+    Its signature is short (the envs, the policy, ``frames_per_batch``, ``total_frames``, ``settings=``, and
+    ``**options``): the options are the ones below (:data:`OPTIONS`, with RayCollector's defaults) and the nodes'
+    Collector settings; ``settings``: a :class:`workers.CollectSettings`, whose fields other than their defaults are
+    given to every node's Collector (and read here where RayCollector has the same setting).
 
     Args:
         nodes: Ray node ids (hex) to collect on, or None for every alive node. One owner each.
@@ -99,15 +114,12 @@ class RayCollector:
     """
 
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
-                 policy_factory: Callable[[], Any] | None = None, frames_per_batch: int, total_frames: int = -1,
-                 nodes: Sequence[str] | None = None, actors_per_node: int | None = None, max_in_flight: int = 2,
-                 restart: bool = False, max_restarts: int = 3, timeout: float | None = None,
-                 ready_timeout: float = 300.0, copy: bool = False, weights: Any = None, seed: int | None = 0,
-                 start_method: str | None = None, stop_timeout: float = 5.0, progress: bool = False,
-                 owner_options: dict[str, Any] | None = None, raise_on_node_failure: bool = False,
-                 local_node: bool = True, policies: dict[Any, Any] | None = None,
-                 policy_factories: dict[Any, Callable[[], Any]] | None = None,
-                 create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None, **collector_kwargs: Any):
+                 frames_per_batch: int, total_frames: int = -1, settings: CollectSettings | None = None,
+                 **options: Any):
+        collector_kwargs = {**_given_fields(settings), **options}  # what is not RayCollector's own goes to the nodes
+        (policy_factory, nodes, actors_per_node, max_in_flight, restart, max_restarts, timeout, ready_timeout, copy,
+         weights, seed, start_method, stop_timeout, progress, owner_options, raise_on_node_failure, local_node,
+         policies, policy_factories, create_env_kwargs) = (collector_kwargs.pop(k, d) for k, d in OPTIONS.items())
         if not ray.is_initialized():
             raise shmbuf.UsageError("RayCollector needs a Ray cluster: call ray.init() (or ray.init(address=...)) first")
         _check_options(collector_kwargs, owner_options, max_in_flight)
@@ -517,3 +529,15 @@ def _node_ids(nodes: Sequence[str] | None) -> list[str]:
     if len(set(ids)) != len(ids):
         raise shmbuf.UsageError("nodes: a node is listed twice; one owner runs per node (raise actors_per_node)")
     return ids
+
+
+def _given_fields(settings: Any) -> dict[str, Any]:
+    """A ``settings=`` object as the keywords it sets (its fields other than their defaults): the nodes' Collectors
+    take them as keywords, and RayCollector reads its own (a default field keeps RayCollector's default)."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, CollectSettings):
+        raise shmbuf.UsageError(f"settings: expected a workers.CollectSettings, got {type(settings).__name__}")
+    skip = ("frames_per_batch", "total_frames")
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)
+            if f.name not in skip and getattr(settings, f.name) != f.default}
