@@ -23,7 +23,6 @@ each action. See docs/inference.md.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -224,12 +223,13 @@ class AsyncBatchedCollector(ServedWeights, BackgroundReplay, Collector):
             n_workers = num_workers
         self._given_policy = server_policy
         torchrl: Any = None
-        factories: list[TorchRLFactory] = []
-        if td_policy or _torchrl_loaded():  # a factory may return a TorchRL env: wrap them to step it through TorchRL
-            given = create_env_fn if isinstance(create_env_fn, Sequence) else [create_env_fn]
-            seeded = kwargs.get("seed") is not None  # given: TorchRL's set_seed chain; else the factories' own seeds
-            factories = [TorchRLFactory(f, wrap_gym=td_policy, seeded=seeded, static_seed=bool(static_seed)) for f in given]
-            create_env_fn = factories if isinstance(create_env_fn, Sequence) else factories[0]
+        # The switch to TorchRL's env API is what a factory returns, not what this process has imported: every
+        # factory is wrapped, and a TorchRL env it returns (torchrl imported inside it, or before) is stepped through
+        # TorchRL's API; any other env is handed on as it is (workers/compat/_torchrl_factory.py).
+        given = create_env_fn if isinstance(create_env_fn, Sequence) else [create_env_fn]
+        seeded = kwargs.get("seed") is not None  # given: TorchRL's set_seed chain; else the factories' own seeds
+        factories = [TorchRLFactory(f, wrap_gym=td_policy, seeded=seeded, static_seed=bool(static_seed)) for f in given]
+        create_env_fn = factories if isinstance(create_env_fn, Sequence) else factories[0]
         if td_policy:
             from workers.compat import _torchrl as torchrl
 
@@ -301,8 +301,4 @@ class AsyncBatchedCollector(ServedWeights, BackgroundReplay, Collector):
         stops the workers.
         """
         return self.pool
-
-
-def _torchrl_loaded() -> bool:
-    return "torchrl" in sys.modules or "tensordict" in sys.modules
 

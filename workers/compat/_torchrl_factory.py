@@ -37,6 +37,7 @@ class TorchRLFactory:
         self.seeded = seeded
         self.static_seed = static_seed
         self.reward_dtype: Any = None
+        self.__qualname__ = getattr(fn, "__qualname__", type(fn).__name__)  # what a picklability error names
 
     def __call__(self, **kwargs: Any) -> Any:
         env = self.fn(**kwargs)
