@@ -28,6 +28,7 @@ its parent's.
 from __future__ import annotations
 
 import atexit
+import functools
 import multiprocessing.util
 import os
 import time
@@ -43,9 +44,13 @@ EXIT_PRIORITY = 10
 
 
 def _release_all(held: list[tuple[str, Release]], budget: list[float | None], default: float, pid: int,
-                 errors: list[BaseException]) -> None:
+                 errors: list[BaseException], unhook: list[Callable[[], None]]) -> None:
     """Run the releases newest first within ``budget[0]`` seconds (None: ``default``); what they raise goes to
-    ``errors`` (the first is raised by :meth:`Lifetime.close`, and nowhere at collection or exit)."""
+    ``errors`` (the first is raised by :meth:`Lifetime.close`, and nowhere at collection or exit). First the exit
+    hooks of :meth:`Lifetime.arm` are taken off (``unhook``), however this runs: at close, when the owner is
+    collected, or at exit: a dropped owner leaves nothing registered."""
+    while unhook:
+        unhook.pop()()
     if os.getpid() != pid:  # a forked child: what is held is its parent's
         return
     seconds = default if budget[0] is None else budget[0]
@@ -65,17 +70,16 @@ class Lifetime:
     is given None. The releases must not refer to ``owner`` (they would keep it alive).
     """
 
-    __slots__ = ("_budget", "_errors", "_finalizer", "_held", "_hook", "_mp_hook")
+    __slots__ = ("_budget", "_errors", "_finalizer", "_held", "_unhook")
 
     def __init__(self, owner: Any, default: float):
         self._held: list[tuple[str, Release]] = []
         self._budget: list[float | None] = [None]  # the budget close() was given, read by the finalizer
         self._errors: list[BaseException] = []
+        self._unhook: list[Callable[[], None]] = []  # how to take off the exit hooks of arm()
         self._finalizer = weakref.finalize(owner, _release_all, self._held, self._budget, default, os.getpid(),
-                                           self._errors)
+                                           self._errors, self._unhook)
         self._finalizer.atexit = False  # at exit, the hook of arm() runs it, in its place among the atexit hooks
-        self._hook: Callable[[], None] | None = None
-        self._mp_hook: multiprocessing.util.Finalize | None = None
 
     def hold(self, name: str, release: Release, *, last: bool = False) -> None:
         """Register ``release(seconds_left)``, to run before everything registered earlier (``last``: after
@@ -93,10 +97,10 @@ class Lifetime:
         def at_exit() -> None:
             finalizer()
 
-        self._hook = at_exit
         atexit.register(at_exit)
         # a process multiprocessing started exits through its exit function (no atexit), which joins the children
-        self._mp_hook = multiprocessing.util.Finalize(None, at_exit, exitpriority=EXIT_PRIORITY)
+        mp_hook = multiprocessing.util.Finalize(None, at_exit, exitpriority=EXIT_PRIORITY)
+        self._unhook += [functools.partial(atexit.unregister, at_exit), mp_hook.cancel]
 
     @property
     def alive(self) -> bool:
@@ -106,12 +110,6 @@ class Lifetime:
     def close(self, timeout: float | None = None) -> None:
         """Let go of everything held, newest first, within ``timeout`` seconds in all (None: the owner's default);
         then raise the first error a release raised (every release ran). Once: later calls do nothing."""
-        if self._hook is not None:
-            atexit.unregister(self._hook)
-            self._hook = None
-        if self._mp_hook is not None:
-            self._mp_hook.cancel()
-            self._mp_hook = None
         self._budget[0] = timeout
         self._finalizer()
         if self._errors:
