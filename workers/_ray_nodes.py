@@ -149,8 +149,9 @@ class NodeOwner(_NodeCollector):
         """(control group) Make ``next_batch`` return None within OWNER_SLICE, and every later one at once."""
         self._stop.set()
 
-    def shutdown(self, timeout: float) -> list[str]:
-        """(default group, so after every next_batch's output is stored) Stop the actors, remove the shared memory."""
+    def shutdown(self, timeout: float | None = None) -> list[str]:
+        """(default group, so after every next_batch's output is stored) Stop the actors, remove the shared memory,
+        within ``timeout`` (None: the collector's stop_timeout)."""
         self._stop.set()
         with self._lock:
             self.collector.shutdown(timeout)

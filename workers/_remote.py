@@ -60,5 +60,6 @@ class RemotePolicy:
         self._version[:] = self.client.call()
         return self._action, self._extras
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Let go of the inference client (``timeout``: the lifetime contract's signature; nothing here waits)."""
         self.client.close()
