@@ -458,14 +458,40 @@ def write(w: shmbuf.Writer, tag: float, length: int = 2) -> None:
 # ------------------------------------------------------------- a RayCollector's nodes (tests/test_ray*.py)
 
 
+def watcher_of(owner: int) -> int:
+    """The pid of the live shmbuf watcher (shmbuf/_janitor.py) of process ``owner``, or 0 if it has none.
+
+    A watcher runs ``python -I -S .../shmbuf/_janitor.py OWNER_PID ...``; its middle process, which has the same
+    command line, exits at once: the one left is the watcher."""
+    found = []
+    for pid, _, _, cmd in live_processes():
+        argv = cmd.split()
+        at = [i for i, a in enumerate(argv) if a.endswith(b"shmbuf/_janitor.py")]
+        if at and len(argv) > at[0] + 1 and argv[at[0] + 1] == str(owner).encode():
+            found.append(pid)
+    return max(found, default=0)  # the watcher is forked by its middle process: the later pid, should both be seen
+
+
 def described(rc: Any) -> list[dict[str, Any]]:
-    """What each node's owner said about itself at start: pids, names."""
-    return [n.info for n in rc.nodes]  # info is set once a node has described itself, as each has by now
+    """What each node's owner said about itself at start (pids, names), with ``watcher_pid``: the shmbuf watcher of the
+    node's owner process, found in /proc while it lives (each owner has one by now: it made its pipeline). The
+    learner's own node's is this process's watcher, which outlives the node: 0 there."""
+    out = []
+    for n in rc.nodes:  # info is set once a node has described itself, as each has by now
+        info = dict(n.info)
+        if info["pid"] != os.getpid():
+            info["watcher_pid"] = watcher_of(info["pid"])
+            assert info["watcher_pid"], f"node {n.index}'s owner (pid {info['pid']}) has no shmbuf watcher"
+        else:
+            info["watcher_pid"] = 0
+        out.append(info)
+    return out
 
 
 def pids_of(info: list[dict[str, Any]]) -> list[int]:
-    """A node's processes: its owner (not the learner, which is the owner of its own node), janitor and actors."""
-    return [p for i in info for p in (i["pid"], i["janitor_pid"], *i["actor_pids"]) if p != os.getpid()]
+    """A node's processes: its owner (not the learner, which is the owner of its own node), the owner's shmbuf watcher
+    (which removes what the owner made if it dies) and its actors."""
+    return [p for i in info for p in (i["pid"], i["watcher_pid"], *i["actor_pids"]) if p and p != os.getpid()]
 
 
 def remote(rc: Any) -> int:

@@ -124,7 +124,7 @@ def run_loop(n_envs, rounds, *, rollout_len=4, count_steps_by="env_steps", envs=
     ``({policy: [rollout, ...]}, rows, loop)``, rollouts as copies in commit order. ``postprocess``: the hook setting,
     set up as MultiAgentCollector does (discovered, its columns made step leaves); ``record`` (a list) gets the loop
     as soon as it exists, for a hook to read ``loop.rounds``; ``make_env(i)`` makes env ``i``."""
-    from workers._multiagent_postprocess import add_columns, discover_policies
+    from workers.compat._rllib_multiagent import add_columns, discover_policies
 
     envs = envs or [make_env(i) for i in range(n_envs)]
     examples, rows = multiagent_examples([make_env(i) for i in range(len(envs))], policies, policy_mapping_fn,

@@ -21,7 +21,7 @@ from shmbuf.storage.views import ViewRequirement as VR
 from shmbuf.storage.views import build_views
 from tests.helpers_workers import CountingEnv, EchoPolicy, expected_stream, make_vector
 from workers import ActorLoop, probe
-from workers._postprocess import RLLIB_COLUMNS, discover, template
+from workers.compat._rllib_postprocess import RLLIB_COLUMNS, discover, template
 
 RLLIB_KEYS = {*RLLIB_COLUMNS, "new_obs", "twice_t"}
 
@@ -428,4 +428,12 @@ def test_the_page_maps_rllibs_multi_agent_names_to_multiagentcollector() -> None
     settings = ("policies", "policy_mapping_fn", "policies_to_train", "count_steps_by", "postprocess", "remap_each_episode")
     for name in (*settings, "policy_batches", "other_agent_batches", "MultiAgentBatch"):
         assert re.search(rf"`[^`]*\b{name}\b[^`]*`", table), name
-    assert set(settings) <= set(inspect.signature(MultiAgentCollector).parameters)
+    # the signature is short (envs, policies, frames_per_batch, total_frames, settings=, **options): the rest are
+    # CollectSettings' fields and the collector's own keywords, RLlib's names translated (workers.compat.rllib)
+    from workers._collector import OWN
+    from workers._settings import FIELDS
+    from workers.compat import rllib
+
+    accepted = set(inspect.signature(MultiAgentCollector).parameters) | FIELDS | set(OWN)
+    assert set(settings) <= accepted | set(rllib.ALIASES)
+    assert {rllib.ALIASES.get(name, name) for name in settings} <= accepted

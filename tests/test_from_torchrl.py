@@ -427,7 +427,7 @@ def test_start_collects_into_shmbufs_shared_memory_replay_buffer() -> None:
 def test_a_given_shmbuf_replay_buffer_takes_the_batches_rows() -> None:
     """A shmbuf.storage.ReplayBuffer made by the caller, laid out as one frame of a batch (workers._torchrl.numpy_tree)."""
     from shmbuf.storage import ReplayBuffer
-    from workers._torchrl import numpy_tree
+    from workers.compat._torchrl import numpy_tree
 
     c = collector(total_frames=64)
     try:
@@ -576,3 +576,41 @@ def test_docs_block_runs(k: int, tmp_path: pathlib.Path) -> None:
         assert last.startswith("1024 [") and "'next'" in last and "'env_index'" in last, lines
     else:
         assert lines[-1:] == ["20"]  # 4 batches, 5 updates after each
+
+
+LAZY_FACTORY_SCRIPT = '''
+import sys
+
+import numpy as np
+
+from workers import AsyncBatchedCollector
+
+
+def make():
+    from torchrl.envs import GymEnv  # torchrl imported only here, inside the factory
+
+    return GymEnv("CartPole-v1")
+
+
+def policy(obs):
+    return np.eye(2, dtype=np.int64)[np.zeros(len(obs), int)]  # CartPole's one-hot action spec
+
+
+assert not {"torchrl", "tensordict"} & set(sys.modules)
+c = AsyncBatchedCollector([make] * 2, policy=policy, frames_per_batch=16, env_backend="threading", timeout=60)
+try:
+    b = next(iter(c))
+    print(type(b).__name__, tuple(b.batch_size))
+finally:
+    c.shutdown()
+'''
+
+
+def test_a_factory_that_imports_torchrl_itself_is_stepped_through_torchrl(tmp_path: pathlib.Path) -> None:
+    """What a factory returns decides whether its env is stepped through TorchRL's API, not whether torchrl was
+    imported before the collector was made (a fresh interpreter, torchrl imported only inside the factory)."""
+    from tests.helpers import run_script
+
+    script = tmp_path / "lazy_torchrl_factory.py"
+    script.write_text(LAZY_FACTORY_SCRIPT)
+    assert run_script(script, tmp_path, timeout=240).stdout.strip().splitlines()[-1] == "TensorDict (16,)"

@@ -29,7 +29,7 @@ from tests.helpers_multiagent import (  # noqa: E402  (after the importorskip ab
     stored_streams,
 )
 from workers._multiagent import multiagent_examples  # noqa: E402  # same
-from workers._multiagent_postprocess import discover_policies  # noqa: E402  # same
+from workers.compat._rllib_multiagent import discover_policies  # noqa: E402  # same
 
 AGENT_INDEX = {"red_0": 0, "red_1": 1, "blue_0": 2}
 

@@ -140,7 +140,7 @@ def test_a_ray_nodes_collector_taken_up_again_after_slot_timeouts_loses_no_polic
     collector taken up again after each slice that runs out; once blue's round 1 comes, that batch holds red's rounds
     0 and 1, and every rollout of both policies is delivered once (before: red's first batch was dropped)."""
     pytest.importorskip("ray", reason="the `ray` extra (make test installs it)")
-    from workers._ray_nodes import OWNER_SLICE, _end_janitor, _NodeCollector
+    from workers._ray_nodes import OWNER_SLICE, _NodeCollector
 
     at_gate, gate = hold_blues_second_commit(monkeypatch, tmp_path)
     kw = dict(policies=POLICIES, policy_mapping_fn=mapping, frames_per_batch=2 * T, rollout_len=T, num_actors=1,
@@ -175,7 +175,6 @@ def test_a_ray_nodes_collector_taken_up_again_after_slot_timeouts_loses_no_polic
     finally:
         gate.touch()
         owner.collector.shutdown(5.0)
-        _end_janitor(owner.janitor_pid)
 
 
 def test_complete_episodes_taken_before_a_slot_timeout_come_in_the_next_batch(monkeypatch, tmp_path):

@@ -57,8 +57,8 @@ TIERS = {
         "playback_example", "read_metadata",
     ],
     "workers": [
-        "ActorContext", "ActorError", "ActorLoop", "ActorPool", "ActorSpec", "AsyncBatchedCollector", "CollectedBatch",
-        "Collector", "MultiAgentBatch", "MultiAgentCollector", "probe", "run_actor", "to_tensordict",
+        "ActorContext", "ActorError", "ActorLoop", "ActorPool", "ActorSpec", "AsyncBatchedCollector", "CollectSettings",
+        "CollectedBatch", "Collector", "MultiAgentBatch", "MultiAgentCollector", "probe", "run_actor",
     ],
     "workers.lowlevel": [
         "ActorViews", "EnvDriver", "Episode", "InferenceServer", "MultiAgentLoop", "RemotePolicy", "ThreadActorPool",
@@ -107,7 +107,8 @@ MOVED = {
     "workers": {"ActorViews": "workers.lowlevel", "EnvDriver": "workers.lowlevel", "InferenceServer": "workers.lowlevel",
                 "NodeOwner": "workers.lowlevel", "RemotePolicy": "workers.lowlevel", "ThreadActorPool": "workers.lowlevel",
                 "apply_weights": "workers.lowlevel", "default_start_method": "workers.lowlevel",
-                "rollout_example": "shmbuf.layout", "successors": "shmbuf.layout"},
+                "rollout_example": "shmbuf.layout", "successors": "shmbuf.layout",
+                "to_tensordict": "workers.compat.torchrl"},
 }
 
 

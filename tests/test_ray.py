@@ -33,8 +33,17 @@ ray = pytest.importorskip("ray", reason="the `ray` extra (make test installs it)
 
 import shmbuf  # noqa: E402  (after the importorskip above)
 from tests.conftest import shm_objects, wait_until  # noqa: E402  (after the importorskip above)
-from tests.helpers import OnceLedger, described, gone, on_shm, pids_of, remote  # noqa: E402  (after the importorskip above)
-from workers import ActorError, CollectedBatch, RayCollector, _ray, _ray_weights, _ray_wire  # noqa: E402  # after the importorskip: they import ray
+from tests.helpers import OnceLedger, described, gone, on_shm, pids_of, remote, watcher_of  # noqa: E402  (after the importorskip above)
+from workers import (  # noqa: E402  # after the importorskip: they import ray
+    ActorError,
+    CollectedBatch,
+    RayCollector,
+    _ray,
+    _ray_node,
+    _ray_single,
+    _ray_weights,
+    _ray_wire,
+)
 
 T, E = 8, 2
 FRAMES = 4 * T * E  # four rollouts a batch
@@ -170,7 +179,7 @@ def test_every_rollout_once_from_both_nodes_weights_reach_both_and_shutdown_leav
     assert all(n["frames"] > 0 and n["lost_batches"] == 0 for n in stats["nodes"]) and stats["failures"] == []
     # version 1 was published after batch 3 with version-0 rollouts still to come: some of them arrived late
     assert stats["policy_version"] == 1 and stats["policy_lag_max"] == ledger.lag_max == 1
-    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "the owners, their actors and janitors to exit")
+    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "the owners, their actors and watchers to exit")
     wait_until(lambda: not any(on_shm(i) for i in info), 10, "the nodes' shared memory to go")
 
 
@@ -195,7 +204,8 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
         _ray_wire.unpack_header(b"\xc1", "a batch from node 0")
     with pytest.raises(shmbuf.SchemaError, match=f"wire version 99, expected {_ray_wire.WIRE_VERSION}"):
         _ray_wire.unpack_header(msgpack.packb({"magic": _ray_wire.WIRE_MAGIC, "version": 99}), "a batch from node 0")
-    # _unpack against a real schema, without a cluster: a collector shell with the schema of CountEnv's rollouts
+    # _unpack against a real schema, without a cluster: a collector shell with the schema of CountEnv's rollouts (its
+    # learner's side of one stream, workers._ray_single, holds the schema every batch is checked against)
     from shmbuf.layout import rollout_example
     from workers import probe
 
@@ -206,9 +216,10 @@ def test_a_malformed_batch_is_refused_naming_the_leaf() -> None:
         env.close()
     example = rollout_example(p["obs"], p["action"], rollout_len=T, num_envs=E, extras=p["extras"])
     rc = RayCollector.__new__(RayCollector)
-    rc.schema, rc.batch_mode, rc.copy, rc.policy_version, rc._closed = shmbuf.Schema.from_example(example), \
-        "truncate_episodes", False, 0, True
-    node = _ray._Node(0, "n0")
+    rc.schema, rc.batch_mode, rc.copy, rc._closed = shmbuf.Schema.from_example(example), "truncate_episodes", False, True
+    rc._streams = _ray_single.SingleAgentNodes(None)
+    rc._streams.schema = rc.schema
+    node = _ray_node.Node(0, "n0")
     leaves = [lf for ts in rc.schema.timescales for lf in ts.leaves]
     good = [np.zeros((2, *lf.shape), lf.dtype) for lf in leaves]
     good += [np.zeros(2, np.int64) for _ in rc.schema.timescales]
@@ -263,7 +274,7 @@ def test_killing_one_owner_leaves_the_other_delivering(cluster: Any) -> None:
         stats = rc.stats()
         assert stats["nodes"][r]["state"] == "dead" and stats["nodes"][r]["lost_batches"] == failure.lost_batches >= 1
         assert "ActorDiedError" in stats["failures"][0] or "RayActorError" in stats["failures"][0]
-        # The dead owner's actors and janitor exit; the janitor removes its node's shared memory.
+        # The dead owner's actors and shmbuf watcher exit; the watcher removes its node's shared memory.
         wait_until(lambda: all(gone(p) for p in pids_of([info[r]])), 20, "the dead node's processes to exit")
         wait_until(lambda: not on_shm(info[r]), 10, "the dead node's shared memory to be removed")
         assert on_shm(info[1 - r]), "the living node's shared memory went too"
@@ -282,7 +293,7 @@ def test_a_node_owner_raises_its_actors_death_at_every_call_after_it() -> None:
     before the death; then SIGKILLed: the call raises the actor's ActorError, and so does the next one, as every
     later call of the learner's in flight must (the learner may read any of them first). A generator that raised
     is over: the next call used to raise a bare StopIteration, which became the node's failure."""
-    from workers._ray_nodes import _end_janitor, _NodeCollector
+    from workers._ray_nodes import _NodeCollector
 
     kw = dict(policy=WeightPolicy(), frames_per_batch=FRAMES, rollout_len=T, num_actors=1, weights=weights(0),
               timeout=0.1, stop_timeout=5.0, copy=False)
@@ -324,7 +335,6 @@ def test_a_node_owner_raises_its_actors_death_at_every_call_after_it() -> None:
         except ProcessLookupError:
             pass
         owner.collector.shutdown(5.0)
-        _end_janitor(owner.janitor_pid)
 
 
 def test_an_actor_killed_on_a_remote_node_is_the_nodes_failure_whichever_call_is_read(cluster: Any) -> None:
@@ -506,13 +516,14 @@ from tests.test_ray import collector
 ray.init(address={address!r}, include_dashboard=False, log_to_driver=False)
 rc = collector()
 next(iter(rc))
-print(json.dumps([{{k: n.info[k] for k in ("pid", "janitor_pid", "actor_pids", "names")}} for n in rc.nodes]), flush=True)
+print(json.dumps([{{k: n.info[k] for k in ("pid", "actor_pids", "names")}} for n in rc.nodes]), flush=True)
 time.sleep(600)
 """
 
 
 def test_the_learner_dying_stops_every_node(cluster: Any) -> None:
-    """SIGKILL the learner: Ray's fate-sharing kills the owners, their actors follow, the janitors clean up."""
+    """SIGKILL the learner: Ray's fate-sharing kills the owners, their actors follow, and the shmbuf watchers of the
+    owners and of the learner (the owner of its own node's objects) remove every node's shared memory, then exit."""
     code = LEARNER.format(path=sys.path, address=cluster.address)
     learner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -521,11 +532,14 @@ def test_the_learner_dying_stops_every_node(cluster: Any) -> None:
         import json
 
         info = json.loads(line)
+        for i in info:  # each node's owner process (the learner for its own node) and its watcher
+            i["watcher_pid"] = watcher_of(i["pid"])
+            assert i["watcher_pid"], f"the owner {i['pid']} has no shmbuf watcher"
         assert all(on_shm(i) for i in info)
         learner.send_signal(signal.SIGKILL)
         learner.wait(10)
         wait_until(lambda: all(gone(p) for p in pids_of(info)), 30, "every node's processes to exit after the learner died")
-        wait_until(lambda: not any(on_shm(i) for i in info), 10, f"the janitors to remove {[i['names'] for i in info]}")
+        wait_until(lambda: not any(on_shm(i) for i in info), 10, f"the watchers to remove {[i['names'] for i in info]}")
     finally:
         if learner.poll() is None:
             learner.kill()
@@ -592,7 +606,7 @@ def test_weights_refused_by_two_nodes_are_raised_once(monkeypatch: Any, second_a
     monkeypatch.setattr(_ray_weights, "done", lambda ref: ref.done)
     rc = RayCollector.__new__(RayCollector)
     rc._closed = True  # a shell: nothing to shut down
-    nodes = [_ray._Node(k, f"n{k}", state="running", incarnation=0) for k in range(3)]
+    nodes = [_ray_node.Node(k, f"n{k}", state="running", incarnation=0) for k in range(3)]
     first = FakeAck(ValueError("leaf w: expected shape (1,), got (3,) on node 0"), done=True)
     second = FakeAck(ValueError("leaf w: expected shape (1,), got (3,) on node 1"), done=False,
                      answers_within_wait=second_answers == "within-the-wait")
@@ -644,7 +658,7 @@ def test_ready_timeout_covers_the_actor_processes_and_leaves_nothing(cluster: An
     with pytest.raises(shmbuf.SlotTimeout, match="did not start within ready_timeout=3"):
         collector(ready_timeout=3, create_env_kwargs={"slow_start": 60.0})
     assert time.monotonic() - t0 < 3 + 15
-    # The owners were killed (after their stop timed out): their janitors remove what they had made.
+    # The owners were killed (after their stop timed out): their shmbuf watchers remove what they had made.
     wait_until(lambda: not [e for e in shm_objects() - before if _owner_is_dead_or_ours(e)], 20,
                "the owners' shared memory to be removed")
 

@@ -2,9 +2,9 @@
 
 Each runs in a fresh interpreter in a session of its own (``start_new_session``). Ray's processes
 (gcs, raylets, workers, the node owners) and the owners' actor processes stay in that session, so
-"no Ray process left" is checked exactly: no live process in it once the run has returned. The node
-owners' janitors (``shmbuf clean --after PID``) start sessions of their own: none may outlive its
-owner. Other runs on this machine may hold their own Ray clusters and pipelines at the same time;
+"no Ray process left" is checked exactly: no live process in it once the run has returned. The shmbuf
+watchers of the node owners and of the learner (shmbuf/_janitor.py) start sessions of their own: none may
+outlive its owner. Other runs on this machine may hold their own Ray clusters and pipelines at the same time;
 only what these runs made is judged. docs/ray.md's ```text blocks need a real cluster (``ray start``
 on several machines) and are not run; the example's ``--address`` mode is what they describe.
 
@@ -20,7 +20,6 @@ applies (RayCollector(start_method=...) is passed on to them instead).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -30,15 +29,15 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import leaked_since, shm_objects
-from tests.helpers import doc_blocks, in_session, kill_all, session_of
+from tests.conftest import leaked_since, orphaned_watchers, shm_objects
+from tests.helpers import doc_blocks, in_session, kill_all
 
 pytest.importorskip("ray", reason="the `ray` extra (make test installs it)")
 pytest.importorskip("gymnasium")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEADLINE = 180.0  # for one run: starting a local cluster takes ~5-10 s on a busy 2-core machine
-CLEANUP = 30.0  # for Ray's processes, the owners' actors and the janitors to be gone after a run returns
+CLEANUP = 30.0  # for Ray's processes, the owners' actors and the watchers to be gone after a run returns
 
 # Which test runs each ```python block of docs/ray.md: a block is known by a line only it has.
 PYTHON_BLOCKS = {"import cartpole_collect": "test_first_run_block_collects_from_both_nodes_and_leaves_nothing",
@@ -50,25 +49,8 @@ def block(marker: str) -> str:
     return found
 
 
-def orphaned_janitors() -> list[tuple[int, str]]:
-    """`shmbuf clean --after PID` processes whose PID has exited: a janitor must leave right after its owner."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or session_of(int(entry)) is None:
-            continue
-        try:
-            argv = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"shmbuf" in argv and b"clean" in argv and b"--after" in argv:
-            owner = int(argv[argv.index(b"--after") + 1])
-            if session_of(owner) is None:
-                out.append((int(entry), b" ".join(argv).decode(errors="replace")[:200]))
-    return out
-
-
 def run(args: list[str], cwd: pathlib.Path, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
-    """Run a script in a session of its own; afterwards, nothing of the session, no orphaned janitor, no shmbuf leak.
+    """Run a script in a session of its own; afterwards, nothing of the session, no orphaned watcher, no shmbuf leak.
 
     Warnings are errors. Output goes to files, not pipes, so that a process left behind cannot hold the test
     up. Whatever of the session outlives the deadlines is killed by pid (those processes are this run's) and
@@ -87,14 +69,14 @@ def run(args: list[str], cwd: pathlib.Path, tmp_path: pathlib.Path) -> subproces
         proc.wait()
     finally:
         deadline = time.monotonic() + CLEANUP
-        while (in_session(sid) or orphaned_janitors() or leaked_since(before)) and time.monotonic() < deadline:
+        while (in_session(sid) or orphaned_watchers() or leaked_since(before)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left, janitors, leaked = in_session(sid), orphaned_janitors(), leaked_since(before)
+        left, watchers, leaked = in_session(sid), orphaned_watchers(), leaked_since(before)
         kill_all(left)
     out, err = out_path.read_text(), err_path.read_text()
     assert proc.returncode == 0, f"{args} exited {proc.returncode} (-9: killed after {DEADLINE} s):\n{out[-3000:]}\n{err[-5000:]}"
     assert not left, f"{CLEANUP} s after the run, its processes were still there (killed now): {left}"
-    assert not janitors, f"janitors outlived their owners: {janitors}"
+    assert not watchers, f"watchers outlived their owners (watcher pid, owner pid): {watchers}"
     assert not leaked, f"left in /dev/shm: {[f.name for f in leaked]}"
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 

@@ -169,7 +169,7 @@ def test_every_agents_steps_once_from_both_nodes_with_weights_and_lag_per_policy
     assert {0, 1} <= set(ledger.nodes)
     assert all(ledger.versions[(n, "blue")] == {0} for n in (0, 1))
     assert stats["policy_versions"] == {"red": 1, "blue": 0} and stats["failures"] == []
-    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "the owners, their actors and janitors to exit")
+    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "the owners, their actors and watchers to exit")
     wait_until(lambda: not any(on_shm(i) for i in info), 10, "the nodes' shared memory to go")
 
 
@@ -270,7 +270,7 @@ def test_dict_observations_come_through_ray_as_each_nodes_env_returned_them() ->
         want = plain_streams(1, n * T)
         assert all(len(got[k]) == len(want[k]) for k in got), key
         assert_same_streams(got, want)
-    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "the owners, their actors and janitors to exit")
+    wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "the owners, their actors and watchers to exit")
     wait_until(lambda: not any(on_shm(i) for i in info), 10, "the nodes' shared memory to go")
 
 

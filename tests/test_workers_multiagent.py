@@ -645,24 +645,26 @@ def test_frames_are_the_steps_count_steps_by_counts_and_total_frames_stops_on_th
 
 @pytest.mark.parametrize("entry", ["Collector", "AsyncBatchedCollector"])
 def test_collector_and_async_batched_collector_take_multiagent_envs_given_policies(entry):
-    """The single-agent entry points, given policies=, make a MultiAgentCollector (AsyncBatchedCollector: with each
-    policy served); its batches hold every policy's rows."""
+    """The single-agent entry points, given policies=, collect from PettingZoo envs as a MultiAgentCollector does
+    (AsyncBatchedCollector: with each policy served): MultiAgentBatches holding every policy's rows."""
     import workers
-    from workers import MultiAgentCollector
 
     cls = getattr(workers, entry)
     with cls([partial(JoinLeaveEnv, 0)] * 2, policies=POLICIES, policy_mapping_fn=mapping, frames_per_batch=16,
              copy=True, timeout=60, start_method="fork") as c:
-        assert isinstance(c, MultiAgentCollector) and not isinstance(c, workers.Collector)
+        assert set(c.policies) == {"red", "blue"} and c.rows is not None
         assert bool(c.served) == (entry == "AsyncBatchedCollector")
+        assert set(c.served) == ({"red", "blue"} if entry == "AsyncBatchedCollector" else set())
         b = next(iter(c))
+        assert isinstance(b, workers.MultiAgentBatch)
         assert set(b) == {"red", "blue"} and b.env_steps == 16
         assert b["blue"].data["step"]["obs"].shape[2:] == (1, 5)
         if c.served:
             assert "policy_version" in b["red"].data["step"]
     with cls([partial(JoinLeaveEnv, 0)] * 2, POLICIES, policy_mapping_fn=mapping, frames_per_batch=16,
              timeout=60, start_method="fork") as c:  # a dict of policies in the policy's place
-        assert isinstance(c, MultiAgentCollector) and set(next(iter(c))) == {"red", "blue"}
+        b = next(iter(c))
+        assert isinstance(b, workers.MultiAgentBatch) and set(b) == {"red", "blue"}
 
 
 class CastObsEnv(JoinLeaveEnv):

@@ -99,7 +99,10 @@ def test_async_batched_collector_only_gives_collector_a_served_policy() -> None:
 
     from workers import AsyncBatchedCollector, Collector
 
-    own = {k for k in vars(AsyncBatchedCollector) if not k.startswith("__")}
+    # its own: the class and its TorchRL façade parts (workers/compat/_torchrl_weights.py, _torchrl_replay.py), the
+    # classes before Collector in its MRO
+    mro = AsyncBatchedCollector.__mro__
+    own = {k for cls in mro[:mro.index(Collector)] for k in vars(cls) if not k.startswith("__")}
     assert own & set(dir(Collector)) == {"close", "iterator", "shutdown", "update_policy_weights_"}
     assert "super().iterator()" in inspect.getsource(AsyncBatchedCollector.iterator)
     assert "super().close(timeout)" in inspect.getsource(AsyncBatchedCollector.close)

@@ -21,7 +21,7 @@ from torch import nn  # noqa: E402  (after the importorskip above)
 import shmbuf  # noqa: E402  (after the importorskip above)
 from shmbuf.layout import successors  # noqa: E402  (after the importorskip above)
 from workers import CollectedBatch, Collector  # noqa: E402  (after the importorskip above)
-from workers._tensordict import to_tensordict  # noqa: E402  (after the importorskip above)
+from workers.compat._tensordict import to_tensordict  # noqa: E402  (after the importorskip above)
 
 F32 = np.float32
 
@@ -441,7 +441,7 @@ def test_torchrls_flat_layout_leaves_padding_out_and_numbers_envs_by_lane():
     rollout in time order, padding left out, env_index from each rollout's writer lane (times E, plus the sub-env),
     root flags False, and the reward cast to the env's dtype."""
     pytest.importorskip("torchrl", reason="workers._torchrl is TorchRL's path")
-    from workers._torchrl import torchrl_batch
+    from workers.compat._torchrl import torchrl_batch
 
     batch = short_batch()
     batch.lane = np.array([2, 0, 1])

@@ -11,7 +11,8 @@ Learner::
 
 Batched inference: :class:`AsyncBatchedCollector` keeps the policy in the learner, behind one
 inference server that env workers ask for actions through shared memory (docs/inference.md).
-TorchRL's layout: ``batch.to_tensordict()`` (:func:`to_tensordict`).
+TorchRL's layout: ``batch.to_tensordict()``. What every collector shares is one :class:`CollectSettings` (given as
+``settings=``, or its fields as keywords); TorchRL's and RLlib's names are translated by :mod:`workers.compat`.
 
 Past one machine: :class:`RayCollector` (the ``ray`` extra) runs a Collector on every node of a
 Ray cluster and yields the same batches, with the node each came from (docs/ray.md). It is
@@ -29,11 +30,13 @@ import warnings
 
 from shmbuf import ActorError
 from workers._actor import ActorLoop, ActorSpec, probe, run_actor
-from workers._collector import CollectedBatch, Collector
+from workers._batches import CollectedBatch
+from workers._collector import Collector
 from workers._inference import AsyncBatchedCollector
-from workers._multiagent_collector import MultiAgentBatch, MultiAgentCollector
+from workers._multiagent_batch import MultiAgentBatch
+from workers._multiagent_collector import MultiAgentCollector
 from workers._pool import ActorContext, ActorPool
-from workers._tensordict import to_tensordict
+from workers._settings import CollectSettings
 
 __all__ = [
     "ActorContext",
@@ -42,13 +45,13 @@ __all__ = [
     "ActorPool",
     "ActorSpec",
     "AsyncBatchedCollector",
+    "CollectSettings",
     "CollectedBatch",
     "Collector",
     "MultiAgentBatch",
     "MultiAgentCollector",
     "probe",
     "run_actor",
-    "to_tensordict",
 ]
 
 # Names that moved down a tier or to the rollout layout (CHANGELOG.md): still importable from here, with a warning.
@@ -56,7 +59,7 @@ _MOVED = {
     "ActorViews": "workers.lowlevel", "EnvDriver": "workers.lowlevel", "InferenceServer": "workers.lowlevel",
     "NodeOwner": "workers.lowlevel", "RemotePolicy": "workers.lowlevel", "ThreadActorPool": "workers.lowlevel",
     "apply_weights": "workers.lowlevel", "default_start_method": "workers.lowlevel",
-    "rollout_example": "shmbuf.layout", "successors": "shmbuf.layout",
+    "rollout_example": "shmbuf.layout", "successors": "shmbuf.layout", "to_tensordict": "workers.compat.torchrl",
 }
 
 # Ray is an optional extra: these names import workers._ray (and ray) when first asked for.

@@ -29,17 +29,15 @@ requirement's fill value), never the previous episode's data; episodes are
 delimited by the *recorded* ``terminated | truncated``, exactly what the
 learner reads back from the stored rollout. See :class:`ActorViews`.
 
-Horizons (RLlib's ``horizon``, ``soft_horizon``, ``no_done_at_end``; see
-:class:`Horizon`): an episode reaching ``horizon`` steps is cut like a time
-limit (recorded ``truncated``, the sub-env reset); with ``soft_horizon`` it is
-not cut: only its return/length bookkeeping restarts (an episode record with
-neither flag set); ``no_done_at_end`` records every episode end as
-``truncated``, never ``terminated``.
+Episode limits (RLlib's ``horizon``, ``soft_horizon``, ``no_done_at_end``, accepted under those names too:
+:mod:`workers.compat.rllib`): an episode reaching ``episode_limit`` steps is cut like a time limit (recorded
+``truncated``, the sub-env reset); with ``soft_limit`` it is not cut: only its return/length bookkeeping restarts
+(an episode record with neither flag set); ``ends_truncated`` records every episode end as ``truncated``, never
+``terminated``.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,87 +48,16 @@ import optree
 
 import shmbuf
 from shmbuf import UsageError
-from shmbuf.layout import (
-    ACTION,
-    BOOTSTRAP,
-    COMPLETE_EPISODES,
-    END,
-    ENV,
-    ENV_STEPS,
-    EPISODE,
-    FINAL_OBS,
-    LENGTH,
-    OBS,
-    RETURN,
-    REWARD,
-    STEP,
-    TERMINATED,
-    TRUNCATE_EPISODES,
-    TRUNCATED,
-    check_batch_mode,
-    rollout_example,  # noqa: F401  # re-exported: workers.rollout_example is shmbuf.layout's
-    successors,  # noqa: F401  # re-exported: workers.successors is shmbuf.layout's
-)
+from shmbuf import layout as L
 from workers._complete import SlotEpisodes
 from workers._envs import EnvDriver, tree_copy, tree_index
-from workers._postprocess import Postprocessor
+from workers._policy import apply_weights, as_numpy_policy, split_policy_output, torch_threads
 from workers._seeding import actor_seed
+from workers._settings import check_limits
 from workers._truncate import SlotRollouts, usable
 from workers._views import ActorViews, check_view_requirements
-
-
-def split_policy_output(out: Any) -> tuple[Any, dict[str, Any]]:
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
-        return out[0], out[1]
-    return out, {}
-
-
-def _torch_module(policy: Any) -> Any:
-    """torch, if ``policy`` is a ``torch.nn.Module`` (torch is then loaded already: it made the policy), else None."""
-    torch = sys.modules.get("torch")
-    return torch if torch is not None and isinstance(policy, torch.nn.Module) else None
-
-
-class TorchPolicy:
-    """A ``torch.nn.Module`` as a numpy policy: observations in as tensors, actions and extras out as numpy.
-
-    ``torch.from_numpy`` shares memory with the observation (no copy; the
-    module must not write into its input); the call runs under
-    ``torch.no_grad()``; every tensor the module returns (an action, or
-    ``(action, {name: tensor})``) comes back as ``detach().cpu().numpy()``.
-    """
-
-    def __init__(self, module: Any):
-        self.module = module
-        self._torch = sys.modules["torch"]
-
-    def __call__(self, obs: Any) -> Any:
-        torch = self._torch
-        with torch.no_grad():
-            out = self.module(optree.tree_map(torch.from_numpy, obs))
-        return optree.tree_map(lambda x: x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x, out)
-
-
-def as_numpy_policy(policy: Any) -> Callable[[Any], Any]:
-    """What :class:`ActorLoop` calls: ``policy`` itself, or a :class:`TorchPolicy` around a torch module."""
-    return TorchPolicy(policy) if _torch_module(policy) is not None else policy
-
-
-def apply_weights(policy: Any, params: Any) -> None:
-    """Give new parameters to a policy: ``load_weights(params)``, or a torch module's ``load_state_dict``."""
-    load = getattr(policy, "load_weights", None)
-    if load is not None:
-        load(params)
-        return
-    if hasattr(policy, "load_state_dict") and isinstance(params, dict):
-        import torch
-
-        policy.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in params.items()})
-        return
-    raise UsageError(
-        f"the policy ({type(policy).__name__}) cannot take broadcast weights: give it a load_weights(params) "
-        "method (or make it a torch.nn.Module and broadcast its state_dict as numpy arrays)"
-    )
+from workers.compat import rllib
+from workers.compat._rllib_postprocess import Postprocessor
 
 
 def action_space_of(env: Any) -> Any:
@@ -155,30 +82,12 @@ def probe(env: Any, policy: Callable[[Any], Any], seed: int | None = None, *,
     action, extras = split_policy_output(as_numpy_policy(policy)(x))
     action = optree.tree_map(np.asarray, action)
     return {
-        OBS: tree_copy(tree_index(obs, 0)),
-        ACTION: tree_copy(tree_index(action, 0)),
+        L.OBS: tree_copy(tree_index(obs, 0)),
+        L.ACTION: tree_copy(tree_index(action, 0)),
         "extras": {k: np.array(np.asarray(v)[0]) for k, v in extras.items()},
         "num_envs": driver.num_envs,
         "vector": driver.vector,
     }
-
-
-# -- horizons (RLlib's horizon, soft_horizon, no_done_at_end) ------------------------------------------
-
-
-def check_horizon(batch_mode: str, horizon: int | None, soft_horizon: bool, no_done_at_end: bool) -> None:
-    """UsageError for a bad horizon setting or a combination the batch mode cannot honour."""
-    if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, (int, np.integer)) or horizon < 1):
-        raise UsageError(f"horizon: expected an int >= 1 (the most steps an episode may last) or None, got {horizon!r}")
-    for name, v in (("soft_horizon", soft_horizon), ("no_done_at_end", no_done_at_end)):
-        if not isinstance(v, bool):
-            raise UsageError(f"{name}: expected a bool, got {v!r}")
-    if soft_horizon and horizon is None:
-        raise UsageError("soft_horizon=True needs horizon=<steps>: it says what happens at the horizon")
-    if soft_horizon and batch_mode == COMPLETE_EPISODES:
-        raise UsageError("soft_horizon=True with batch_mode='complete_episodes': a soft horizon does not reset the env, so "
-                         "the next rollout would start mid-episode, which complete-episodes rollouts never do; use "
-                         "batch_mode='truncate_episodes' (or a hard horizon)")
 
 
 class ActorLoop:
@@ -194,36 +103,50 @@ class ActorLoop:
         should_stop: checked every step; a partial rollout is then dropped.
         view_requirements: ``{name: ViewRequirement}``: call the policy with a dict of views
             (:class:`ActorViews`) instead of the bare observation; None: the observation.
-        horizon: no episode lasts more than this many steps: it is cut there, recorded
-            ``truncated``, the sub-env reset (complete-episodes: cut at ``min(horizon, T)``).
+        episode_limit: (RLlib's ``horizon``) no episode lasts more than this many steps: it is cut there,
+            recorded ``truncated``, the sub-env reset (complete-episodes: cut at ``min(episode_limit, T)``).
             The env's own time limit is left as it is.
         reset_each_rollout: (truncate-episodes) every rollout starts with freshly reset envs
             (TorchRL's ``reset_at_each_iter``): an episode still running at a rollout's last step is
             cut there, recorded ``truncated`` (bootstrapped from ``bootstrap.obs``), and reset.
-        soft_horizon: at the horizon, neither reset nor flag: only the episode's return and
-            length bookkeeping restart (an episode record with neither flag). Truncate-episodes only.
-        no_done_at_end: never record ``terminated``: an episode that ends (or is cut) is
-            recorded ``truncated`` (the learner bootstraps from its final observation).
-        postprocess: a :class:`workers._postprocess.PostprocessSpec` (``Collector(postprocess=...)`` makes
-            it): RLlib's ``postprocess_trajectory`` on every episode piece of each rollout before its
-            commit, its added columns written into the slot (see workers/_postprocess.py).
+        soft_limit: (RLlib's ``soft_horizon``) at the limit, neither reset nor flag: only the episode's return
+            and length bookkeeping restart (an episode record with neither flag). Truncate-episodes only.
+        ends_truncated: (RLlib's ``no_done_at_end``) never record ``terminated``: an episode that ends (or is
+            cut) is recorded ``truncated`` (the learner bootstraps from its final observation).
+        episode_hook: (RLlib's ``postprocess``) a :class:`workers.compat.rllib.PostprocessSpec` (a collector's
+            ``episode_hook=`` makes it): RLlib's ``postprocess_trajectory`` on every episode piece of each
+            rollout before its commit, its added columns written into the slot (workers/compat/_rllib_postprocess.py).
+        **rllib_names: RLlib's names for the settings above (``horizon``, ``soft_horizon``, ``no_done_at_end``,
+            ``postprocess``; :mod:`workers.compat.rllib`).
 
     Raises:
-        shmbuf.UsageError: a bad view requirement or horizon setting (see :func:`check_view_requirements`,
-            :func:`check_horizon`).
+        shmbuf.UsageError: a bad view requirement or episode-limit setting (see :func:`check_view_requirements`,
+            :func:`workers._settings.check_limits`), or a keyword that is none of these.
     """
 
     def __init__(self, env: Any, policy: Any, writers: list[Any], *, rollout_len: int,
-                 batch_mode: str = TRUNCATE_EPISODES, max_episodes: int | None = None, weights: Any = None,
+                 batch_mode: str = L.TRUNCATE_EPISODES, max_episodes: int | None = None, weights: Any = None,
                  seed: int | None = None, should_stop: Callable[[], bool] | None = None,
-                 view_requirements: dict[str, Any] | None = None, horizon: int | None = None,
-                 soft_horizon: bool = False, no_done_at_end: bool = False, reset_each_rollout: bool = False,
-                 postprocess: Any = None):
-        check_batch_mode(batch_mode)
-        if reset_each_rollout and batch_mode != TRUNCATE_EPISODES:
+                 view_requirements: dict[str, Any] | None = None, episode_limit: int | None = None,
+                 soft_limit: bool = False, ends_truncated: bool = False, reset_each_rollout: bool = False,
+                 episode_hook: Any = None, **rllib_names: Any):
+        L.check_batch_mode(batch_mode)
+        names: dict[str, str] = {}
+        given = rllib.translate(rllib_names, rllib.ALIASES, names, framework="RLlib")
+        mine = {"episode_limit": episode_limit, "soft_limit": soft_limit, "ends_truncated": ends_truncated,
+                "episode_hook": episode_hook}
+        for k in list(given):
+            if k not in mine:
+                raise UsageError(f"ActorLoop({names.get(k, k)}=...): not a setting of ActorLoop")
+            if mine[k] not in (None, False):
+                raise UsageError(f"{names[k]}= (RLlib's name) and {k}= are one setting; give one of them")
+            mine[k] = given[k]
+        episode_limit, soft_limit, ends_truncated, episode_hook = (mine["episode_limit"], mine["soft_limit"],
+                                                                   mine["ends_truncated"], mine["episode_hook"])
+        if reset_each_rollout and batch_mode != L.TRUNCATE_EPISODES:
             raise UsageError("reset_each_rollout=True: complete-episodes rollouts start with a reset already; "
                              "use it with batch_mode='truncate_episodes'")
-        check_horizon(batch_mode, horizon, soft_horizon, no_done_at_end)
+        check_limits(batch_mode, episode_limit, soft_limit, ends_truncated, names)
         if view_requirements is not None:
             check_view_requirements(view_requirements)
         self.driver = EnvDriver(env)
@@ -232,7 +155,7 @@ class ActorLoop:
         self.policy = policy
         self._call = as_numpy_policy(policy)
         self.writers = list(writers)
-        need = self.E if batch_mode == COMPLETE_EPISODES else 1
+        need = self.E if batch_mode == L.COMPLETE_EPISODES else 1
         if len(self.writers) != need:
             raise UsageError(f"{batch_mode} with {self.E} sub-envs needs {need} writer(s), got {len(self.writers)}")
         self.T = rollout_len
@@ -246,18 +169,18 @@ class ActorLoop:
         self.episodes = 0
         self.cut_episodes = 0
         self.soft_horizons = 0
-        self.horizon = None if horizon is None else int(horizon)
-        self.soft_horizon = soft_horizon
-        self.no_done_at_end = no_done_at_end
+        self.episode_limit = None if episode_limit is None else int(episode_limit)
+        self.soft_limit = soft_limit
+        self.ends_truncated = ends_truncated
         self.reset_each_rollout = reset_each_rollout
-        limits = [x for x in (self.horizon, self.T if batch_mode == COMPLETE_EPISODES else None) if x is not None]
+        limits = [x for x in (self.episode_limit, self.T if batch_mode == L.COMPLETE_EPISODES else None) if x is not None]
         self.limit = min(limits) if limits else None  # where the actor ends an episode itself
         self.obs = self.driver.reset(seed)
         self.views = None
         if view_requirements is not None:
             self.views = ActorViews(view_requirements, self.obs, self.E, action_space_of(env))
-        self.postprocess = None if postprocess is None else Postprocessor(
-            postprocess, policy, num_envs=self.E, vector=self.driver.vector and batch_mode == TRUNCATE_EPISODES,
+        self.postprocess = None if episode_hook is None else Postprocessor(
+            episode_hook, policy, num_envs=self.E, vector=self.driver.vector and batch_mode == L.TRUNCATE_EPISODES,
             batch_mode=batch_mode)
         if self.postprocess is not None:
             self._call = self.postprocess.with_placeholders(self._call)
@@ -302,8 +225,8 @@ class ActorLoop:
     def _flags(self, term: np.ndarray, trunc: np.ndarray) -> tuple[np.ndarray, np.ndarray, Any, Any]:
         """``(terminated, truncated, cut, soft)`` to record for a step, ``ep_len`` already counting it.
 
-        ``cut``: sub-envs the actor ends itself at its limit (horizon, or T in complete-episodes mode),
-        recorded truncated, to be reset; ``soft``: sub-envs at a soft horizon (a bookkeeping record, no
+        ``cut``: sub-envs the actor ends itself at its limit (episode_limit, or T in complete-episodes mode),
+        recorded truncated, to be reset; ``soft``: sub-envs at a soft limit (a bookkeeping record, no
         reset, no flag). Each None when nobody is there.
         """
         cut = soft = None
@@ -312,12 +235,12 @@ class ActorLoop:
             if np.count_nonzero(at):
                 at &= ~(term | trunc)  # an episode the env ended on this very step ended by itself (RLlib's hit_horizon)
                 if at.any():
-                    if self.soft_horizon:
+                    if self.soft_limit:
                         soft = at
                     else:
                         cut = at
                         trunc = trunc | cut
-        if self.no_done_at_end and np.count_nonzero(term):
+        if self.ends_truncated and np.count_nonzero(term):
             trunc = trunc | term
             term = np.zeros_like(term)
         return term, trunc, cut, soft
@@ -363,8 +286,8 @@ class ActorLoop:
             w = self.writers[0]
             fast = usable(self, w.slot())
             w.reset()  # the slot stays claimed for the first rollout; nothing was written
-            self._direct = (SlotRollouts(self) if self.mode == TRUNCATE_EPISODES else SlotEpisodes(self)) if fast else False
-        if self.mode == TRUNCATE_EPISODES:
+            self._direct = (SlotRollouts(self) if self.mode == L.TRUNCATE_EPISODES else SlotEpisodes(self)) if fast else False
+        if self.mode == L.TRUNCATE_EPISODES:
             rollout = self._direct.rollout if isinstance(self._direct, SlotRollouts) else self._truncate_rollout
             while max_rollouts is None or self.rollouts - start < max_rollouts:
                 if not rollout():
@@ -384,6 +307,10 @@ class ActorLoop:
         w = self.writers[0]
         row = _squeeze0 if self.single else _same
         E, M = self.E, self.max_episodes
+        # the keys the per-step loop uses, as locals (a module attribute is a lookup more per use)
+        STEP, EPISODE, OBS, ACTION, REWARD, TERMINATED, TRUNCATED = (L.STEP, L.EPISODE, L.OBS, L.ACTION, L.REWARD,
+                                                                      L.TERMINATED, L.TRUNCATED)
+        record = L.EpisodeTable.record
         n_ep = 0
         succ = self.obs
         for t in range(self.T):
@@ -407,8 +334,7 @@ class ActorLoop:
             ends = done if soft is None else done | soft
             if ends.any():
                 for e in np.flatnonzero(ends):
-                    w.add(EPISODE, {RETURN: self.ep_ret[e], LENGTH: self.ep_len[e], TERMINATED: term[e],
-                                    TRUNCATED: trunc[e], ENV: np.int32(e), END: np.int32(t), FINAL_OBS: tree_index(succ, e)})
+                    w.add(EPISODE, record(self.ep_ret[e], self.ep_len[e], term[e], trunc[e], e, t, tree_index(succ, e)))
                 n_ep += int(ends.sum())
                 self.episodes += int(ends.sum())
                 self.ep_ret[ends] = 0.0
@@ -422,7 +348,7 @@ class ActorLoop:
             self.obs = nobs
             if (last or n_ep + E > M) and t < self.T - 1:
                 break  # the next step could overflow the episode table: commit short
-        w.add(BOOTSTRAP, {OBS: row(succ), ENV_STEPS: np.int64(self.env_steps)})
+        w.add(L.BOOTSTRAP, {OBS: row(succ), L.ENV_STEPS: np.int64(self.env_steps)})
         w.commit(self.version, fill=self._before_commit(w, {STEP: t + 1, EPISODE: n_ep}))
         self.rollouts += 1
         return True
@@ -431,6 +357,8 @@ class ActorLoop:
 
     def _complete(self, until: int | None) -> None:
         E = self.E
+        # the keys the per-step loop uses, as locals (a module attribute is a lookup more per use)
+        STEP, OBS, ACTION, REWARD, TERMINATED, TRUNCATED = L.STEP, L.OBS, L.ACTION, L.REWARD, L.TERMINATED, L.TRUNCATED
         self.ep_version[:] = self.version
         while until is None or self.rollouts < until:
             if self.should_stop():
@@ -443,7 +371,7 @@ class ActorLoop:
             self.ep_ret += rew
             self.ep_len += 1
             self.env_steps += E
-            term, trunc, cut, _ = self._flags(term, trunc)  # no soft horizon in this mode (check_horizon)
+            term, trunc, cut, _ = self._flags(term, trunc)  # no soft limit in this mode (check_limits)
             rew32 = rew.astype(np.float32)
             for e in range(E):
                 step = {OBS: tree_index(obs, e), ACTION: tree_index(action, e), REWARD: rew32[e], TERMINATED: term[e],
@@ -461,10 +389,9 @@ class ActorLoop:
                 continue
             for e in np.flatnonzero(done).tolist():
                 w = self.writers[e]
-                w.add(EPISODE, {RETURN: self.ep_ret[e], LENGTH: self.ep_len[e], TERMINATED: term[e], TRUNCATED: trunc[e],
-                                ENV: np.int32(e)})
-                w.add(BOOTSTRAP, {OBS: tree_index(succ, e), ENV_STEPS: np.int64(self.env_steps)})
-                fill = self._before_commit(w, {STEP: int(self.ep_len[e]), EPISODE: 1})
+                w.add(L.EPISODE, L.EpisodeTable.record(self.ep_ret[e], self.ep_len[e], term[e], trunc[e], e))
+                w.add(L.BOOTSTRAP, {OBS: tree_index(succ, e), L.ENV_STEPS: np.int64(self.env_steps)})
+                fill = self._before_commit(w, {STEP: int(self.ep_len[e]), L.EPISODE: 1})
                 w.commit(int(self.ep_version[e]), fill=fill)  # the oldest policy that acted in this episode
                 self.rollouts += 1
                 self.episodes += 1
@@ -483,12 +410,6 @@ def _same(x: Any) -> Any:
     return x
 
 
-def torch_threads(n: int | None) -> None:
-    """Limit torch's intra-op threads in an actor, if torch is loaded (actors share the cores)."""
-    if n is not None and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(n)
-
-
 @dataclass(frozen=True)
 class ActorSpec:
     """Everything an actor process needs, pickled once when it starts (names and the user's callables; no data).
@@ -496,7 +417,7 @@ class ActorSpec:
     ``env_fns``: one env factory per actor (actor i uses ``env_fns[i % len]``).
     ``policy`` or ``policy_factory`` (called in the actor, for policies that
     cannot be pickled). ``pipeline``/``weights``: shmbuf names.
-    ``view_requirements``, ``horizon``, ``soft_horizon``, ``no_done_at_end``, ``reset_each_rollout``: as
+    ``view_requirements``, ``episode_limit``, ``soft_limit``, ``ends_truncated``, ``reset_each_rollout``: as
     :class:`ActorLoop`. ``inference``: an inference table's name: the policy is then a
     :class:`workers.RemotePolicy` on client slot ``ctx.index`` (give neither policy nor factory).
     ``await_weights``: with ``weights``, collect nothing until the broadcast holds a version (see
@@ -508,7 +429,7 @@ class ActorSpec:
     rollout_len: int
     policy: Any = None
     policy_factory: Callable[[], Any] | None = None
-    batch_mode: str = TRUNCATE_EPISODES
+    batch_mode: str = L.TRUNCATE_EPISODES
     max_episodes: int | None = None
     weights: str | None = None
     seed: int | None = None
@@ -516,13 +437,13 @@ class ActorSpec:
     torch_threads: int | None = 1
     label: str = "actor"
     view_requirements: dict[str, Any] | None = None
-    horizon: int | None = None
-    soft_horizon: bool = False
-    no_done_at_end: bool = False
+    episode_limit: int | None = None
+    soft_limit: bool = False
+    ends_truncated: bool = False
     reset_each_rollout: bool = False
     inference: str | None = None
     await_weights: bool = False
-    postprocess: Any = None  # a workers._postprocess.PostprocessSpec
+    episode_hook: Any = None  # a workers.compat.rllib.PostprocessSpec
 
 
 # How often an actor that awaits its first weights looks at the broadcast and at its stop flag.
@@ -555,7 +476,7 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         else:  # a TypeError, as calling the missing factory was
             raise shmbuf.UsageError("ActorSpec: expected a policy, a policy_factory or an inference table, got none")
         torch_threads(spec.torch_threads)
-        n_writers = EnvDriver(env).num_envs if spec.batch_mode == COMPLETE_EPISODES else 1
+        n_writers = EnvDriver(env).num_envs if spec.batch_mode == L.COMPLETE_EPISODES else 1
         for k in range(n_writers):
             label = f"{spec.label}-{ctx.index}" + (f"/{k}" if n_writers > 1 else "")
             writers.append(shmbuf.Writer(spec.pipeline, timeout=None, label=label))
@@ -573,8 +494,9 @@ def run_actor(ctx: Any, spec: ActorSpec) -> None:
         loop = ActorLoop(env, policy, writers, rollout_len=spec.rollout_len, batch_mode=spec.batch_mode,
                          max_episodes=spec.max_episodes, weights=sub, seed=seed,
                          should_stop=lambda: ctx.stop_requested, view_requirements=spec.view_requirements,
-                         horizon=spec.horizon, soft_horizon=spec.soft_horizon, no_done_at_end=spec.no_done_at_end,
-                         reset_each_rollout=spec.reset_each_rollout, postprocess=spec.postprocess)
+                         episode_limit=spec.episode_limit, soft_limit=spec.soft_limit,
+                         ends_truncated=spec.ends_truncated, reset_each_rollout=spec.reset_each_rollout,
+                         episode_hook=spec.episode_hook)
         loop.run(spec.max_rollouts)
     except BaseException as exc:
         # Also tell the reader (it raises WriterError from its next get); the pool gets it from our caller.

@@ -1,566 +1,192 @@
-"""Collector: TorchRL-style batches of rollouts from actor processes, through shmbuf.
+"""Collector: batches of rollouts from actor processes, through shmbuf; a thin constructor over the engine.
 
     with Collector([make_env] * 2, policy, frames_per_batch=1024, total_frames=100_000) as collector:
         for batch in collector:
             loss = train(batch.data)              # leaves (B, T, ...): views, valid until the next batch
             collector.update_policy_weights(model)
 
-The constructor checks every setting (:mod:`workers._settings`), probes one env and the policy here to
-lay the rollout out (:func:`shmbuf.layout.rollout_example`), plans the batches
-(:func:`workers._plan.plan_batches`, pure arithmetic), then starts: the shmbuf pipeline, what its
-placement (where the policy runs, :mod:`workers._placement`) needs, and the placement's pool of actors
-running :func:`workers._actor.run_actor`. Batches are gathered with ``reader.get_batch``; between waits
-the collector checks the pool and the placement, so an actor's exception is raised here with its traceback.
+The constructor builds the engine's three parts and hands them over (:class:`workers._engine.Engine`): the envs
+(gymnasium envs, :class:`workers._gym_envs.GymEnvs`; given ``policies=``, PettingZoo parallel envs,
+:class:`workers._pettingzoo_envs.PettingZooEnvs`), the placement of each policy (:mod:`workers._placement`: a copy in
+each actor, or with ``serve=True`` behind an inference server here) and the settings
+(:class:`workers.CollectSettings`, from ``settings=`` and the keywords naming its fields). :func:`build` makes the
+first two for every collector, Ray's nodes included.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-import optree
-
 import shmbuf
-from shmbuf.layout import (
-    ACTION,
-    BOOTSTRAP,
-    COMPLETE_EPISODES,
-    EPISODE,
-    LENGTH,
-    OBS,
-    RETURN,
-    STEP,
-    TRUNCATE_EPISODES,
-    check_batch_mode,
-    rollout_example,
-)
-from shmbuf.lowlevel import int_setting, timeout_setting
-from workers._actor import ActorSpec, check_horizon, probe
-from workers._envs import split_among
-from workers._exit import ExitClose
-from workers._placement import LocalPolicy, Placement, weights_of
-from workers._plan import BatchPlan, default_num_actors, plan_batches
-from workers._pool import default_start_method
-from workers._postprocess import check_setting as check_postprocess
-from workers._postprocess import discover
-from workers._postprocess import template as post_template
-from workers._seeding import actor_seed, next_base_seed
-from workers._settings import checked_sources
-from workers._torchrl_names import TorchRLNames
-from workers._views import check_view_requirements
+from shmbuf.lowlevel import int_setting
+from workers._engine import Engine, Envs
+from workers._gym_envs import GymEnvs
+from workers._pettingzoo_envs import PettingZooEnvs
+from workers._placement import LocalPolicy, Placement, ServedPolicy
+from workers._seeding import next_base_seed
+from workers._settings import CollectSettings, collect_settings, refuse_unknown
+from workers.compat._torchrl_names import TorchRLNames
 
-# checked_sources, progress and weights_of: workers._ray imports them from here
-__all__ = ["CollectedBatch", "Collector", "checked_sources", "episodes_batch", "no_episodes", "progress", "take_episode",
-           "weights_of"]
+__all__ = ["Collector", "build"]
 
-WAIT_SLICE = 0.1
+# Options a collector takes besides the settings' fields: where its policies come from, a multi-agent env's
+# mapping and counting, and a served policy's server.
+SOURCES = ("policy_factory", "weights", "create_env_kwargs")
+MULTIAGENT = ("policies", "policy_factories", "policy_mapping_fn", "count_by", "align", "remap_each_episode",
+              "trained")
+SERVER = ("max_batch_size", "min_batch_size", "server_timeout", "device", "server_threads")
+OWN = (*SOURCES, *MULTIAGENT, "serve", *SERVER)
 
 
-def no_episodes() -> dict[str, Any]:
-    """A complete-episodes batch being gathered: the episodes' copies, their metadata, their frames."""
-    return {"got": [], "versions": [], "lanes": [], "epochs": [], "seqs": [], "lengths": [], "frames": 0}
-
-
-def rounds_batch(data: Any, fill: dict[str, np.ndarray], *, policy_version: np.ndarray, lane: np.ndarray,
-                 epoch: np.ndarray, seq: np.ndarray, learner_version: int, frames: int) -> CollectedBatch:
-    """A truncate-episodes batch of ``B`` rollouts (leaves ``(B, T, ...)``, ``fill`` each timescale's count per
-    rollout), with the episodes they recorded concatenated; ``learner_version``: the learner's, for the lag."""
-    ep_n = fill[EPISODE]
-    rows = range(len(ep_n))
-    return CollectedBatch(
-        data=data, fill=fill, policy_version=policy_version, policy_lag=learner_version - policy_version, lane=lane,
-        epoch=epoch, seq=seq, frames=frames,
-        episode_returns=np.concatenate([data[EPISODE][RETURN][i, : ep_n[i]] for i in rows]),
-        episode_lengths=np.concatenate([data[EPISODE][LENGTH][i, : ep_n[i]] for i in rows]), lengths=fill[STEP],
-        batch_mode=TRUNCATE_EPISODES,
-    )
-
-
-def episodes_batch(part: dict[str, Any], policy_version: int) -> CollectedBatch:
-    """A complete-episodes batch from the episodes gathered in ``part`` (see :func:`no_episodes`): every episode's
-    steps concatenated, ``(N, ...)``, split by ``lengths``; ``policy_version``: the learner's, for the lag."""
-    got = part["got"]
-    data = {
-        STEP: optree.tree_map(lambda *xs: np.concatenate(xs), *[g[STEP] for g in got]),
-        EPISODE: optree.tree_map(lambda *xs: np.stack(xs), *[g[EPISODE] for g in got]),
-        BOOTSTRAP: optree.tree_map(lambda *xs: np.stack(xs), *[g[BOOTSTRAP] for g in got]),
-    }
-    v = np.asarray(part["versions"], np.int64)
-    return CollectedBatch(
-        data=data, fill=None, policy_version=v, policy_lag=policy_version - v, lane=np.asarray(part["lanes"], np.int64),
-        epoch=np.asarray(part["epochs"], np.int64), seq=np.asarray(part["seqs"], np.int64),
-        frames=part["frames"], episode_returns=data[EPISODE][RETURN], episode_lengths=data[EPISODE][LENGTH],
-        lengths=np.asarray(part["lengths"], np.int64), batch_mode=COMPLETE_EPISODES,
-    )
-
-
-def take_episode(part: dict[str, Any], r: Any) -> None:
-    """Copy the rollout ``r`` (one episode) into ``part``, with its metadata, and release it."""
-    try:
-        part["got"].append(r.copy())
-        part["versions"].append(r.policy_version)
-        part["lanes"].append(r.lane)
-        part["epochs"].append(r.epoch)
-        part["seqs"].append(r.seq)
-        part["lengths"].append(r.fill[STEP])
-        part["frames"] += r.fill[STEP]
-    finally:
-        r.release()
-
-
-def progress(frames: int, batches: int, t0: float | None, policy_version: int, lags: deque[int],
-             returns: deque[float]) -> dict[str, Any]:
-    """A collector's figures: frames, batches and frames/s since its first batch was asked for, lag, recent returns."""
-    elapsed = time.monotonic() - t0 if t0 is not None else 0.0
-    lag = np.asarray(lags) if lags else np.zeros(1)
-    return {
-        "frames": frames,
-        "batches": batches,
-        "seconds": elapsed,
-        "frames_per_s": frames / elapsed if elapsed > 0 else math.nan,
-        "policy_version": policy_version,
-        "policy_lag_mean": float(lag.mean()),
-        "policy_lag_max": int(lag.max()),
-        "return_mean_100": float(np.mean(returns)) if returns else math.nan,
-    }
-
-
-def check_settings(create_env_fn: Any, create_env_kwargs: Any, policy: Any, policy_factory: Any, start_method: str,
-                   placement: Placement, *, batch_mode: str, frames_per_batch: Any, num_actors: Any, horizon: Any,
-                   soft_horizon: Any, no_done_at_end: Any, view_requirements: Any, reset_at_each_iter: bool,
-                   postproc: Any) -> tuple[Callable[[], Any], ...]:
-    """A Collector's settings, checked before any env, pipeline or process is made; returns its env factories.
+def build(collector: str, create_env_fn: Any, policy: Any, settings: CollectSettings, options: dict[str, Any], *,
+          multiagent: bool = False, env_backend: str = "multiprocessing") -> tuple[Envs, dict[Any, Placement]]:
+    """A collector's envs and placements, from what its constructor was given (``options``: the keywords that are
+    not settings fields; each is taken or refused here, naming it). Gymnasium envs, unless the policies come by
+    policy id (``policies=``, ``policy_factories=``, a dict in the policy's place; or ``multiagent``: the
+    constructor says so). ``serve``: each policy behind an inference server in this process (``env_backend``:
+    the env workers as processes or threads of this process).
 
     Raises:
-        shmbuf.UsageError: the first bad setting, named.
+        shmbuf.UsageError: an unknown keyword, a missing or doubled source, a bad value.
     """
-    check_batch_mode(batch_mode)
-    check_horizon(batch_mode, horizon, soft_horizon, no_done_at_end)
-    if view_requirements is not None:
-        check_view_requirements(view_requirements)
-    if reset_at_each_iter and batch_mode != TRUNCATE_EPISODES:
-        raise shmbuf.UsageError("reset_at_each_iter=True: complete-episodes batches start every episode from a reset "
-                                "already; use it with batch_mode='truncate_episodes'")
-    if postproc is not None and not callable(postproc):
-        raise shmbuf.UsageError(f"postproc: expected a callable taking and returning a batch, got {postproc!r:.80}")
-    env_fns = checked_sources(create_env_fn, create_env_kwargs, policy, policy_factory, start_method,
-                              policy_travels=placement.policy_travels)  # a served policy stays here
-    int_setting("frames_per_batch", frames_per_batch)
-    if num_actors is not None:
-        int_setting("num_actors", num_actors)
-    return env_fns
+    opts = dict(options)
+    refuse_unknown({k: v for k, v in opts.items() if k not in OWN}, collector, OWN)
+    policies, factories = opts.pop("policies", None), opts.pop("policy_factories", None)
+    if isinstance(policy, dict) and not callable(policy) and policies is None and factories is None:
+        policy, policies = None, policy  # Collector(make_env, {"red": red, ...}): MultiAgentCollector's order
+    serve = opts.pop("serve", False)
+    if not isinstance(serve, bool):
+        raise shmbuf.UsageError(f"serve: expected a bool, got {serve!r:.80}")
+    server = {k: opts.pop(k) for k in SERVER if k in opts}
+    if server and not serve:
+        raise shmbuf.UsageError(f"{sorted(server)[0]}=: a setting of the inference server; pass serve=True (the policy "
+                                "behind a server in this process) or leave it out")
+    weights = opts.pop("weights", None)
+    if serve and weights is not None:
+        raise shmbuf.UsageError("weights=: with serve=True the policies stay in this process; update_policy_weights "
+                                "copies new weights into them")
+    if multiagent or policies is not None or factories is not None:
+        if policy is not None or "policy_factory" in opts:
+            raise shmbuf.UsageError(f"{collector}: multi-agent envs take policies= (or policy_factories=), not "
+                                    "policy/policy_factory")
+        # as the user named them; else the docs' names
+        given: dict[str, str] = {k: settings.name(k) for k in ("count_by", "trained") if k in opts}
+        envs: Envs = PettingZooEnvs(create_env_fn, policy_mapping_fn=opts.pop("policy_mapping_fn", None),
+                                    count_by=opts.pop("count_by", "env_steps"), align=opts.pop("align", False),
+                                    remap_each_episode=opts.pop("remap_each_episode", False),
+                                    trained=opts.pop("trained", None), create_env_kwargs=opts.pop("create_env_kwargs", None),
+                                    names=given)
+        return envs, _by_policy(policies, factories, weights, settings, serve, server, env_backend)
+    known = [k for k in MULTIAGENT if k in opts]
+    if known:
+        raise shmbuf.UsageError(f"{settings.name(known[0])}=: a setting of multi-agent envs; give the policies by id "
+                                "(policies={policy_id: policy}) to collect from PettingZoo parallel envs")
+    factory = opts.pop("policy_factory", None)
+    if serve:
+        if (policy is None) == (factory is None):
+            raise shmbuf.UsageError("give exactly one of policy and policy_factory")
+        placement: Placement = ServedPolicy(policy if policy is not None else factory(), env_backend=env_backend,
+                                            **_server(server))
+    else:
+        placement = LocalPolicy(policy, factory, weights=weights, await_weights=settings.await_weights,
+                                torch_threads=settings.torch_threads)
+    return GymEnvs(create_env_fn, opts.pop("create_env_kwargs", None)), {None: placement}
 
 
-def _plan_field(name: str) -> Any:
-    """A read-only attribute of a Collector that is its plan's ``name``."""
-    return property(lambda self: getattr(self.plan, name), doc=f"``collector.plan.{name}``")
+def _server(server: dict[str, Any]) -> dict[str, Any]:
+    """A served policy's server settings, checked (TorchRL's None defaults: the same figures)."""
+    out: dict[str, Any] = {"max_batch_size": 64, "min_batch_size": 1, "server_timeout": 0.01, "device": None, "server_threads": 1}
+    out.update({k: v for k, v in server.items() if v is not None or k in ("device", "server_threads")})
+    int_setting("max_batch_size", out["max_batch_size"])
+    int_setting("min_batch_size", out["min_batch_size"])
+    if out["min_batch_size"] > out["max_batch_size"]:
+        raise shmbuf.UsageError(f"min_batch_size={out['min_batch_size']} is larger than "
+                                f"max_batch_size={out['max_batch_size']}")
+    t = out["server_timeout"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
+        # a linger, not a wait's bound: None and infinity have no meaning here
+        raise shmbuf.UsageError(f"server_timeout: expected seconds >= 0, got {t!r}")
+    out["server_timeout"] = float(t)
+    if out["server_threads"] is not None:
+        int_setting("server_threads", out["server_threads"])
+    return out
 
 
-def probe_env(env_fn: Callable[[], Any], policy: Callable[[], Any], seed: int | None,
-              view_requirements: dict[str, Any] | None, postprocess: Any = False) -> tuple[dict[str, Any], int | None]:
-    """Make one env, then the policy (``policy()``), and probe them: the probe and the env's
-    ``spec.max_episode_steps``. The env is closed. With a ``postprocess`` setting, ``probed["postprocess"]`` is
-    its :class:`~workers._postprocess.PostprocessSpec` (the columns the hook adds, found on a dummy batch), or None."""
-    env = env_fn()
-    try:
-        pol = policy()
-        probed = probe(env, pol, actor_seed(env, seed, 0, 0), view_requirements=view_requirements)
-        max_steps = getattr(getattr(env, "spec", None), "max_episode_steps", None)
-        probed["postprocess"] = discover(postprocess, pol, probed)
-    finally:
-        env.close()
-    return probed, max_steps
+def _by_policy(policies: Any, factories: Any, weights: Any, settings: CollectSettings, serve: bool,
+               server: dict[str, Any], env_backend: str) -> dict[Any, Placement]:
+    """A placement per policy id (a multi-agent collector's)."""
+    if (policies is None) == (factories is None):
+        raise shmbuf.UsageError("give exactly one of policies={policy_id: policy} and policy_factories="
+                                "{policy_id: factory}")
+    given = policies if policies is not None else factories
+    if not isinstance(given, dict) or not given:
+        name = "policies" if policies is not None else "policy_factories"
+        raise shmbuf.UsageError(f"{name}: expected a non-empty dict keyed by policy id, got {given!r:.80}")
+    if factories is not None:
+        bad = sorted(str(pid) for pid, f in factories.items() if not callable(f))
+        if bad:
+            raise shmbuf.UsageError(f"policy_factories: expected zero-argument callables, got none for {bad}")
+    if weights is not None and not isinstance(weights, dict):
+        raise shmbuf.UsageError(f"weights: expected {{policy_id: weights}}, got {type(weights).__name__}")
+    if serve:
+        made = policies if policies is not None else {pid: make() for pid, make in given.items()}
+        kw = _server(server)
+        return {pid: ServedPolicy(p, env_backend=env_backend, **kw) for pid, p in made.items()}
+    return {pid: LocalPolicy(policies[pid] if policies is not None else None,
+                             factories[pid] if factories is not None else None, weights=(weights or {}).get(pid),
+                             await_weights=settings.await_weights, torch_threads=settings.torch_threads, label=pid)
+            for pid in given}
 
 
-def rollout_layout(plan: BatchPlan, probed: dict[str, Any], extras: dict[str, Any],
-                   max_episodes: int | None) -> dict[str, Any]:
-    """The pipeline's example: one rollout as the plan lays it out."""
-    if plan.batch_mode == COMPLETE_EPISODES:
-        return rollout_example(probed[OBS], probed[ACTION], rollout_len=plan.rollout_len, extras=extras,
-                               batch_mode=COMPLETE_EPISODES)
-    return rollout_example(probed[OBS], probed[ACTION], rollout_len=plan.rollout_len,
-                           num_envs=plan.num_envs if probed["vector"] else None, extras=extras,
-                           max_episodes=max_episodes)
-
-
-class CollectedBatch:
-    """One batch from a :class:`Collector`.
-
-    ``data``: the rollout tree. Truncate-episodes: leaves ``(B, T, [E], ...)``
-    for step leaves, ``(B, M, ...)`` for the episode table, ``(B, [E], ...)``
-    for bootstrap; ``fill`` gives the filled counts per rollout. With
-    ``copy=False`` (the default) they are views of the collector's batch
-    buffer, overwritten by the next batch: copy what must live longer.
-    Complete-episodes: every episode's steps concatenated, ``(N, ...)``,
-    episodes split by ``lengths``; always the caller's own arrays.
-
-    ``policy_version`` (B,): the weights version each rollout was collected
-    with; ``policy_lag`` (B,): the learner's version when the batch was
-    handed out minus that. ``lane``/``epoch``/``seq`` (B,): which writer lane made each
-    rollout, which claim of that lane its writer held (an actor restarted with
-    ``restart=True`` takes a new one) and the rollout's number in that claim, from 0: the
-    key ``(lane, epoch, seq)`` names one rollout for the collector's whole life, actor
-    restarts included (``(lane, seq)`` alone repeats after one). ``episode_returns``/
-    ``episode_lengths``: of the episodes that ended inside this batch. ``frames``: env steps in it.
-    """
-
-    __slots__ = ("data", "fill", "policy_version", "policy_lag", "lane", "epoch", "seq", "frames", "episode_returns",
-                 "episode_lengths", "lengths", "batch_mode")
-    # What the collectors set (a field left out of the keywords is None: tests build partial batches).
-    data: dict[str, Any]
-    fill: dict[str, np.ndarray] | None  # None for complete-episodes batches
-    policy_version: np.ndarray
-    policy_lag: np.ndarray
-    lane: np.ndarray
-    epoch: np.ndarray
-    seq: np.ndarray
-    frames: int
-    episode_returns: np.ndarray
-    episode_lengths: np.ndarray
-    lengths: np.ndarray
-    batch_mode: str
-
-    def __init__(self, **kw: Any):
-        for k in self.__slots__:
-            setattr(self, k, kw.get(k))
-
-    def to_tensordict(self, *, rename: dict[str, str] | None = None) -> Any:
-        """This batch in TorchRL's layout (tensordict needed): see :func:`workers.to_tensordict`."""
-        from workers._tensordict import to_tensordict
-
-        return to_tensordict(self, rename=rename)
-
-    def __repr__(self) -> str:
-        return (f"CollectedBatch({self.batch_mode}, frames={self.frames}, episodes={len(self.episode_returns)}, "
-                f"lag={self.policy_lag.tolist()})")
-
-
-class Collector(TorchRLNames):
+class Collector(TorchRLNames, Engine):
     """An iterator of batches of rollouts, collected by actor processes into shared memory.
 
     Args:
-        create_env_fn: an env factory, or a list of them (one per actor).
-            A factory may return a vector env (``gymnasium.vector``); every
-            autoreset mode is handled (see ``workers._envs``).
-        policy: a picklable callable or ``torch.nn.Module`` (see
-            ``workers._actor`` for the protocol), or None with ``policy_factory``.
-            Unless ``start_method="fork"``, it is pickled to reach the actors:
-            one that cannot be (a lambda, a closure) raises
-            :class:`shmbuf.UsageError` here.
-        policy_factory: a zero-argument picklable callable (a module-level
-            function) returning the policy, called once in each actor and once
-            here to probe output shapes: for policies that cannot be pickled.
-        frames_per_batch: env steps per batch. Truncate-episodes: a multiple
-            of ``rollout_len * E``. Complete-episodes: a minimum; whole
-            episodes are added until it is reached.
+        create_env_fn: an env factory, or a list of them (one per actor). A factory may return a gymnasium env or
+            vector env (every autoreset mode is handled, see ``workers._envs``); or, with ``policies=``, a
+            PettingZoo parallel env (or a list of them): the collector is then multi-agent, as
+            :class:`workers.MultiAgentCollector` is, and its batches :class:`workers.MultiAgentBatch`.
+        policy: a picklable callable or ``torch.nn.Module`` (``policy(obs) -> action`` or ``-> (action, extras)``,
+            see docs/workers.md), or None with ``policy_factory``. Unless ``start_method="fork"``, it is pickled to
+            reach the actors: one that cannot be (a lambda, a closure) raises :class:`shmbuf.UsageError` here. A dict
+            of policies in its place is ``policies=``.
+        frames_per_batch: env steps per batch. Truncate-episodes: a multiple of ``rollout_len * E``.
+            Complete-episodes: a minimum; whole episodes are added until it is reached.
         total_frames: stop after this many frames (-1: never).
-        num_actors: actor processes (default: the number of env factories, or 2). Fewer actors than env
-            factories: the factories split evenly among the actors, each stepping its share as one gymnasium
-            ``SyncVectorEnv`` (16 factories, ``num_actors=2``: 2 actors of 8 envs).
-        rollout_len: T. Default: one rollout per actor per batch in
-            truncate-episodes mode; the env's ``max_episode_steps`` in
-            complete-episodes mode.
-        batch_mode: ``"truncate_episodes"`` or ``"complete_episodes"``.
-        weights: initial weights (pytree of arrays) to broadcast; default: a
-            torch policy's ``state_dict``. Needed for :meth:`update_policy_weights`.
-        slots: shmbuf slots (default: two batches' worth plus two per writer, rounded up to whole batches).
-        start_method: for the actor processes (default forkserver, else spawn).
-        restart: restart a failed actor (its error is kept in ``failures``).
-        progress: show a tqdm progress bar.
-        copy: give each batch its own arrays (default: reuse one buffer).
-        seed: base seed for env resets (actor i, restart r: ``seed + 10000 i + 10**6 r``; an env with its own
-            ``worker_seed`` rule, as AsyncBatchedCollector's TorchRL envs, follows that instead).
-        timeout: longest wait for one batch before :class:`shmbuf.SlotTimeout` (None: no limit;
-            a failed actor is raised at once either way).
-        stop_timeout: the deadline :meth:`shutdown` gives the actors.
-        view_requirements, horizon, soft_horizon, no_done_at_end: passed to each actor's
-            :class:`workers.ActorLoop` (the policy's input views; RLlib's horizons), checked here.
-        reset_at_each_iter: (truncate-episodes) every rollout starts from freshly reset envs;
-            an episode still running at a rollout's end is cut there, recorded ``truncated``.
-        postproc: applied to every batch before it is yielded (``batch = postproc(batch)``).
-        postprocess: RLlib's ``Policy.postprocess_trajectory``, called in the actor on every episode
-            piece of each rollout (one sub-env's steps of one episode: never two episodes' data) before
-            it is committed, with RLlib's column names (``obs``, ``actions``, ``rewards``,
-            ``terminateds``, ``truncateds``, ``new_obs``, the policy's extras); the columns it adds become
-            step leaves of the rollout (found at set-up on a dummy batch). None (the default): the
-            policy's ``postprocess_trajectory`` method if it has one; True: it must have one; False: none;
-            or a callable with RLlib's signature ``(sample_batch, other_agent_batches=None, episode=None)``
-            (picklable: it goes to the actors). See docs/from-rllib.md.
-        create_env_kwargs: keyword arguments for the env factories: a dict for all, or one per factory.
-        await_weights: with a weight broadcast, publish nothing at start: the actors start (and
-            ``ready_timeout`` covers that) but collect nothing until the first
-            :meth:`update_policy_weights`, so that every rollout is collected with weights the
-            learner gave (RayCollector restarts its node owners so). The weights the collector
-            would have published as version 0 are kept in ``awaited_weights``. Without a broadcast
-            it changes nothing.
-        keep_on_crash: if this process dies without closing the collector, leave its shared memory
-            (pipeline, weight broadcast, inference table) for ``shmbuf ls``; by default this process's
-            watcher removes it within a second of its death (docs/reliability.md).
+        settings: a :class:`workers.CollectSettings`: what every collector shares (batch mode, rollout length,
+            actors, slots, seeds, timeouts, restarts, progress bar, copies, episode limits and hooks...).
+        **options: the settings' fields by name (they win over ``settings``'s: ``rollout_len=64``, ``restart=True``;
+            TorchRL's and RLlib's names for them too: ``postproc``, ``reset_at_each_iter``, ``horizon``,
+            ``soft_horizon``, ``no_done_at_end``, ``postprocess``), and the collector's own:
 
-    TorchRL's ``Collector`` methods (``update_policy_weights_``, ``set_seed``, ``shutdown``, ``state_dict``, ...)
-    are translations to these, from :class:`workers._torchrl_names.TorchRLNames` (docs/from-torchrl.md).
+            - ``policy_factory``: a zero-argument picklable callable returning the policy, called once in each actor
+              and once here to probe output shapes: for policies that cannot be pickled.
+            - ``weights``: initial weights (pytree of arrays) to broadcast; default: a torch policy's ``state_dict``.
+              Needed for :meth:`update_policy_weights` (multi-agent: ``{policy_id: weights}``).
+            - ``create_env_kwargs``: keyword arguments for the env factories: a dict for all, or one per factory.
+            - ``serve``: keep the policy in this process behind an inference server thread, which answers the actors'
+              requests in batches (docs/inference.md); ``max_batch_size``, ``min_batch_size``, ``server_timeout``,
+              ``device``, ``server_threads``: its server's (see :class:`workers.AsyncBatchedCollector`).
+            - multi-agent envs: ``policies`` (``{policy_id: policy}``) or ``policy_factories``,
+              ``policy_mapping_fn``, ``count_by`` (RLlib's ``count_steps_by``), ``align``, ``remap_each_episode``,
+              ``trained`` (RLlib's ``policies_to_train``): see :class:`workers.MultiAgentCollector`.
+
+    A failed actor is raised here with its traceback (or restarted with ``restart=True``, its error kept in
+    ``failures``). TorchRL's ``Collector`` methods (``update_policy_weights_``, ``set_seed``, ``shutdown``,
+    ``state_dict``, ...) are translations to these (:mod:`workers.compat.torchrl`, docs/from-torchrl.md).
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        """Multi-agent envs: given ``policies=`` or ``policy_factories=`` (or a dict of policies as the second
-        argument), a :class:`workers.MultiAgentCollector` with these arguments is made instead (for
-        :class:`workers.AsyncBatchedCollector`: with ``serve=True``, each policy behind its inference server)."""
-        policy = args[1] if len(args) > 1 else kwargs.get("policy")
-        if "policies" in kwargs or "policy_factories" in kwargs or (isinstance(policy, dict) and not callable(policy)):
-            from workers._inference import AsyncBatchedCollector
-            from workers._multiagent_collector import MultiAgentCollector
-
-            if "policy" in kwargs:
-                kwargs["policies"] = kwargs.pop("policy")
-            if issubclass(cls, AsyncBatchedCollector):
-                kwargs = {"serve": True, **kwargs}
-            return MultiAgentCollector(*args, **kwargs)
-        return super().__new__(cls)
-
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
-                 policy_factory: Callable[[], Any] | None = None, frames_per_batch: int, total_frames: int = -1,
-                 num_actors: int | None = None, rollout_len: int | None = None,
-                 batch_mode: str = TRUNCATE_EPISODES, max_episodes: int | None = None, weights: Any = None,
-                 slots: int | None = None, start_method: str | None = None, restart: bool = False,
-                 max_restarts: int = 3, progress: bool = False, copy: bool = False, seed: int | None = 0,
-                 torch_threads: int | None = 1, stop_timeout: float = 5.0, ready_timeout: float = 120.0,
-                 timeout: float | None = None, view_requirements: dict[str, Any] | None = None,
-                 horizon: int | None = None, soft_horizon: bool = False, no_done_at_end: bool = False,
-                 reset_at_each_iter: bool = False, postproc: Callable[[CollectedBatch], Any] | None = None,
-                 create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
-                 await_weights: bool = False, postprocess: Any = None, keep_on_crash: bool = False,
-                 _placement: Placement | None = None):
-        # _placement: where the policy runs (internal for now; AsyncBatchedCollector passes a ServedPolicy)
-        self._placement = placement = _placement if _placement is not None else LocalPolicy(
-            policy, policy_factory, weights=weights, await_weights=await_weights, torch_threads=torch_threads)
-        self.start_method = start_method or default_start_method()
-        check_postprocess(postprocess)
-        env_fns = check_settings(create_env_fn, create_env_kwargs, policy, policy_factory, self.start_method,
-                                 placement, batch_mode=batch_mode, frames_per_batch=frames_per_batch,
-                                 num_actors=num_actors, horizon=horizon, soft_horizon=soft_horizon,
-                                 no_done_at_end=no_done_at_end, view_requirements=view_requirements,
-                                 reset_at_each_iter=reset_at_each_iter, postproc=postproc)
-        if num_actors is not None and 1 < len(env_fns) and num_actors < len(env_fns):
-            env_fns = split_among(env_fns, num_actors, "num_actors")  # each actor steps its share as one vector env
-        self.timeout = timeout_setting("timeout", timeout)
-        self.total_frames = total_frames
-        self.copy = copy
-        self.stop_timeout = stop_timeout
-        self.ready_timeout = ready_timeout
-        self.keep_on_crash = keep_on_crash
-        self.postproc = postproc
-        self.frames = 0
-        self.batches = 0
-        self.failures: list[Any] = []
-        self.policy_version = 0
-        self._lags: deque[int] = deque(maxlen=10_000)
-        self._returns: deque[float] = deque(maxlen=100)
-        self._partial = no_episodes()  # complete-episodes: what the next batch has so far
-        self._t0: float | None = None
-        self._closed = False
-        self._leaving = False  # close() began: a wait in another thread (a background collection) ends at its next slice
-        self._exit_close: ExitClose | None = None
-        self.reader: Any = None  # a shmbuf.Reader once started
-        self.pool: Any = None  # the placement's pool once started
-        self._bar: Any = None
-
-        probed, max_steps = probe_env(env_fns[0], placement.probe_target, seed, view_requirements, postprocess)
-        post = probed.pop("postprocess")
-        extras = placement.extras(probed)
-        if post is not None:
-            extras = {**extras, **post_template(post)}
-        self.plan = plan_batches(batch_mode=batch_mode, frames_per_batch=frames_per_batch,
-                                 num_actors=default_num_actors(len(env_fns)) if num_actors is None else num_actors,
-                                 num_envs=probed["num_envs"], rollout_len=rollout_len, max_episode_steps=max_steps,
-                                 slots=slots)
-        example = rollout_layout(self.plan, probed, extras, max_episodes)
-        # the seeds the actors start with: (seed, static_seed, TorchRL's "next seed", static_seed allowed)
-        self._seeding: tuple[Any, bool, Any, bool] = (seed, False, next_base_seed(seed, self.plan.num_actors), False)
-        actor = {"env_fns": env_fns, "rollout_len": self.plan.rollout_len, "batch_mode": batch_mode,
-                 "max_episodes": max_episodes, "seed": seed, "view_requirements": view_requirements,
-                 "horizon": horizon, "soft_horizon": soft_horizon, "no_done_at_end": no_done_at_end,
-                 "reset_each_rollout": reset_at_each_iter, "postprocess": post}
-        try:
-            self._start(example, probed, actor, restart=restart, max_restarts=max_restarts, progress=progress)
-        except BaseException:
-            self.close()
-            raise
-        self._exit_close = ExitClose(self)  # last: runs at exit before the finalizers of what _start made
-
-    def _start(self, example: dict[str, Any], probed: dict[str, Any], actor: dict[str, Any], *, restart: bool,
-               max_restarts: int, progress: bool) -> None:
-        """Create the pipeline and what the placement needs, start the actors, open the progress bar."""
-        plan, placement = self.plan, self._placement
-        self.reader = shmbuf.create(example, plan.slots, max_writers=plan.writers, raise_writer_errors=False,
-                                    keep_on_crash=self.keep_on_crash)
-        spec = ActorSpec(pipeline=self.reader.name, **actor,
-                         **placement.start(probed, plan.num_actors, keep_on_crash=self.keep_on_crash))
-        self.pool = placement.make_pool(spec, plan.num_actors, start_method=self.start_method, restart=restart,
-                                        max_restarts=max_restarts)
-        self.pool.start()
-        placement.started()
-        if progress:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=plan.rounded_total(self.total_frames), unit="frame", unit_scale=True,
-                             desc="collecting", dynamic_ncols=True)
-
-    # the plan's figures, under their old names
-    batch_mode = _plan_field("batch_mode")
-    frames_per_batch = _plan_field("frames_per_batch")
-    num_actors = _plan_field("num_actors")
-    num_envs = _plan_field("num_envs")
-    rollout_len = _plan_field("rollout_len")
-    rollouts_per_batch = _plan_field("rollouts_per_batch")
-
-    # -- weights ------------------------------------------------------------
+                 frames_per_batch: int, total_frames: int = -1, settings: CollectSettings | None = None,
+                 **options: Any):
+        s, opts = collect_settings(settings, options, frames_per_batch=frames_per_batch, total_frames=total_frames)
+        envs, placements = build(type(self).__name__, create_env_fn, policy, s, opts)
+        Engine.__init__(self, envs, placements, s)
+        # the seeds the actors started with: (seed, static_seed, TorchRL's "next seed", static_seed allowed)
+        self._seeding: tuple[Any, bool, Any, bool] = (s.seed, False, next_base_seed(s.seed, self.num_actors), False)
 
     @property
-    def publisher(self) -> shmbuf.WeightPublisher | None:
-        """The weight broadcast to the actors (None without weights, or with the policy behind a server)."""
-        return self._placement.publisher
-
-    @property
-    def awaited_weights(self) -> Any:
-        """With ``await_weights=True``: what would have been version 0, until the first update."""
-        return self._placement.awaited_weights
-
-    def update_policy_weights(self, policy_or_weights: Any = None, *, version: int | None = None) -> int:
-        """Give the policy new weights; return the new version.
-
-        Policy in each actor (Collector): broadcast them. Accepts a torch module (its ``state_dict``), a
-        pytree of numpy arrays, or None: the policy given to the constructor, re-read. Actors take it at
-        their next rollout boundary; the learner never waits.
-
-        Policy behind a server (AsyncBatchedCollector): copy them into the server's policy between two
-        forward passes. Accepts a torch module (its ``state_dict`` is copied in), a dict of arrays or
-        tensors (``load_state_dict``; a policy with ``load_weights(params)`` gets them that way), or None:
-        the server's policy was changed in place by the caller, only the version moves on. Every action
-        answered after this returns carries the new version.
-        """
-        self.policy_version = self._placement.update_weights(policy_or_weights, version)
-        return self.policy_version
-
-    # -- iteration ----------------------------------------------------------
-
-    def __iter__(self) -> Iterator[CollectedBatch]:
-        return self.iterator()
-
-    def iterator(self) -> Iterator[CollectedBatch]:
-        if self._closed:
-            raise shmbuf.PipelineClosed("this Collector was shut down")
-        if self._t0 is None:
-            # Touch the reader only once every writer lane exists, so its first scan shares the slots
-            # among all of them (a lane that arrives later gets slots only as others are released).
-            self.pool.wait_ready(self.ready_timeout, interrupted=lambda: self._leaving)
-            self._t0 = time.monotonic()
-        while self.total_frames < 0 or self.frames < self.total_frames:
-            batch = self._truncated() if self.batch_mode == TRUNCATE_EPISODES else self._complete()
-            self.frames += batch.frames
-            self.batches += 1
-            self._lags.extend(batch.policy_lag.tolist())
-            self._returns.extend(batch.episode_returns.tolist())
-            if self._bar is not None:
-                self._bar.update(batch.frames)
-                post: dict[str, int | str] = {"lag": int(batch.policy_lag.max())}
-                if self._returns:
-                    post[RETURN] = f"{np.mean(self._returns):.1f}"
-                self._bar.set_postfix(post, refresh=False)
-            yield batch if self.postproc is None else self.postproc(batch)
-
-    def _wait(self, get: Callable[[], Any]) -> Any:
-        """Call ``get`` (a reader call with a short timeout) until it succeeds, checking the actors between tries."""
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while True:
-            if self._leaving:
-                raise shmbuf.PipelineClosed("this Collector is shutting down")
-            try:
-                out = get()
-            except shmbuf.SlotTimeout:
-                self._check_actors()
-                if deadline is not None and time.monotonic() > deadline:
-                    raise shmbuf.SlotTimeout(f"no batch within timeout={self.timeout} s (Collector(timeout=...)); the actors are "
-                                      f"alive but not delivering: {self.reader.stats()['slots']}") from None
-                continue
-            return out
-
-    def _check_actors(self) -> None:
-        self._placement.check()
-        n = len(self.pool.failures)
-        self.pool.check()
-        self.failures = list(self.pool.failures)
-        self.reader.errors.clear()  # the pool raises actors' errors, with their tracebacks, once
-        if self.pool.alive() == 0 and len(self.pool.failures) == n:
-            raise shmbuf.BrokenPipeline("every actor has exited; no more rollouts will come")
-
-    def _truncated(self) -> CollectedBatch:
-        B = self.rollouts_per_batch
-        b = self._wait(lambda: self.reader.get_batch(B, WAIT_SLICE, copy=self.copy))
-        self._check_actors()
-        return rounds_batch(b.data, b.fill, policy_version=b.policy_version, lane=b.lane, epoch=b.epoch, seq=b.seq,
-                            learner_version=self.policy_version, frames=int(b.fill[STEP].sum()) * self.num_envs)
-
-    def _complete(self) -> CollectedBatch:
-        # The episodes taken so far live on the collector, not in this frame: an exception between two of
-        # them (a timeout, say) loses none, and the next batch starts with them.
-        part = self._partial
-        while part["frames"] < self.frames_per_batch:
-            take_episode(part, self._wait(lambda: self.reader.get(WAIT_SLICE)))
-        self._check_actors()
-        self._partial = no_episodes()
-        return episodes_batch(part, self.policy_version)
-
-    # -- introspection and shutdown -----------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        """Frames, env steps/s since the first batch was asked for, policy lag, recent returns, shmbuf counters
-        (and, with the policy behind a server, the server's under ``"server"``)."""
-        return {
-            **progress(self.frames, self.batches, self._t0, self.policy_version, self._lags, self._returns),
-            "actor_restarts": self.pool.restarts if self.pool is not None else 0,
-            "shmbuf": self.reader.stats() if self._t0 is not None and not self.reader.closed else {},
-            **self._placement.stats(),
-        }
-
-    def close(self, timeout: float | None = None) -> None:
-        """Stop the actors, close the pipeline and what the placement made, all within ``timeout`` (default
-        ``stop_timeout``).
-
-        With the policy behind a server, the server is stopped first and every worker waiting for an answer
-        woken; a server still inside a forward pass at the deadline is left to finish it (a daemon thread):
-        the table stays shut and the thread closes it when its pass returns. Threads of this process are stopped
-        and joined before what they wait on is released (docs/workers.md, "Shutting down").
-        """
-        if self._closed:
-            return
-        self._closed = self._leaving = True
-        if self._exit_close is not None:
-            self._exit_close.cancel()
-        budget = self.stop_timeout if timeout is None else timeout
-        end = time.monotonic() + budget
-        self._placement.interrupt(budget)
-        if self._bar is not None:
-            self._bar.close()
-        # Close the pipeline first: a writer waiting for a slot sees it within 0.1 s and its actor returns.
-        if self.reader is not None:
-            self.reader.close()
-        if self.pool is not None:
-            self.pool.close(max(0.1, end - time.monotonic()))
-            self.failures = list(self.pool.failures)
-        self._placement.close(end)
-
-    def __enter__(self) -> Collector:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001  # a finalizer must not raise (it may run at interpreter exit)
-            pass
+    def plan(self) -> Any:
+        """The batch arithmetic (:class:`workers._plan.BatchPlan`; None for multi-agent envs)."""
+        return self.layout.extra.get("plan")

@@ -18,26 +18,22 @@ from typing import Any
 
 import numpy as np
 
-from shmbuf.layout import ACTION, BOOTSTRAP, ENV, ENV_STEPS, EPISODE, LENGTH, OBS, RETURN, REWARD, STEP, TERMINATED, TRUNCATED
+from shmbuf import layout as L
 from workers._truncate import OutputCheck, check_extras
-
-_FIXED = (OBS, ACTION, REWARD, TERMINATED, TRUNCATED)
 
 
 class _Episode:
     """One sub-env's slot, as the views its episode is written through (taken when the episode starts)."""
 
-    __slots__ = ("act", "boot", "env_steps", "extras", "length", "obs", "ret", "rew", "term", "trunc", "ep_term",
-                 "ep_trunc", "ep_env")
+    __slots__ = ("act", "boot", "env_steps", "extras", "obs", "rew", "table", "term", "trunc")
 
     def __init__(self, view: dict[str, Any]):
-        st, ep, bs = view[STEP], view[EPISODE], view[BOOTSTRAP]
-        self.obs, self.act, self.rew = st[OBS], st[ACTION], st[REWARD]
-        self.term, self.trunc = st[TERMINATED], st[TRUNCATED]
-        self.extras = {k: v for k, v in st.items() if k not in _FIXED}
-        self.ret, self.length, self.ep_term, self.ep_trunc, self.ep_env = (ep[RETURN], ep[LENGTH], ep[TERMINATED],
-                                                                          ep[TRUNCATED], ep[ENV])
-        self.boot, self.env_steps = bs[OBS], bs[ENV_STEPS]
+        st, bs = view[L.STEP], view[L.BOOTSTRAP]
+        self.obs, self.act, self.rew = st[L.OBS], st[L.ACTION], st[L.REWARD]
+        self.term, self.trunc = st[L.TERMINATED], st[L.TRUNCATED]
+        self.extras = {k: v for k, v in st.items() if k not in L.STEP_KEYS}
+        self.table = L.EpisodeTable(view[L.EPISODE])
+        self.boot, self.env_steps = bs[L.OBS], bs[L.ENV_STEPS]
 
 
 class SlotEpisodes:
@@ -81,7 +77,7 @@ class SlotEpisodes:
             rows = [s if s is not None else self._open(e) for e, s in enumerate(slots)]
             action, extras = loop._act(cur)
             assert self._act_shape is not None  # set by the first _open
-            action = check(ACTION, action, self._act_shape, rows[0].act.dtype)
+            action = check(L.ACTION, action, self._act_shape, rows[0].act.dtype)
             if extras or rows[0].extras:
                 check_extras(extras, rows[0].extras)
                 extras = {k: check(k, v, (E, *rows[0].extras[k].shape[1:]), rows[0].extras[k].dtype)
@@ -90,7 +86,7 @@ class SlotEpisodes:
             ep_ret += rew
             ep_len += 1
             loop.env_steps += E
-            term, trunc, cut, _ = loop._flags(term, trunc)  # no soft horizon in this mode (check_horizon)
+            term, trunc, cut, _ = loop._flags(term, trunc)  # no soft limit in this mode (check_limits)
             lens = ep_len.tolist()
             for e in envs:
                 s = rows[e]
@@ -109,15 +105,11 @@ class SlotEpisodes:
                 final_of = dict(zip(ended.tolist(), finals, strict=True)) if len(ended) else {}
                 for e in np.flatnonzero(done).tolist():
                     s = rows[e]
-                    s.ret[...] = ep_ret[e]
-                    s.length[...] = lens[e]
-                    s.ep_term[...] = term[e]
-                    s.ep_trunc[...] = trunc[e]
-                    s.ep_env[...] = e
+                    s.table.write(..., ep_ret[e], lens[e], term[e], trunc[e], e)
                     s.boot[...] = final_of[e] if e in final_of else nxt[e]
                     s.env_steps[...] = loop.env_steps
-                    loop._before_commit(writers[e], {STEP: lens[e], EPISODE: 1})
-                    writers[e].commit(int(ep_version[e]), fill={STEP: lens[e]})  # the oldest policy in the episode
+                    loop._before_commit(writers[e], {L.STEP: lens[e], L.EPISODE: 1})
+                    writers[e].commit(int(ep_version[e]), fill={L.STEP: lens[e]})  # the oldest policy in the episode
                     slots[e] = None
                     loop.rollouts += 1
                     loop.episodes += 1

@@ -17,7 +17,7 @@ array, or a dict or tuple of arrays (a Dict or Tuple space, e.g. PettingZoo clas
 its policy's rows are then a tree of the same structure, and the policy is called with it (see
 :mod:`workers._agent_obs`).
 
-**Counting** (RLlib's ``count_steps_by``): with ``"env_steps"`` a rollout is ``rollout_len`` env steps; with
+**Counting** (``count_by``, RLlib's ``count_steps_by``): with ``"env_steps"`` a rollout is ``rollout_len`` env steps; with
 ``"agent_steps"`` it ends after the env step at which the agent steps of all policies together reach
 ``rollout_len`` (RLlib's check, made after each env step, so it may go over by one step's agents). Every
 policy's rollout of a round covers the same env steps, and every policy commits one rollout per round.
@@ -33,32 +33,14 @@ import numpy as np
 import optree
 
 from shmbuf import SchemaError, UsageError
-from shmbuf.layout import (
-    ACTION,
-    BOOTSTRAP,
-    COMPLETE_EPISODES,
-    END,
-    ENV,
-    ENV_STEPS,
-    EPISODE,
-    FINAL_OBS,
-    LENGTH,
-    OBS,
-    RETURN,
-    REWARD,
-    STEP,
-    TERMINATED,
-    TRUNCATE_EPISODES,
-    TRUNCATED,
-    VALID,
-    check_batch_mode,
-    rollout_example,
-)
-from workers._actor import apply_weights, as_numpy_policy, split_policy_output
+from shmbuf import layout as L
 from workers._agent_obs import obs_example, put, space_example, take
 from workers._agent_rows import AgentRows, Episode, ParallelDriver, agents_of
+from workers._policy import apply_weights, as_numpy_policy, split_policy_output
 from workers._truncate import OutputCheck, check_extras
 from workers._views import ActorViews, check_view_requirements
+from workers.compat import rllib
+from workers.compat._rllib_multiagent import MultiAgentPostprocessor
 
 ENV_STEPS_COUNT = "env_steps"
 AGENT_STEPS_COUNT = "agent_steps"
@@ -66,7 +48,7 @@ COUNT_STEPS_BY = (ENV_STEPS_COUNT, AGENT_STEPS_COUNT)
 
 
 def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_mapping_fn: Callable[..., Any] | None,
-                        *, rollout_len: int, seed: int | None = None, batch_mode: str = TRUNCATE_EPISODES,
+                        *, rollout_len: int, seed: int | None = None, batch_mode: str = L.TRUNCATE_EPISODES,
                         extra_leaves: dict[str, Any] | None = None,
                         view_requirements: dict[Any, Any] | None = None,
                         remap_each_episode: bool = False) -> tuple[dict[Any, Any], AgentRows]:
@@ -84,7 +66,7 @@ def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_ma
     Raises UsageError for a policy id the mapping names that ``policies`` lacks (or the other way round),
     SchemaError for extras that clash with the layout.
     """
-    check_batch_mode(batch_mode)
+    L.check_batch_mode(batch_mode)
     agents = agents_of(envs[0])
     rows = AgentRows(agents, len(envs), policy_mapping_fn, remap_ids=list(policies) if remap_each_episode else None)
     missing = sorted(map(str, set(rows.policies) - set(policies)))
@@ -115,20 +97,20 @@ def multiagent_examples(envs: Sequence[Any], policies: dict[Any, Any], policy_ma
             x = ActorViews(reqs, x, 1, envs[env_i].action_space(agent)).inputs()
         action, extras = split_policy_output(as_numpy_policy(policies[pid])(x))
         action = np.asarray(action)
-        if VALID in extras:
-            raise SchemaError(f"policy {pid!r}: the extra '{VALID}' clashes with the multi-agent step leaf of that name")
+        if L.VALID in extras:
+            raise SchemaError(f"policy {pid!r}: the extra '{L.VALID}' clashes with the multi-agent step leaf of that name")
         ex = {k: np.array(np.asarray(v)[0]) for k, v in extras.items()}
         for k, v in (extra_leaves or {}).items():
             if k in ex:
                 raise UsageError(f"policy {pid!r} returns an extra named {k!r}, which the collector stores itself; "
                                  "rename it")
             ex[k] = v
-        if batch_mode == COMPLETE_EPISODES:
-            examples[pid] = rollout_example(first[pid], np.array(action[0]), rollout_len=rollout_len, extras=ex,
-                                            batch_mode=COMPLETE_EPISODES)
+        if batch_mode == L.COMPLETE_EPISODES:
+            examples[pid] = L.rollout_example(first[pid], np.array(action[0]), rollout_len=rollout_len, extras=ex,
+                                            batch_mode=L.COMPLETE_EPISODES)
             continue
-        ex[VALID] = np.zeros((), bool)
-        examples[pid] = rollout_example(first[pid], np.array(action[0]), rollout_len=rollout_len,
+        ex[L.VALID] = np.zeros((), bool)
+        examples[pid] = L.rollout_example(first[pid], np.array(action[0]), rollout_len=rollout_len,
                                         num_envs=len(agent_rows), extras=ex)
     return examples, rows
 
@@ -149,12 +131,12 @@ class _PolicyRollout:
     """One policy's slot in a round, as the views the loop writes through."""
 
     def __init__(self, view: dict[str, Any]):
-        st, ep, bs = view[STEP], view[EPISODE], view[BOOTSTRAP]
-        self.obs, self.act, self.rew = st[OBS], st[ACTION], st[REWARD]
-        self.term, self.trunc, self.valid = st[TERMINATED], st[TRUNCATED], st.get(VALID)
-        self.extras = {k: v for k, v in st.items() if k not in (OBS, ACTION, REWARD, TERMINATED, TRUNCATED, VALID)}
-        self.ep = ep
-        self.boot, self.env_steps = bs[OBS], bs[ENV_STEPS]
+        st, bs = view[L.STEP], view[L.BOOTSTRAP]
+        self.obs, self.act, self.rew = st[L.OBS], st[L.ACTION], st[L.REWARD]
+        self.term, self.trunc, self.valid = st[L.TERMINATED], st[L.TRUNCATED], st.get(L.VALID)
+        self.extras = {k: v for k, v in st.items() if k not in L.STEP_KEYS and k != L.VALID}
+        self.table = L.EpisodeTable(view[L.EPISODE])
+        self.boot, self.env_steps = bs[L.OBS], bs[L.ENV_STEPS]
         self.n_ep = 0
         self.last_ends: list[int] = []
 
@@ -177,7 +159,7 @@ class MultiAgentLoop:
             ``"complete_episodes"`` (each rollout one agent's whole episode, committed when it ends).
         policy_mapping_fn: agent id -> policy id (RLlib's, see :func:`workers._agent_rows.mapping_of`); None: one policy,
             ``"default_policy"``.
-        count_steps_by: ``"env_steps"`` or ``"agent_steps"`` (RLlib's ``count_steps_by``).
+        count_by: ``"env_steps"`` or ``"agent_steps"`` (RLlib's ``count_steps_by``, accepted under that name).
         weights: ``{policy_id: WeightSubscriber}`` for the policies whose weights are broadcast, polled at round
             boundaries (see :func:`workers.ActorLoop`'s ``weights``); each policy's rollouts carry its own version.
         should_stop: checked every step; a partial round is then dropped.
@@ -187,12 +169,13 @@ class MultiAgentLoop:
             those policies are called with a dict of views of their agents' streams instead of the bare
             observations (see :class:`workers.ActorViews`; rows in place of sub-envs, one agent's stream per
             row: an agent that joins starts with zeros behind it).
-        postprocess: ``{policy_id: PostprocessSpec}`` (:func:`workers._multiagent_postprocess.discover_policies`;
-            ``MultiAgentCollector(postprocess=...)`` makes it): RLlib's ``postprocess_trajectory`` with
+        episode_hook: (RLlib's ``postprocess``, accepted under that name) ``{policy_id: PostprocessSpec}``
+            (:func:`workers.compat.rllib.discover_policies`; ``MultiAgentCollector(episode_hook=...)`` makes it):
+            RLlib's ``postprocess_trajectory`` with
             ``other_agent_batches`` on every agent's episode pieces before a round's commits (complete-episodes:
             on every agent episode of an env episode when it is over, before their commits), its added columns
             written into the slots (see
-            workers/_multiagent_postprocess.py).
+            workers/compat/_rllib_multiagent.py).
         remap_each_episode: call ``policy_mapping_fn(agent_id, episode)`` at every env's episode start, as RLlib does
             (``episode`` a :class:`workers.lowlevel.Episode`), instead of once per agent id: every policy has a
             row for every ``(env, agent)``, and an agent's steps of an episode go to the row of the policy it was
@@ -203,16 +186,25 @@ class MultiAgentLoop:
     """
 
     def __init__(self, envs: Any, policies: dict[Any, Any], writers: dict[Any, Any], *, rollout_len: int,
-                 policy_mapping_fn: Callable[..., Any] | None = None, count_steps_by: str = ENV_STEPS_COUNT,
+                 policy_mapping_fn: Callable[..., Any] | None = None, count_by: str = ENV_STEPS_COUNT,
                  seed: int | None = None, weights: dict[Any, Any] | None = None,
-                 should_stop: Callable[[], bool] | None = None, batch_mode: str = TRUNCATE_EPISODES,
+                 should_stop: Callable[[], bool] | None = None, batch_mode: str = L.TRUNCATE_EPISODES,
                  every_row: bool = False, view_requirements: dict[Any, Any] | None = None,
-                 postprocess: dict[Any, Any] | None = None, remap_each_episode: bool = False):
-        check_batch_mode(batch_mode)
+                 episode_hook: dict[Any, Any] | None = None, remap_each_episode: bool = False, **rllib_names: Any):
+        L.check_batch_mode(batch_mode)
         self.mode = batch_mode
         self.every_row = every_row
-        if count_steps_by not in COUNT_STEPS_BY:
-            raise UsageError(f"count_steps_by: expected one of {COUNT_STEPS_BY}, got {count_steps_by!r}")
+        names: dict[str, str] = {}
+        given = rllib.translate(rllib_names, rllib.ALIASES, names, framework="RLlib")
+        for k, v in given.items():  # RLlib's count_steps_by and postprocess
+            if k == "count_by" and count_by == ENV_STEPS_COUNT:
+                count_by = v
+            elif k == "episode_hook" and episode_hook is None:
+                episode_hook = v
+            else:
+                raise UsageError(f"MultiAgentLoop({names.get(k, k)}=...): not a setting of MultiAgentLoop, or given twice")
+        if count_by not in COUNT_STEPS_BY:
+            raise UsageError(f"{names.get('count_by', 'count_by')}: expected one of {COUNT_STEPS_BY}, got {count_by!r}")
         self.envs = list(envs) if isinstance(envs, (list, tuple)) else [envs]
         if not self.envs:
             raise UsageError("envs: expected a PettingZoo ParallelEnv or a list of them, got an empty list")
@@ -222,12 +214,12 @@ class MultiAgentLoop:
             want = sorted(map(str, self.rows.policies))
             raise UsageError(f"policies and writers: expected one of each for the policies {want}, got policies "
                              f"{sorted(map(str, policies))} and writers {sorted(map(str, writers))}")
-        if batch_mode == COMPLETE_EPISODES:
+        if batch_mode == L.COMPLETE_EPISODES:
             for pid, ws in writers.items():
-                k = len(self.rows.policies[pid])
-                if not isinstance(ws, (list, tuple)) or len(ws) != k:
+                n_rows = len(self.rows.policies[pid])
+                if not isinstance(ws, (list, tuple)) or len(ws) != n_rows:
                     raise UsageError(f"writers[{pid!r}]: complete-episodes rollouts need one writer per row of the policy "
-                                     f"({k}: {self.rows.policies[pid]}), got {ws!r:.80}")
+                                     f"({n_rows}: {self.rows.policies[pid]}), got {ws!r:.80}")
         self.view_requirements = dict(view_requirements or {})
         unknown_vr = sorted(map(str, set(self.view_requirements) - set(self.rows.policies)))
         if unknown_vr:
@@ -240,14 +232,12 @@ class MultiAgentLoop:
         self.policies = policies
         self._calls = {pid: as_numpy_policy(p) for pid, p in policies.items()}
         self.postprocess = None
-        if postprocess:  # the hooks' added columns are zeros until the hooks fill them before the commits
-            from workers._multiagent_postprocess import MultiAgentPostprocessor
-
-            self.postprocess = MultiAgentPostprocessor(postprocess, policies, self.rows, batch_mode=batch_mode)
+        if episode_hook:  # the hooks' added columns are zeros until the hooks fill them before the commits
+            self.postprocess = MultiAgentPostprocessor(episode_hook, policies, self.rows, batch_mode=batch_mode)
             self._calls = self.postprocess.wrap(self._calls)
         self.writers = writers
         self.T = rollout_len
-        self.count_agent_steps = count_steps_by == AGENT_STEPS_COUNT
+        self.count_agent_steps = count_by == AGENT_STEPS_COUNT
         self.should_stop = should_stop or (lambda: False)
         self.weights = dict(weights or {})
         unknown = sorted(map(str, set(self.weights) - set(self.rows.policies)))
@@ -311,7 +301,7 @@ class MultiAgentLoop:
         """Collect until ``max_rounds`` more rounds (one rollout per policy each; complete-episodes: agent episodes,
         one rollout each) were committed (None: until stopped); return how many."""
         start = self.rounds
-        if self.mode == COMPLETE_EPISODES:
+        if self.mode == L.COMPLETE_EPISODES:
             self._complete(None if max_rounds is None else start + max_rounds)
             return self.rounds - start
         while max_rounds is None or self.rounds - start < max_rounds:
@@ -340,7 +330,7 @@ class MultiAgentLoop:
             live = np.flatnonzero(valid)
             x = take(x, live) if views is None else {name: take(v, live) for name, v in x.items()}
         action, extras = split_policy_output(self._calls[pid](x))
-        a = self._check(f"{pid}/{ACTION}", action, (n, *act.shape[1:]), act.dtype)
+        a = self._check(f"{pid}/{L.ACTION}", action, (n, *act.shape[1:]), act.dtype)
         if every:
             act[...] = a
         else:
@@ -413,12 +403,7 @@ class MultiAgentLoop:
                 ends = finals[pid]
                 s.last_ends = sorted(ends) if ends else []
                 for row in s.last_ends:
-                    k = s.n_ep
-                    ep = s.ep
-                    ep[RETURN][k], ep[LENGTH][k] = ep_ret[row], ep_len[row]
-                    ep[TERMINATED][k], ep[TRUNCATED][k] = term[row], trunc[row]
-                    ep[ENV][k], ep[END][k] = row, t
-                    put(ep[FINAL_OBS], k, ends[row])
+                    s.table.write(s.n_ep, ep_ret[row], ep_len[row], term[row], trunc[row], row, t, ends[row])
                     s.n_ep += 1
                     ep_ret[row] = 0.0
                     ep_len[row] = 0
@@ -432,13 +417,13 @@ class MultiAgentLoop:
             put(s.boot, ..., self._cur[pid])  # the next observations: each live row's successor of its last step
             if s.last_ends:  # rows whose stream ended at the last step: their final observations
                 k = len(s.last_ends)
-                put(s.boot, s.last_ends, take(s.ep[FINAL_OBS], slice(s.n_ep - k, s.n_ep)))
+                put(s.boot, s.last_ends, take(s.table.final_obs, slice(s.n_ep - k, s.n_ep)))
             s.env_steps[...] = self.env_steps
         if self.postprocess is not None:  # every policy's hooks, with the other agents' data, before any commit
             self.postprocess.apply_round({pid: w.slot() for pid, w in self.writers.items()},
-                                         {pid: {STEP: t + 1, EPISODE: s.n_ep} for pid, s in slots.items()})
+                                         {pid: {L.STEP: t + 1, L.EPISODE: s.n_ep} for pid, s in slots.items()})
         for pid, s in slots.items():
-            self.writers[pid].commit(self.versions[pid], fill={STEP: t + 1, EPISODE: s.n_ep})
+            self.writers[pid].commit(self.versions[pid], fill={L.STEP: t + 1, L.EPISODE: s.n_ep})
         self.rounds += 1
         return True
 
@@ -470,7 +455,7 @@ class MultiAgentLoop:
             self.postprocess.apply_env_episode([(pid, self.rows.policies[pid][row][1], self.writers[pid][row].slot(), n,
                                                  int(first_t[pid][row])) for pid, row, n in eps])
             for pid, row, n in eps:
-                self.writers[pid][row].commit(int(ep_version[pid][row]), fill={STEP: n})
+                self.writers[pid][row].commit(int(ep_version[pid][row]), fill={L.STEP: n})
                 self.rounds += 1
             held[i] = []
 
@@ -520,16 +505,13 @@ class MultiAgentLoop:
                 for row in sorted(finals[pid]):
                     s = slots[row]
                     assert s is not None  # the row acted at this step: opened above
-                    ep = s.ep
-                    ep[RETURN][...], ep[LENGTH][...] = ep_ret[row], ep_len[row]
-                    ep[TERMINATED][...], ep[TRUNCATED][...] = term[row], trunc[row]
-                    ep[ENV][...] = row
+                    s.table.write(..., ep_ret[row], ep_len[row], term[row], trunc[row], row)
                     put(s.boot, ..., finals[pid][row])
                     s.env_steps[...] = self.env_steps
                     if hold:
                         held[self.rows.policies[pid][row][0]].append((pid, row, int(ep_len[row])))
                     else:
-                        self.writers[pid][row].commit(int(ep_version[pid][row]), fill={STEP: int(ep_len[row])})
+                        self.writers[pid][row].commit(int(ep_version[pid][row]), fill={L.STEP: int(ep_len[row])})
                         self.rounds += 1
                     slots[row] = None
                     ep_ret[row] = 0.0

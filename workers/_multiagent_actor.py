@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import shmbuf
-from shmbuf.layout import COMPLETE_EPISODES, TRUNCATE_EPISODES
+from shmbuf import layout as L
 from workers._multiagent import ENV_STEPS_COUNT, MultiAgentLoop
+from workers._policy import torch_threads
 
 AWAIT_SLICE = 0.02  # how often an actor awaiting its first weights looks again
 
@@ -30,17 +31,17 @@ class MultiAgentSpec:
     policy_factories: dict[Any, Callable[[], Any]] | None
     policy_mapping_fn: Callable[..., Any] | None
     rollout_len: int
-    count_steps_by: str = ENV_STEPS_COUNT
+    count_by: str = ENV_STEPS_COUNT
     weights: dict[Any, str] | None = None
     seed: int | None = None
     torch_threads: int | None = 1
     label: str = "multiagent"
-    batch_mode: str = TRUNCATE_EPISODES
+    batch_mode: str = L.TRUNCATE_EPISODES
     rows: dict[Any, int] | None = None  # complete-episodes: each policy's rows (one writer each)
     inference: dict[Any, str] | None = None  # served policies: each policy's inference table
     view_requirements: dict[Any, Any] | None = None
     await_weights: bool = False  # collect nothing until every broadcast policy has a version (a restarted Ray node)
-    postprocess: dict[Any, Any] | None = None  # {policy_id: workers._postprocess.PostprocessSpec}
+    episode_hook: dict[Any, Any] | None = None  # {policy_id: workers.compat.rllib.PostprocessSpec}
     remap_each_episode: bool = False
     scratch: dict[Any, bytes] | None = None  # policies not trained: their schema (msgpack), for a slot of the actor's own
 
@@ -71,8 +72,6 @@ class ScratchWriter:
 def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
     """An :class:`workers.ActorPool` target: make the envs (a factory returns a ParallelEnv or a list of them), a
     writer per policy, and run a :class:`workers.MultiAgentLoop` until stopped."""
-    from workers._actor import torch_threads
-
     torch_threads(spec.torch_threads)
     envs = envs_of(spec.env_fns[ctx.index % len(spec.env_fns)])
     writers: dict[Any, Any] = {}
@@ -80,16 +79,16 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
     policies: dict[Any, Any] = {}
     try:
         for pid, name in spec.pipelines.items():
-            if spec.batch_mode == COMPLETE_EPISODES:  # one writer per row: each agent's episode is a rollout
+            if spec.batch_mode == L.COMPLETE_EPISODES:  # one writer per row: each agent's episode is a rollout
                 writers[pid] = [shmbuf.Writer(name, timeout=None, label=f"{spec.label}-{ctx.index}/{pid}/{k}")
                                 for k in range((spec.rows or {})[pid])]
             else:
                 writers[pid] = shmbuf.Writer(name, timeout=None, label=f"{spec.label}-{ctx.index}/{pid}")
         for pid, raw in (spec.scratch or {}).items():  # policies not trained act, and their rollouts stay here
             schema = shmbuf.Schema.from_msgpack(raw)
-            n = (spec.rows or {})[pid] if spec.batch_mode == COMPLETE_EPISODES else 1
+            n = (spec.rows or {})[pid] if spec.batch_mode == L.COMPLETE_EPISODES else 1
             made = [ScratchWriter(schema) for _ in range(n)]
-            writers[pid] = made if spec.batch_mode == COMPLETE_EPISODES else made[0]
+            writers[pid] = made if spec.batch_mode == L.COMPLETE_EPISODES else made[0]
         for pid, name in (spec.weights or {}).items():
             subs[pid] = shmbuf.WeightSubscriber(name)
         ready = getattr(ctx, "ready", None)
@@ -110,10 +109,10 @@ def run_multiagent_actor(ctx: Any, spec: MultiAgentSpec) -> None:
         else:
             policies = {pid: make() for pid, make in (spec.policy_factories or {}).items()}
         loop = MultiAgentLoop(envs, policies, writers, rollout_len=spec.rollout_len,
-                              policy_mapping_fn=spec.policy_mapping_fn, count_steps_by=spec.count_steps_by, seed=seed,
+                              policy_mapping_fn=spec.policy_mapping_fn, count_by=spec.count_by, seed=seed,
                               weights=subs, should_stop=lambda: ctx.stop_requested, batch_mode=spec.batch_mode,
                               every_row=spec.inference is not None, view_requirements=spec.view_requirements,
-                              postprocess=spec.postprocess, remap_each_episode=spec.remap_each_episode)
+                              episode_hook=spec.episode_hook, remap_each_episode=spec.remap_each_episode)
         loop.run()
     except BaseException as exc:
         quiet = (KeyboardInterrupt, SystemExit, shmbuf.PipelineClosed, shmbuf.BrokenPipeline)

@@ -9,7 +9,7 @@ import numpy as np
 import optree
 
 import shmbuf
-from shmbuf.layout import STEP, VALID
+from shmbuf import layout as L
 
 
 class MultiAgentBatch(dict):
@@ -46,13 +46,13 @@ class MultiAgentBatch(dict):
                                     "MultiAgentCollector(align=True) to line agents up across policies")
         out: dict[tuple[int, Any], tuple[Any, np.ndarray]] = {}
         for pid, b in self.items():
-            step = b.data[STEP]
+            step = b.data[L.STEP]
             if key not in step:
                 raise shmbuf.UsageError(f"agents({key!r}): not a step leaf of policy {pid!r} (it has {sorted(step)})")
             for row, who in enumerate(self.rows.policies[pid]):
                 # a Dict observation is a dict of columns: each leaf's row
                 values = optree.tree_map(lambda a, row=row: a[:, :, row], step[key])
-                valid = step[VALID][:, :, row]
+                valid = step[L.VALID][:, :, row]
                 if who in out:  # a per-episode mapping: the agent has a row in every policy; each step is valid in one
                     was, was_valid = out[who]
                     if _layout(was) != _layout(values):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shmbuf import UsageError
-from shmbuf.layout import COMPLETE_EPISODES, TRUNCATE_EPISODES, check_batch_mode
+from shmbuf import layout as L
 from shmbuf.lowlevel import int_setting
 
 
@@ -55,7 +55,7 @@ def default_num_actors(num_factories: int) -> int:
     return num_factories if num_factories > 1 else 2
 
 
-def plan_batches(*, batch_mode: str = TRUNCATE_EPISODES, frames_per_batch: int, num_actors: int, num_envs: int = 1,
+def plan_batches(*, batch_mode: str = L.TRUNCATE_EPISODES, frames_per_batch: int, num_actors: int, num_envs: int = 1,
                  rollout_len: int | None = None, max_episode_steps: int | None = None,
                  slots: int | None = None) -> BatchPlan:
     """The batch arithmetic of a collector whose ``num_actors`` actors each step an env of ``num_envs`` sub-envs.
@@ -67,19 +67,19 @@ def plan_batches(*, batch_mode: str = TRUNCATE_EPISODES, frames_per_batch: int, 
         shmbuf.UsageError: a setting out of range, ``frames_per_batch`` not a multiple of ``T * E``
             (truncate-episodes; the message suggests the nearest that is), or no T to be had.
     """
-    check_batch_mode(batch_mode)
+    L.check_batch_mode(batch_mode)
     frames_per_batch = int_setting("frames_per_batch", frames_per_batch)
     num_actors = int_setting("num_actors", num_actors)
     E = int_setting("num_envs", num_envs)
     if rollout_len is None:
-        if batch_mode == COMPLETE_EPISODES:
+        if batch_mode == L.COMPLETE_EPISODES:
             if not max_episode_steps:
                 raise UsageError("rollout_len: the env has no spec.max_episode_steps; give the longest episode to keep")
             rollout_len = int(max_episode_steps)
         else:
             rollout_len = frames_per_batch // (num_actors * E)
     T = int_setting("rollout_len", rollout_len, lo=2)
-    if batch_mode == COMPLETE_EPISODES:
+    if batch_mode == L.COMPLETE_EPISODES:
         B, writers = 0, num_actors * E
         default_slots = 4 * writers + 8
     else:

@@ -29,9 +29,9 @@ and it is the learner's job to stop its actors.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import multiprocessing.connection
-import multiprocessing.util
 import os
 import select
 import signal
@@ -48,10 +48,12 @@ import shmbuf
 from shmbuf import ActorError, StartTimeout, StateError
 from shmbuf.lowlevel import int_setting
 from workers._child import Payload, StderrTail, load_error, tee_stderr
+from workers._lifetime import Lifetime
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 
+CLOSE_TIMEOUT = 5.0  # what close() gives the actors by default
 EXIT_ERROR = 1
 EXIT_ORPHANED = 75
 WATCH_INTERVAL = 0.2
@@ -301,7 +303,9 @@ class ActorPool:
 
     :meth:`check` (call it often, e.g. between batches) raises the first
     failure that is not restarted, as :class:`ActorError` with the actor's
-    traceback. :meth:`stop` stops all within one deadline. A context manager.
+    traceback. :meth:`close` stops all within one deadline; so does dropping the
+    pool, or the interpreter's exit (before ``multiprocessing`` joins its
+    children: :mod:`workers._lifetime`). A context manager.
     """
 
     def __init__(self, target: Callable[..., Any], num_actors: int, *, args: tuple[Any, ...] = (),
@@ -328,8 +332,10 @@ class ActorPool:
         self._actors = [_Actor(i) for i in range(num_actors)]
         self._started = False
         self._stopped = False
-        # Stop the actors at interpreter exit, before multiprocessing joins its children.
-        self._finalizer = mp.util.Finalize(self, _stop_all, args=(self._actors, 5.0), exitpriority=10)
+        # The actors are stopped at close, when the pool is dropped, or at exit (before multiprocessing joins them)
+        self._life = Lifetime(self, CLOSE_TIMEOUT)
+        self._life.hold("actors", functools.partial(_stop_if_started, self._actors))
+        self._life.arm()
 
     # -- starting -----------------------------------------------------------
 
@@ -451,8 +457,8 @@ class ActorPool:
 
     # -- stopping -----------------------------------------------------------
 
-    def close(self, timeout: float = 5.0) -> dict[int, int | None]:
-        """Stop every actor within ``timeout`` seconds in all: ask, then SIGTERM, then SIGKILL.
+    def close(self, timeout: float | None = None) -> dict[int, int | None]:
+        """Stop every actor within ``timeout`` seconds in all (None: 5 s): ask, then SIGTERM, then SIGKILL.
 
         The first half of the budget is for actors to return from their
         target; at 80 % the rest get SIGTERM; at 100 % SIGKILL (and are reaped).
@@ -461,13 +467,13 @@ class ActorPool:
         self._stopped = True
         if self._pid != os.getpid():
             return {}
-        codes = _stop_all(self._actors, timeout)
+        codes = _stop_all(self._actors, CLOSE_TIMEOUT if timeout is None else timeout)
         for a in self._actors:
             if a.state == "running":
                 a.state = "stopped"
                 if a.error is not None:
                     self.failures.append(a.error)
-        self._finalizer.cancel()
+        self._life.close(0.0)  # the actors are stopped: nothing is left to let go at exit
         return codes
 
     def __enter__(self) -> ActorPool:
@@ -475,7 +481,7 @@ class ActorPool:
             self.start()
         return self
 
-    def stop(self, timeout: float = 5.0) -> dict[int, int | None]:
+    def stop(self, timeout: float | None = None) -> dict[int, int | None]:
         """Deprecated name of :meth:`close` (CHANGELOG.md: one verb, ``close``, ends every object)."""
         warnings.warn("ActorPool.stop() is now ActorPool.close() (CHANGELOG.md)", DeprecationWarning, stacklevel=2)
         return self.close(timeout)
@@ -530,6 +536,12 @@ def _last_words(a: _Actor) -> str:
                 "imports the main module first, and an error there is printed on its stderr only)")
     text = a.tail.tail()
     return f". The last lines of its stderr:\n{text}" if text else ""
+
+
+def _stop_if_started(actors: list[_Actor], timeout: float) -> None:
+    """The pool's release (its lifetime's): stop the actors still running, within ``timeout``."""
+    if any(a.proc is not None and a.state == "running" for a in actors):
+        _stop_all(actors, timeout)
 
 
 def _stop_all(actors: list[_Actor], timeout: float) -> dict[int, int | None]:

@@ -22,7 +22,7 @@ What crosses between nodes, per batch: one Ray object, a msgpack header and
 the batch's arrays as out-of-band buffers (``ray.get`` on the learner's node
 maps them without a copy); once per weights version, one ``ray.put`` object.
 The format and its checks are in workers._ray_wire; the node side (owners,
-the learner's node, janitors) in workers._ray_nodes; the owners' answers to
+the learner's node) in workers._ray_nodes; the owners' answers to
 new weights in workers._ray_weights.
 
 Exactly once: each ``next_batch`` call returns a batch that no other call
@@ -34,50 +34,44 @@ away takes its actor processes (they watch the owner, see workers._pool).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import shmbuf
-from workers._collector import checked_sources, progress, weights_of
+from workers._batches import progress
+from workers._lifetime import Lifetime
 from workers._pool import default_start_method
 from workers._ray_batch import NodeFailure, RayBatch  # workers.RayBatch, workers.NodeFailure come from here
 from workers._ray_multiagent import MultiAgentNodes
+from workers._ray_node import Node, rate
 from workers._ray_nodes import OWNER_SLICE, LocalNode, NodeOwner  # NodeOwner: workers.NodeOwner comes from here
-from workers._ray_weights import Ack, check_acks, done, send_weights
-from workers._ray_wire import unpack_batch, unpack_header
+from workers._ray_single import SingleAgentNodes
+from workers._ray_weights import Ack, check_acks, done
+from workers._ray_wire import unpack_header
+from workers._settings import CollectSettings, checked_sources
 
 logger = logging.getLogger(__name__)
 
 WAIT_SLICE = 0.1
+# RayCollector's own keywords and the Collector settings it reads too, with its defaults, in the order its
+# constructor unpacks them; the rest of its keywords go to every node's Collector as they are.
+OPTIONS: dict[str, Any] = {
+    "policy_factory": None, "nodes": None, "actors_per_node": None, "max_in_flight": 2, "restart": False,
+    "max_restarts": 3, "timeout": None, "ready_timeout": 300.0, "copy": False, "weights": None, "seed": 0,
+    "start_method": None, "stop_timeout": 5.0, "progress": False, "owner_options": None,
+    "raise_on_node_failure": False, "local_node": True, "policies": None, "policy_factories": None,
+    "create_env_kwargs": None,
+}
 # How long the learner waits on its own node's batches before it looks at the other nodes' again.
 LOCAL_SLICE = 0.002
-
-
-@dataclass
-class _Node:
-    index: int
-    node_id: str
-    owner: Any = None
-    state: str = "starting"  # starting -> running -> (restarting -> running)* -> dead | stopped
-    host: str = ""
-    info: dict[str, Any] | None = None
-    describe_ref: Any = None
-    incarnation: int = -1  # one more each time a new owner process describes itself: 0 once it has started
-    back_by: float = 0.0  # a restarting owner not back by then is out
-    local: LocalNode | None = None  # the learner's own node, read in its process (no owner)
-    batches: int = 0
-    frames: int = 0
-    lost: int = 0
-    first: float | None = None
-    last: float | None = None
 
 
 class RayCollector:
@@ -85,6 +79,11 @@ class RayCollector:
 
     Takes :class:`workers.Collector`'s arguments (env factories, policy, layout, restart...), which
     each node's owner uses as they are, plus:
+
+    Its signature is short (the envs, the policy, ``frames_per_batch``, ``total_frames``, ``settings=``, and
+    ``**options``): the options are the ones below (:data:`OPTIONS`, with RayCollector's defaults) and the nodes'
+    Collector settings; ``settings``: a :class:`workers.CollectSettings`, whose fields other than their defaults are
+    given to every node's Collector (and read here where RayCollector has the same setting).
 
     Args:
         nodes: Ray node ids (hex) to collect on, or None for every alive node. One owner each.
@@ -114,52 +113,31 @@ class RayCollector:
     ``Collector``. Seeds: node ``k`` uses ``seed + 10**7 * k`` (then ``Collector``'s per-actor rule).
     """
 
-    _ma: MultiAgentNodes | None = None  # multi-agent envs (policies=...): the learner's side of it
-
     def __init__(self, create_env_fn: Callable[[], Any] | Sequence[Callable[[], Any]], policy: Any = None, *,
-                 policy_factory: Callable[[], Any] | None = None, frames_per_batch: int, total_frames: int = -1,
-                 nodes: Sequence[str] | None = None, actors_per_node: int | None = None, max_in_flight: int = 2,
-                 restart: bool = False, max_restarts: int = 3, timeout: float | None = None,
-                 ready_timeout: float = 300.0, copy: bool = False, weights: Any = None, seed: int | None = 0,
-                 start_method: str | None = None, stop_timeout: float = 5.0, progress: bool = False,
-                 owner_options: dict[str, Any] | None = None, raise_on_node_failure: bool = False,
-                 local_node: bool = True, policies: dict[Any, Any] | None = None,
-                 policy_factories: dict[Any, Callable[[], Any]] | None = None,
-                 create_env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None, **collector_kwargs: Any):
+                 frames_per_batch: int, total_frames: int = -1, settings: CollectSettings | None = None,
+                 **options: Any):
+        collector_kwargs = {**_given_fields(settings), **options}  # what is not RayCollector's own goes to the nodes
+        (policy_factory, nodes, actors_per_node, max_in_flight, restart, max_restarts, timeout, ready_timeout, copy,
+         weights, seed, start_method, stop_timeout, progress, owner_options, raise_on_node_failure, local_node,
+         policies, policy_factories, create_env_kwargs) = (collector_kwargs.pop(k, d) for k, d in OPTIONS.items())
         if not ray.is_initialized():
             raise shmbuf.UsageError("RayCollector needs a Ray cluster: call ray.init() (or ray.init(address=...)) first")
-        for name in ("num_actors", "total_frames", "progress", "postproc"):
-            if name in collector_kwargs:
-                raise shmbuf.UsageError(f"RayCollector({name}=...): not passed to the nodes; "
-                                        + ("use actors_per_node" if name == "num_actors" else "the learner does this"))
-        fixed = sorted(set(owner_options or {}) & {"max_restarts", "max_task_retries", "max_concurrency",
-                                                   "concurrency_groups", "scheduling_strategy", "name", "lifetime"})
-        if fixed:
-            raise shmbuf.UsageError(f"owner_options: {fixed} are RayCollector's to set (exactly-once delivery, the "
-                                    "owners' concurrency groups, one owner pinned per node; use restart=/max_restarts=)")
-        if not isinstance(max_in_flight, int) or max_in_flight < 1:
-            raise shmbuf.UsageError(f"max_in_flight: expected an int >= 1, got {max_in_flight!r}")
+        _check_options(collector_kwargs, owner_options, max_in_flight)
         if isinstance(policy, dict) and not callable(policy) and policies is None and policy_factories is None:
             policy, policies = None, policy  # RayCollector(make_env, {"red": red, ...}): MultiAgentCollector's order
         if policies is not None or policy_factories is not None:
             if policy is not None or policy_factory is not None or create_env_kwargs is not None:
                 raise shmbuf.UsageError("RayCollector: multi-agent envs take policies= (or policy_factories=), not "
                                         "policy/policy_factory/create_env_kwargs")
-            self._ma = MultiAgentNodes(policies, policy_factories, collector_kwargs.get("policy_mapping_fn"),
-                                       bool(collector_kwargs.get("remap_each_episode")))
+            self._streams: MultiAgentNodes | SingleAgentNodes = MultiAgentNodes(
+                policies, policy_factories, collector_kwargs.get("policy_mapping_fn"),
+                bool(collector_kwargs.get("remap_each_episode")))
             env_fns: Any = create_env_fn
         else:  # the owners hand these on to actor processes the way Collector does: check here, not on each node
             env_fns = checked_sources(create_env_fn, create_env_kwargs, policy, policy_factory,
                                       start_method or default_start_method())
-        alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
-        ids = list(alive) if nodes is None else list(nodes)
-        if not ids:
-            raise shmbuf.UsageError("nodes: no alive Ray node to collect on")
-        for i in ids:
-            if i not in alive:
-                raise shmbuf.UsageError(f"nodes: {i!r} is not an alive node of this Ray cluster (alive: {sorted(alive)})")
-        if len(set(ids)) != len(ids):
-            raise shmbuf.UsageError("nodes: a node is listed twice; one owner runs per node (raise actors_per_node)")
+            self._streams = SingleAgentNodes(policy)
+        ids = _node_ids(nodes)
         self.frames_per_batch = frames_per_batch
         self.total_frames = total_frames
         self.max_in_flight = max_in_flight
@@ -169,27 +147,26 @@ class RayCollector:
         self.copy = copy
         self.restart = restart
         self.raise_on_node_failure = raise_on_node_failure
-        self.policy_version = 0
         self.frames = self.batches = 0
         self.failures: list[NodeFailure] = []
         self.schema: shmbuf.Schema | None = None
-        self._policy = policy
-        self._weights_ref: Any = None  # the latest version's object, sent again to an owner that restarts
         self._weight_acks: list[Ack] = []  # the owners' set_weights calls, followed (workers._ray_weights)
         self._stopping: list[Any] = []  # shutdown calls to owners whose collector raised
-        self._pending: dict[Any, _Node] = {}
+        self._pending: dict[Any, Node] = {}
         self._lags: deque[int] = deque(maxlen=10_000)
         self._returns: deque[float] = deque(maxlen=100)
         self._t0: float | None = None
         self._closed = False
         self._bar = None
-        self.nodes = [_Node(k, i) for k, i in enumerate(ids)]
+        self.nodes = [Node(k, i) for k, i in enumerate(ids)]
+        self._life = Lifetime(self, stop_timeout)
+        self._life.hold("nodes", functools.partial(_stop_nodes, self.nodes, self._stopping))
         here = ray.get_runtime_context().get_node_id() if local_node else None
         owner_cls = ray.remote(concurrency_groups={"control": 1})(NodeOwner)  # one: publishes never overlap
         options = {"num_cpus": 0, "max_restarts": max_restarts if restart else 0, "max_task_retries": 0,
                    **(owner_options or {})}
-        sources = (dict(policy=policy, policy_factory=policy_factory) if self._ma is None
-                   else dict(policies=policies, policy_factories=policy_factories))
+        sources = (dict(policies=policies, policy_factories=policy_factories) if self._streams.keyed
+                   else dict(policy=policy, policy_factory=policy_factory))
         base = dict(**sources, frames_per_batch=frames_per_batch,
                     num_actors=actors_per_node, weights=weights, start_method=start_method, restart=restart,
                     max_restarts=max_restarts, timeout=OWNER_SLICE, stop_timeout=stop_timeout, copy=False,
@@ -215,9 +192,11 @@ class RayCollector:
 
                 self._bar = tqdm(total=total_frames if total_frames > 0 else None, unit="frame", unit_scale=True,
                                  desc=f"collecting on {len(self.nodes)} nodes", dynamic_ncols=True)
+                self._life.hold("progress bar", functools.partial(_close_bar, self._bar))
         except BaseException:
             self.close()
             raise
+        self._life.arm()  # last: at exit it closes before the finalizers of what the nodes made here
 
     # -- start --------------------------------------------------------------
 
@@ -232,50 +211,39 @@ class RayCollector:
             n = refs.pop(ready[0])
             self._took_description(n, ray.get(ready[0]))  # an owner that failed to start raises here, with Ray's error
 
-    def _took_description(self, n: _Node, raw: bytes) -> None:
+    def _took_description(self, n: Node, raw: bytes) -> None:
         info = unpack_header(raw, f"node {n.index}'s description")
-        if bool(info.get("multiagent")) != (self._ma is not None):
+        if bool(info.get("multiagent")) != self._streams.keyed:
             raise shmbuf.SchemaError(f"node {n.index}: a {'multi' if info.get('multiagent') else 'single'}-agent "
                                      "collector described itself to a collector of the other kind")
-        if self._ma is not None:
-            first = next((m for m in self.nodes if m.info is not None), n)
-            self._ma.took(n, info, first)
-            if self.schema is None:
-                self.schema = next(iter(self._ma.schemas.values()))
-                self.batch_mode, self.num_envs = info["batch_mode"], info["num_envs"]
-                self.rollout_len, self.rollouts_per_batch = info["rollout_len"], info["rounds_per_batch"]
-                self._broadcast = any(self._ma.broadcast.values())
-        else:
-            schema = shmbuf.Schema.from_msgpack(info["schema"])
-            if self.schema is None:
-                self.schema = schema
-                self.batch_mode = info["batch_mode"]
-                self.num_envs = info["num_envs"]
-                self.rollout_len = info["rollout_len"]
-                self.rollouts_per_batch = info["rollouts_per_batch"]
-                self._broadcast = info["broadcast"]
-            elif schema != self.schema:
-                raise shmbuf.UsageError(f"node {n.index} ({n.node_id[:12]}) lays rollouts out differently from node "
-                                        f"{self.nodes[0].index}: {self.schema.first_difference(schema)}; every node "
-                                        "must build the same envs and policy")
+        self._streams.took(n, info, next((m for m in self.nodes if m.info is not None), n))
+        if self.schema is None:
+            self.schema = self._streams.schema
+            self.batch_mode, self.num_envs, self.rollout_len = info["batch_mode"], info["num_envs"], info["rollout_len"]
+            self.rollouts_per_batch = self._streams.rollouts_per_batch(info)
         if n.info is None or n.info.get("token") != info.get("token"):
             n.incarnation += 1  # a new owner process, with a new pipeline (not one that was only unreachable)
         n.info, n.host, n.state, n.describe_ref = info, info["host"], "running", None
 
     @property
+    def policy_version(self) -> int:
+        """The weights version the nodes are given (multi-agent: the highest of the policies')."""
+        return self._streams.policy_version
+
+    @property
     def policy_versions(self) -> dict[Any, int]:
         """Multi-agent: each policy's current weights version (UsageError for a single-agent collector)."""
-        if self._ma is None:
+        if not isinstance(self._streams, MultiAgentNodes):
             raise shmbuf.UsageError("policy_versions: a multi-agent RayCollector's; this one has policy_version")
-        return dict(self._ma.versions)
+        return dict(self._streams.versions)
 
     @property
     def rows(self) -> Any:
         """Multi-agent: the agents' rows, as :attr:`workers.MultiAgentCollector.rows` (``rows.policies[pid][k]`` is the
         ``(env, agent)`` of row ``k`` of every actor, on every node)."""
-        if self._ma is None:
+        if not isinstance(self._streams, MultiAgentNodes):
             raise shmbuf.UsageError("rows: a multi-agent RayCollector's (policies=...)")
-        return self._ma.rows
+        return self._streams.rows
 
     # -- weights ------------------------------------------------------------
 
@@ -287,35 +255,14 @@ class RayCollector:
         Multi-agent: ``{policy_id: weights}`` (as :meth:`workers.MultiAgentCollector.update_policy_weights`; one
         object per policy), each policy's version one more than its last; returns ``{policy_id: version}``.
         """
-        if self._ma is not None:
-            if version is not None:
-                raise shmbuf.UsageError("update_policy_weights(version=...): multi-agent versions count per policy, "
-                                        "each one more than its last")
-            self._check_acks()
-            versions = self._ma.update(policy_or_weights, self.nodes, self._weight_acks)
-            self.policy_version = max(self._ma.versions.values())
-            return versions
-        if not self._broadcast:
+        if version is not None and self._streams.keyed:
+            raise shmbuf.UsageError("update_policy_weights(version=...): multi-agent versions count per policy, "
+                                    "each one more than its last")
+        if not self._streams.keyed and not self._streams.broadcast:
             raise shmbuf.StateError(
                 "this RayCollector has no weight broadcast: pass weights=... (or a torch policy) at construction")
         self._check_acks()
-        params = weights_of(policy_or_weights, self._policy)
-        new = self.policy_version + 1 if version is None else int(version)
-        if new <= self.policy_version:
-            raise shmbuf.UsageError(f"version: expected more than the current {self.policy_version}, got {new}")
-        local = [n.local for n in self.nodes if n.local is not None and n.state == "running"]
-        for node in local:  # here: published now, and what it raises is raised now
-            node.set_weights(params, new)
-        self.policy_version = new
-        if len(local) < len(self.nodes):
-            self._weights_ref = ray.put(params)
-            for n in self.nodes:
-                if n.state == "running" and n.local is None:
-                    self._send_weights(n)
-        return new
-
-    def _send_weights(self, n: _Node) -> None:
-        self._weight_acks.append(send_weights(n, self._weights_ref, self.policy_version))
+        return self._streams.update(policy_or_weights, version, self.nodes, self._weight_acks)
 
     def _check_acks(self) -> None:
         """Raise here what the owners' ``set_weights`` raised, once per refused version (see ``check_acks``)."""
@@ -337,7 +284,7 @@ class RayCollector:
             batch = self._next()
             self.frames += batch.frames
             self.batches += 1
-            for b in batch.values() if self._ma is not None else (batch,):
+            for b in self._streams.parts(batch):
                 self._lags.extend(b.policy_lag.tolist())
                 self._returns.extend(b.episode_returns.tolist())
             if self._bar is not None:
@@ -345,7 +292,7 @@ class RayCollector:
                 self._bar.set_postfix(self._rates(), refresh=False)
             yield batch
 
-    def _fill(self, n: _Node) -> None:
+    def _fill(self, n: Node) -> None:
         """Keep ``max_in_flight`` next_batch calls outstanding on a running node."""
         if n.state != "running" or n.local is not None:
             return
@@ -408,18 +355,16 @@ class RayCollector:
         return self._counted(n, batch)
 
     @staticmethod
-    def _counted(n: _Node, batch: Any) -> Any:
+    def _counted(n: Node, batch: Any) -> Any:
         now = time.monotonic()
         n.first = n.first if n.first is not None else now
         n.last, n.batches, n.frames = now, n.batches + 1, n.frames + batch.frames
         return batch
 
-    def _from_local(self, n: _Node, b: Any) -> Any:
-        if self._ma is not None:
-            return self._ma.from_local(n, b)
-        return RayBatch.of(b, n, learner_version=self.policy_version)
+    def _from_local(self, n: Node, b: Any) -> Any:
+        return self._streams.from_local(n, b)
 
-    def _failed(self, n: _Node, exc: BaseException) -> None:
+    def _failed(self, n: Node, exc: BaseException) -> None:
         """A call of node ``n`` failed: count its lost calls, report it, and follow it as restarting or stop it."""
         failed_call = not isinstance(exc, shmbuf.SchemaError) and n.local is None  # a local failure loses no batch
         lost = int(failed_call) + sum(1 for m in self._pending.values() if m is n)
@@ -439,14 +384,14 @@ class RayCollector:
         if self.raise_on_node_failure:
             raise shmbuf.BrokenPipeline(f"a node failed: {failure}") from exc
 
-    def _out(self, n: _Node) -> None:
+    def _out(self, n: Node) -> None:
         """Take node ``n`` out of the collection. Its owner may live (its collector raised, it sent garbage, it
         was only unreachable): stop it, so that its actors exit and its shared memory goes."""
         n.state, n.describe_ref = "dead", None
         if n.local is not None:
             n.local.shutdown(self.stop_timeout)
         else:
-            self._stopping.append(self._stop_owner(n, self.stop_timeout))
+            self._stopping.append(_stop_owner(n, self.stop_timeout))
 
     def _look_at_restarting(self) -> None:
         for n in self.nodes:
@@ -463,42 +408,29 @@ class RayCollector:
             except Exception as exc:  # noqa: BLE001 - out of restarts, or its new collector failed to start
                 self._gone(n, exc)
                 continue
-            info = n.info
-            assert info is not None
-            if self._ma is not None:  # every policy it is behind on (awaiting: all), each its latest or its first
-                self._ma.send(n, self._ma.behind(info), self._weight_acks)
-                self._fill(n)
-                continue
-            # A restarted owner's actors collect nothing until it has weights from here: the latest version,
-            # or (never published) the ones it started from. One that has them already is not sent them again.
-            if info.get("awaiting_weights") or (self._weights_ref is not None
-                                                and info["weights_version"] < self.policy_version):
-                self._send_weights(n)
+            assert n.info is not None  # just taken
+            self._streams.resend(n, n.info, self._weight_acks)  # what a restarted owner's actors wait for
             self._fill(n)
 
-    def _gone(self, n: _Node, exc: BaseException) -> None:
+    def _gone(self, n: Node, exc: BaseException) -> None:
         """A restarting owner that did not come back: report it, and make sure Ray does not bring it back later."""
         self.failures.append(NodeFailure(n.index, n.node_id, exc, 0, False))
         logger.warning("shmbuf RayCollector: %s", self.failures[-1])
         n.state, n.describe_ref = "dead", None
-        ray.kill(n.owner, no_restart=True)  # its janitor removes what it had made
+        ray.kill(n.owner, no_restart=True)  # its shmbuf watcher removes what it had made
 
-    def _unpack(self, n: _Node, got: Any) -> Any:
+    def _unpack(self, n: Node, got: Any) -> Any:
         """Check a batch against the schema and the wire format (it came over the network) and rebuild it.
 
         Raises:
             shmbuf.SchemaError: naming the node and what is wrong (the node is then taken out).
         """
-        assert self.schema is not None
-        if self._ma is not None:
-            return self._ma.unpack(n, got, self.batch_mode, self.copy)
-        w = unpack_batch(got, self.schema, self.batch_mode, self.copy, f"a batch from node {n.index}")
-        return RayBatch.from_wire(w, n, batch_mode=self.batch_mode, learner_version=self.policy_version)
+        return self._streams.unpack(n, got, self.batch_mode, self.copy)
 
     # -- introspection and shutdown -----------------------------------------
 
     def _rates(self) -> dict[str, str]:
-        return {f"node{n.index}": f"{_rate(n):,.0f}/s" for n in self.nodes}
+        return {f"node{n.index}": f"{rate(n):,.0f}/s" for n in self.nodes}
 
     def _states(self) -> str:
         return ", ".join(f"node {n.index} {n.state}" for n in self.nodes)
@@ -508,11 +440,11 @@ class RayCollector:
         return {
             **progress(self.frames, self.batches, self._t0, self.policy_version, self._lags, self._returns),
             "nodes": [{"node": n.index, "node_id": n.node_id, "host": n.host, "state": n.state, "batches": n.batches,
-                       "frames": n.frames, "frames_per_s": _rate(n), "lost_batches": n.lost, "restarts": max(0, n.incarnation),
+                       "frames": n.frames, "frames_per_s": rate(n), "lost_batches": n.lost, "restarts": max(0, n.incarnation),
                        "local": n.local is not None}
                       for n in self.nodes],
             "failures": [str(f) for f in self.failures],
-            **({"policy_versions": dict(self._ma.versions)} if self._ma is not None else {}),
+            **self._streams.stats(),
         }
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -520,40 +452,15 @@ class RayCollector:
         self.close(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop every node (its actors, its shared memory) within ``timeout`` (default ``stop_timeout``), then its owner."""
-        if self._closed:
-            return
+        """Stop every node (its actors, its shared memory) within ``timeout`` (default ``stop_timeout``), then its
+        owner; the progress bar first. Once (:mod:`workers._lifetime`: also when dropped, and at exit)."""
         self._closed = True
-        if self._bar is not None:
-            self._bar.close()
-        timeout = self.stop_timeout if timeout is None else timeout
-        stops: dict[Any, _Node | None] = {ref: None for ref in self._stopping}
-        for n in self.nodes:
-            if n.owner is not None and n.state in ("starting", "running", "restarting"):
-                stops[self._stop_owner(n, timeout)] = n
-        for n in self.nodes:  # meanwhile, the learner's own node
-            if n.local is not None and n.state != "dead":
-                n.local.shutdown(timeout)
-        if stops:
-            done, _ = ray.wait(list(stops), num_returns=len(stops), timeout=timeout + OWNER_SLICE + 5.0)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
-                    pass  # already gone: nothing of it is left to stop
-        for n in self.nodes:
-            if n.owner is not None:
-                ray.kill(n.owner, no_restart=True)
-            n.state = "stopped" if n.state != "dead" else n.state
-        self._pending.clear()
-        self._weights_ref = None
-        self._weight_acks.clear()
-
-    @staticmethod
-    def _stop_owner(n: _Node, timeout: float) -> Any:
-        """Ask an owner to stop (at once, through the control group), then to shut down after its last batch."""
-        n.owner.stop.options(concurrency_group="control").remote()
-        return n.owner.shutdown.remote(timeout)
+        try:
+            self._life.close(timeout)
+        finally:
+            self._pending.clear()
+            self._streams.forget()
+            self._weight_acks.clear()
 
     def __enter__(self) -> RayCollector:
         return self
@@ -561,14 +468,76 @@ class RayCollector:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001  # a finalizer must not raise (it may run at interpreter exit)
-            pass
+
+def _close_bar(bar: Any, timeout: float) -> None:
+    bar.close()
 
 
-def _rate(n: _Node) -> float:
-    if n.first is None or n.last is None or n.last <= n.first or n.batches < 2:
-        return math.nan
-    return n.frames * (n.batches - 1) / n.batches / (n.last - n.first)
+def _stop_owner(n: Node, timeout: float) -> Any:
+    """Ask an owner to stop (at once, through the control group), then to shut down after its last batch."""
+    n.owner.stop.options(concurrency_group="control").remote()
+    return n.owner.shutdown.remote(timeout)
+
+
+def _stop_nodes(nodes: list[Node], stopping: list[Any], timeout: float) -> None:
+    """A RayCollector's release: every node stopped (its actors, its shared memory) within ``timeout``, then its
+    owner killed (with no restart). ``stopping``: shutdown calls already made to owners taken out."""
+    stops: dict[Any, Node | None] = {ref: None for ref in stopping}
+    for n in nodes:
+        if n.owner is not None and n.state in ("starting", "running", "restarting"):
+            stops[_stop_owner(n, timeout)] = n
+    for n in nodes:  # meanwhile, the learner's own node
+        if n.local is not None and n.state != "dead":
+            n.local.shutdown(timeout)
+    if stops:
+        finished, _ = ray.wait(list(stops), num_returns=len(stops), timeout=timeout + OWNER_SLICE + 5.0)
+        for ref in finished:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                pass  # already gone: nothing of it is left to stop
+    for n in nodes:
+        if n.owner is not None:
+            ray.kill(n.owner, no_restart=True)
+        n.state = "stopped" if n.state != "dead" else n.state
+
+
+def _check_options(collector_kwargs: dict[str, Any], owner_options: dict[str, Any] | None, max_in_flight: Any) -> None:
+    """RayCollector's own settings, and the Collector settings it does not pass on to the nodes."""
+    for name in ("num_actors", "total_frames", "progress", "postproc"):
+        if name in collector_kwargs:
+            raise shmbuf.UsageError(f"RayCollector({name}=...): not passed to the nodes; "
+                                    + ("use actors_per_node" if name == "num_actors" else "the learner does this"))
+    fixed = sorted(set(owner_options or {}) & {"max_restarts", "max_task_retries", "max_concurrency",
+                                               "concurrency_groups", "scheduling_strategy", "name", "lifetime"})
+    if fixed:
+        raise shmbuf.UsageError(f"owner_options: {fixed} are RayCollector's to set (exactly-once delivery, the "
+                                "owners' concurrency groups, one owner pinned per node; use restart=/max_restarts=)")
+    if not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise shmbuf.UsageError(f"max_in_flight: expected an int >= 1, got {max_in_flight!r}")
+
+
+def _node_ids(nodes: Sequence[str] | None) -> list[str]:
+    """The Ray node ids to collect on (None: every alive node), each alive and listed once."""
+    alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    ids = list(alive) if nodes is None else list(nodes)
+    if not ids:
+        raise shmbuf.UsageError("nodes: no alive Ray node to collect on")
+    for i in ids:
+        if i not in alive:
+            raise shmbuf.UsageError(f"nodes: {i!r} is not an alive node of this Ray cluster (alive: {sorted(alive)})")
+    if len(set(ids)) != len(ids):
+        raise shmbuf.UsageError("nodes: a node is listed twice; one owner runs per node (raise actors_per_node)")
+    return ids
+
+
+def _given_fields(settings: Any) -> dict[str, Any]:
+    """A ``settings=`` object as the keywords it sets (its fields other than their defaults): the nodes' Collectors
+    take them as keywords, and RayCollector reads its own (a default field keeps RayCollector's default)."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, CollectSettings):
+        raise shmbuf.UsageError(f"settings: expected a workers.CollectSettings, got {type(settings).__name__}")
+    skip = ("frames_per_batch", "total_frames")
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)
+            if f.name not in skip and getattr(settings, f.name) != f.default}

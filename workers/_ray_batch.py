@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from workers._collector import CollectedBatch
+from workers._batches import CollectedBatch
 
 if TYPE_CHECKING:
     from workers._ray_wire import WireBatch

@@ -19,20 +19,18 @@ before it collects. The wire format is :func:`workers._ray_wire.pack_multiagent_
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import ray
 
 import shmbuf
 from workers._agent_rows import AgentRows
-from workers._collector import weights_of
-from workers._multiagent_collector import MultiAgentBatch
+from workers._multiagent_batch import MultiAgentBatch
+from workers._policy import weights_of
 from workers._ray_batch import RayBatch
+from workers._ray_node import Node
 from workers._ray_weights import Ack, send_weights
 from workers._ray_wire import _wire_id, unpack_multiagent_batch
-
-if TYPE_CHECKING:
-    from workers._ray import _Node
 
 
 class PolicyVersion(NamedTuple):
@@ -61,7 +59,10 @@ class RayMultiAgentBatch(MultiAgentBatch):
 
 class MultiAgentNodes:
     """The learner's side of a multi-agent RayCollector: every node's policies and rows checked against the first
-    node's, each policy's weights version, batches rebuilt as :class:`RayMultiAgentBatch`."""
+    node's, each policy's weights version, batches rebuilt as :class:`RayMultiAgentBatch`. The same methods as
+    :class:`workers._ray_single.SingleAgentNodes` (the one-stream case), a stream per policy."""
+
+    keyed = True  # streams keyed by policy id
 
     def __init__(self, policies: dict[Any, Any] | None, policy_factories: dict[Any, Callable[[], Any]] | None,
                  policy_mapping_fn: Callable[..., Any] | None, remap_each_episode: bool = False):
@@ -81,7 +82,7 @@ class MultiAgentNodes:
         self.latest: dict[Any, Any] = {}  # each policy's latest weights object, sent again to an owner that restarts
         self.sends = 0  # update_policy_weights calls: what an Ack's version counts here
 
-    def took(self, n: _Node, info: dict[str, Any], first: _Node) -> None:
+    def took(self, n: Node, info: dict[str, Any], first: Node) -> None:
         """A node's description: the first sets the layout; every later one must lay every policy out the same."""
         entries = info.get("policies")
         if not isinstance(entries, list) or not all(isinstance(e, list) and len(e) == 7 for e in entries):
@@ -112,6 +113,34 @@ class MultiAgentNodes:
             raise shmbuf.UsageError(f"node {n.index} ({n.node_id[:12]}) puts the agents in other rows than node "
                                     f"{first.index}: every node must build the same envs")
 
+    @property
+    def schema(self) -> shmbuf.Schema | None:
+        """The first trained policy's layout (None before the first description)."""
+        return next(iter(self.schemas.values()), None)
+
+    @property
+    def policy_version(self) -> int:
+        return max(self.versions.values())
+
+    @staticmethod
+    def rollouts_per_batch(info: dict[str, Any]) -> int:
+        return int(info["rounds_per_batch"])
+
+    @staticmethod
+    def parts(batch: Any) -> Any:
+        return batch.values()
+
+    def stats(self) -> dict[str, Any]:
+        return {"policy_versions": dict(self.versions)}
+
+    def forget(self) -> None:
+        """At close: the weights objects are no longer needed."""
+        self.latest.clear()
+
+    def resend(self, n: Node, info: dict[str, Any], acks: list[Ack]) -> None:
+        """A restarted owner: every policy it is behind on (awaiting: all), each its latest or its first."""
+        self.send(n, self.behind(info), acks)
+
     def behind(self, info: dict[str, Any]) -> list[Any]:
         """The policies a (restarted) node must be sent weights for: all of them if it awaits weights, else those
         whose version there is behind the learner's."""
@@ -121,9 +150,13 @@ class MultiAgentNodes:
 
     # -- weights ------------------------------------------------------------
 
-    def update(self, weights: dict[Any, Any] | None, nodes: list[_Node], acks: list[Ack]) -> dict[Any, int]:
+    def update(self, weights: dict[Any, Any] | None, version: int | None, nodes: list[Node],
+               acks: list[Ack]) -> dict[Any, int]:
         """New weights ``{policy_id: weights}`` (None: every policy the learner holds a torch module of, re-read): to
         the learner's own node now, to the others as one ``ray.put`` object per policy. Returns the new versions."""
+        if version is not None:
+            raise shmbuf.UsageError("update_policy_weights(version=...): multi-agent versions count per policy, "
+                                    "each one more than its last")
         if weights is None:
             weights = {pid: None for pid, p in self.held.items() if hasattr(p, "state_dict")}
             if not weights:
@@ -156,7 +189,7 @@ class MultiAgentNodes:
                     self.send(n, list(params), acks)
         return new
 
-    def send(self, n: _Node, pids: list[Any], acks: list[Ack]) -> None:
+    def send(self, n: Node, pids: list[Any], acks: list[Ack]) -> None:
         """Each of ``pids``' latest weights (None: never updated, the ones the node started from) to node ``n``."""
         for pid in pids:
             acks.append(send_weights(n, self.latest.get(pid), self.versions[pid], policy_id=pid,
@@ -164,7 +197,7 @@ class MultiAgentNodes:
 
     # -- batches ------------------------------------------------------------
 
-    def _batch(self, n: _Node, parts: dict[Any, RayBatch], *, frames: int, env_steps: int, agent_steps: int,
+    def _batch(self, n: Node, parts: dict[Any, RayBatch], *, frames: int, env_steps: int, agent_steps: int,
                aligned: bool) -> RayMultiAgentBatch:
         out = RayMultiAgentBatch(parts)
         out.frames, out.env_steps, out.agent_steps = frames, env_steps, agent_steps
@@ -172,7 +205,7 @@ class MultiAgentNodes:
         out.node, out.node_id, out.incarnation = n.index, n.node_id, n.incarnation
         return out
 
-    def unpack(self, n: _Node, got: Any, batch_mode: str, copy: bool) -> RayMultiAgentBatch:
+    def unpack(self, n: Node, got: Any, batch_mode: str, copy: bool) -> RayMultiAgentBatch:
         """A batch from node ``n``'s owner, checked (see :func:`workers._ray_wire.unpack_multiagent_batch`)."""
         w = unpack_multiagent_batch(got, self.schemas, batch_mode, copy, f"a batch from node {n.index}")
         parts = {pid: RayBatch.from_wire(p, n, batch_mode=batch_mode, learner_version=self.versions[pid])
@@ -180,7 +213,7 @@ class MultiAgentNodes:
         return self._batch(n, parts, frames=w.frames, env_steps=w.env_steps, agent_steps=w.agent_steps,
                            aligned=w.aligned)
 
-    def from_local(self, n: _Node, mb: MultiAgentBatch) -> RayMultiAgentBatch:
+    def from_local(self, n: Node, mb: MultiAgentBatch) -> RayMultiAgentBatch:
         """A batch of the learner's own node: its MultiAgentCollector's, each policy's batch as a RayBatch."""
         parts = {pid: RayBatch.of(b, n, learner_version=self.versions[pid]) for pid, b in mb.items()}
         return self._batch(n, parts, frames=mb.frames, env_steps=mb.env_steps, agent_steps=mb.agent_steps,

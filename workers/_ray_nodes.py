@@ -1,21 +1,20 @@
-"""RayCollector's node side: the collecting half that runs on each node, and the janitor that cleans up after it.
+"""RayCollector's node side: the collecting half that runs on each node.
 
 :class:`NodeOwner` is a Ray actor pinned to one node, holding that node's :class:`workers.Collector`
 and answering the learner's calls (``describe``, ``next_batch``, ``set_weights``, ``stop``,
 ``shutdown``); :class:`LocalNode` is the same on the learner's own node, in the learner's process,
-handing batches over through a thread instead of Ray. Each starts a detached janitor first thing
-(``shmbuf clean --after <pid>``), so that nothing it creates outlives its process.
+handing batches over through a thread instead of Ray. Nothing either creates outlives its process: every
+shared-memory object it makes (pipelines, weight broadcasts, inference tables) is watched by its process's
+shmbuf watcher from its first microseconds, which removes it within a second of that process's death, a
+SIGKILL from Ray included (docs/design/janitor.md); its actor processes create none, and watch their owner.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import os
 import queue
 import secrets
-import signal
-import subprocess
-import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ import ray
 
 import shmbuf
 from workers._collector import Collector
-from workers._exit import ExitClose
+from workers._lifetime import Lifetime
 from workers._ray_wire import pack_batch, pack_description, pack_multiagent_batch, pack_multiagent_description
 
 # How long a node owner's next_batch waits for its Collector before looking at its stop flag again.
@@ -33,36 +32,20 @@ OWNER_SLICE = 0.25
 
 
 class _NodeCollector:
-    """What every node's collecting side does, in a node owner or in the learner: a janitor first, the
-    ``Collector``, its actors up within ``ready_timeout``, and its batches one at a time until stopped."""
-
-    lives_on = False  # the process outlives its node (the learner's): its janitor is ended with the node
+    """What every node's collecting side does, in a node owner or in the learner: the ``Collector``, its actors up
+    within ``ready_timeout``, and its batches one at a time until stopped."""
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float, where: str):
         self.token = secrets.token_hex(8)  # this process: a restarted owner has another
-        # First, so that nothing this process creates can outlive it: Ray SIGKILLs an owner whose learner
-        # died, or that ray.kill hits (at any point, this constructor included).
-        self.janitor_pid = _start_janitor()
         self._stop = threading.Event()
         self._iter: Iterator[Any] | None = None
         self._failure: Exception | None = None  # what the collector raised: every later _next raises it again
-        self.multiagent = "policies" in kwargs or "policy_factories" in kwargs  # see RayCollector(policies=...)
-        try:
-            if self.multiagent:
-                from workers._multiagent_collector import MultiAgentCollector
-
-                self.collector: Any = MultiAgentCollector(*args, **kwargs)
-            else:
-                self.collector = Collector(*args, **kwargs)
-        except BaseException:
-            self._janitor_done()
-            raise
+        # one engine whatever the envs: given policies= (see RayCollector(policies=...)), PettingZoo envs
+        self.collector: Any = Collector(*args, **kwargs)
+        self.multiagent = self.collector.envs.keyed  # its streams keyed by policy id: MultiAgentBatches
         try:
             c = self.collector
-            if self.multiagent:
-                self.names = [r.name for r in c.readers.values()] + [p.name for p in c.publishers.values()]
-            else:
-                self.names = [c.reader.name] + ([c.publisher.name] if c.publisher is not None else [])
+            self.names = [r.name for r in c.readers.values()] + [p.name for p in c.publishers.values()]
             try:
                 c.pool.wait_ready(ready_timeout)  # the constructor returns once the actor processes are up
             except TimeoutError as exc:
@@ -70,19 +53,13 @@ class _NodeCollector:
                                          f"ready_timeout={ready_timeout} s ({exc})") from None
         except BaseException:
             self.collector.shutdown()
-            self._janitor_done()
             raise
-
-    def _janitor_done(self) -> None:
-        if self.lives_on:
-            _end_janitor(self.janitor_pid)
 
     def describe(self) -> bytes:
         """Who and where this node's collector is, and the rollout layout: msgpack."""
         pack = pack_multiagent_description if self.multiagent else pack_description
-        return pack(self.collector, self.names, self.janitor_pid, self.token,
-                                node_id=ray.get_runtime_context().get_node_id(), host=ray.util.get_node_ip_address(),
-                                pid=os.getpid())
+        return pack(self.collector, self.names, self.token, node_id=ray.get_runtime_context().get_node_id(),
+                    host=ray.util.get_node_ip_address(), pid=os.getpid())
 
     def _next(self) -> Any:
         """The collector's next batch (a CollectedBatch, or a MultiAgentBatch), releasing the one before; None once
@@ -172,8 +149,9 @@ class NodeOwner(_NodeCollector):
         """(control group) Make ``next_batch`` return None within OWNER_SLICE, and every later one at once."""
         self._stop.set()
 
-    def shutdown(self, timeout: float) -> list[str]:
-        """(default group, so after every next_batch's output is stored) Stop the actors, remove the shared memory."""
+    def shutdown(self, timeout: float | None = None) -> list[str]:
+        """(default group, so after every next_batch's output is stored) Stop the actors, remove the shared memory,
+        within ``timeout`` (None: the collector's stop_timeout)."""
         self._stop.set()
         with self._lock:
             self.collector.shutdown(timeout)
@@ -189,8 +167,6 @@ class LocalNode(_NodeCollector):
     ``copy=False``), valid until the learner's next batch, never copied on the way.
     """
 
-    lives_on = True
-
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], ready_timeout: float):
         self._ready: queue.Queue[Any] = queue.Queue()
         self._given_back = threading.Semaphore(0)
@@ -198,9 +174,12 @@ class LocalNode(_NodeCollector):
         super().__init__(args, kwargs, ready_timeout, "the learner's node")
         self._thread = threading.Thread(target=self._run, name="shmbuf-ray-local-node", daemon=True)
         self._thread.start()
-        self._shut = False
-        # After the collector's own: at exit this runs first, so the thread is joined before the collector closes
-        self._exit_close = ExitClose(self)
+        # The thread is stopped and joined before the collector closes (what it waits on), at shutdown, when
+        # dropped, or at exit: armed after the collector's own lifetime, this one runs first there
+        self._life = Lifetime(self, self.collector.stop_timeout)
+        self._life.hold("collector", self.collector.shutdown)
+        self._life.hold("thread", functools.partial(_stop_thread, self._stop, self._given_back, self._thread))
+        self._life.arm()
 
     def _run(self) -> None:
         try:
@@ -235,50 +214,19 @@ class LocalNode(_NodeCollector):
             return int(self.collector.update_policy_weights({policy_id: weights}, versions={policy_id: version})[policy_id])
         return self.collector.update_policy_weights(weights, version=version)
 
-    def shutdown(self, timeout: float) -> None:
-        """Stop the thread and join it, then the actors; remove the node's shared memory; end the janitor. Once."""
-        if self._shut:
-            return
-        self._shut = True
-        self._exit_close.cancel()
-        self._stop.set()
-        self._given_back.release()
-        self._thread.join(OWNER_SLICE + 5.0)  # still inside the collector past that: its close is safe under it
-        self.collector.shutdown(timeout)
-        _end_janitor(self.janitor_pid)
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the thread and join it, then the actors; remove the node's shared memory. Once."""
+        self._life.close(timeout)
 
-    def close(self) -> None:
-        """At interpreter exit (:class:`workers._exit.ExitClose`): :meth:`shutdown` with the collector's stop_timeout."""
-        self.shutdown(self.collector.stop_timeout)
+    def close(self, timeout: float | None = None) -> None:
+        """:meth:`shutdown` (default: the collector's stop_timeout)."""
+        self._life.close(timeout)
 
 
-def _end_janitor(pid: int) -> None:
-    """A clean end: the janitor of a process that lives on (the learner) has nothing to wait for."""
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-
-
-# Started through a short-lived middle process, so that the janitor is not the owner's child: Ray kills a
-# worker's children with it (kill_child_processes_on_worker_exit), and the janitor must outlive the owner.
-# The janitor writes its errors where the owner does (Ray's log of that worker).
-_DETACH = ("import subprocess, sys; "
-           "p = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, "
-           "start_new_session=True); print(p.pid)")
-
-
-def _start_janitor() -> int:
-    """Start ``shmbuf clean --after <this pid>``, detached; return its pid.
-
-    Once this process has exited, the janitor removes every shmbuf object it created (their headers
-    name it, by pid and start time), and nothing else. After a clean shutdown it finds nothing.
-    shmbuf's own directory goes on its path, for a shmbuf shipped with ``runtime_env`` rather than installed.
-    """
-    spec = importlib.util.find_spec("shmbuf")  # where this process found it (a module attribute is not shmbuf's API)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin))) if spec and spec.origin else ""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-c", _DETACH, sys.executable, "-m", "shmbuf", "clean", "--after", str(os.getpid())]
-    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=60, check=True,
-                         env=env)
-    return int(out.stdout)
+def _stop_thread(stop: threading.Event, given_back: threading.Semaphore, thread: threading.Thread,
+                 timeout: float) -> None:
+    """LocalNode's thread asked to stop and joined (still inside the collector past the join's wait: the collector's
+    close is safe under it)."""
+    stop.set()
+    given_back.release()
+    thread.join(OWNER_SLICE + 5.0)

@@ -8,24 +8,22 @@ workers._ray, starts it. What a node does with the weights: ``NodeOwner.set_weig
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
 import shmbuf
-
-if TYPE_CHECKING:
-    from workers._ray import _Node
+from workers._ray_node import Node
 
 # How long a refused weights version waits for the other nodes' answers to it, to raise them as one error.
 ACK_WAIT = 5.0
 
 # A set_weights call followed: (its Ray ref, its node, the node's incarnation when sent, the weights version: an int,
 # or for a multi-agent collector a workers._ray_multiagent.PolicyVersion, ordered the same way).
-Ack = tuple[Any, "_Node", int, Any]
+Ack = tuple[Any, Node, int, Any]
 
 
-def send_weights(n: _Node, weights_ref: Any, version: int, *, policy_id: Any = None, ack: Any = None) -> Ack:
+def send_weights(n: Node, weights_ref: Any, version: int, *, policy_id: Any = None, ack: Any = None) -> Ack:
     """Send ``version``'s object to node ``n``'s owner (through its control group, so that it arrives while the owner
     waits for a batch); the call to follow. Multi-agent: policy ``policy_id``'s, followed as ``ack`` (a
     ``PolicyVersion``; default: ``version``)."""

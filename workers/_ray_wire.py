@@ -23,11 +23,13 @@ import numpy as np
 import optree
 
 import shmbuf
-from shmbuf.layout import COMPLETE_EPISODES, STEP
+from shmbuf import layout as L
 
 if TYPE_CHECKING:
-    from workers._collector import CollectedBatch, Collector
-    from workers._multiagent_collector import MultiAgentBatch, MultiAgentCollector
+    from workers._batches import CollectedBatch
+    from workers._collector import Collector
+    from workers._multiagent_batch import MultiAgentBatch
+    from workers._multiagent_collector import MultiAgentCollector
 
 WIRE_MAGIC = "shmbuf-ray-batch"
 WIRE_VERSION = 3  # 2: each rollout's epoch (its writer's claim of the lane) in META; 3: multi-agent batches
@@ -57,15 +59,14 @@ def pack_batch(schema: shmbuf.Schema, b: CollectedBatch) -> tuple[bytes, list[np
     return header, arrays
 
 
-def pack_description(c: Collector, names: list[str], janitor_pid: int, token: str, *, node_id: str, host: str,
-                     pid: int) -> bytes:
+def pack_description(c: Collector, names: list[str], token: str, *, node_id: str, host: str, pid: int) -> bytes:
     """A node's collector ``c`` described for the learner (msgpack): where it runs, its layout, its processes."""
     return msgpack.packb({
         "magic": WIRE_MAGIC, "version": WIRE_VERSION, "node_id": node_id,
-        "host": host, "pid": pid, "schema": c.reader.schema.to_msgpack(),
+        "host": host, "pid": pid, "schema": c.readers[None].schema.to_msgpack(),
         "batch_mode": c.batch_mode, "num_actors": c.num_actors, "num_envs": c.num_envs,
-        "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.reader.slots,
-        "broadcast": c.publisher is not None, "actor_pids": list(c.pool.pids), "janitor_pid": janitor_pid,
+        "rollout_len": c.rollout_len, "rollouts_per_batch": c.rollouts_per_batch, "slots": c.readers[None].slots,
+        "broadcast": c.publisher is not None, "actor_pids": list(c.pool.pids),
         "names": names, "token": token, "weights_version": c.policy_version,
         "awaiting_weights": c.publisher is not None and c.publisher.version is None,
     }, use_bin_type=True)
@@ -103,7 +104,7 @@ def unpack_batch(got: Any, schema: shmbuf.Schema, batch_mode: str, copy: bool, w
     if type(frames) is not int or frames < 0 or type(has_fill) is not bool:
         raise shmbuf.SchemaError(f"{what}: header field frames (an int >= 0) or fill (a bool) missing or wrong: "
                                  f"{frames!r}, {has_fill!r}")
-    complete = batch_mode == COMPLETE_EPISODES
+    complete = batch_mode == L.COMPLETE_EPISODES
     if has_fill == complete:
         raise shmbuf.SchemaError(f"{what}: fill={has_fill} in {batch_mode} mode")
     leaves = [lf for ts in schema.timescales for lf in ts.leaves]
@@ -116,7 +117,7 @@ def unpack_batch(got: Any, schema: shmbuf.Schema, batch_mode: str, copy: bool, w
                                  f"{getattr(bad, 'shape', '')}")
     lead: dict[bool, int] = {}  # step leaves in complete-episodes mode (frames) vs the rest (rollouts)
     for lf, a in zip(leaves, arrays):
-        per_step = complete and lf.path[0] == STEP
+        per_step = complete and lf.path[0] == L.STEP
         tail = lf.item_shape if per_step else lf.shape
         n_rows = lead.setdefault(per_step, a.shape[0])
         if a.dtype != lf.dtype or a.shape != (n_rows, *tail):
@@ -158,8 +159,8 @@ def pack_multiagent_batch(schemas: dict[Any, shmbuf.Schema], b: MultiAgentBatch)
     return header, [pack_batch(schemas[pid], b[pid]) for pid in pids]
 
 
-def pack_multiagent_description(c: MultiAgentCollector, names: list[str], janitor_pid: int, token: str, *,
-                                node_id: str, host: str, pid: int) -> bytes:
+def pack_multiagent_description(c: MultiAgentCollector, names: list[str], token: str, *, node_id: str, host: str,
+                                pid: int) -> bytes:
     """A node's multi-agent collector described for the learner (msgpack): its policies (id, schema, rows, weights),
     its agents and layout, its processes."""
     policies = [[_wire_id(p, "policy id"), c.schemas[p].to_msgpack(), p in c.publishers or p in c.served,
@@ -171,7 +172,6 @@ def pack_multiagent_description(c: MultiAgentCollector, names: list[str], janito
         "policies": policies, "batch_mode": c.batch_mode, "count_steps_by": c.count_steps_by,
         "num_actors": c.num_actors, "num_envs": c.num_envs, "rollout_len": c.rollout_len,
         "rounds_per_batch": c.rounds_per_batch, "actor_pids": list(c.pool.pids) if c.pool is not None else [],
-        "janitor_pid": janitor_pid,
         "names": names, "token": token, "awaiting_weights": bool(c.awaited_weights),
     }, use_bin_type=True)
 

@@ -17,7 +17,7 @@ import optree
 
 import shmbuf
 import shmbuf.lowlevel
-from shmbuf.layout import ACTION
+from shmbuf import layout as L
 
 VERSION_KEY = "policy_version"
 
@@ -41,7 +41,7 @@ class RemotePolicy:
         self._single = len(self._req) == 1
         # Any: a dict, {ACTION: ..., "extras": {...}} as workers lays it out, which optree types as an opaque PyTree
         resp: Any = c.response
-        self._action = resp[ACTION]
+        self._action = resp[L.ACTION]
         num_envs = len(optree.tree_leaves(self._action)[0])
         self._version = np.zeros(num_envs, np.int64)
         self._extras = {**resp.get("extras", {}), VERSION_KEY: self._version}
@@ -60,5 +60,6 @@ class RemotePolicy:
         self._version[:] = self.client.call()
         return self._action, self._extras
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Let go of the inference client (``timeout``: the lifetime contract's signature; nothing here waits)."""
         self.client.close()

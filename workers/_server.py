@@ -21,8 +21,8 @@ import optree
 
 import shmbuf
 import shmbuf.lowlevel
-from shmbuf.layout import ACTION
-from workers._actor import split_policy_output
+from shmbuf import layout as L
+from workers._policy import split_policy_output
 
 _NONE = np.zeros(0, np.int64)
 
@@ -123,7 +123,7 @@ class InferenceServer(threading.Thread):
                 else:
                     action, extras = split_policy_output(got)
                     # Any: optree's annotations take a dict as an opaque PyTree, not as the dict it is
-                    response: Any = {ACTION: action, **({"extras": extras} if extras else {})}
+                    response: Any = {L.ACTION: action, **({"extras": extras} if extras else {})}
                     out = optree.tree_leaves(response)
                 table.respond(idx, [np.asarray(x).reshape(n, E, *np.shape(x)[1:]) for x in out], version)
                 self.forwards += 1
@@ -145,15 +145,15 @@ class InferenceServer(threading.Thread):
                 if self.close_table_at_exit:
                     self.table.close()
 
-    def close(self, timeout: float) -> bool:
-        """Ask the thread to end and wait up to ``timeout`` s; True if it ended."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Ask the thread to end and wait up to ``timeout`` s (None: 1 s, a forward pass's worth); True if it ended."""
         self._stop_requested = True
         try:
             self.table.interrupt()  # out of take() at once, even while it lingers for min_batch_size
         except Exception:  # noqa: BLE001  # best effort: a table already closed must not stop the join below
             pass
         if self.is_alive():
-            self.join(timeout)
+            self.join(1.0 if timeout is None else timeout)
         return not self.is_alive()
 
     def load(self, src: Any, version: int | None = None) -> int:

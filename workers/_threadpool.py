@@ -11,6 +11,7 @@ daemon thread) and reported in :attr:`ThreadActorPool.hung`.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import traceback
@@ -19,6 +20,7 @@ from typing import Any
 
 import shmbuf
 from shmbuf.lowlevel import int_setting
+from workers._lifetime import Lifetime
 from workers._pool import ActorError, restart_or_raise
 
 
@@ -68,10 +70,14 @@ class ThreadActorPool:
         self.hung: list[int] = []
         self._workers = [_Worker(i) for i in range(num_actors)]
         self._stopped = False
+        # The threads are asked to stop and joined at close, when the pool is dropped, or at exit
+        self._life = Lifetime(self, 5.0)
+        self._life.hold("threads", functools.partial(_stop_threads, self._workers))
 
     def start(self) -> ThreadActorPool:
         for w in self._workers:
             self._spawn(w)
+        self._life.arm()
         return self
 
     def _spawn(self, w: _Worker) -> None:
@@ -134,20 +140,29 @@ class ThreadActorPool:
                 raise shmbuf.StartTimeout(f"env worker threads {waiting} were not ready within {timeout} s")
             time.sleep(0.005)
 
-    def close(self, timeout: float = 5.0) -> dict[int, int | None]:
-        """Ask every thread to stop and wait up to ``timeout`` s in all; a thread still running is left in :attr:`hung`."""
+    def close(self, timeout: float | None = None) -> dict[int, int | None]:
+        """Ask every thread to stop and wait up to ``timeout`` s in all (None: 5 s); a thread still running is left in
+        :attr:`hung`."""
         self._stopped = True
-        for w in self._workers:
-            if w.ctx is not None:
-                w.ctx.stop_requested = True
-        deadline = time.monotonic() + timeout
+        _stop_threads(self._workers, 5.0 if timeout is None else timeout)
         for w in self._workers:
             if w.thread is not None:
-                w.thread.join(max(0.0, deadline - time.monotonic()))
                 if w.thread.is_alive():
                     self.hung.append(w.index)
                 elif w.state == "running":
                     w.state = "stopped"
                     if w.error is not None:
                         self.failures.append(w.error)
+        self._life.close(0.0)  # the threads are stopped (or hung): nothing is left to let go at exit
         return {w.index: None for w in self._workers}
+
+
+def _stop_threads(workers: list[_Worker], timeout: float) -> None:
+    """Ask every thread to stop and join them within ``timeout`` s in all (the pool's lifetime's release too)."""
+    for w in workers:
+        if w.ctx is not None:
+            w.ctx.stop_requested = True
+    deadline = time.monotonic() + timeout
+    for w in workers:
+        if w.thread is not None:
+            w.thread.join(max(0.0, deadline - time.monotonic()))

@@ -19,30 +19,15 @@ from typing import Any
 import numpy as np
 
 from shmbuf import SchemaError
-from shmbuf.layout import (
-    ACTION,
-    BOOTSTRAP,
-    END,
-    ENV,
-    ENV_STEPS,
-    EPISODE,
-    FINAL_OBS,
-    LENGTH,
-    OBS,
-    RETURN,
-    REWARD,
-    STEP,
-    TERMINATED,
-    TRUNCATED,
-)
+from shmbuf import layout as L
 
 
 def usable(loop: Any, slot: dict[str, Any]) -> bool:
     """Can ``loop`` write its rollouts through :class:`SlotRollouts`? Array observations and actions, no view
     requirements (the policy then gets the bare observation, a row of the slot)."""
-    step = slot[STEP]
-    return (loop.views is None and type(loop.obs) is np.ndarray and type(step[OBS]) is np.ndarray
-            and type(step[ACTION]) is np.ndarray)
+    step = slot[L.STEP]
+    return (loop.views is None and type(loop.obs) is np.ndarray and type(step[L.OBS]) is np.ndarray
+            and type(step[L.ACTION]) is np.ndarray)
 
 
 class OutputCheck:
@@ -100,13 +85,14 @@ class SlotRollouts:
         driver = loop.driver
         T, E, M = loop.T, self.E, loop.max_episodes
         view = w.slot()
-        st, ep, bs = view[STEP], view[EPISODE], view[BOOTSTRAP]
-        obs_s = self._rows(st[OBS], T)
-        act_s, rew_s = self._rows(st[ACTION], T), self._rows(st[REWARD], T)
-        term_s, trunc_s = self._rows(st[TERMINATED], T), self._rows(st[TRUNCATED], T)
-        extra_s = {k: self._rows(v, T) for k, v in st.items() if k not in (OBS, ACTION, REWARD, TERMINATED, TRUNCATED)}
-        e_ret, e_len, e_term, e_trunc = ep[RETURN], ep[LENGTH], ep[TERMINATED], ep[TRUNCATED]
-        e_env, e_end, e_final = ep[ENV], ep[END], ep[FINAL_OBS]
+        st, bs = view[L.STEP], view[L.BOOTSTRAP]
+        obs_s = self._rows(st[L.OBS], T)
+        act_s, rew_s = self._rows(st[L.ACTION], T), self._rows(st[L.REWARD], T)
+        term_s, trunc_s = self._rows(st[L.TERMINATED], T), self._rows(st[L.TRUNCATED], T)
+        extra_s = {k: self._rows(v, T) for k, v in st.items() if k not in L.STEP_KEYS}
+        table = L.EpisodeTable(view[L.EPISODE])
+        final_obs = table.final_obs  # (M, ...): an array, as the observations are (see usable)
+        assert final_obs is not None  # a truncate-episodes table has one
         carry = self.carry
         obs_s[0] = carry
         ep_ret, ep_len = loop.ep_ret, loop.ep_len
@@ -118,7 +104,7 @@ class SlotRollouts:
                 w.reset()
                 return False
             action, extras = loop._act(obs_s[t])
-            act_s[t] = self._check(ACTION, action, act_s.shape[1:], act_s.dtype)
+            act_s[t] = self._check(L.ACTION, action, act_s.shape[1:], act_s.dtype)
             if extras or extra_s:
                 check_extras(extras, extra_s)
                 for k, dst in extra_s.items():
@@ -138,21 +124,12 @@ class SlotRollouts:
             if np.count_nonzero(ends):  # a C call; ndarray.any() goes through Python (numpy's _methods)
                 idx = np.flatnonzero(ends)
                 k = len(idx)
-                rows = slice(n_ep, n_ep + k)
-                e_ret[rows] = ep_ret[idx]
-                e_len[rows] = ep_len[idx]
-                e_term[rows] = term[idx]
-                e_trunc[rows] = trunc[idx]
-                e_env[rows] = idx
-                e_end[rows] = t
                 # Final observations: the env's, for the episodes it ended (those rows of `nxt` are reset already);
                 # the rows of `nxt` for the episodes the actor ends (cut: reset below) or marks (soft: not reset).
-                if len(ended) == k:
-                    e_final[rows] = finals
-                else:
-                    e_final[rows] = nxt[idx]
-                    if len(ended):
-                        e_final[n_ep + np.searchsorted(idx, ended)] = finals
+                table.write(slice(n_ep, n_ep + k), ep_ret[idx], ep_len[idx], term[idx], trunc[idx], idx, t,
+                            finals if len(ended) == k else nxt[idx])
+                if 0 < len(ended) < k:
+                    final_obs[n_ep + np.searchsorted(idx, ended)] = finals
                 last_ends = idx
                 n_ep += k
                 loop.episodes += k
@@ -168,15 +145,15 @@ class SlotRollouts:
         # The bootstrap: the successor of the last step (an ended episode's final observation), and the next
         # rollout starts from the observation after it.
         nxt = obs_s[t + 1] if t + 1 < T else carry
-        boot = bs[OBS].reshape(self.obs_shape)
+        boot = bs[L.OBS].reshape(self.obs_shape)
         boot[...] = nxt
         if last_ends is not None:
             k = len(last_ends)
-            boot[last_ends] = e_final[n_ep - k : n_ep]
+            boot[last_ends] = final_obs[n_ep - k : n_ep]
         if nxt is not carry:
             carry[...] = nxt
-        bs[ENV_STEPS][...] = loop.env_steps
-        fill = {STEP: t + 1, EPISODE: n_ep}
+        bs[L.ENV_STEPS][...] = loop.env_steps
+        fill = {L.STEP: t + 1, L.EPISODE: n_ep}
         loop._before_commit(w, fill)
         w.commit(loop.version, fill=fill)
         loop.rollouts += 1

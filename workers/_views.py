@@ -17,7 +17,7 @@ import optree
 from shmbuf import UsageError
 
 # The step leaves (the columns a view can read, with policy extras); the flags are per step and never observations.
-from shmbuf.layout import ACTION, FLAG_KEYS, OBS, REWARD, STEP_KEYS, TERMINATED, TRUNCATED
+from shmbuf import layout as L
 
 FIRST = "first"  # ViewRequirement.fill_rule's name for RLlib's fill of observations (shmbuf.storage.views.FIRST)
 
@@ -153,29 +153,29 @@ class ActorViews:
         self.rings: dict[tuple[str, str], tuple[Any, list[_Ring]]] = {}
         for col, rule in self.columns:
             self.rings[col, rule] = self._make_rings(col, depth[col, rule], obs,
-                                                     space.get(col, action_space if col == ACTION else None), rule)
+                                                     space.get(col, action_space if col == L.ACTION else None), rule)
         for key, vr in self.requirements.items():
             self._check_fill(key, vr)
         self.views = {key: [_View(r, vr.offsets, vr.windowed) for r in self.rings[self._ring_of[key]][1]]
                       for key, vr in self.requirements.items()}
         for rk in self.rings:
-            if rk[0] == OBS:
+            if rk[0] == L.OBS:
                 self._push(rk, obs)
 
     def _make_rings(self, col: str, depth: int, obs: Any, space: Any, rule: str) -> tuple[Any, list[_Ring]]:
         E = self.E
-        if col == OBS:
+        if col == L.OBS:
             leaves, spec = optree.tree_flatten(obs)
             return spec, [_Ring(E, depth + 1, np.shape(a)[1:], np.asarray(a).dtype, 0, first=rule == FIRST)
                           for a in leaves]
         shape: tuple[int, ...]
         dtype: np.dtype[Any]
-        if col == REWARD:
+        if col == L.REWARD:
             shape, dtype = (), np.dtype(np.float32)
-        elif col in FLAG_KEYS:
+        elif col in L.FLAG_KEYS:
             shape, dtype = (), np.dtype(bool)
         elif space is None:
-            what = "the env's action space" if col == ACTION else "space="
+            what = "the env's action space" if col == L.ACTION else "space="
             raise UsageError(f"view column {col!r}: its item shape and dtype are needed before the policy's first output, "
                              f"and there is no {what}: give the requirement space= (one sub-env's item, e.g. a gymnasium "
                              "Space or np.zeros((), np.float32))")
@@ -212,13 +212,13 @@ class ActorViews:
     def _check_output(self, values: dict[str, Any], extras: dict[str, Any]) -> None:
         """The first output's actions and extras have the shape and dtype the rings were made for."""
         for col, rule in self.columns:
-            if col in (OBS, REWARD, *FLAG_KEYS):
+            if col in (L.OBS, L.REWARD, *L.FLAG_KEYS):
                 continue
             ring = self.rings[col, rule][1][0]
             if col not in values:
                 raise UsageError(f"view column {col!r} is not a step leaf and the policy returned no extra of that name "
                                  f"(its extras: {sorted(extras)}); a view reads one of "
-                                 f"{list(STEP_KEYS)} or a policy extra")
+                                 f"{list(L.STEP_KEYS)} or a policy extra")
             got = np.asarray(values[col])
             want_shape, want_dtype = ring.buf.shape[2:], ring.buf.dtype
             if got.shape[1:] != want_shape or got.dtype != want_dtype:
@@ -232,7 +232,8 @@ class ActorViews:
     def advance(self, action: Any, extras: dict[str, Any], reward: np.ndarray, terminated: np.ndarray,
                 truncated: np.ndarray, next_obs: Any) -> None:
         """Record a step (its recorded values, ``(E, ...)`` each), start the episodes that ended, then take ``next_obs``."""
-        values = {ACTION: action, REWARD: reward, TERMINATED: terminated, TRUNCATED: truncated, **extras}
+        OBS = L.OBS  # called every step: the keys as locals
+        values = {L.ACTION: action, L.REWARD: reward, L.TERMINATED: terminated, L.TRUNCATED: truncated, **extras}
         if not self._checked:
             self._check_output(values, extras)
         for rk in self.columns:
@@ -277,7 +278,7 @@ def check_view_requirements(requirements: Any) -> dict[str, Any]:
             raise UsageError(f"view_requirements[{key!r}] (column {col!r}, shift={vr.shift!r}): offset {ahead[0]} is after "
                              "the step the policy acts on, which the actor cannot know yet; positive shifts (e.g. the next "
                              "observation) are for the learner side: leave this one out of the actor's requirements")
-        if col != OBS and 0 in vr.offsets:
+        if col != L.OBS and 0 in vr.offsets:
             raise UsageError(f"view_requirements[{key!r}] (column {col!r}, shift={vr.shift!r}): offset 0 is this step's own "
                              f"{col}, which the policy is computing (only 'obs' is known at offset 0); use shift=-1 for the "
                              "previous one")

@@ -7,10 +7,10 @@ remote policy, the thread pool, weights application, the start method pools use,
 like them, is not in ``__all__``), so that importing this module never imports ray.
 """
 
-from workers._actor import apply_weights
 from workers._agent_rows import Episode
 from workers._envs import EnvDriver
 from workers._multiagent import MultiAgentLoop, multiagent_examples
+from workers._policy import apply_weights
 from workers._pool import default_start_method
 from workers._remote import RemotePolicy
 from workers._server import InferenceServer

@@ -1,4 +1,5 @@
-"""TorchRL's collector vocabulary on a workers collector: thin translations, kept in one place to move as a façade.
+"""TorchRL's collector vocabulary on a workers collector: its setting names (:data:`ALIASES`) and its methods
+(:class:`TorchRLNames`), thin translations; part of TorchRL's façade, :mod:`workers.compat.torchrl`.
 
 TorchRL 0.14's ``Collector`` (and every collector deriving from its ``BaseCollector``) is driven with
 ``update_policy_weights_``, ``set_seed``, ``shutdown``, ``reset``, ``state_dict`` / ``load_state_dict``, ``next``
@@ -17,7 +18,13 @@ from typing import Any, NoReturn
 
 from shmbuf import UsageError
 
-__all__ = ["TorchRLNames"]
+__all__ = ["ALIASES", "TorchRLNames"]
+
+# TorchRL's setting name -> the engine's (workers.CollectSettings), accepted by every collector.
+ALIASES = {
+    "postproc": "on_batch",  # a function of each batch, before it is handed out
+    "reset_at_each_iter": "reset_each_rollout",  # every rollout starts from freshly reset envs
+}
 
 # What state_dict() holds: the counts a resumed run carries on from, and the weights version (TorchRL's names).
 STATE_KEYS = ("frames", "iter", "policy_version")

@@ -30,25 +30,13 @@ import numpy as np
 import optree
 
 from shmbuf import SchemaError, UsageError
-from shmbuf.layout import (
-    ACTION,
-    COMPLETE_EPISODES,
-    END,
-    ENV,
-    EPISODE,
-    OBS,
-    REWARD,
-    STEP,
-    STEP_KEYS,
-    TERMINATED,
-    TRUNCATED,
-    successors,
-)
+from shmbuf import layout as L
+from workers._policy import split_policy_output
 
 METHOD = "postprocess_trajectory"  # RLlib's Policy method
 NEW_OBS = "new_obs"
 # RLlib's SampleBatch column -> the step leaf it is
-RLLIB_COLUMNS = {"obs": OBS, "actions": ACTION, "rewards": REWARD, "terminateds": TERMINATED, "truncateds": TRUNCATED}
+RLLIB_COLUMNS = {"obs": L.OBS, "actions": L.ACTION, "rewards": L.REWARD, "terminateds": L.TERMINATED, "truncateds": L.TRUNCATED}
 DUMMY_STEPS = 2
 
 
@@ -65,26 +53,27 @@ class PostprocessSpec:
     columns: dict[str, tuple[tuple[int, ...], str]]
 
 
-def check_setting(postprocess: Any) -> None:
-    """UsageError unless ``postprocess`` is None, a bool, or a callable."""
+def check_setting(postprocess: Any, name: str = "postprocess") -> None:
+    """UsageError unless ``postprocess`` is None, a bool, or a callable; ``name``: the setting as the user gave it
+    (RLlib's ``postprocess``, or the engine's ``episode_hook``)."""
     if postprocess is not None and not isinstance(postprocess, bool) and not callable(postprocess):
-        raise UsageError(f"postprocess: expected None (the policy's {METHOD} if it has one), True (it must have one), "
+        raise UsageError(f"{name}: expected None (the policy's {METHOD} if it has one), True (it must have one), "
                          f"False (none), or a callable (sample_batch, other_agent_batches, episode) -> sample_batch; "
                          f"got {postprocess!r:.80}")
 
 
-def resolve(postprocess: Any, policy: Any) -> Callable[..., Any] | None:
+def resolve(postprocess: Any, policy: Any, name: str = "postprocess") -> Callable[..., Any] | None:
     """The hook a setting names for ``policy``: a callable setting itself, else the policy's method (or None)."""
-    check_setting(postprocess)
+    check_setting(postprocess, name)
     if postprocess is False:
         return None
     if callable(postprocess) and not isinstance(postprocess, bool):
         return postprocess
     method = getattr(policy, METHOD, None)
     if method is None and postprocess is True:
-        raise UsageError(f"postprocess=True: the policy ({type(policy).__name__}) has no {METHOD} method; define "
+        raise UsageError(f"{name}=True: the policy ({type(policy).__name__}) has no {METHOD} method; define "
                          f"{METHOD}(self, sample_batch, other_agent_batches=None, episode=None), or pass the function "
-                         "as postprocess=")
+                         f"as {name}=")
     if method is not None and not callable(method):
         raise UsageError(f"the policy's {METHOD} is not callable: {method!r:.80}")
     return method
@@ -125,7 +114,7 @@ def added_columns(out: Mapping[str, Any], given: set[str], extras: Mapping[str, 
             continue
         if not isinstance(k, str) or not k or "/" in k:
             raise UsageError(f"{who}{METHOD} added column {k!r}: a column name is a non-empty str without '/'")
-        if k in STEP_KEYS or k in extras:
+        if k in L.STEP_KEYS or k in extras:
             raise UsageError(f"{who}{METHOD} added column {k!r}, which is already a step leaf; rename it")
         a = np.asarray(v)
         if a.ndim < 1 or a.shape[0] != n or a.dtype.kind not in "biufc":
@@ -135,7 +124,7 @@ def added_columns(out: Mapping[str, Any], given: set[str], extras: Mapping[str, 
     return columns
 
 
-def discover(postprocess: Any, policy: Any, probed: Mapping[str, Any]) -> PostprocessSpec | None:
+def discover(postprocess: Any, policy: Any, probed: Mapping[str, Any], name: str = "postprocess") -> PostprocessSpec | None:
     """Call the hook once on a dummy batch of :data:`DUMMY_STEPS` steps built from the probe's templates (zeros,
     no episode end) and return the columns it adds, or None when there is no hook.
 
@@ -143,11 +132,11 @@ def discover(postprocess: Any, policy: Any, probed: Mapping[str, Any]) -> Postpr
         UsageError: a bad setting; an added column that is not an array with one row per step, or whose
             name is a step leaf or a policy extra.
     """
-    hook = resolve(postprocess, policy)
+    hook = resolve(postprocess, policy, name)
     if hook is None:
         return None
     extras = dict(probed.get("extras") or {})
-    batch = dummy_batch(probed[OBS], probed[ACTION], extras)
+    batch = dummy_batch(probed[L.OBS], probed[L.ACTION], extras)
     given = set(batch)
     columns = added_columns(call_hook(hook, batch), given, extras, DUMMY_STEPS)
     return PostprocessSpec(hook if callable(postprocess) and not isinstance(postprocess, bool) else None, columns)
@@ -183,8 +172,6 @@ class Postprocessor:
     def with_placeholders(self, call: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``call`` (a numpy policy) whose extras also hold zeros for the added columns: the step leaves exist
         from the first step, and the hook overwrites them before the commit."""
-        from workers._actor import split_policy_output
-
         zeros = self._zeros
 
         def policy(obs: Any) -> Any:
@@ -195,17 +182,17 @@ class Postprocessor:
 
     def pieces(self, tree: Mapping[str, Any], fill: Mapping[str, int]) -> list[tuple[int, int, int]]:
         """``(env, t0, t1)`` of every episode piece of the rollout, steps ``t0 .. t1 - 1``, env by env in time order."""
-        n = int(fill[STEP])
-        if self.mode == COMPLETE_EPISODES:
+        n = int(fill[L.STEP])
+        if self.mode == L.COMPLETE_EPISODES:
             return [(0, 0, n)] if n else []
-        step = tree[STEP]
-        done = np.asarray(step[TERMINATED])[:n] | np.asarray(step[TRUNCATED])[:n]
+        step = tree[L.STEP]
+        done = np.asarray(step[L.TERMINATED])[:n] | np.asarray(step[L.TRUNCATED])[:n]
         done = done.reshape(n, -1)
-        ep = tree[EPISODE]
-        k = int(fill[EPISODE])
-        soft = ~(np.asarray(ep[TERMINATED])[:k] | np.asarray(ep[TRUNCATED])[:k])
+        ep = tree[L.EPISODE]
+        k = int(fill[L.EPISODE])
+        soft = ~(np.asarray(ep[L.TERMINATED])[:k] | np.asarray(ep[L.TRUNCATED])[:k])
         ends = done.copy()
-        ends[np.asarray(ep[END])[:k][soft], np.asarray(ep[ENV])[:k][soft]] = True
+        ends[np.asarray(ep[L.END])[:k][soft], np.asarray(ep[L.ENV])[:k][soft]] = True
         out = []
         for e in range(ends.shape[1]):
             t0 = 0
@@ -218,9 +205,9 @@ class Postprocessor:
 
     def apply(self, tree: Mapping[str, Any], fill: Mapping[str, int]) -> None:
         """Postprocess the rollout in ``tree`` (the writer's slot views), filled as ``fill`` says, in place."""
-        step = tree[STEP]
-        new_obs = successors(tree, fill, batch_mode=self.mode)
-        given = {**RLLIB_COLUMNS, **{k: k for k in step if k not in STEP_KEYS and k not in self.columns}}
+        step = tree[L.STEP]
+        new_obs = L.successors(tree, fill, batch_mode=self.mode)
+        given = {**RLLIB_COLUMNS, **{k: k for k in step if k not in L.STEP_KEYS and k not in self.columns}}
         for e, t0, t1 in self.pieces(tree, fill):
             def piece(x: Any, e: int = e, t0: int = t0, t1: int = t1) -> Any:
                 return x[t0:t1, e] if self.vector else x[t0:t1]

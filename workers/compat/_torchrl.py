@@ -3,7 +3,7 @@
 Imported only when a collector is given TorchRL inputs (a TensorDict module, a TorchRL ``EnvBase`` factory),
 so that ``import workers`` never imports torch, tensordict or torchrl.
 
-- **Envs.** :class:`workers._torchrl_factory.TorchRLFactory` wraps each env factory; a factory that returns a
+- **Envs.** :class:`workers.compat._torchrl_factory.TorchRLFactory` wraps each env factory; a factory that returns a
   TorchRL ``EnvBase`` gets a :class:`TorchRLEnv`: the gymnasium-style face the env workers step, over
   TorchRL's own API. ``reset`` is ``env.reset()``; ``step`` writes the action into the root TensorDict, calls
   ``env.step(td)`` and moves on with ``step_mdp``, as TorchRL's collectors do. The action goes in exactly as
@@ -33,11 +33,10 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import InteractionType, TensorDictModuleBase, set_interaction_type
 
 from shmbuf import SchemaError, UsageError
-from workers._tensordict import to_tensordict
-from workers._torchrl_factory import TorchRLFactory, is_torchrl_env
+from workers.compat._tensordict import to_tensordict
 
-__all__ = ["TensorDictBase", "TensorDictPolicy", "TorchRLEnv", "TorchRLFactory", "chained_seed", "is_torchrl_env",
-           "load_weights", "numpy_tree", "same_weights", "torchrl_batch", "weights_td"]
+__all__ = ["TensorDictBase", "TensorDictPolicy", "TorchRLEnv", "chained_seed", "load_weights", "numpy_tree", "same_weights",
+           "torchrl_batch", "weights_td"]
 
 
 def _leaf_name(key: Any) -> str:

@@ -8,7 +8,7 @@ of the same episode with steps in that fragment. Here the same, right before a r
 agent's valid steps up to one recorded ``terminated`` or ``truncated``, or to the round's last step, and the hook of
 the row's policy is called on each piece with:
 
-- ``sample_batch``: the agent's columns over the piece, as :mod:`workers._postprocess` gives them (views of the
+- ``sample_batch``: the agent's columns over the piece, as :mod:`workers.compat._rllib_postprocess` gives them (views of the
   slot, ``new_obs`` each step's successor), plus ``t``: each step's env step index within the round;
 - ``other_agent_batches``: ``{agent_id: (policy_id, policy, batch)}`` for every other agent of the same env with a
   valid step in the piece's env-step window (``t[0] .. t[-1]``), ``batch`` holding those steps only (copies, taken
@@ -36,19 +36,9 @@ import numpy as np
 import optree
 
 from shmbuf import SchemaError, UsageError
-from shmbuf.layout import (
-    ACTION,
-    COMPLETE_EPISODES,
-    OBS,
-    STEP,
-    STEP_KEYS,
-    TERMINATED,
-    TRUNCATE_EPISODES,
-    TRUNCATED,
-    VALID,
-    successors,
-)
-from workers._postprocess import (
+from shmbuf import layout as L
+from workers._policy import split_policy_output
+from workers.compat._rllib_postprocess import (
     DUMMY_STEPS,
     METHOD,
     NEW_OBS,
@@ -60,24 +50,25 @@ from workers._postprocess import (
     resolve,
     store,
 )
-from workers._postprocess import check_setting as check_one
+from workers.compat._rllib_postprocess import check_setting as check_one
 
 T_COLUMN = "t"  # RLlib's SampleBatch.T
 
 
-def check_setting(postprocess: Any, policies: Mapping[Any, Any]) -> None:
-    """UsageError unless ``postprocess`` is None, a bool, a callable, or ``{policy_id: one of those}`` of known ids."""
+def check_setting(postprocess: Any, policies: Mapping[Any, Any], name: str = "postprocess") -> None:
+    """UsageError unless ``postprocess`` is None, a bool, a callable, or ``{policy_id: one of those}`` of known ids;
+    ``name``: the setting as the user gave it."""
     if isinstance(postprocess, dict):
         unknown = sorted(str(pid) for pid in postprocess if pid not in policies)
         if unknown:
-            raise UsageError(f"postprocess: keyed by policy id; {unknown} are not in policies ({sorted(map(str, policies))})")
+            raise UsageError(f"{name}: keyed by policy id; {unknown} are not in policies ({sorted(map(str, policies))})")
         for pid, one in postprocess.items():
             try:
-                check_one(one)
+                check_one(one, name)
             except UsageError as exc:
-                raise UsageError(f"postprocess[{pid!r}]: {exc}") from None
+                raise UsageError(f"{name}[{pid!r}]: {exc}") from None
     else:
-        check_one(postprocess)
+        check_one(postprocess, name)
 
 
 def setting_for(postprocess: Any, pid: Any) -> Any:
@@ -87,13 +78,13 @@ def setting_for(postprocess: Any, pid: Any) -> Any:
 
 def _items(example: Mapping[str, Any], lead: int) -> tuple[Any, Any, dict[str, Any]]:
     """One item (no lead dims) of a rollout example's obs, action and extras (step leaves but the flags and valid)."""
-    step = example[STEP]
+    step = example[L.STEP]
 
     def item(x: Any) -> Any:
         return optree.tree_map(lambda a: np.asarray(a)[(0,) * lead], x)
 
-    extras = {k: item(v) for k, v in step.items() if k not in STEP_KEYS and k != VALID}
-    return item(step[OBS]), item(step[ACTION]), extras
+    extras = {k: item(v) for k, v in step.items() if k not in L.STEP_KEYS and k != L.VALID}
+    return item(step[L.OBS]), item(step[L.ACTION]), extras
 
 
 def _with_t(batch: dict[str, Any], t: np.ndarray) -> dict[str, Any]:
@@ -102,9 +93,9 @@ def _with_t(batch: dict[str, Any], t: np.ndarray) -> dict[str, Any]:
 
 
 def discover_policies(postprocess: Any, policies: Mapping[Any, Any], examples: Mapping[Any, Any], rows: Any, *,
-                      batch_mode: str, served: bool = False) -> dict[Any, PostprocessSpec]:
-    """Each hooked policy's :class:`~workers._postprocess.PostprocessSpec`: its hook called once on a dummy batch of
-    :data:`~workers._postprocess.DUMMY_STEPS` steps of zeros (from ``examples[policy_id]``, the pipelines'
+                      batch_mode: str, served: bool = False, name: str = "postprocess") -> dict[Any, PostprocessSpec]:
+    """Each hooked policy's :class:`~workers.compat._rllib_postprocess.PostprocessSpec`: its hook called once on a dummy batch of
+    :data:`~workers.compat._rllib_postprocess.DUMMY_STEPS` steps of zeros (from ``examples[policy_id]``, the pipelines'
     examples), with ``other_agent_batches`` a dummy batch for every other agent of an env (none in complete-episodes
     mode), as a hook will see them. ``served``: the policies are not in the actors (an own method is refused).
 
@@ -113,8 +104,8 @@ def discover_policies(postprocess: Any, policies: Mapping[Any, Any], examples: M
             step leaf; a served policy's own method.
         SchemaError: a hook that does not return a mapping (naming the policy).
     """
-    check_setting(postprocess, policies)
-    lead = 1 if batch_mode == COMPLETE_EPISODES else 2
+    check_setting(postprocess, policies, name)
+    lead = 1 if batch_mode == L.COMPLETE_EPISODES else 2
     n = DUMMY_STEPS
     pre = {}
     for pid, ex in examples.items():
@@ -123,14 +114,14 @@ def discover_policies(postprocess: Any, policies: Mapping[Any, Any], examples: M
     specs = {}
     for pid in examples:
         one = setting_for(postprocess, pid)
-        hook = resolve(one, policies[pid])
+        hook = resolve(one, policies[pid], name)
         if hook is None:
             continue
         own = not (callable(one) and not isinstance(one, bool))
         if own and served:
-            raise UsageError(f"postprocess: policy {pid!r} has a {METHOD} method, but with serve=True the policies stay "
+            raise UsageError(f"{name}: policy {pid!r} has a {METHOD} method, but with serve=True the policies stay "
                              f"in this process and the hook runs in the actors: pass the hook as a picklable function, "
-                             f"postprocess={{{pid!r}: fn}}, or postprocess={{{pid!r}: False}}")
+                             f"{name}={{{pid!r}: fn}}, or {name}={{{pid!r}: False}}")
         # an agent the policy has (a per-episode mapping: one it has in the first episode), and its env's others
         env_i, me = next(((e, a) for (e, a), (p, _) in rows.where.items() if p == pid), rows.policies[pid][0])
         others = {}
@@ -149,9 +140,9 @@ def discover_policies(postprocess: Any, policies: Mapping[Any, Any], examples: M
 def add_columns(examples: dict[Any, Any], specs: Mapping[Any, PostprocessSpec], *, batch_mode: str) -> None:
     """Give each policy's example a step leaf per column its hook adds (zeros, the example's lead dims), in place."""
     for pid, spec in specs.items():
-        step = examples[pid][STEP]
-        lead = np.shape(step[TERMINATED])
-        assert len(lead) == (1 if batch_mode == COMPLETE_EPISODES else 2)  # (T,) or (T, K)
+        step = examples[pid][L.STEP]
+        lead = np.shape(step[L.TERMINATED])
+        assert len(lead) == (1 if batch_mode == L.COMPLETE_EPISODES else 2)  # (T,) or (T, K)
         for k, (shape, dt) in spec.columns.items():
             step[k] = np.zeros((*lead, *shape), np.dtype(dt))
 
@@ -194,8 +185,6 @@ class MultiAgentPostprocessor:
     def wrap(self, calls: Mapping[Any, Callable[[Any], Any]]) -> dict[Any, Callable[[Any], Any]]:
         """The loop's numpy policies, those whose hook adds columns returning zeros for them as extras: the step leaves
         are written from the first step, and the hook overwrites them before the commit."""
-        from workers._actor import split_policy_output
-
         out = dict(calls)
         for pid, zeros in self._zeros.items():
             def policy(x: Any, call: Callable[[Any], Any] = calls[pid], zeros: dict[str, np.ndarray] = zeros) -> Any:
@@ -209,21 +198,21 @@ class MultiAgentPostprocessor:
     def _given(self, pid: Any, step: Mapping[str, Any]) -> dict[str, str]:
         """Policy ``pid``'s columns given to a hook (RLlib's names and every extra): column -> step leaf."""
         cols = self.columns.get(pid, {})
-        return {**RLLIB_COLUMNS, **{k: k for k in step if k not in STEP_KEYS and k != VALID and k not in cols}}
+        return {**RLLIB_COLUMNS, **{k: k for k in step if k not in L.STEP_KEYS and k != L.VALID and k not in cols}}
 
     def apply_round(self, views: Mapping[Any, Mapping[str, Any]], fills: Mapping[Any, Mapping[str, int]]) -> None:
         """Postprocess a round's rollouts (``views``: each policy's writer's slot views, filled as ``fills`` say), in
         place: every hooked policy's rows, piece by piece, with the other agents of the same env."""
         pre: dict[Any, tuple[dict[str, Any], np.ndarray]] = {}  # every policy's columns before any hook, and valid
         for pid, view in views.items():
-            cols = self._columns(pid, view, fills[pid], TRUNCATE_EPISODES)
-            pre[pid] = (cols, np.asarray(view[STEP][VALID][: int(fills[pid][STEP])]))
+            cols = self._columns(pid, view, fills[pid], L.TRUNCATE_EPISODES)
+            pre[pid] = (cols, np.asarray(view[L.STEP][L.VALID][: int(fills[pid][L.STEP])]))
         windows: dict[tuple[int, int, int], dict[Any, Any]] = {}
         for pid, hook in self.hooks.items():
-            step = views[pid][STEP]
+            step = views[pid][L.STEP]
             given = self._given(pid, step)
             cols, valid = pre[pid]
-            done = np.asarray(step[TERMINATED][: len(valid)]) | np.asarray(step[TRUNCATED][: len(valid)])
+            done = np.asarray(step[L.TERMINATED][: len(valid)]) | np.asarray(step[L.TRUNCATED][: len(valid)])
             for row, (env_i, me) in enumerate(self.rows.policies[pid]):
                 for t0, t1 in _pieces(valid[:, row], done[:, row]):
                     def piece(x: Any, t0: int = t0, t1: int = t1, row: int = row) -> Any:
@@ -265,32 +254,32 @@ class MultiAgentPostprocessor:
         step from the env episode's start."""
         pre = []
         for pid, agent, view, n, t0 in episodes:
-            cols = self._columns(pid, view, {STEP: n}, COMPLETE_EPISODES)
+            cols = self._columns(pid, view, {L.STEP: n}, L.COMPLETE_EPISODES)
             cols[T_COLUMN] = t0 + np.arange(n)
             pre.append((agent, (pid, self.policies[pid], cols)))
         for pid, agent, view, n, t0 in episodes:
             hook = self.hooks.get(pid)
             if hook is None or not n:
                 continue
-            step = view[STEP]
+            step = view[L.STEP]
             given = self._given(pid, step)
 
             def piece(x: Any, n: int = n) -> Any:
                 return x[:n]
 
             batch: dict[str, Any] = {name: optree.tree_map(piece, step[leaf]) for name, leaf in given.items()}
-            batch[NEW_OBS] = successors(view, {STEP: n}, batch_mode=COMPLETE_EPISODES)
+            batch[NEW_OBS] = L.successors(view, {L.STEP: n}, batch_mode=L.COMPLETE_EPISODES)
             batch[T_COLUMN] = t0 + np.arange(n)
             self._call(pid, hook, step, given, batch, {a: v for a, v in pre if a != agent}, piece, n)
 
     def _columns(self, pid: Any, view: Mapping[str, Any], fill: Mapping[str, int], batch_mode: str) -> dict[str, Any]:
         """Policy ``pid``'s columns of a filled slot ``view`` as a hook sees them (each step's successor as
         ``new_obs``), copies taken before any hook runs: what ``other_agent_batches`` are cut from."""
-        n = int(fill[STEP])
-        step = view[STEP]
+        n = int(fill[L.STEP])
+        step = view[L.STEP]
         cols: dict[str, Any] = {name: optree.tree_map(lambda x: np.array(x[:n]), step[leaf])
                                 for name, leaf in self._given(pid, step).items()}
-        cols[NEW_OBS] = successors(view, fill, batch_mode=batch_mode)
+        cols[NEW_OBS] = L.successors(view, fill, batch_mode=batch_mode)
         return cols
 
     def _call(self, pid: Any, hook: Callable[..., Any], step: Mapping[str, Any], given: dict[str, str],
@@ -324,8 +313,9 @@ def _pieces(valid: np.ndarray, done: np.ndarray) -> list[tuple[int, int]]:
     return out
 
 
-def trained_policies(policies_to_train: Any, pids: list[Any]) -> list[Any]:
-    """The policy ids ``policies_to_train`` selects from ``pids`` (RLlib's setting: None, ids, or ``id -> bool``).
+def trained_policies(policies_to_train: Any, pids: list[Any], name: str = "policies_to_train") -> list[Any]:
+    """The policy ids ``policies_to_train`` selects from ``pids`` (RLlib's setting: None, ids, or ``id -> bool``;
+    ``name``: the setting as the user gave it, RLlib's ``policies_to_train`` or the engine's ``trained``).
 
     Raises:
         UsageError: an id that is not a policy, a function that is not one of an id, or none selected.
@@ -340,11 +330,11 @@ def trained_policies(policies_to_train: Any, pids: list[Any]) -> list[Any]:
     elif isinstance(policies_to_train, (list, tuple, set, frozenset)):
         unknown = sorted(str(pid) for pid in policies_to_train if pid not in pids)
         if unknown:
-            raise UsageError(f"policies_to_train: {unknown} are not in policies ({sorted(map(str, pids))})")
+            raise UsageError(f"{name}: {unknown} are not in policies ({sorted(map(str, pids))})")
         chosen = [pid for pid in pids if pid in policies_to_train]
     else:
-        raise UsageError(f"policies_to_train: expected policy ids or a function of one, got {policies_to_train!r:.80}")
+        raise UsageError(f"{name}: expected policy ids or a function of one, got {policies_to_train!r:.80}")
     if not chosen:
-        raise UsageError(f"policies_to_train: no policy selected (policies: {sorted(map(str, pids))}); a collector "
+        raise UsageError(f"{name}: no policy selected (policies: {sorted(map(str, pids))}); a collector "
                                 "with nothing to hand out has nothing to do")
     return chosen

@@ -38,27 +38,11 @@ import numpy as np
 import optree
 
 from shmbuf import SchemaError, UsageError
-from shmbuf.layout import (
-    ACTION,
-    BATCH_MODES,
-    BOOTSTRAP,
-    EPISODE,
-    FINAL_OBS,
-    FLAG_KEYS,
-    OBS,
-    REWARD,
-    STEP,
-    STEP_KEYS,
-    TERMINATED,
-    TRUNCATE_EPISODES,
-    TRUNCATED,
-    Grid,
-    grid,
-)
+from shmbuf import layout as L
 
 # TorchRL's entry names for the flags: TorchRL's words (they happen to be the layout's too), so spelled here.
 FLAGS = ("terminated", "truncated")
-RESERVED = (*STEP_KEYS, "policy_version")  # step leaves with a TorchRL name of their own
+RESERVED = (*L.STEP_KEYS, "policy_version")  # step leaves with a TorchRL name of their own
 
 
 def _imports() -> tuple[Any, Any, Any]:
@@ -89,7 +73,7 @@ def _same_tree(spec: Any, tree: Any, what: str) -> None:
 
 
 def _flag_leaves(step: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    term, trunc = np.asarray(step[TERMINATED]), np.asarray(step[TRUNCATED])
+    term, trunc = np.asarray(step[L.TERMINATED]), np.asarray(step[L.TRUNCATED])
     if term.shape != trunc.shape:
         raise SchemaError(f"step leaves 'terminated' {term.shape} and 'truncated' {trunc.shape} differ in shape")
     return term, trunc
@@ -115,7 +99,7 @@ def _names(step: Mapping[str, Any], obs_paths: list[tuple[str, ...]], rename: Ma
     return names
 
 
-def _next_obs(g: Grid, path: tuple[str, ...], leaf: np.ndarray) -> np.ndarray:
+def _next_obs(g: L.Grid, path: tuple[str, ...], leaf: np.ndarray) -> np.ndarray:
     """``next/observation`` of one obs leaf in TorchRL order, a new array (:meth:`shmbuf.layout.Grid.successors`:
     one vectorised pass). Vector envs: allocated ``(B, E, T, ...)`` and written through a ``(B, T, E, ...)`` view,
     so that the tensor is contiguous in TorchRL's order."""
@@ -152,7 +136,7 @@ class _Parts(NamedTuple):
     version: np.ndarray | None  # TorchRL order: from batch.policy_version (per rollout)
 
 
-def _truncated(batch: Any, g: Grid, term: np.ndarray, trunc: np.ndarray) -> _Parts:
+def _truncated(batch: Any, g: L.Grid, term: np.ndarray, trunc: np.ndarray) -> _Parts:
     B, T, E, vector, n = g.B, g.T, g.E, g.vector, g.n
     short = np.flatnonzero((n > 0) & (n < T))
     if short.size:  # mark each cut (see to_tensordict's doc): on a copy, never in the batch
@@ -170,7 +154,7 @@ def _truncated(batch: Any, g: Grid, term: np.ndarray, trunc: np.ndarray) -> _Par
     return _Parts(tuple(order), vector, trunc, done, _traj_ids(g.as_bte(done), filled, vector), mask, version)
 
 
-def _complete(batch: Any, g: Grid, term: np.ndarray, trunc: np.ndarray) -> _Parts:
+def _complete(batch: Any, g: L.Grid, term: np.ndarray, trunc: np.ndarray) -> _Parts:
     """A complete-episodes batch: steps concatenated, ``(N, ...)``, one episode per ``batch.lengths`` entry."""
     lengths = g.lengths
     if lengths is None:  # grid() reads them only from a complete-episodes batch with no fill
@@ -222,25 +206,25 @@ def to_tensordict(batch: Any, /, *, rename: Mapping[str, str] | None = None) -> 
     torch, TensorDict, to_torch = _imports()
     mode = getattr(batch, "batch_mode", None)
     data = getattr(batch, "data", None)
-    if mode not in BATCH_MODES or not isinstance(data, Mapping) or STEP not in data:
+    if mode not in L.BATCH_MODES or not isinstance(data, Mapping) or L.STEP not in data:
         raise UsageError(f"to_tensordict: expected a workers.CollectedBatch (with data['step'] and a batch_mode), got "
                          f"{type(batch).__name__} with batch_mode={mode!r}")
-    step = data[STEP]
-    missing = [k for k in (OBS, ACTION, REWARD, *FLAG_KEYS) if k not in step]
+    step = data[L.STEP]
+    missing = [k for k in (L.OBS, L.ACTION, L.REWARD, *L.FLAG_KEYS) if k not in step]
     if missing:
         raise SchemaError(f"step leaves {missing} are missing; the workers rollout layout has obs, action, reward, "
                           f"terminated, truncated (and policy extras), got {sorted(step)}")
-    obs_paths, obs_leaves, obs_spec = _paths(step[OBS], "obs")
+    obs_paths, obs_leaves, obs_spec = _paths(step[L.OBS], "obs")
     names = _names(step, obs_paths, dict(rename or {}))
-    _same_tree(obs_spec, data[BOOTSTRAP][OBS], "bootstrap obs")
+    _same_tree(obs_spec, data[L.BOOTSTRAP][L.OBS], "bootstrap obs")
     fill = batch.fill
-    if mode == TRUNCATE_EPISODES:
-        if not isinstance(fill, Mapping) or STEP not in fill or EPISODE not in fill:
+    if mode == L.TRUNCATE_EPISODES:
+        if not isinstance(fill, Mapping) or L.STEP not in fill or L.EPISODE not in fill:
             raise UsageError(f"a truncate-episodes batch needs batch.fill with 'step' and 'episode' counts, got {fill!r}")
-        _same_tree(obs_spec, data[EPISODE][FINAL_OBS], "episode final_obs")
-    g = grid(batch)
+        _same_tree(obs_spec, data[L.EPISODE][L.FINAL_OBS], "episode final_obs")
+    g = L.grid(batch)
     term, trunc = _flag_leaves(step)
-    parts = _truncated(batch, g, term, trunc) if mode == TRUNCATE_EPISODES else _complete(batch, g, term, trunc)
+    parts = _truncated(batch, g, term, trunc) if mode == L.TRUNCATE_EPISODES else _complete(batch, g, term, trunc)
     nexts = [_next_obs(g, p, o) for p, o in zip(obs_paths, obs_leaves, strict=True)]
 
     def tl(x: Any) -> Any:  # a step leaf with time last: (B, T, E, ...) -> (B, E, T, ...) as a view
@@ -252,14 +236,14 @@ def to_tensordict(batch: Any, /, *, rename: Mapping[str, str] | None = None) -> 
         key = (names["observation"],) if p == () else (names[p[0]], *p[1:])
         td.set(key, tl(o))
         td.set(("next", *key), torch.from_numpy(nx))
-    for name in [ACTION, *(k for k in step if k not in RESERVED)]:
+    for name in [L.ACTION, *(k for k in step if k not in RESERVED)]:
         for p, leaf in zip(*_paths(step[name], name)[:2]):
             td.set((names[name], *p), tl(leaf))
     if "policy_version" in step:
         td.set(names["policy_version"], tl(step["policy_version"]))
     elif parts.version is not None:
         td.set(names["policy_version"], torch.from_numpy(parts.version))
-    td.set(("next", names["reward"]), tl(step[REWARD]).unsqueeze(-1))
+    td.set(("next", names["reward"]), tl(step[L.REWARD]).unsqueeze(-1))
     td.set(("next", names["done"]), tl(parts.done).unsqueeze(-1))
     td.set(("next", names["terminated"]), tl(term).unsqueeze(-1))
     td.set(("next", names["truncated"]), tl(parts.truncated).unsqueeze(-1))
