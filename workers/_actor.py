@@ -303,8 +303,9 @@ class ActorLoop:
     # -- truncate-episodes: T steps of every sub-env per rollout -------------
 
     def _truncate_rollout(self) -> bool:
-        self.update_weights()
         w = self.writers[0]
+        w.slot()  # the slot first, then the weights: what was published while this waited for it is taken
+        self.update_weights()
         row = _squeeze0 if self.single else _same
         E, M = self.E, self.max_episodes
         # the keys the per-step loop uses, as locals (a module attribute is a lookup more per use)

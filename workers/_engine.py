@@ -29,6 +29,7 @@ import shmbuf
 from shmbuf import layout as L
 from workers import _pool
 from workers._batches import progress
+from workers._learner_cpu import learner_threads
 from workers._lifetime import Lifetime
 from workers._placement import Placement
 from workers._pool import ActorPool
@@ -145,7 +146,9 @@ class Engine:
         self._take = Taker(self.readers, check=self._check_actors, leaving=self._state.is_leaving,
                            timeout=settings.timeout, copy=settings.copy, rollouts=lay.rollouts_per_batch,
                            frames_per_batch=lay.frames_per_batch, collector=type(self).__name__,
-                           stream_name=envs.stream_name, episode=envs.episode)
+                           stream_name=envs.stream_name, episode=envs.episode,
+                           max_policy_lag=settings.max_policy_lag if lay.extra.get("align") else None,
+                           versions=self.policy_versions)
         self._life.arm()  # last: at exit it closes before the finalizers of what _start made
 
     def _start(self, threads: bool) -> None:
@@ -159,6 +162,13 @@ class Engine:
                                    keep_on_crash=s.keep_on_crash)
             self.readers[key] = reader
             life.hold(f"pipeline {key!r}", _untimed(reader.close))
+            if s.max_policy_lag is not None and not lay.extra.get("align"):
+                # The reader holds the lag (it gives back, unread, what is too old), spreading each batch's slots
+                # over the actors; aligned rounds are held by the Taker instead, a round at a time.
+                reader.policy_version = self.policy_versions[key]
+                reader.max_policy_lag = s.max_policy_lag
+        # The learner's torch threads, before the actors start taking the cores (workers/_learner_cpu.py)
+        learner_threads(s.learner_threads, lay.num_actors, processes=not threads, stacklevel=5)
         placed = {}
         for key, p in self.placements.items():
             life.hold(f"placement {key!r}", p.close)  # after the actors are stopped: tables, servers, broadcasts
@@ -286,6 +296,7 @@ class Engine:
                 raise shmbuf.UsageError("update_policy_weights(versions=...): a collector of one policy takes version=")
             (key,) = self.placements
             self.policy_versions[key] = self.placements[key].update_weights(weights, version)
+            self._versions_to_readers()
             return self.policy_versions[key]
         if version is not None:
             raise shmbuf.UsageError("update_policy_weights(version=...): versions count per policy here; give "
@@ -307,7 +318,14 @@ class Engine:
             if w is None and p.awaited_weights is not None:
                 w = p.awaited_weights  # never published: what would have been version 0
             out[pid] = self.policy_versions[pid] = p.update_weights(w, (versions or {}).get(pid))
+        self._versions_to_readers()
         return out
+
+    def _versions_to_readers(self) -> None:
+        """The learner's versions, to the readers that hold a lag (the rule is theirs: see ``_start``)."""
+        for key, reader in self.readers.items():
+            if reader.max_policy_lag is not None:
+                reader.policy_version = self.policy_versions[key]
 
     # -- iteration ----------------------------------------------------------
 
@@ -326,9 +344,8 @@ class Engine:
         s, lay = self.settings, self.layout
         on_batch = s.on_batch
         while s.total_frames < 0 or self.frames < s.total_frames:
-            # Batch taking for every collector: which rollouts make a batch is the Taker's rule (workers/_take.py,
-            # per rollout taken; a max_policy_lag bound tests each one's policy_version against
-            # self.policy_versions there).
+            # Batch taking for every collector: which rollouts make a batch is the Taker's rule (workers/_take.py);
+            # max_policy_lag is held by the readers (set in _start), or by the Taker for aligned rounds.
             if lay.batch_mode == L.COMPLETE_EPISODES:
                 taken: Any = self._take.episodes()
             elif lay.extra.get("align"):
@@ -371,7 +388,16 @@ class Engine:
         """Frames, batches, frames/s since the first batch was asked for, policy lag, recent returns, actor restarts,
         and the envs' and placements' own (shmbuf's counters; a served policy's server)."""
         return {**progress(self.frames, self.batches, self.started_at, self.policy_version, self._lags, self._returns),
-                "actor_restarts": self.pool.restarts if self.pool is not None else 0, **self.envs.stats(self)}
+                "actor_restarts": self.pool.restarts if self.pool is not None else 0,
+                "max_policy_lag": self.settings.max_policy_lag, "stale_dropped": self.stale_dropped(),
+                **self.envs.stats(self)}
+
+    def stale_dropped(self) -> int:
+        """Rollouts given back unread as older than ``max_policy_lag`` allows (by the readers, or with their round)."""
+        dropped = self._take.stale_dropped
+        for r in self.readers.values():
+            dropped += r.stats()["stale_dropped"]
+        return dropped
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the servers (waking their workers), close the pipelines (waking the writers), stop the actors, then

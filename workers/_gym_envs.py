@@ -20,7 +20,7 @@ from workers._batches import CollectedBatch, episodes_batch, rounds_batch
 from workers._engine import Layout
 from workers._envs import split_among
 from workers._placement import Placement
-from workers._plan import BatchPlan, default_num_actors, plan_batches
+from workers._plan import BatchPlan, default_num_actors, lag_slots, plan_batches
 from workers._seeding import actor_seed
 from workers._settings import CollectSettings, env_factories
 from workers._views import check_view_requirements
@@ -100,7 +100,8 @@ class GymEnvs:
         example = rollout_layout(plan, probed, extras, s.max_episodes)
         return Layout(batch_mode=plan.batch_mode, frames_per_batch=plan.frames_per_batch, num_actors=plan.num_actors,
                       num_envs=plan.num_envs, rollout_len=plan.rollout_len, rollouts_per_batch=plan.rollouts_per_batch,
-                      examples={None: example}, writers={None: plan.writers}, slots={None: plan.slots},
+                      examples={None: example}, writers={None: plan.writers},
+                      slots={None: lag_slots(plan.rollouts_per_batch, s.max_policy_lag, s.slots, plan.slots, s.name("slots"))},
                       probed={None: probed}, total=plan.rounded_total,
                       extra={"plan": plan, "env_fns": env_fns, "hook": hook})
 

@@ -45,11 +45,11 @@ def learner_threads(setting: Any, num_actors: int, *, processes: bool = True, ma
     torch left as it is). ``processes``: the actors are processes (thread actors share this process's cores anyway,
     and nothing is checked)."""
     if setting is None:
-        torch = sys.modules.get("torch")  # the learner's torch, if it uses one: a collector never imports it for this
-        if torch is None or not processes:
+        loaded = sys.modules.get("torch")  # the learner's torch, if it uses one: a collector never imports it for this
+        if loaded is None or not processes:
             return None
         left = threads_left(num_actors, machine_cores)
-        have = torch.get_num_threads()
+        have = loaded.get_num_threads()
         if have > left:
             warnings.warn(
                 f"torch in this process (the learner) runs {have} threads, but the {num_actors} actor processes leave "

@@ -353,8 +353,8 @@ class MultiAgentLoop:
         """One rollout per policy, committed; False if the loop was asked to stop (nothing committed)."""
         if self.should_stop():
             return False
-        self.update_weights()
         slots = {pid: _PolicyRollout(w.slot()) for pid, w in self.writers.items()}
+        self.update_weights()  # after the slots: what was published while this waited for them is taken
         if self._cur is None:
             self._buffers(slots, {pid: len(rows) for pid, rows in self.rows.policies.items()}, 2)
         assert self._cur is not None  # set just above

@@ -27,6 +27,7 @@ from workers._multiagent import AGENT_STEPS_COUNT, COUNT_STEPS_BY, ENV_STEPS_COU
 from workers._multiagent_actor import MultiAgentSpec, envs_of, run_multiagent_actor
 from workers._multiagent_batch import MultiAgentBatch
 from workers._placement import Placement
+from workers._plan import lag_slots
 from workers._remote import VERSION_KEY
 from workers._settings import CollectSettings, env_factories
 from workers._views import check_view_requirements
@@ -157,6 +158,8 @@ class PettingZooEnvs:
             slots = {pid: 2 * writers[pid] + 4 for pid in trained}  # two episodes per writer
         else:
             slots = dict.fromkeys(trained, -(-max(3 * B, 2 * B + 2 * n_actors) // B) * B)  # two batches, two a writer
+        slots = {pid: lag_slots(0 if complete else B, s.max_policy_lag, s.slots, n, s.name("slots"))
+                 for pid, n in slots.items()}
         rounded = B * T * per_round
 
         def total(frames: int) -> int | None:

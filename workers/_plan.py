@@ -91,3 +91,27 @@ def plan_batches(*, batch_mode: str = L.TRUNCATE_EPISODES, frames_per_batch: int
     return BatchPlan(batch_mode=batch_mode, frames_per_batch=frames_per_batch, num_actors=num_actors, num_envs=E,
                      rollout_len=T, rollouts_per_batch=B, writers=writers,
                      slots=default_slots if slots is None else slots)
+
+
+def lag_slots(rollouts_per_batch: int, max_policy_lag: int | None, slots: int | None, planned: int,
+              name: str = "slots") -> int:
+    """A stream's slots under ``max_policy_lag``: ``planned`` (the default without one) when no lag is set or batches
+    are complete episodes (``rollouts_per_batch`` 0: the reader's rule holds the lag there); else
+    ``B * (lag + 1)`` by default (the batch the learner holds and the ``lag`` batches the actors may collect ahead),
+    and an explicit ``slots`` from ``B`` to ``B * (lag + 1)``.
+
+    Raises:
+        shmbuf.UsageError: ``slots`` outside that range, naming both bounds.
+    """
+    B = rollouts_per_batch
+    if max_policy_lag is None or not B:
+        return planned if slots is None else slots
+    most = B * (max_policy_lag + 1)
+    if slots is None:
+        return most
+    if not B <= slots <= most:
+        why = ("fewer can never fill a batch" if slots < B else
+               f"more would collect rollouts more than {max_policy_lag} version(s) behind, only to drop them")
+        raise UsageError(f"{name}={slots} with max_policy_lag={max_policy_lag}: a batch is {B} rollouts, so the lag "
+                         f"holds with {name} from {B} to {most} (the default, {B} x (max_policy_lag + 1)): {why}")
+    return slots

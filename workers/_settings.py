@@ -74,6 +74,11 @@ class CollectSettings:
             on every episode piece in the actor before its commit (None: the policy's method if it has one; True:
             it must have one; False: none; a callable; multi-agent: also ``{policy_id: one of those}``).
         on_batch: (TorchRL's ``postproc``) called on every batch before it is handed out; what it returns is.
+        max_policy_lag: the most weights versions any rollout of a batch may be behind the learner's (``0``: every
+            rollout collected with the weights published last; ``1``: the actors collect the next batch during the
+            update; None: free-running). Held exactly; slots default to what the lag needs (docs/on-policy.md).
+        learner_threads: torch's threads in this process (the learner): None leaves them (and warns when they
+            oversubscribe the cores the actors leave), ``"auto"`` sets the cores the actors leave, an int that many.
     """
 
     frames_per_batch: int | None = None
@@ -102,6 +107,8 @@ class CollectSettings:
     view_requirements: Any = None
     episode_hook: Any = None
     on_batch: Callable[[Any], Any] | None = None
+    max_policy_lag: int | None = None
+    learner_threads: int | str | None = None
     names: InitVar[dict[str, str] | None] = None  # field -> the name the user gave it (a framework's), for messages
 
     def __post_init__(self, names: dict[str, str] | None) -> None:
@@ -135,6 +142,12 @@ class CollectSettings:
         for field in ("restart", "progress", "copy", "keep_on_crash", "await_weights", "reset_each_rollout"):
             if not isinstance(getattr(self, field), bool):
                 raise UsageError(f"{name(field)}: expected a bool, got {getattr(self, field)!r:.80}")
+        if self.max_policy_lag is not None:
+            int_setting(name("max_policy_lag"), self.max_policy_lag, 0)
+        lt = self.learner_threads
+        if lt is not None and lt != "auto" and (isinstance(lt, bool) or not isinstance(lt, (int, np.integer)) or lt < 1):
+            raise UsageError(f"{name('learner_threads')}: expected None (torch left as it is), 'auto' (the cores the "
+                             f"actors leave) or an int >= 1, got {lt!r:.80}")
         check_limits(self.batch_mode, self.episode_limit, self.soft_limit, self.ends_truncated, given)
         if self.reset_each_rollout and self.batch_mode != L.TRUNCATE_EPISODES:
             raise UsageError(f"{name('reset_each_rollout')}=True: complete-episodes batches start every episode from a "

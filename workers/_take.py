@@ -14,11 +14,11 @@ from it: nothing taken is dropped (a Ray node's collector waits in short slices 
 - :meth:`Taker.episodes` (complete-episodes): episodes from every stream as they come, copied, until they hold
   ``frames_per_batch`` frames.
 
-The rule a new promise about which rollouts make a batch goes into is here, once for every collector: a bound on the
-policy lag (``max_policy_lag``: no rollout in a batch acted by weights more than that many versions older than the
-learner's) is a test of each rollout's ``policy_version`` against the learner's, made where a rollout is taken
-(a run's rollouts, a round's, an episode), with the plan's slots sized so that a stale rollout's slot is not
-needed meanwhile (docs/design/engine.md).
+A bound on the policy lag (``max_policy_lag``: no rollout in a batch acted by weights more than that many versions
+older than the learner's) is held by each stream's reader (``shmbuf.Reader.max_policy_lag``: it gives back, unread, a
+ready rollout that is too old) for runs and episodes, and here for aligned rounds, where a round is taken or dropped
+whole (a reader dropping one stream's rollout would leave its round's other rollouts waiting for ever). The plan's
+slots are sized for the lag (``workers._plan.lag_slots``); docs/on-policy.md.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class Taker:
 
     def __init__(self, readers: dict[Any, Any], *, check: Callable[[], None], leaving: Callable[[], bool],
                  timeout: float | None, copy: bool, rollouts: int, frames_per_batch: int, collector: str,
-                 stream_name: Callable[[Any], str], episode: str = "episode"):
+                 stream_name: Callable[[Any], str], episode: str = "episode", max_policy_lag: int | None = None,
+                 versions: dict[Any, int] | None = None):
         self.readers = readers
         self.check = check
         self.leaving = leaving
@@ -66,8 +67,13 @@ class Taker:
         self.collector = collector
         self.stream_name = stream_name
         self.episode = episode
+        self.max_policy_lag = max_policy_lag  # held here for aligned rounds: a round goes, or is dropped, whole
+        self.versions = versions if versions is not None else {}  # the learner's, per stream (the engine's dict)
+        self.stale_dropped = 0
+        self._dropped: set[tuple[int, int]] = set()  # rounds dropped as too old: their later rollouts go too
         self.slice = WAIT_SLICE if len(readers) == 1 else WAIT_SLICE / 2
         self._taken: dict[Any, Any] = {}  # runs: each stream's run taken so far
+        self._last: dict[Any, Any] = {}  # runs, several streams: the batches of views handed out last
         self._parts = {key: no_episodes() for key in readers}  # episodes: what the next batch has so far
         self._pending: dict[Any, dict[tuple[int, int], Any]] = {key: {} for key in readers}  # rounds: kept by round
         self._arrival: dict[tuple[int, int], int] = {}  # rounds: each round's order of first arrival
@@ -86,11 +92,21 @@ class Taker:
         wait that runs out loses none, the next call takes the rest. A kept batch of views holds its slots until its
         reader's next ``get_batch``, which comes only after the whole batch was handed out."""
         taken = self._taken
+        if not taken:
+            # Every stream's last batch goes back before any stream waits: an actor claims a slot of every stream
+            # for a round, so a stream whose batch were held until its own next call could keep the others waiting
+            # (with the slots a lag needs and no more: for ever). The views were valid until this call anyway.
+            for last in self._last.values():
+                if not last.released:
+                    last.release()
+            self._last = {}
         for key in self.readers:
             if key not in taken:
                 taken[key] = self._run(key)
         self.check()
         self._taken = {}
+        if len(taken) > 1:
+            self._last = {k: b for k, b in taken.items() if b.zero_copy and not self.copy}
         return taken
 
     def _run(self, key: Any) -> Any:
@@ -126,12 +142,28 @@ class Taker:
         def keep(key: Any, r: Any) -> None:
             with r:
                 name = (int(r.pid), int(r.seq))
+                if name in self._dropped:  # its round was dropped as too old: so is the rest of it
+                    self.stale_dropped += 1
+                    return
                 whole_slot = optree.tree_map(np.array, r.data)  # padded to capacity: rounds stack into (B, ...)
                 pending[key][name] = (whole_slot, dict(r.fill), int(r.lane), int(r.epoch), int(r.seq),
                                       int(r.policy_version))
             self._arrival.setdefault(name, len(self._arrival))
 
-        while len(whole()) < B:
+        def fresh() -> list[tuple[int, int]]:
+            """The whole rounds, once every round with a rollout too old is dropped (all its streams' rollouts)."""
+            if self.max_policy_lag is not None:
+                for key in keys:
+                    oldest = self.versions.get(key, 0) - self.max_policy_lag
+                    self._dropped.update(n for n, got in pending[key].items() if got[5] < oldest)
+                for n in self._dropped & set(self._arrival):
+                    for key in keys:
+                        if pending[key].pop(n, None) is not None:
+                            self.stale_dropped += 1
+                    del self._arrival[n]
+            return whole()
+
+        while len(fresh()) < B:
             self._poll(keep, deadline, lambda: f"no {B} whole rounds within timeout={self.timeout} s "
                                                f"({self.collector}(timeout=...); rounds waiting for a stream: "
                                                f"{len(self._arrival)})")

@@ -80,11 +80,11 @@ class SlotRollouts:
         loop = self.loop
         if loop.should_stop():  # before waiting for a slot: a stop asked meanwhile is not kept waiting
             return False
-        loop.update_weights()
         w = loop.writers[0]
         driver = loop.driver
         T, E, M = loop.T, self.E, loop.max_episodes
-        view = w.slot()
+        view = w.slot()  # the slot first, then the weights: what was published while this waited for it is taken
+        loop.update_weights()
         st, bs = view[L.STEP], view[L.BOOTSTRAP]
         obs_s = self._rows(st[L.OBS], T)
         act_s, rew_s = self._rows(st[L.ACTION], T), self._rows(st[L.REWARD], T)
