@@ -62,7 +62,9 @@ def test_a_slow_learner_never_gets_a_rollout_older_than_the_setting(lag: int) ->
     assert max(max(b) for b in lags) <= lag, lags
     if lag == 1:  # the actors collect during the update: the batches after the first are one version behind
         assert sum(1 for b in lags if max(b) == 1) >= 6, lags
-    assert stats["max_policy_lag"] == lag and stats["stale_dropped"] >= 0
+    assert stats["max_policy_lag"] == lag
+    if lag == 0:  # every slot comes back after the learner published, and an actor claims it before it reads the
+        assert stats["stale_dropped"] == 0  # weights: nothing is ever collected with a version already old
 
 
 def test_free_running_with_many_slots_runs_further_behind_the_setting_is_what_bounds_it() -> None:
