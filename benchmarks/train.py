@@ -17,8 +17,8 @@ on ``CartPole-v1`` (threshold 475) and ``Acrobot-v1`` (threshold -100), seeds 1,
 
 - ``one_process``: CleanRL's own loop over a gymnasium ``SyncVectorEnv(4)`` in one process (the floor to beat);
 - ``shmbuf_lag0`` / ``shmbuf_lag1``: the same learner on ``workers.Collector`` (2 actors x 2 envs), the Collector
-  given ``max_policy_lag=0`` / ``1`` where it takes that setting; a Collector without it runs free, and the run
-  records ``lag_enforced: false`` (its lag only measured).
+  given ``max_policy_lag=0`` / ``1`` (each run records the lag of every batch, and the rollouts the Collector gave
+  back as too old, ``stale_dropped``).
 
 Torch runs on one thread in every process (the learner and each actor). A run stops once the mean return of the
 last 100 episodes reaches the env's threshold (``--full-budget``: it goes on to the end of the 500,000 steps).

@@ -38,7 +38,8 @@ def train_line(r: dict[str, Any]) -> str:
     reached = r["reached"]
     when = f"threshold at {reached['seconds']:.1f} s ({reached['steps']:,} steps)" if reached else "threshold not reached"
     return (f"{head}: {_n(r['steps_per_s'])} steps/s, {when}, return {_n(r['final_return'], '.1f')} at {r['steps']:,} "
-            f"steps, lag mean {r['lag_mean']:.2f} max {r['lag_max']}" + ("" if r["lag_enforced"] else " (measured)"))
+            f"steps, lag mean {r['lag_mean']:.2f} max {r['lag_max']}"
+            + (f", {r.get('stale_dropped', 0)} stale dropped" if r["lag_enforced"] else " (measured)"))
 
 
 def atari_line(r: dict[str, Any]) -> str:

@@ -16,10 +16,10 @@ same update. Only the collection lines differ:
   the actors (``collector.update_policy_weights``).
 
 Policy lag: each batch's ``policy_lag`` (the learner's weights version minus the version that collected each
-rollout) is recorded. ``--max-policy-lag N`` is handed to the Collector where it takes that setting (``0``: every
-rollout of a batch collected with the learner's latest weights; ``1``: the actors collect the next batch during
-the update, never more than one version behind); a Collector without it runs free and the lag is only measured
-(the result's ``lag_enforced`` says which).
+rollout) is recorded. ``--max-policy-lag N`` is the Collector's setting (``0``: every rollout of a batch collected
+with the learner's latest weights; ``1``: the actors collect the next batch during the update, never more than one
+version behind; not given: free-running, the lag only measured); docs/on-policy.md says what it does to PPO and
+why the ratio takes the log-probabilities the actors recorded.
 
     python examples/ppo_cleanrl.py                                  # CartPole-v1, 500,000 steps, the Collector
     python examples/ppo_cleanrl.py --one-process                    # the same trainer without shmbuf
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import inspect
 import json
 import os
 import random
@@ -222,15 +221,6 @@ def numpy_state(agent: nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in agent.state_dict().items()}
 
 
-def lag_setting(max_policy_lag: int | None) -> tuple[dict[str, Any], bool]:
-    """The Collector keywords for ``max_policy_lag``, and whether the lag is enforced: the setting is passed only
-    where the Collector takes it (``max_policy_lag`` in its signature); elsewhere it runs free and the lag is only
-    measured."""
-    if max_policy_lag is None or "max_policy_lag" not in inspect.signature(Collector).parameters:
-        return {}, False
-    return {"max_policy_lag": max_policy_lag}, True
-
-
 def _cleanrl_order(x: np.ndarray) -> torch.Tensor:
     """A step leaf ``(B, T, E, ...)`` as CleanRL's ``[T, B x E, ...]`` (a copy)."""
     b, t, e = x.shape[:3]
@@ -259,13 +249,12 @@ class CollectorRollouts:
             raise ValueError(f"--num-envs: expected a multiple of --num-actors={args.num_actors}, got {args.num_envs}")
         per_actor = args.num_envs // args.num_actors
         envs = functools.partial(gym.vector.SyncVectorEnv, [functools.partial(gym.make, args.env_id)] * per_actor)
-        lag_kw, self.lag_enforced = lag_setting(args.max_policy_lag)
         frames = args.num_envs * args.num_steps
         policy = functools.partial(ActorPolicy, args.env_id, args.seed)
         self.collector = Collector([envs] * args.num_actors, policy_factory=policy,
                                    frames_per_batch=frames, total_frames=frames * iterations, rollout_len=args.num_steps,
                                    weights=numpy_state(agent), seed=args.seed, start_method=args.start_method,
-                                   timeout=args.collector_timeout, **lag_kw)
+                                   timeout=args.collector_timeout, max_policy_lag=args.max_policy_lag)
 
     def __iter__(self) -> Iterator[Rollout]:
         for batch in self.collector:
@@ -273,6 +262,10 @@ class CollectorRollouts:
 
     def update_policy(self, agent: Agent) -> None:
         self.collector.update_policy_weights(agent)
+
+    def stale_dropped(self) -> int:
+        """Rollouts the collector gave back unread, older than ``max_policy_lag`` allows (0 on a balanced machine)."""
+        return int(self.collector.stats().get("stale_dropped", 0))
 
     def close(self) -> None:
         self.collector.close()
@@ -306,10 +299,9 @@ def train(args: Args, on_iteration: Callable[[dict[str, Any]], None] | None = No
     if args.one_process:
         rollouts: Iterator[Rollout] = env_rollouts(args, agent)
         update_policy: Callable[[Agent], None] = lambda _agent: None  # noqa: E731  # the agent acting is the one trained
-        lag_enforced = False
     else:
         source = CollectorRollouts(args, agent, num_iterations)
-        rollouts, update_policy, lag_enforced = iter(source), source.update_policy, source.lag_enforced
+        rollouts, update_policy = iter(source), source.update_policy
     recent: deque[float] = deque(maxlen=RETURN_WINDOW)
     curve: list[dict[str, Any]] = []
     reached = None
@@ -395,7 +387,10 @@ def train(args: Args, on_iteration: Callable[[dict[str, Any]], None] | None = No
             if row["last"]:
                 break
     finally:
+        stale = 0
         if source is not None:
+            with contextlib.suppress(Exception):  # figures only: the close below must run
+                stale = source.stale_dropped()
             source.close()
         elif hasattr(rollouts, "close"):
             rollouts.close()
@@ -403,7 +398,8 @@ def train(args: Args, on_iteration: Callable[[dict[str, Any]], None] | None = No
     lags = [r["lag_mean"] for r in curve]
     timed = curve[-1]["steps"] - curve[0]["steps"]
     return {"env_id": args.env_id, "seed": args.seed, "system": "one_process" if args.one_process else "collector",
-            "max_policy_lag": args.max_policy_lag, "lag_enforced": lag_enforced, "target": target,
+            "max_policy_lag": args.max_policy_lag, "stale_dropped": stale, "target": target,
+            "lag_enforced": args.max_policy_lag is not None and not args.one_process,
             "reached": reached, "iterations": len(curve), "steps": global_step, "seconds": round(end - t0, 3),
             "first_iteration_s": curve[0]["seconds"],
             "steps_per_s": timed / (curve[-1]["seconds"] - curve[0]["seconds"]) if timed else None,
