@@ -231,7 +231,6 @@ def config(a: argparse.Namespace, preload: list[str] | None) -> dict[str, Any]:
         "train_envs": a.train_envs, "train_systems": a.train_systems, "seeds": a.seeds,
         "train_labels": {s: v[0] for s, v in TRAIN_SYSTEMS.items()}, "total_timesteps": a.total_timesteps,
         "full_budget": a.full_budget, "return_window": ppo_cleanrl.RETURN_WINDOW,
-        "collector_accepts_max_policy_lag": ppo_cleanrl.lag_setting(0)[1],
         "ppo": {k: getattr(defaults, k) for k in ("num_envs", "num_steps", "learning_rate", "anneal_lr", "gamma", "gae_lambda",
                                                   "num_minibatches", "update_epochs", "norm_adv", "clip_coef", "clip_vloss",
                                                   "ent_coef", "vf_coef", "max_grad_norm", "target_kl", "num_actors")},

@@ -139,9 +139,8 @@ def _train_tables(res: dict[str, Any]) -> list[str]:
            f"{ppo['vf_coef']}, gradient norm {ppo['max_grad_norm']}. Budget {c['total_timesteps']:,} steps per run"
            + ("" if c["full_budget"] else ", stopped once the threshold is reached") + f"; seeds {c['seeds']}. "
            f"shmbuf: {ppo['num_actors']} actors x {ppo['num_envs'] // ppo['num_actors']} envs. Torch on 1 thread in every "
-           f"process. The Collector {'takes' if c['collector_accepts_max_policy_lag'] else 'does not take'} "
-           "max_policy_lag" + ("" if c["collector_accepts_max_policy_lag"] else
-                               ": both shmbuf systems ran free-running, their lag only measured") + ". "
+           f"process. max_policy_lag held by the Collector (every batch's lag recorded; rollouts dropped as too old "
+           "counted per run). "
            f"Threshold: the mean return of the last {c['return_window']} episodes.", "",
            "| env | system | runs | steps/s | x one process | time to threshold (s) | x one process | reached | "
            "steps to threshold | lag mean / max | return at the end | CPU µs/step (this process / children) |",
