@@ -157,3 +157,9 @@ def test_the_on_policy_page_runs_and_prints_what_it_says(tmp_path: Any) -> None:
     assert len(doc_blocks("on-policy.md")) == 1
     out = run_doc_block("on-policy.md", 0, tmp_path, timeout=180)
     assert out.strip() == "slots: 4 max lag: 1", out
+
+
+def test_ray_collector_refuses_the_lag_saying_why() -> None:
+    pytest.importorskip("ray")
+    with pytest.raises(shmbuf.UsageError, match=r"RayCollector\(max_policy_lag=1\): not held across machines yet"):
+        workers.RayCollector(make_counting, EchoPolicy(), frames_per_batch=32, max_policy_lag=1)

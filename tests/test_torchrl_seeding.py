@@ -153,3 +153,25 @@ def test_an_env_whose_set_seed_breaks_the_chain_is_named() -> None:
     with pytest.raises(shmbuf.UsageError, match=r"OddSeeds.set_seed\(7\) returned 12345.*Seed each env in its factory"):
         AsyncBatchedCollector(create_env_fn=[lambda: OddSeeds("CartPole-v1")], policy=policy(), frames_per_batch=16,
                               seed=7, timeout=60)
+
+
+class Attached:
+    """A reader as lane_indices reads it: its writers' labels by lane, in the order they attached."""
+
+    def __init__(self, labels: dict[int, str]):
+        self.labels = labels
+
+    def stats(self) -> dict[str, Any]:
+        return {"writer_stats": {lane: {"label": label, "pid": 1} for lane, label in self.labels.items()}}
+
+
+def test_env_index_is_the_env_workers_not_the_order_their_writers_attached() -> None:
+    """Worker 1's writer may attach first (it took lane 0 under load, and the chain test above saw worker 1's
+    frames as worker 0's): env_index follows the worker named in each writer's label, as TorchRL numbers its envs."""
+    from workers.compat._torchrl import lane_indices, writer_index
+
+    assert writer_index("shmbuf-env-3") == (3, 0) and writer_index("actor-1/2") == (1, 2)
+    assert writer_index("someone else") is None
+    assert lane_indices(Attached({0: "shmbuf-env-1", 1: "shmbuf-env-0"}), {}) == {0: 1, 1: 0}
+    per_env = Attached({0: "a-1/0", 1: "a-0/1", 2: "a-1/1", 3: "a-0/0", 4: "not ours"})
+    assert lane_indices(per_env, {}) == {0: 2, 1: 1, 2: 3, 3: 0}  # one writer a sub-env: worker x 2 + sub-env

@@ -117,6 +117,11 @@ class RayCollector:
                  frames_per_batch: int, total_frames: int = -1, settings: CollectSettings | None = None,
                  **options: Any):
         collector_kwargs = {**_given_fields(settings), **options}  # what is not RayCollector's own goes to the nodes
+        if collector_kwargs.get("max_policy_lag") is not None:
+            raise shmbuf.UsageError(
+                f"RayCollector(max_policy_lag={collector_kwargs['max_policy_lag']!r}): not held across machines yet: a "
+                "node's batch travels to the learner while the learner may publish again, so a bound checked on the "
+                "node would not hold here. Leave it None and read batch.policy_lag, or use Collector on one machine")
         (policy_factory, nodes, actors_per_node, max_in_flight, restart, max_restarts, timeout, ready_timeout, copy,
          weights, seed, start_method, stop_timeout, progress, owner_options, raise_on_node_failure, local_node,
          policies, policy_factories, create_env_kwargs) = (collector_kwargs.pop(k, d) for k, d in OPTIONS.items())

@@ -257,12 +257,36 @@ def numpy_tree(td: Any) -> Any:
     return out
 
 
-def torchrl_batch(batch: Any, *, reward_dtype: Any = None, env_index_base: np.ndarray | None = None) -> Any:
+def writer_index(label: str) -> tuple[int, int] | None:
+    """``(env worker, sub-env)`` from an actor writer's label (``"<name>-<worker>"``, or ``"<name>-<worker>/<sub-env>"``
+    with one writer per sub-env; sub-env 0 in the first form). None: another label."""
+    head, _, k = label.partition("/")
+    worker = head.rpartition("-")[2]
+    if not worker.isdigit() or (k and not k.isdigit()):
+        return None
+    return int(worker), int(k or 0)
+
+
+def lane_indices(reader: Any, known: dict[int, int]) -> dict[int, int]:
+    """``known`` completed with every lane of ``reader`` whose writer's label names its env worker: lane -> the
+    worker's index (truncate-episodes, one writer a worker) or worker x sub-envs + sub-env (one writer a sub-env).
+    Lanes are taken in the order writers attach, which is not the workers' order: TorchRL's ``env_index`` is."""
+    found = {lane: writer_index(str(st.get("label", ""))) for lane, st in reader.stats()["writer_stats"].items()}
+    per = 1 + max((wk[1] for wk in found.values() if wk is not None), default=0)
+    for lane, wk in found.items():
+        if wk is not None:
+            worker, k = wk
+            known[int(lane)] = worker * per + k
+    return known
+
+
+def torchrl_batch(batch: Any, *, reward_dtype: Any = None, lanes: dict[int, int] | None = None) -> Any:
     """``batch`` (a :class:`workers.CollectedBatch`) as TorchRL's ``AsyncBatchedCollector`` yields it: a TensorDict
     of batch size ``(frames,)``.
 
     Entries: ``observation`` (or one per observation key), ``action``, each policy extra, ``policy_version``,
-    ``env_index`` (int64: the env worker's writer lane, times its sub-envs, plus the sub-env), root ``done`` /
+    ``env_index`` (int64: the env worker's index, times its sub-envs, plus the sub-env; ``lanes`` maps each writer lane
+    to its worker (:func:`lane_indices`), else the lane stands for it), root ``done`` /
     ``terminated`` / ``truncated`` ((frames, 1), False: every observation acted on is a live one, as after TorchRL's
     ``step_and_maybe_reset``), and ``next``: ``observation``, ``reward`` (the env's reward dtype when given),
     ``done``, ``terminated``, ``truncated``. Frames are in rollout order, each rollout's steps in time order
@@ -274,6 +298,8 @@ def torchrl_batch(batch: Any, *, reward_dtype: Any = None, env_index_base: np.nd
     mask = td.get(("collector", "mask"), None)
     td = td.exclude("collector")
     lane = np.asarray(batch.lane, np.int64)
+    if lanes is not None:
+        lane = np.asarray([lanes.get(int(x), int(x)) for x in lane], np.int64)
     if len(lead) == 1:  # complete episodes: (N,), one rollout per episode
         env_index = np.repeat(lane, np.asarray(batch.lengths, np.int64))
     else:

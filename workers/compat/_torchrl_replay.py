@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import optree
 
 import shmbuf
@@ -64,7 +65,10 @@ class BackgroundReplay(Engine):
         for batch in super().iterator():
             td = batch
             if self._torchrl is not None:
-                td = torchrl.torchrl_batch(batch, reward_dtype=self._reward_dtype)
+                known = self.__dict__.setdefault("_lane_index", {})
+                if any(int(x) not in known for x in np.asarray(batch.lane).ravel()):
+                    torchrl.lane_indices(self.reader, known)  # a writer came (a start, a restart): its worker
+                td = torchrl.torchrl_batch(batch, reward_dtype=self._reward_dtype, lanes=known)
                 if not self.copy:
                     td = td.clone()  # TorchRL's batches are the caller's to keep: no views of the reused buffer
                 if self.total_frames >= 0 and self.batch_mode == L.TRUNCATE_EPISODES:  # whole episodes are never cut
