@@ -143,15 +143,14 @@ class NatureCNN(nn.Module):
         return self.net(obs.float() / 255.0).argmax(-1)
 
 
-class OnViews:
+def on_views(inner: Any) -> Any:
     """A policy of :func:`make_policy` called with trajectory views' input, ``{"obs": (N, 4, 84, 84)}``: it acts on
-    the stack, as it acts on a wrapper's stacked observation. Picklable; a torch module when the policy is one."""
+    the stack, as it acts on a wrapper's stacked observation. Picklable (it travels to the actors); a torch module
+    when the policy is one."""
+    return _TorchOnViews(inner) if isinstance(inner, nn.Module) else _OnViews(inner)
 
-    def __new__(cls, inner: Any) -> Any:
-        if isinstance(inner, nn.Module):
-            return _TorchOnViews(inner)
-        return super().__new__(cls)
 
+class _OnViews:
     def __init__(self, inner: Any):
         self.inner = inner
 
@@ -368,7 +367,7 @@ class ShmbufCollector(AtariRun):
         envs = [functools.partial(make_vec, self.game, self.n // 2, not views)] * 2
         policy = make_policy(self.game, self.policy)
         kw = {"view_requirements": {"obs": ViewRequirement("obs", shift="-3:0")}} if views else {}
-        self.c = Collector(envs, OnViews(policy) if views else policy, frames_per_batch=self.fpb, torch_threads=1,
+        self.c = Collector(envs, on_views(policy) if views else policy, frames_per_batch=self.fpb, torch_threads=1,
                            num_actors=2, **kw)
         for b in self.c:
             yield int(b.frames)

@@ -115,3 +115,16 @@ def test_quick_run_trains_collects_writes_every_figure_and_leaves_nothing(tmp_pa
     again = copy.deepcopy(saved)
     train_report.summarize(again)
     assert again["rows"] == saved["rows"] and again["train_rows"] == saved["train_rows"]
+
+
+def test_every_atari_policy_travels_to_the_actors_as_it_is_and_on_views() -> None:
+    """The actors get their policy by pickle: a random policy on trajectory views failed to unpickle once (a class
+    whose __new__ took an argument), which only a full run (every variant) showed."""
+    import pickle
+
+    from benchmarks import train_atari as ta
+
+    for kind in ("random", "cnn"):
+        policy = ta.make_policy("pong", kind)
+        for p in (policy, ta.on_views(policy)):
+            assert type(pickle.loads(pickle.dumps(p))) is type(p), (kind, type(p))
