@@ -25,6 +25,11 @@ T = 16
 # watchers, not another run's on the machine.
 RUN_MARK = "SHMBUF_TEST_RUN"
 os.environ.setdefault(RUN_MARK, secrets.token_hex(8))
+# One thread per torch (and OpenMP) in every process of the run, set before anything imports torch: the suite runs 4
+# workers on a 2-core machine, each starting actors, and a learner with torch's default threads would be told, rightly,
+# that it oversubscribes the cores its actors leave (workers/_learner_cpu.py; test_learner_cpu and test_policy_lag
+# set torch's threads themselves to check that warning). Scripts and docs blocks the tests run inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def shm_objects() -> set[str]:

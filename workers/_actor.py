@@ -305,6 +305,7 @@ class ActorLoop:
     def _truncate_rollout(self) -> bool:
         w = self.writers[0]
         w.slot()  # the slot first, then the weights: what was published while this waited for it is taken
+        w.reset()  # the slot stays claimed; the rollout is written with add (slot() alone would make it direct)
         self.update_weights()
         row = _squeeze0 if self.single else _same
         E, M = self.E, self.max_episodes
