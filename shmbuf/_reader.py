@@ -151,6 +151,11 @@ class Reader(Closable):
         self._lender.spread = lag is not None  # each batch's run spread over the writers (shmbuf._lending)
 
     @property
+    def stale_dropped(self) -> int:
+        """Ready rollouts given back unread as older than ``max_policy_lag`` allowed (also in ``stats()``)."""
+        return self._handout.stale_dropped
+
+    @property
     def handle(self) -> Handle:
         """A picklable reference (the name) for other processes: ``Writer(reader.handle)``."""
         return Handle(self.name)
@@ -346,7 +351,7 @@ class Reader(Closable):
             **self._latency.summary(self.policy_version),
             "partial_dropped": roster.partial_dropped,
             # ready rollouts given back unread, older than max_policy_lag allowed
-            "stale_dropped": handout.stale_dropped,
+            "stale_dropped": self.stale_dropped,
             "bad_messages": self._mail.bad_messages,
             "lanes_reclaimed": roster.lanes_reclaimed,
             "writers": len(roster.lanes),

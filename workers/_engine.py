@@ -394,10 +394,7 @@ class Engine:
 
     def stale_dropped(self) -> int:
         """Rollouts given back unread as older than ``max_policy_lag`` allows (by the readers, or with their round)."""
-        dropped = self._take.stale_dropped
-        for r in self.readers.values():
-            dropped += r.stats()["stale_dropped"]
-        return dropped
+        return self._take.stale_dropped + sum(r.stale_dropped for r in self.readers.values())
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the servers (waking their workers), close the pipelines (waking the writers), stop the actors, then

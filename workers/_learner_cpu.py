@@ -48,12 +48,13 @@ def learner_threads(setting: Any, num_actors: int, *, processes: bool = True, ma
         loaded = sys.modules.get("torch")  # the learner's torch, if it uses one: a collector never imports it for this
         if loaded is None or not processes:
             return None
-        left = threads_left(num_actors, machine_cores)
+        machine = cores() if machine_cores is None else machine_cores
+        left = threads_left(num_actors, machine)
         have = loaded.get_num_threads()
         if have > left:
             warnings.warn(
                 f"torch in this process (the learner) runs {have} threads, but the {num_actors} actor processes leave "
-                f"it {left} of this machine's {cores() if machine_cores is None else machine_cores} cores: its threads "
+                f"it {left} of this machine's {machine} cores: its threads "
                 f"will contend with the actors (a training loop can run several times slower). Pass "
                 f"learner_threads='auto' (sets torch.set_num_threads({left})) or an int, or call "
                 "torch.set_num_threads yourself before the collector starts", RuntimeWarning, stacklevel=stacklevel)
