@@ -1,4 +1,4 @@
-"""rsl_rl's GAE, as the reference for 002's flag convention: a line-by-line torch transcription of rsl_rl 5.5.1
+"""rsl_rl's GAE, as the reference for the rsl_rl fork's flag convention: a line-by-line torch transcription of rsl_rl 5.5.1
 (always available: torch is a test dependency), and rsl_rl's own code when it is installed (it is not a
 dependency: ``pip install --no-deps rsl-rl-lib`` to run that check too).
 

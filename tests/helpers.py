@@ -3,7 +3,7 @@
 This module and tests/conftest.py need nothing but the core (`make test-core` imports them); what needs an extra lives
 beside them: tests/helpers_workers.py (gymnasium), tests/helpers_multiagent.py (pettingzoo), tests/helpers_schema.py
 (hypothesis strategies, kept out of here so that spawned children need not import hypothesis), and
-tests/helpers_storage.py (a synthetic actor's rollouts and 002's recordings). No test module imports another.
+tests/helpers_storage.py (a synthetic actor's rollouts and the rsl_rl fork's recordings). No test module imports another.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Rollouts and recordings made by hand, for the storage tests (tests/test_storage_files*.py, tests/test_cli.py).
 
 ``synth``: a synthetic actor's rollouts in the workers truncate-episodes layout, every obs naming (env, step, episode,
-t in episode), with the trajectories a Recorder must publish from them. ``write_002_recording``: a recording in the
-shape 002's DemonstrationSaver writes.
+t in episode), with the trajectories a Recorder must publish from them. ``write_fork_recording``: a recording in the
+shape the rsl_rl fork's DemonstrationSaver writes.
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ def synth(E: int, T: int, R: int, lens: list[list[int]], *, dict_obs: bool = Fal
     return rollouts, done_trajs
 
 
-def write_002_recording(root: Any, *, components: bool = False) -> dict[int, dict[str, np.ndarray]]:
-    """A recording in the shape 002's DemonstrationSaver writes (rsl_rl/runners/demonstration.py): metadata.json and
+def write_fork_recording(root: Any, *, components: bool = False) -> dict[int, dict[str, np.ndarray]]:
+    """A recording in the shape the rsl_rl fork's DemonstrationSaver writes (rsl_rl/runners/demonstration.py): metadata.json and
     trajectory_<k>/traj_<a:06d>_<b:06d>.pickle, each a pickled dict of numpy arrays ([n, 1] rewards, values and uint8
     dones, [n] bool timeouts, observations as the 1-tuple its trailing comma makes, or obs_<component> per
     obs_segments with normalized_image components as uint8). Frame t of trajectory k encodes 100 * k + t.
@@ -152,7 +152,7 @@ def write_002_recording(root: Any, *, components: bool = False) -> dict[int, dic
                 traj["obs_proprio"] = obs[a:b, :3]
                 traj["obs_height"] = (np.clip(obs[a:b, 3:], 0, 1) * 255).astype(np.uint8)
             else:
-                traj["observations"] = (obs[a:b],)  # as 002's saver writes it
+                traj["observations"] = (obs[a:b],)  # as the rsl_rl fork's saver writes it
             with open(d / f"traj_{a:06d}_{b:06d}.pickle", "wb") as fh:
                 pickle.dump(traj, fh)
         os.utime(d, (1_000_000 + k, 1_000_000 + k))  # 002 orders trajectories by modification time

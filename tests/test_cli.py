@@ -268,16 +268,16 @@ def test_ls_shows_a_replay_buffer_and_clean_removes_a_dead_owners(capsys) -> Non
 
 def test_convert_needs_allow_pickle_then_turns_a_002_recording_into_shmbufs_format(tmp_path: Any, capsys: Any) -> None:
     from shmbuf.storage.files import RolloutDataset
-    from tests.helpers_storage import write_002_recording
+    from tests.helpers_storage import write_fork_recording
 
-    write_002_recording(tmp_path / "002")
-    assert main(["convert", str(tmp_path / "002"), str(tmp_path / "out")]) == 2
+    write_fork_recording(tmp_path / "fork")
+    assert main(["convert", str(tmp_path / "fork"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "unpickling runs whatever code" in err and "--allow-pickle" in err and not (tmp_path / "out").exists()
-    assert main(["convert", "--allow-pickle", str(tmp_path / "002"), str(tmp_path / "out")]) == 0
+    assert main(["convert", "--allow-pickle", str(tmp_path / "fork"), str(tmp_path / "out")]) == 0
     assert "converted 3 trajectories" in capsys.readouterr().out
     assert RolloutDataset(tmp_path / "out", num_envs=3).get_batch(3).observation.shape == (3, 3, 7)
-    assert main(["convert", "--allow-pickle", str(tmp_path / "002"), str(tmp_path / "out")]) == 1
+    assert main(["convert", "--allow-pickle", str(tmp_path / "fork"), str(tmp_path / "out")]) == 1
     assert "is not empty" in capsys.readouterr().err
 
 

@@ -1,6 +1,6 @@
-"""Coming from embodichain (004): its RolloutBuffer call sites with only the import changed, TensorDicts on the device.
+"""Coming from embodichain: its RolloutBuffer call sites with only the import changed, TensorDicts on the device.
 
-embodichain is not installed: its documented semantics (shared/reference/004_*) are written out here as a reference
+embodichain is not installed: its documented semantics are written out here as a reference
 (`reference_transition_view`) and compared against."""
 
 from __future__ import annotations

@@ -19,14 +19,14 @@ from tests.helpers import doc_blocks, run_doc_block
 
 torch = pytest.importorskip("torch")
 
-# 002's recurrent modules hand the storage namedarraytuples (namedtuples that also index their fields):
+# The rsl_rl fork's recurrent modules hand the storage namedarraytuples (namedtuples that also index their fields):
 ActorCriticHiddenState = namedtuple("ActorCriticHiddenState", ["actor", "critic"])
 LstmHiddenState = namedtuple("LstmHiddenState", ["hidden", "cell"])
 
 
 def ppo_rollout(storage: Any, T: int, N: int, *, seed: int = 0, gamma: float = 0.99, hidden: str | None = None,
                 p_done: float = 0.25) -> dict[str, np.ndarray]:
-    """Fill ``storage`` the way 002's PPO does (``act`` then ``process_env_step``): one Transition, filled with
+    """Fill ``storage`` the way the rsl_rl fork's PPO does (``act`` then ``process_env_step``): one Transition, filled with
     tensors, passed to ``add_transitions`` and cleared each step; what was given is returned as numpy."""
     g = torch.Generator().manual_seed(seed)
     transition = type(storage).Transition()
@@ -82,7 +82,7 @@ def test_the_sixth_positional_argument_is_a_device_and_minibatches_are_tensors_t
         b = batches[0]
         assert all(isinstance(x, torch.Tensor) and x.device == torch.device("cpu") for x in b[:9])
         assert b.obs.shape == (10, 3) and b.actions.shape == (10, 2)
-        for f in ("values", "advantages", "returns", "old_actions_log_prob"):  # 002's [batch, 1]
+        for f in ("values", "advantages", "returns", "old_actions_log_prob"):  # The rsl_rl fork's [batch, 1]
             assert getattr(b, f).shape == (10, 1), f
         assert b.hidden_states == (None, None) and b.masks is None
         length, reward = storage.get_statistics()
@@ -109,7 +109,7 @@ def test_without_a_device_everything_is_numpy_as_before_and_a_device_keyword_wor
 
 @pytest.mark.parametrize("seed", range(4))
 def test_002s_ppo_loop_gives_rsl_rls_returns_and_normalised_advantages(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """002's PPO folds the time-out bootstrap into the rewards and calls ``compute_returns(last_values, gamma, lam)``,
+    """The rsl_rl fork's PPO folds the time-out bootstrap into the rewards and calls ``compute_returns(last_values, gamma, lam)``,
     which normalises the advantages: the returns are rsl_rl 5.5.1's bit for bit (its own code when installed, else
     the transcription), the advantages its normalised ones."""
     from shmbuf.storage import RolloutStorage
@@ -133,8 +133,8 @@ def test_002s_ppo_loop_gives_rsl_rls_returns_and_normalised_advantages(seed: int
 
 
 def transcribed_002_recurrent(obs: Any, dones: Any, saved_hidden: Any, num_mini_batches: int) -> list[tuple[Any, Any, Any]]:
-    """002's ``reccurent_mini_batch_generator`` for one epoch, transcribed in torch: ``(padded obs, masks, hidden)``
-    per minibatch; ``saved_hidden`` ``[T, num_layers, N, H]`` as 002 saves it, ``dones`` ``[T, N]``."""
+    """The rsl_rl fork's ``reccurent_mini_batch_generator`` for one epoch, transcribed in torch: ``(padded obs, masks, hidden)``
+    per minibatch; ``saved_hidden`` ``[T, num_layers, N, H]`` as the rsl_rl fork saves it, ``dones`` ``[T, N]``."""
     T, N = dones.shape
     # split_and_pad_trajectories: trajectories env-major, each padded to T
     flat = dones.transpose(1, 0).clone()
@@ -173,7 +173,7 @@ def test_recurrent_minibatches_match_002s_padding_masks_and_hidden_state_layout(
     for b, (obs, masks, hid) in zip(got, want):
         torch.testing.assert_close(b.obs, obs)
         assert torch.equal(b.masks, masks)
-        assert type(b.hidden_states) is ActorCriticHiddenState  # 002: minibatch.hidden_states.actor / .critic
+        assert type(b.hidden_states) is ActorCriticHiddenState  # The legged-robot fork: minibatch.hidden_states.actor / .critic
         actor, critic = b.hidden_states.actor, b.hidden_states.critic
         if cell == "gru":
             torch.testing.assert_close(actor, hid)
@@ -214,7 +214,7 @@ def test_sarsa_storage_takes_002s_next_privileged_observations() -> None:
 # -- 2. ActionLabelRollout ----------------------------------------------------------------------------------
 
 def test_action_label_rollout_keeps_labels_through_growth_loop_and_minibatches() -> None:
-    """002's TPPO: ``ActionLabelRollout(...)``, ``ActionLabelRollout.Transition()`` with ``action_labels``; labels
+    """The rsl_rl fork's TPPO: ``ActionLabelRollout(...)``, ``ActionLabelRollout.Transition()`` with ``action_labels``; labels
     grow, loop and untie with the actions, and every minibatch carries them laid out like the actions."""
     from shmbuf.storage.compat.rsl_rl import ActionLabelRollout
 
@@ -321,8 +321,8 @@ def test_the_shared_memory_replay_buffer_keeps_its_own_constructors() -> None:
 # -- 4. RolloutFileBase ---------------------------------------------------------------------------------------
 
 class MemoryRollouts:
-    """What a 002 user writes: a RolloutFileBase subclass over trajectories held in memory (each a dict of tensors
-    ``observations [L, 3]``, ``actions [L, 2]``, ``rewards [L]``), 002's four abstract methods, a namedtuple buffer."""
+    """What an rsl_rl fork's user writes: a RolloutFileBase subclass over trajectories held in memory (each a dict of tensors
+    ``observations [L, 3]``, ``actions [L, 2]``, ``rewards [L]``), the fork's four abstract methods, a namedtuple buffer."""
 
     @staticmethod
     def make(trajs: list[dict[str, Any]], num_envs: int) -> Any:
@@ -393,7 +393,7 @@ def test_a_002_subclass_of_rollout_file_base_reads_batches_transitions_and_itera
     b = ds.get_batch(4)  # time-major, filled row by row through the namedtuple buffer
     assert b.observation.shape == (4, 2, 3)
     assert b.observation[:, 0, 0].tolist() == [0, 1, 2, 3] and b.observation[:, 1, 0].tolist() == [100, 101, 102, 103]
-    buffer, infos = ds.get_transition_batch()  # 002's (buffer, infos)
+    buffer, infos = ds.get_transition_batch()  # The rsl_rl fork's (buffer, infos)
     assert buffer.observation.shape == (2, 3) and buffer.done.tolist() == [True, True]
     assert set(infos) == {"time_outs"} and infos["time_outs"].tolist() == [False, False]
     ds.reset([1])  # only env 1 takes a new trajectory

@@ -536,7 +536,7 @@ BLOCKS = doc_blocks("from-torchrl.md")
 
 
 # Every name TorchRL 0.14 documents for AsyncBatchedCollector (constructor, methods, properties):
-# /work/shared/reference/001 and torchrl/collectors/_async_batched.py.
+# TorchRL's documentation of AsyncBatchedCollector and torchrl/collectors/_async_batched.py.
 DOCUMENTED = [
     "create_env_fn", "policy", "policy_factory", "frames_per_batch", "total_frames", "max_batch_size", "min_batch_size",
     "server_timeout", "transport", "device", "backend", "env_backend", "policy_backend", "reset_at_each_iter",

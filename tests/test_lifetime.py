@@ -23,7 +23,7 @@ from shmbuf.storage import Recorder, ReplayBuffer, RolloutDataset, SlotBuffer
 from shmbuf.storage.buffer import RolloutBufferWriter
 from shmbuf.storage.compat.embodichain import RolloutBuffer
 from tests.conftest import SHM_DIR, small_example
-from tests.helpers_storage import write_002_recording
+from tests.helpers_storage import write_fork_recording
 
 REQ = {"obs": np.zeros((2, 3), np.float64)}
 RESP = {"action": np.zeros((2,), np.int64)}
@@ -100,8 +100,8 @@ def _recorder(made: list[Any], tmp: pathlib.Path) -> Any:
 
 
 def _dataset(made: list[Any], tmp: pathlib.Path) -> Any:
-    write_002_recording(tmp / "002")
-    return RolloutDataset(tmp / "002", num_envs=1, allow_pickle=True)  # converted into a temporary copy
+    write_fork_recording(tmp / "fork")
+    return RolloutDataset(tmp / "fork", num_envs=1, allow_pickle=True)  # converted into a temporary copy
 
 
 MAKERS: dict[str, Callable[[list[Any], pathlib.Path], Any]] = {
@@ -172,7 +172,7 @@ def test_a_dropped_recorder_lets_go_of_its_directory(tmp_path: pathlib.Path) -> 
 def test_a_dropped_dataset_removes_its_converted_copy(tmp_path: pathlib.Path) -> None:
     ds = _dataset([], tmp_path)
     copy = pathlib.Path(ds.data_dir)
-    assert copy.is_dir() and copy != tmp_path / "002"
+    assert copy.is_dir() and copy != tmp_path / "fork"
     del ds
     gc.collect()
     assert not copy.exists()

@@ -243,7 +243,7 @@ def test_get_on_an_empty_buffer_raises_slot_timeout(make_buffer: Callable[..., R
 
 
 def test_get_on_an_empty_buffer_raises_at_once_unless_asked_to_wait(make_buffer: Callable[..., RolloutBuffer]) -> None:
-    """004's get() on an empty buffer raises; shmbuf's used to wait its default 30 s first, then raise."""
+    """embodichain's get() on an empty buffer raises; shmbuf's used to wait its default 30 s first, then raise."""
     buf = make_buffer(2, 3, 3, 2)  # every default
     outcome: list[BaseException] = []
 
@@ -260,7 +260,7 @@ def test_get_on_an_empty_buffer_raises_at_once_unless_asked_to_wait(make_buffer:
     t.join(60)  # a regression waits out its timeout: let it end before the fixture closes the buffer
     assert finished, "get() on an empty buffer was still waiting after 10 s"
     assert len(outcome) == 1 and isinstance(outcome[0], shmbuf.SlotTimeout), outcome
-    # 004's own get() raises RuntimeError("RolloutBuffer is empty."): code ported with its except clause still holds.
+    # embodichain's own get() raises RuntimeError("RolloutBuffer is empty."): code ported with its except clause still holds.
     assert isinstance(outcome[0], RuntimeError) and isinstance(outcome[0], BufferEmpty)
     assert "the buffer is empty" in str(outcome[0]) and "get(timeout=seconds)" in str(outcome[0])
     # Once something is stored, the default get() returns it.

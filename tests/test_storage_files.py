@@ -19,7 +19,7 @@ from shmbuf.layout import rollout_example
 from shmbuf.storage import _fileformat, dataset, files, recorder
 from shmbuf.storage.files import Recorder, RolloutDataset, play, playback_example, read_metadata
 from tests.helpers import doc_blocks, run_doc_block, run_doc_block_under_each_start_method
-from tests.helpers_storage import Fake, _stack, synth, write_002_recording
+from tests.helpers_storage import Fake, _stack, synth, write_fork_recording
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -91,7 +91,7 @@ def check_exact_list(got: list[dict], expected: dict[int, list[dict]], dict_obs:
 # -- record, read back ---------------------------------------------------------------------------
 
 def test_a_step_both_terminated_and_truncated_is_no_time_out(tmp_path):
-    """002's time_outs are bootstrapped whatever dones says (rsl_rl's rule), so a step the recording marks terminated
+    """The rsl_rl fork's time_outs are bootstrapped whatever dones says (rsl_rl's rule), so a step the recording marks terminated
     and truncated (gymnasium: terminated) must not come out as a time-out, or a ported PPO would bootstrap it."""
     rollouts, expected = synth(2, 8, 6, [[3, 4, 5], [2, 6]], both=True)
     assert any(t["terminated"] and t["truncated"] for e in expected for t in expected[e])  # the case is there
@@ -948,17 +948,17 @@ def test_bad_playback_and_recorder_arguments_are_named(tmp_path):
         Recorder(f / "sub")
 
 
-# -- 002's own recordings (pickled trajectories): refused by default, converted once ------------------------------
+# -- the rsl_rl fork's own recordings (pickled trajectories): refused by default, converted once ------------------------------
 
 
 def test_a_002_pickled_recording_is_refused_by_default_naming_the_safe_way(tmp_path):
     from shmbuf.storage.files import convert_pickled_recording
 
-    write_002_recording(tmp_path / "002")
+    write_fork_recording(tmp_path / "fork")
     with pytest.raises(shmbuf.UsageError, match=r"pickled recording.*shmbuf convert --allow-pickle"):
-        RolloutDataset(tmp_path / "002", 1, wait_timeout=0).get_batch()
+        RolloutDataset(tmp_path / "fork", 1, wait_timeout=0).get_batch()
     with pytest.raises(shmbuf.UsageError, match=r"never done by default"):
-        convert_pickled_recording(tmp_path / "002", tmp_path / "out")
+        convert_pickled_recording(tmp_path / "fork", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -966,8 +966,8 @@ def test_a_002_pickled_recording_is_refused_by_default_naming_the_safe_way(tmp_p
 def test_a_002_recording_converts_once_and_reads_back_as_002_recorded_it(tmp_path, components):
     from shmbuf.storage.files import convert_pickled_recording
 
-    want = write_002_recording(tmp_path / "002", components=components)
-    assert convert_pickled_recording(tmp_path / "002", tmp_path / "out", allow_pickle=True) == 3
+    want = write_fork_recording(tmp_path / "fork", components=components)
+    assert convert_pickled_recording(tmp_path / "fork", tmp_path / "out", allow_pickle=True) == 3
     assert not list((tmp_path / "out").rglob("*.pickle"))
     ds = RolloutDataset(tmp_path / "out", num_envs=1, concat_obs=True)
     got = [ds.get_batch() for _ in range(13)]
@@ -983,17 +983,17 @@ def test_a_002_recording_converts_once_and_reads_back_as_002_recorded_it(tmp_pat
     terminated = [bool(b.terminated[0]) for b in got]
     timeout = [bool(b.timeout[0]) for b in got]
     assert terminated == [False] * 8 + [True] + [False] * 4  # trajectory 1 ends in a termination
-    assert [i for i, x in enumerate(timeout) if x] == [5, 12]  # 0's time-out, and 2 cut short (002: still running)
+    assert [i for i, x in enumerate(timeout) if x] == [5, 12]  # 0's time-out, and 2 cut short (the fork's: still running)
     with pytest.raises(StopIteration):
         ds.get_batch()
     with pytest.raises(shmbuf.UsageError, match=r"is not empty"):
-        convert_pickled_recording(tmp_path / "002", tmp_path / "out", allow_pickle=True)
+        convert_pickled_recording(tmp_path / "fork", tmp_path / "out", allow_pickle=True)
 
 
 def test_allow_pickle_reads_a_002_recording_through_a_temporary_conversion(tmp_path):
-    want = write_002_recording(tmp_path / "002")
-    ds = RolloutDataset(tmp_path / "002", num_envs=3, allow_pickle=True)
-    assert ds.source_dir == str(tmp_path / "002") and ds.data_dir != ds.source_dir
+    want = write_fork_recording(tmp_path / "fork")
+    ds = RolloutDataset(tmp_path / "fork", num_envs=3, allow_pickle=True)
+    assert ds.source_dir == str(tmp_path / "fork") and ds.data_dir != ds.source_dir
     b = ds.get_batch(3)
     np.testing.assert_array_equal(b.observation[:, 0], want[0]["obs"][:3])
     np.testing.assert_array_equal(b.observation[:, 2], want[2]["obs"][:3])
@@ -1010,18 +1010,18 @@ def test_only_arrays_are_unpickled_even_when_allowed(tmp_path):
 
     from shmbuf.storage.files import convert_pickled_recording
 
-    write_002_recording(tmp_path / "002")
-    evil = tmp_path / "002" / "trajectory_1" / "traj_000000_000003.pickle"
+    write_fork_recording(tmp_path / "fork")
+    evil = tmp_path / "fork" / "trajectory_1" / "traj_000000_000003.pickle"
     evil.write_bytes(pickle.dumps({"actions": os.getcwd, "rewards": np.zeros((3, 1)), "dones": np.zeros((3, 1))}))
     with pytest.raises(shmbuf.SegmentError, match=r"refused global posix\.getcwd"):
-        convert_pickled_recording(tmp_path / "002", tmp_path / "out", allow_pickle=True)
+        convert_pickled_recording(tmp_path / "fork", tmp_path / "out", allow_pickle=True)
 
 
 def test_rollout_dataset_is_a_rollout_file_base_with_its_raw_buffer(tmp_path):
     from shmbuf.storage.files import RolloutFileBase, convert_pickled_recording
 
-    want = write_002_recording(tmp_path / "002")
-    convert_pickled_recording(tmp_path / "002", tmp_path / "out", allow_pickle=True)
+    want = write_fork_recording(tmp_path / "fork")
+    convert_pickled_recording(tmp_path / "fork", tmp_path / "out", allow_pickle=True)
     ds = RolloutDataset(tmp_path / "out", num_envs=2)
     assert isinstance(ds, RolloutFileBase)
     buf = ds.get_buffer(2)  # reset on first use; (n, E, ...) per recorded leaf file
@@ -1040,10 +1040,10 @@ def test_a_002_trajectory_still_running_keeps_its_place_in_002s_order(tmp_path):
 
     from shmbuf.storage.files import convert_pickled_recording
 
-    want = write_002_recording(tmp_path / "002")
-    shutil.copytree(tmp_path / "002" / "trajectory_1", tmp_path / "002" / "trajectory_4")  # a later, whole one
-    os.utime(tmp_path / "002" / "trajectory_4", (1_000_010, 1_000_010))
-    convert_pickled_recording(tmp_path / "002", tmp_path / "out", allow_pickle=True, fsync=False)
+    want = write_fork_recording(tmp_path / "fork")
+    shutil.copytree(tmp_path / "fork" / "trajectory_1", tmp_path / "fork" / "trajectory_4")  # a later, whole one
+    os.utime(tmp_path / "fork" / "trajectory_4", (1_000_010, 1_000_010))
+    convert_pickled_recording(tmp_path / "fork", tmp_path / "out", allow_pickle=True, fsync=False)
     ds = RolloutDataset(tmp_path / "out", num_envs=1)
     frames = [float(ds.get_batch().observation[0, 0]) for _ in range(16)]
     assert frames == [*want[0]["obs"][:, 0], *want[1]["obs"][:, 0], *want[2]["obs"][:, 0], *want[1]["obs"][:, 0]]

@@ -85,7 +85,7 @@ def test_without_time_outs_it_is_rsl_rls_recursion_and_each_convention_is_its_re
 
 
 def test_the_issues_case_a_time_out_flagged_done_bootstraps_under_time_outs_not_under_truncated() -> None:
-    """Issue 18 item 6: r=0, V=1, dones=1, time_outs=1, last V=5, gamma=0.99, lam=0.95. rsl_rl (and 002) bootstrap:
+    """Issue 18 item 6: r=0, V=1, dones=1, time_outs=1, last V=5, gamma=0.99, lam=0.95. rsl_rl (and its forks) bootstrap:
     A = (0 + 0.99 * 1) - 1 = -0.01, returns 0.99. shmbuf counted the step as terminated: A = -1, returns 0."""
     one = np.ones((1, 1), np.float32)
     args = (0 * one, one, one.astype(bool), np.full(1, 5, np.float32), 0.99, 0.95)

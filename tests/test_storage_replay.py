@@ -105,7 +105,7 @@ def kids(procs: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class RefRing:
-    """002's ring, written row by row: what every insert must leave."""
+    """The rsl_rl fork's ring, written row by row: what every insert must leave."""
 
     def __init__(self, n: int):
         self.codes = np.zeros(n, np.int64)
@@ -791,10 +791,10 @@ def test_too_big_fails_at_create_and_leaves_nothing() -> None:
     assert not leaked_since(before)
 
 
-# -- 002's constructor: ReplayBuffer(obs_dim, buffer_size, device) ---------------------------------------------
+# -- the rsl_rl fork's constructor: ReplayBuffer(obs_dim, buffer_size, device) ---------------------------------------------
 
 def test_002s_constructor_makes_the_in_process_ring_and_numpy_without_a_device() -> None:
-    """An int first is 002's ReplayBuffer (an in-process ring of state pairs); a name first stays the shared one."""
+    """An int first is the rsl_rl fork's ReplayBuffer (an in-process ring of state pairs); a name first stays the shared one."""
     from shmbuf.storage.lowlevel import LocalReplayBuffer
 
     rb = ReplayBuffer(2, 3, seed=0)

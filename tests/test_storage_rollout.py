@@ -98,7 +98,7 @@ def one_step(cls: Any, dones: bool, time_outs: bool) -> RolloutStorage:
 
 @pytest.mark.parametrize("cls", [RolloutStorage, QueueRolloutStorage, SarsaRolloutStorage])
 def test_add_transitions_bootstraps_a_time_out_whatever_dones_says_as_rsl_rl(cls: Any) -> None:
-    """002 / rsl_rl mark a time-out dones=True and time_outs=True and bootstrap it: A = (0 + 0.99 * 1) - 1 = -0.01
+    """rsl_rl and its forks mark a time-out dones=True and time_outs=True and bootstrap it: A = (0 + 0.99 * 1) - 1 = -0.01
     (last V = 5 is not read: the episode ended). shmbuf counted the step as terminated: A = -1."""
     for dones in (True, False):
         s = one_step(cls, dones=dones, time_outs=True)
@@ -249,7 +249,7 @@ def test_recurrent_minibatch_masks_padding_and_hidden_states_against_a_hand_buil
     padded, masks = split_and_pad_trajectories(s.observations, s.dones | s.time_outs, pad_to=4)
     np.testing.assert_array_equal(r.obs, padded)
     np.testing.assert_array_equal(r.masks, masks)
-    assert s.reccurent_mini_batch_generator == s.recurrent_mini_batch_generator  # 002's spelling
+    assert s.reccurent_mini_batch_generator == s.recurrent_mini_batch_generator  # The rsl_rl fork's spelling
 
 
 @settings(deadline=None, max_examples=30)
@@ -677,7 +677,7 @@ def test_sarsa_checks_the_last_next_observation_before_writing_the_row() -> None
 
 
 def test_action_label_rollout_on_numpy_carries_labels_into_every_minibatch() -> None:
-    """002's ActionLabelRollout without a device: numpy labels, required, laid out like the actions."""
+    """The rsl_rl fork's ActionLabelRollout without a device: numpy labels, required, laid out like the actions."""
     from shmbuf.storage.compat.rsl_rl import ActionLabelMiniBatch, ActionLabelRollout, ActionLabelTransition
 
     N, T = 2, 3
