@@ -156,7 +156,8 @@ def test_the_on_policy_page_runs_and_prints_what_it_says(tmp_path: Any) -> None:
 
     assert len(doc_blocks("on-policy.md")) == 1
     out = run_doc_block("on-policy.md", 0, tmp_path, timeout=180)
-    assert out.strip() == "slots: 4 max lag: 1", out
+    # 0 or 1 each, as promised; which ones arrive depends on the speeds (a learner that is never behind sees only 0)
+    assert out.strip() == "slots: 4 every lag <= 1: True", out
 
 
 def test_ray_collector_refuses_the_lag_saying_why() -> None:

@@ -40,15 +40,18 @@ def test_close_lets_go_newest_first_once_within_one_budget_and_raises_the_first_
 def test_a_dropped_owner_is_let_go_and_leaves_no_exit_hook():
     seen: list[str] = []
     registry = multiprocessing.util._finalizer_registry  # multiprocessing's exit hooks (a process it started)
-    before = len(registry)
+    before = set(registry)
     owner = Owner()
     life = Lifetime(owner, 1.0)
     life.hold("thing", lambda timeout: seen.append("released"))
     life.arm()
-    assert len(registry) == before + 1
+    # this hook by its key: other objects of the same process (a collector an earlier test dropped) may add or
+    # remove theirs while this test runs, so the registry's size says nothing
+    hooks = set(registry) - before
+    assert len(hooks) == 1
     del owner
     gc.collect()
     assert seen == ["released"] and not life.alive
     # the hook of a let-go owner is gone (it used to stay registered until exit; its atexit twin is unregistered
     # with it, which atexit gives no way to count)
-    assert len(registry) == before
+    assert not hooks & set(registry)
