@@ -85,6 +85,10 @@ def _make(kind: str, keep: bool) -> tuple[list[Any], list[str]]:
 def _owner(kinds: list[str], keep: bool, env_keep: bool, conn: Any) -> None:
     """Create each kind's objects, report their names, then wait to be signalled, as a training loop would; ``finally``
     tells the test it ran (it runs when SIGTERM or SIGINT unwinds, never after SIGKILL)."""
+    # SIGTERM as a fresh process has it. A fork inherits its parent's: after ray.init() and ray.shutdown() in this
+    # test process (the Ray tests), Python's table still names Ray's handler while the kernel's disposition is back
+    # to the default, so shmbuf leaves the user's "handler" alone and the signal kills (seen in the parallel suite).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if env_keep:
         os.environ["SHMBUF_KEEP_ON_CRASH"] = "1"
     held, names = [], []
