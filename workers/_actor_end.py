@@ -1,7 +1,7 @@
 """What the pool says about an actor process that ended, or that never finished starting.
 
 An actor that exits is described by its exit (:func:`describe_exit`) and the last lines of its stderr
-(:func:`last_words`). An actor that is still running but has not called ``ctx.ready()`` within the pool's
+(:func:`last_words`). A replacement that is still running but has not called ``ctx.ready()`` within the pool's
 ``ready_timeout`` is a failed start (:func:`start_timeout_error`): the pool kills it, and the error says what the
 process was doing when it was given up on (each thread's kernel state and wait channel, from /proc, read before the
 kill), what it printed, and, for a process forked from a learner that ran other threads, which ones: a fork copies

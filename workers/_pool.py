@@ -304,10 +304,11 @@ class ActorPool:
         name: process name prefix.
         on_failure: called with an actor's index when it failed, before its replacement starts
             (the inference collector retires the actor's client slot there).
-        ready_timeout: None (the default), or seconds: an actor process (the first or a replacement) that has
-            not called ``ctx.ready()`` this long after it was started is a failed start: :meth:`check` kills it
-            and restarts it within the budget, or raises :class:`ActorError` (``kind="start_timeout"``) saying
-            what its threads were waiting on and the last lines of its stderr. The collectors pass theirs.
+        ready_timeout: None (the default), or seconds: a replacement (``restart``) that has not called
+            ``ctx.ready()`` this long after it was started is a failed start: :meth:`check` kills it and restarts
+            it within the budget, or raises :class:`ActorError` (``kind="start_timeout"``) saying what its
+            threads were waiting on and the last lines of its stderr. The collectors pass theirs. The first
+            start is what :meth:`wait_ready` awaits (its timeout, :class:`shmbuf.StartTimeout`).
 
     :meth:`check` (call it often, e.g. between batches) raises the first
     failure that is not restarted, as :class:`ActorError` with the actor's
@@ -422,7 +423,8 @@ class ActorPool:
                 continue
             _drain(a)
             if a.proc.exitcode is None:
-                if not a.ready and self.ready_timeout is not None and time.monotonic() - a.started > self.ready_timeout:
+                if not a.ready and a.incarnation and self.ready_timeout is not None and \
+                        time.monotonic() - a.started > self.ready_timeout:  # a replacement that never got ready
                     self._start_failed(a)
                 continue
             a.proc.join(0)
