@@ -333,7 +333,7 @@ class WriterLane:
 class ReaderLane:
     """The reader's half of one active lane: adopt, take commits and mail, lend slots, wake, free."""
 
-    __slots__ = ("rec", "w", "wn", "ready", "free", "sem", "pid", "start", "label", "given", "stats", "_fence")
+    __slots__ = ("rec", "w", "wn", "ready", "free", "sem", "pid", "start", "label", "given", "turn", "stats", "_fence")
 
     def __init__(self, rec: Record, w: memoryview, wn: np.ndarray, mm: Any, sem: Sem):
         self.rec = rec
@@ -349,6 +349,7 @@ class ReaderLane:
         self.start = w[rec.start]
         self.label = read_label(mm, w, rec)
         self.given = 0  # slots lent and not yet back as commits (in the ring, or in the writer's hands)
+        self.turn = 0  # the lender's count of lendings when it last lent to this lane (0: never): ties go round
         self.stats: dict[str, Any] = {}
         w[rec.seen] = w[rec.epoch]
 

@@ -35,6 +35,7 @@ class Lender:
         self._sl_fence = sl_fence
         self.cursor = 0  # slots are lent in cyclic order from here: runs of consecutive slots fill together
         self.cycle = 0  # a number per lending round (mod 2**32); each slot's at lending is in books.lent_in
+        self.turns = 0  # lendings so far (each lane keeps the count at its last, ReaderLane.turn): ties go round
         self.run = 0  # get_batch's size, once it said one: slots are then lent a run at a time
         self.open_end = 0  # the end of the run being lent
         # A reader with a max_policy_lag: slots go out in cyclic order even once get_batch said its size, so that
@@ -90,7 +91,7 @@ class Lender:
         if self.run and len(lanes) <= self.run and not self.spread:
             pool -= self._feed_runs(need, pool, fed, corrupt)
         else:
-            order = sorted(lanes.values(), key=_given) if len(lanes) > 1 else lanes.values()
+            order = sorted(lanes.values(), key=_fewest) if len(lanes) > 1 else lanes.values()
             depth = max(1, self.slots // (2 * len(lanes)))
             for lane in order:
                 k = min(depth - lane.queued(), pool)
@@ -120,7 +121,13 @@ class Lender:
 
     def _feed_runs(self, need: int, budget: int, fed: list[ReaderLane], corrupt: list[ReaderLane]) -> int:
         """Lend whole runs of ``self.run`` slots, each to one lane that is short of slots (the one with
-        fewest untaken first), at most ``budget`` slots in all (:meth:`allowance`). Return how many were lent.
+        fewest untaken first, then fewest lent in all, then the one lent to longest ago), at most ``budget``
+        slots in all (:meth:`allowance`). Return how many were lent.
+
+        The last two keys break ties. Without them a tie went to the lane adopted first, and when each feed
+        had one run to give (the reader releasing a batch of B while the rest of the slots sat ready) and
+        the older writer had taken all its slots by then, as a writer keeping pace does, a writer that
+        arrived later (an actor's replacement) tied with it at every feed and never got a slot.
 
         A run lent to one lane in one piece is filled by that writer in its commit order, and it
         completes whatever the other writers do: a slow or idle writer delays only its own runs, and
@@ -137,7 +144,8 @@ class Lender:
         lent = 0
         for _ in range(self.slots // size + 1):  # each turn opens a run, or stops
             queued = {lane.index: lane.queued() for lane in lanes}
-            short = sorted((lane for lane in lanes if queued[lane.index] < depth), key=lambda ln: queued[ln.index])
+            short = sorted((lane for lane in lanes if queued[lane.index] < depth),
+                           key=lambda ln: (queued[ln.index], ln.given, ln.turn))
             if not short and sum(lane.given for lane in lanes) < need:
                 short = sorted(lanes, key=_hungry)
             if not short:
@@ -192,6 +200,8 @@ class Lender:
         except SegmentError:
             return -1
         self.books.mark_lent(first, m, lane.index, self.cycle)
+        self.turns += 1
+        lane.turn = self.turns
         if lane not in fed:
             fed.append(lane)
         return m
@@ -209,8 +219,9 @@ class Lender:
         return -1
 
 
-def _given(lane: ReaderLane) -> int:
-    return lane.given
+def _fewest(lane: ReaderLane) -> tuple[int, int]:
+    """The lanes holding fewest first; of those, the one lent to longest ago (a newcomer first)."""
+    return lane.given, lane.turn
 
 
 def _hungry(lane: ReaderLane) -> tuple[bool, int]:

@@ -116,6 +116,18 @@ def make_counting(env_id: int = 0, step_sleep: float = 0.0) -> CountingEnv:
     return CountingEnv(env_id, step_sleep=step_sleep)
 
 
+def make_counting_unless(hang: str, env_id: int = 0) -> CountingEnv:
+    """make_counting, but once the file ``hang`` exists the factory never returns: an actor started then hangs before
+    ``ctx.ready()`` (as a child stuck at its start would), saying so on stderr first."""
+    if os.path.exists(hang):
+        import sys
+
+        print(f"make_counting_unless: {hang} exists, hanging", file=sys.stderr, flush=True)
+        while True:  # until killed: a stop request is never looked at
+            time.sleep(0.05)
+    return CountingEnv(env_id)
+
+
 class ReusingCountingEnv(CountingEnv):
     """CountingEnv that hands back one and the same observation array every time, overwritten in place."""
 

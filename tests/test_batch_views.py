@@ -366,6 +366,44 @@ def test_an_idle_writer_does_not_stall_the_others(make_reader: Any, procs: Any) 
     drain_until_writers_leave(reader)
 
 
+def test_a_writer_that_arrives_later_gets_slots_beside_one_that_keeps_pace(make_reader: Any) -> None:
+    """An actor's replacement on a busy pipeline: the older writer takes every slot it is lent before the next batch,
+    six of the eight slots are ready, and each batch of two gives the pool one run. The later writer must get slots
+    (and deliver) within a few batches. Before, the run went to the lane adopted first at every tie, and the later
+    writer never got one: a multi-agent collector's restarted actor waited for ever so (seen under a loaded CI)."""
+    reader = make_reader(EX, slots=8, max_writers=2)
+    old = shmbuf.Writer(reader, timeout=0)  # both in this thread: a slot() that would wait raises SlotTimeout at once
+    late = None
+
+    def use_all(w: shmbuf.Writer, writer: int) -> int:
+        n = 0
+        while True:
+            try:
+                send(w, writer, n)
+            except shmbuf.SlotTimeout:
+                return n
+            n += 1
+
+    try:
+        for _ in range(8):  # the old writer fills the pipeline: every slot ready
+            use_all(old, 0)
+            if reader.poll() == 8:
+                break
+        assert reader.poll() == 8, "the set-up did not make the situation"
+        late = shmbuf.Writer(reader, timeout=0)
+        sent, tags = 0, []
+        for _ in range(10):
+            tags += check_rows(reader.get_batch(2, timeout=5, copy=True))  # a run back to the pool at once
+            use_all(old, 0)
+            sent += use_all(late, 1)
+        assert sent >= 4, f"the later writer got {sent} slots in 10 batches beside one that keeps pace"
+        assert any(wr == 1 for wr, _ in tags), f"nothing of the later writer was delivered: {tags}"
+    finally:
+        old.close()
+        if late is not None:
+            late.close()
+
+
 @pytest.mark.alone  # how many batches are zero-copy depends on the writers' pace: tests beside it slow them unevenly
 def test_more_writers_than_the_batch_size_still_get_zero_copy_batches(make_reader: Any, procs: Any) -> None:
     """Before: with 3 writers and batches of 2 every batch waited out the run patience, then gathered."""

@@ -303,6 +303,7 @@ class StandIn:
         self.index = index
         self.pid = 1000 + index
         self.given = 0
+        self.turn = 0  # the lender's count of lendings at its last to this lane
         self.lent: list[int] = []
         self.taken = 0
         self.w = [0]  # its free_wait word: the writer never sleeps here

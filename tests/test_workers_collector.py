@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 
 import shmbuf
-from tests.helpers_workers import EchoPolicy, WrongPolicy, check_complete, check_truncated, make_counting, make_vector, per_lane
+from tests.helpers_workers import (
+    EchoPolicy,
+    WrongPolicy,
+    check_complete,
+    check_truncated,
+    make_counting,
+    make_counting_unless,
+    make_vector,
+    per_lane,
+)
 from workers import ActorError, Collector
 
 
@@ -121,6 +130,38 @@ def test_restart_keeps_collecting_and_records_the_failure():
         n = sum(1 for _ in c)
         assert n == 10
         assert c.stats()["actor_restarts"] >= 1 and c.failures[0].kind == "AssertionError"
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_replacement_that_never_gets_ready_is_killed_and_raised(tmp_path, method):
+    """Actor 0 SIGKILLed, and its replacement hangs before ctx.ready() (its env factory never returns): within
+    ready_timeout it is killed and, the restart budget spent, raised as a start timeout with what it printed; before,
+    the collector went on with actor 1 alone for ever and nothing was raised."""
+    import os
+    import signal
+
+    hang = tmp_path / "hang"
+    with Collector([partial(make_counting_unless, str(hang), k) for k in range(2)], EchoPolicy(), num_actors=2,
+                   frames_per_batch=8, rollout_len=4, total_frames=-1, restart=True, max_restarts=1, ready_timeout=3,
+                   start_method=method, timeout=30, copy=True) as c:
+        it = iter(c)
+        next(it)
+        hang.touch()
+        victim = c.pool.pids[0]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 40
+        with pytest.raises(ActorError) as info:
+            while time.monotonic() < deadline:
+                next(it)
+        replacement = c.pool.pids[0]
+        assert c.pool.states == ["failed", "running"] and c.stats()["actor_restarts"] == 1
+    err = info.value
+    message = str(err)
+    assert err.kind == "start_timeout" and err.index == 0 and err.pid == replacement != victim, message
+    assert "did not start within ready_timeout=3 s: its replacement never called ctx.ready(), and was killed" in message
+    assert f"make_counting_unless: {hang} exists, hanging" in message  # the last lines of its stderr
+    assert err.exitcode == -signal.SIGKILL
+    assert [f.kind for f in c.failures] == ["died", "start_timeout"]  # actor 0's SIGKILL (restarted), then this
 
 
 def test_progress_bar(capsys):

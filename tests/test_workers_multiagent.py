@@ -211,6 +211,7 @@ def test_every_policys_rollouts_arrive_once_across_an_actor_kill_and_restart():
     seqs run from 0 without a gap (the dead actor's committed rollouts are delivered, none twice)."""
     import os
     import signal
+    from collections import Counter
 
     from workers import MultiAgentCollector
 
@@ -222,7 +223,12 @@ def test_every_policys_rollouts_arrive_once_across_an_actor_kill_and_restart():
         deadline = time.monotonic() + 60
 
         def take():
-            assert time.monotonic() < deadline, f"stalled: {c.stats()}"
+            # What a stall needs to be told apart: a replacement that never started (failures), or one starved of
+            # slots (each pipeline's slots, and what each lane was lent: its writers' pids and commits).
+            assert time.monotonic() < deadline, (f"stalled: {c.stats()}, failures {c.failures}, pids {c.pool.pids}, "
+                                                 f"slots {({k: r.stats()['slots'] for k, r in c.readers.items()})}, "
+                                                 f"delivered per (lane, epoch) "
+                                                 f"{({k: Counter((ln, e) for ln, e, _ in v) for k, v in keys.items()})}")
             b = next(it)
             for pid, x in b.items():
                 keys[pid] += zip(x.lane.tolist(), x.epoch.tolist(), x.seq.tolist())

@@ -181,7 +181,7 @@ class Engine:
         else:
             self.pool = ActorPool(target, lay.num_actors, args=(spec,), start_method=self.start_method,
                                   restart=s.restart, max_restarts=s.max_restarts, name=self.envs.label,
-                                  on_failure=retire)
+                                  on_failure=retire, ready_timeout=s.ready_timeout)
         life.hold("actors", functools.partial(_close_pool, self.pool))
         self.pool.start()
         # Before the actors are stopped: the pipelines are closed (a writer waiting for a slot sees it within

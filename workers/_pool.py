@@ -46,7 +46,8 @@ import msgpack
 
 import shmbuf
 from shmbuf import ActorError, StartTimeout, StateError
-from shmbuf.lowlevel import int_setting
+from shmbuf.lowlevel import int_setting, timeout_setting
+from workers._actor_end import describe_exit, last_words, other_threads, start_timeout_error, where
 from workers._child import Payload, StderrTail, load_error, tee_stderr
 from workers._lifetime import Lifetime
 
@@ -250,7 +251,8 @@ def _run_target(ctx: ActorContext, payload: Payload) -> None:
 
 
 class _Actor:
-    __slots__ = ("index", "proc", "pid", "conn", "incarnation", "error", "state", "exitcode", "ready", "tail")
+    __slots__ = ("index", "proc", "pid", "conn", "incarnation", "error", "state", "exitcode", "ready", "tail", "started",
+                 "forked_beside")
 
     def __init__(self, index: int):
         self.index = index
@@ -263,6 +265,8 @@ class _Actor:
         self.state = "new"  # running, done (exited 0), failed, stopped
         self.exitcode: int | None = None
         self.ready = False
+        self.started = 0.0  # time.monotonic() when this incarnation was started: ready_timeout counts from here
+        self.forked_beside: list[str] = []  # under fork: the learner's other threads at that instant
 
 
 def restart_or_raise(pool: Any, member: Any, err: ActorError) -> None:
@@ -300,6 +304,11 @@ class ActorPool:
         name: process name prefix.
         on_failure: called with an actor's index when it failed, before its replacement starts
             (the inference collector retires the actor's client slot there).
+        ready_timeout: None (the default), or seconds: a replacement (``restart``) that has not called
+            ``ctx.ready()`` this long after it was started is a failed start: :meth:`check` kills it and restarts
+            it within the budget, or raises :class:`ActorError` (``kind="start_timeout"``) saying what its
+            threads were waiting on and the last lines of its stderr. The collectors pass theirs. The first
+            start is what :meth:`wait_ready` awaits (its timeout, :class:`shmbuf.StartTimeout`).
 
     :meth:`check` (call it often, e.g. between batches) raises the first
     failure that is not restarted, as :class:`ActorError` with the actor's
@@ -310,8 +319,10 @@ class ActorPool:
 
     def __init__(self, target: Callable[..., Any], num_actors: int, *, args: tuple[Any, ...] = (),
                  kwargs: dict[str, Any] | None = None, start_method: str | None = None, restart: bool = False,
-                 max_restarts: int = 3, name: str = "shmbuf-actor", on_failure: Callable[[int], None] | None = None):
+                 max_restarts: int = 3, name: str = "shmbuf-actor", on_failure: Callable[[int], None] | None = None,
+                 ready_timeout: float | None = None):
         num_actors = int_setting("num_actors", num_actors)
+        self.ready_timeout = timeout_setting("ActorPool(ready_timeout=...)", ready_timeout)
         method = start_method or default_start_method()
         if method not in mp.get_all_start_methods():
             raise shmbuf.UsageError(f"start_method: expected one of {mp.get_all_start_methods()}, got {method!r}")
@@ -363,6 +374,7 @@ class ActorPool:
             name=f"{self.name}-{a.index}",
             daemon=False,  # an actor may start processes of its own (e.g. an AsyncVectorEnv)
         )
+        beside = other_threads() if self.start_method == "fork" else []  # for a start timeout's message
         try:
             p.start()
         except BaseException:
@@ -372,7 +384,7 @@ class ActorPool:
             there.close()  # the child has its own copies of both fds now
             learner.close()
         a.proc, a.pid, a.conn, a.state, a.error, a.exitcode, a.ready = p, p.pid, here, "running", None, None, False
-        a.tail = tail
+        a.tail, a.started, a.forked_beside = tail, time.monotonic(), beside
 
     # -- watching -----------------------------------------------------------
 
@@ -411,6 +423,9 @@ class ActorPool:
                 continue
             _drain(a)
             if a.proc.exitcode is None:
+                if not a.ready and a.incarnation and self.ready_timeout is not None and \
+                        time.monotonic() - a.started > self.ready_timeout:  # a replacement that never got ready
+                    self._start_failed(a)
                 continue
             a.proc.join(0)
             _drain(a)
@@ -419,12 +434,24 @@ class ActorPool:
                 a.state = "done"
                 self._close_actor(a)
                 continue
-            err = a.error or ActorError(f"actor {a.index} (pid {a.pid}) died: {_describe_exit(a.exitcode)}, without "
-                                        f"reporting an exception{_last_words(a)}", index=a.index, pid=a.pid,
+            err = a.error or ActorError(f"actor {a.index} (pid {a.pid}) died: {describe_exit(a.exitcode)}, without "
+                                        f"reporting an exception{last_words(a)}", index=a.index, pid=a.pid,
                                         kind="died", exitcode=a.exitcode)
             err.exitcode = a.exitcode
             self._close_actor(a)
             restart_or_raise(self, a, err)
+
+    def _start_failed(self, a: _Actor) -> None:
+        """Actor ``a`` did not call ``ctx.ready()`` within ``ready_timeout``: kill it, then restart or raise."""
+        seen = where(a.pid) if a.pid is not None else ""  # what it waits on, before the kill ends it
+        a.proc.kill()
+        a.proc.join(CLOSE_TIMEOUT)  # SIGKILL: it goes at once, wherever it waits (D state aside)
+        _drain(a)
+        a.exitcode = a.proc.exitcode
+        err = start_timeout_error(a, cast(float, self.ready_timeout), self.start_method, seen)
+        err.exitcode = a.exitcode
+        self._close_actor(a)
+        restart_or_raise(self, a, err)
 
     def wait_ready(self, timeout: float = 60.0, *, interrupted: Callable[[], bool] | None = None) -> None:
         """Wait until every running actor called ``ctx.ready()``; raise its failure if one fails first.
@@ -493,17 +520,6 @@ class ActorPool:
         return f"ActorPool({self.name!r}, {self.num_actors} actors, {self.start_method}, states={self.states})"
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
 def _drain(a: _Actor) -> None:
     """Take in every message an actor has sent: ``ready``, and its first ``error`` (kept in ``a.error``)."""
     try:
@@ -525,17 +541,6 @@ def _close_conn(a: _Actor) -> None:
     if a.tail is not None:
         a.tail.close()
         a.tail = None
-
-
-def _last_words(a: _Actor) -> str:
-    """The end of a died actor's ActorError: the last lines of its stderr, or that it died before reaching the pool's code."""
-    if a.tail is None:
-        return ""
-    if not a.tail.started():
-        return (" (it died while starting, before it reached the pool's code: under spawn and forkserver the child "
-                "imports the main module first, and an error there is printed on its stderr only)")
-    text = a.tail.tail()
-    return f". The last lines of its stderr:\n{text}" if text else ""
 
 
 def _stop_if_started(actors: list[_Actor], timeout: float) -> None:

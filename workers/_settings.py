@@ -55,7 +55,9 @@ class CollectSettings:
         seed: base seed of the envs' resets (actor i, restart r: ``seed + 10000 i + 10**6 r``; None: unseeded).
         timeout: longest wait for one batch before :class:`shmbuf.SlotTimeout` (None: no limit).
         stop_timeout: what ``close()`` gives the actors and the collector's threads by default.
-        ready_timeout: longest wait for the actors to start (before the first batch).
+        ready_timeout: longest wait for the actors to start (before the first batch); a replacement
+            (``restart``) that has not called ``ctx.ready()`` this long after it was started is killed as a
+            failed start (restarted within ``max_restarts``, else raised as ``ActorError(kind="start_timeout")``).
         restart, max_restarts: restart a failed actor, up to ``max_restarts`` times in all.
         progress: a tqdm progress bar.
         copy: give each batch arrays of its own (default: views of the batch buffer, valid until the next batch).
