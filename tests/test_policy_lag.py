@@ -99,25 +99,30 @@ class Weighted:
 
 
 @pytest.mark.parametrize("align", [True, False])
-def test_multiagent_streams_hold_the_setting_aligned_rounds_a_round_at_a_time(align: bool) -> None:
+def test_multiagent_streams_hold_the_setting_a_round_at_a_time(align: bool) -> None:
+    """Several policies under a lag are taken as whole rounds, aligned or not. As runs of views (each policy's batch
+    a run of its own B slots) an actor's round, which holds a slot of every policy, could wait for ever: the readers'
+    slots lent ahead gave the last red slot to one actor and the last blue slot to the other (a stall within 1,000
+    batches in most runs, without load)."""
     pytest.importorskip("pettingzoo")
     from tests.helpers_multiagent import JoinLeaveEnv, mapping
 
     zero = {"w": np.zeros(1, np.float32)}
     c = workers.MultiAgentCollector([partial(JoinLeaveEnv, i) for i in range(2)], {"red": Weighted(), "blue": Weighted()},
                                     policy_mapping_fn=mapping, frames_per_batch=16, rollout_len=4, max_policy_lag=0,
-                                    timeout=60, align=align, weights={"red": zero, "blue": zero})
+                                    timeout=30, align=align, weights={"red": zero, "blue": zero})
     try:
         lags: list[int] = []
         for k, batch in enumerate(c):
             lags += [int(x) for p in batch.values() for x in np.asarray(p.policy_lag).ravel()]
+            assert batch.aligned == align  # what was asked: whole rounds are not called aligned unless they were asked
             w = {"w": np.array([k + 1.0], np.float32)}
             c.update_policy_weights({"red": w, "blue": w})
-            if k == 5:
+            if k == 999:
                 break
     finally:
         c.close()
-    assert lags and max(lags) == 0, lags
+    assert k == 999 and lags and max(lags) == 0, lags
 
 
 @pytest.mark.parametrize("slots, why", [(1, "fewer can never fill a batch"), (5, "more would collect rollouts more "

@@ -137,6 +137,13 @@ class Engine:
             for p in placements.values():
                 p.check_travel(travels)
         self.layout = envs.lay_out(settings, placements, travels)
+        lay = self.layout
+        # Whole rounds (copies, each slot given back as it is read) where a policy's batch of views cannot be: asked
+        # for (align=True), or several streams under a lag. An actor's round holds a slot of every stream, and with
+        # the B (lag + 1) slots a lag allows, the readers' slots lent ahead could give the last slot of one stream to
+        # one actor and of another to the other, each then waiting for ever for the slot the other holds.
+        self._rounds = lay.batch_mode == L.TRUNCATE_EPISODES and (
+            bool(lay.extra.get("align")) or (len(lay.examples) > 1 and settings.max_policy_lag is not None))
         try:
             self._start(threads)
         except BaseException:
@@ -147,7 +154,7 @@ class Engine:
                            timeout=settings.timeout, copy=settings.copy, rollouts=lay.rollouts_per_batch,
                            frames_per_batch=lay.frames_per_batch, collector=type(self).__name__,
                            stream_name=envs.stream_name, episode=envs.episode,
-                           max_policy_lag=settings.max_policy_lag if lay.extra.get("align") else None,
+                           max_policy_lag=settings.max_policy_lag if self._rounds else None,
                            versions=self.policy_versions)
         self._life.arm()  # last: at exit it closes before the finalizers of what _start made
 
@@ -162,9 +169,9 @@ class Engine:
                                    keep_on_crash=s.keep_on_crash)
             self.readers[key] = reader
             life.hold(f"pipeline {key!r}", _untimed(reader.close))
-            if s.max_policy_lag is not None and not lay.extra.get("align"):
+            if s.max_policy_lag is not None and not self._rounds:
                 # The reader holds the lag (it gives back, unread, what is too old), spreading each batch's slots
-                # over the actors; aligned rounds are held by the Taker instead, a round at a time.
+                # over the actors; whole rounds are held by the Taker instead, a round at a time.
                 reader.policy_version = self.policy_versions[key]
                 reader.max_policy_lag = s.max_policy_lag
         # The learner's torch threads, before the actors start taking the cores (workers/_learner_cpu.py)
@@ -345,10 +352,10 @@ class Engine:
         on_batch = s.on_batch
         while s.total_frames < 0 or self.frames < s.total_frames:
             # Batch taking for every collector: which rollouts make a batch is the Taker's rule (workers/_take.py);
-            # max_policy_lag is held by the readers (set in _start), or by the Taker for aligned rounds.
+            # max_policy_lag is held by the readers (set in _start), or by the Taker for whole rounds.
             if lay.batch_mode == L.COMPLETE_EPISODES:
                 taken: Any = self._take.episodes()
-            elif lay.extra.get("align"):
+            elif self._rounds:
                 taken = self._take.rounds()
             else:
                 taken = self._take.runs()

@@ -214,7 +214,7 @@ class PettingZooEnvs:
             return out
         agent_steps = 0
         for pid, got in taken.items():
-            if self.align:  # whole rounds, kept as copies: stacked into (B, ...)
+            if isinstance(got, list):  # whole rounds, kept as copies: stacked into (B, ...)
                 data: Any = optree.tree_map(lambda *xs: np.stack(xs), *[g[0] for g in got])  # Any: optree's opaque
                 fill = {name: np.array([g[1][name] for g in got], np.int64) for name in got[0][1]}
                 lane, epoch, seq, version = (np.array([g[i] for g in got], np.int64) for i in (2, 3, 4, 5))

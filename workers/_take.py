@@ -9,14 +9,15 @@ from it: nothing taken is dropped (a Ray node's collector waits in short slices 
 
 - :meth:`Taker.runs` (truncate-episodes): each stream's next run of ``B`` rollouts (``reader.get_batch``: views of a
   run of slots, or one copy);
-- :meth:`Taker.rounds` (truncate-episodes, ``align=True``): ``B`` whole rounds, a round's rollout of every stream
-  (an actor commits one per stream per round), taken as they come and kept as copies until the round is whole;
+- :meth:`Taker.rounds` (truncate-episodes, ``align=True``, or several streams under a lag): ``B`` whole rounds, a
+  round's rollout of every stream (an actor commits one per stream per round), taken as they come and kept as
+  copies until the round is whole;
 - :meth:`Taker.episodes` (complete-episodes): episodes from every stream as they come, copied, until they hold
   ``frames_per_batch`` frames.
 
 A bound on the policy lag (``max_policy_lag``: no rollout in a batch acted by weights more than that many versions
 older than the learner's) is held by each stream's reader (``shmbuf.Reader.max_policy_lag``: it gives back, unread, a
-ready rollout that is too old) for runs and episodes, and here for aligned rounds, where a round is taken or dropped
+ready rollout that is too old) for runs and episodes, and here for rounds, where a round is taken or dropped
 whole (a reader dropping one stream's rollout would leave its round's other rollouts waiting for ever). The plan's
 slots are sized for the lag (``workers._plan.lag_slots``); docs/on-policy.md.
 """
