@@ -69,19 +69,20 @@ lint: $(LINT_VENV)/.stamp
 	exit $$status
 
 # The core alone (no extras): every public module imports, each in a fresh interpreter, and the tests that need no
-# extra pass (.ci/core_tests.py says how they are chosen; the rest run in `make test`).
+# extra pass (.ci/core_tests.py says how they are chosen; the rest run in `make test`), in workers as `make test` runs.
 test-core: $(CORE_VENV)/.stamp
 	$(CORE_VENV)/bin/python .ci/import_core.py
-	$(CORE_VENV)/bin/python .ci/core_tests.py -q -m "not slow"
+	$(CORE_VENV)/bin/python .ci/core_tests.py -q -m "not slow" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test-slow: $(VENV)/.stamp-test
 	$(PY) -m pytest -q -m slow
 
 # The benchmarks' smoke tests (tests/bench): each benchmark CLI at its smallest, every system it compares (RLlib's
 # MultiAgentEnvRunner, TorchRL, echo, faster-fifo, ...) with the bench extra's packages, and the report's arithmetic;
-# about 2 minutes. One process: the benchmarks start many processes and Ray clusters of their own.
+# about a minute and a half in 3 pytest-xdist workers (2 minutes in one process, where most of a smoke run's time is
+# waiting for the processes it starts); the two that start Ray clusters share an xdist group, so one runs at a time.
 bench-smoke: $(VENV)/.stamp-test $(VENV)/.stamp-bench
-	$(PY) -m pytest -q -m "not slow" tests/bench
+	$(PY) -m pytest -q -m "not slow" -n 3 --dist loadgroup --no-loadscope-reorder tests/bench
 
 bench: $(VENV)/.stamp-bench
 	$(PY) -m shmbuf bench

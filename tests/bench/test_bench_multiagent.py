@@ -44,6 +44,7 @@ def _finite_positive(x: object) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.xdist_group("bench-ray")  # `make bench-smoke` runs in parallel: one Ray cluster at a time
 def test_quick_run_measures_every_system_and_leaves_nothing(tmp_path: pathlib.Path) -> None:
     before = shm_objects()
     rllib = _rllib_importable()

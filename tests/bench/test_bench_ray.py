@@ -33,6 +33,7 @@ def _positive(x: object) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.xdist_group("bench-ray")  # `make bench-smoke` runs in parallel: one Ray cluster at a time
 def test_quick_run_has_every_row_computes_ratios_and_leaves_nothing(tmp_path: pathlib.Path) -> None:
     before = shm_objects()
     plot = importlib.util.find_spec("matplotlib") is not None  # the bench extra, which `make bench-smoke` installs
