@@ -118,7 +118,10 @@ def scan(directory: str = SHM_DIR, *, name: str | None = None) -> list[Found]:
         if f.segment:
             (_inspect_weights if f.weights else _inspect_inference if f.inference else _inspect)(f)
             if f.error and path_problem(os.path.join(directory, f.name[1:])) is None:
-                f.segment, f.error = False, ""  # removed while we looked: what remains are its semaphores, if any
+                # removed while we looked: what remains are its semaphores, if any (its owner unlinks them first, so
+                # the ones listed before are most likely gone too)
+                f.segment, f.error = False, ""
+                f.semaphores = [e for e in f.semaphores if os.path.lexists(os.path.join(directory, e))]
         if f.segment or f.semaphores or f.kept:
             out.append(f)
     return out
