@@ -165,7 +165,8 @@ def test_the_on_policy_page_runs_and_prints_what_it_says(tmp_path: Any) -> None:
     assert out.strip() == "slots: 4 every lag <= 1: True", out
 
 
-def test_ray_collector_refuses_the_lag_saying_why() -> None:
+@pytest.mark.parametrize("bad", [-1, 0.5])
+def test_ray_collector_refuses_a_bad_lag_naming_the_setting(bad: Any) -> None:
     pytest.importorskip("ray")
-    with pytest.raises(shmbuf.UsageError, match=r"RayCollector\(max_policy_lag=1\): not held across machines yet"):
-        workers.RayCollector(make_counting, EchoPolicy(), frames_per_batch=32, max_policy_lag=1)
+    with pytest.raises(shmbuf.UsageError, match=r"RayCollector\(max_policy_lag=...\): expected an int >= 0"):
+        workers.RayCollector(make_counting, EchoPolicy(), frames_per_batch=32, max_policy_lag=bad)

@@ -50,6 +50,7 @@ from workers._batches import progress
 from workers._lifetime import Lifetime
 from workers._pool import default_start_method
 from workers._ray_batch import NodeFailure, RayBatch  # workers.RayBatch, workers.NodeFailure come from here
+from workers._ray_lag import LagGate
 from workers._ray_multiagent import MultiAgentNodes
 from workers._ray_node import Node, rate
 from workers._ray_nodes import OWNER_SLICE, LocalNode, NodeOwner  # NodeOwner: workers.NodeOwner comes from here
@@ -89,7 +90,8 @@ class RayCollector:
         nodes: Ray node ids (hex) to collect on, or None for every alive node. One owner each.
         actors_per_node: actor processes per node (``Collector``'s ``num_actors``).
         max_in_flight: ``next_batch`` calls outstanding per node: how many batches a node may have
-            made that the learner has not taken. A slow learner slows the nodes; memory stays bounded.
+            made that the learner has not taken. A slow learner slows the nodes; memory stays bounded. Under a
+            ``max_policy_lag`` n, at most n + 1 (workers._ray_lag, docs/ray.md).
         restart: an owner that dies is restarted by Ray (up to ``max_restarts`` times), and a failed
             actor process by its owner's pool; its weights are sent again when it is back.
         timeout: longest wait for a batch from any node before :class:`shmbuf.SlotTimeout` (None: none).
@@ -117,11 +119,7 @@ class RayCollector:
                  frames_per_batch: int, total_frames: int = -1, settings: CollectSettings | None = None,
                  **options: Any):
         collector_kwargs = {**_given_fields(settings), **options}  # what is not RayCollector's own goes to the nodes
-        if collector_kwargs.get("max_policy_lag") is not None:
-            raise shmbuf.UsageError(
-                f"RayCollector(max_policy_lag={collector_kwargs['max_policy_lag']!r}): not held across machines yet: a "
-                "node's batch travels to the learner while the learner may publish again, so a bound checked on the "
-                "node would not hold here. Leave it None and read batch.policy_lag, or use Collector on one machine")
+        lag = LagGate(collector_kwargs.get("max_policy_lag"))  # the nodes' Collectors hold it too: see workers._ray_lag
         (policy_factory, nodes, actors_per_node, max_in_flight, restart, max_restarts, timeout, ready_timeout, copy,
          weights, seed, start_method, stop_timeout, progress, owner_options, raise_on_node_failure, local_node,
          policies, policy_factories, create_env_kwargs) = (collector_kwargs.pop(k, d) for k, d in OPTIONS.items())
@@ -143,9 +141,11 @@ class RayCollector:
                                       start_method or default_start_method())
             self._streams = SingleAgentNodes(policy)
         ids = _node_ids(nodes)
+        lag.check_nodes(len(ids))
         self.frames_per_batch = frames_per_batch
         self.total_frames = total_frames
         self.max_in_flight = max_in_flight
+        self._lag = lag
         self.timeout = timeout
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
@@ -298,11 +298,11 @@ class RayCollector:
             yield batch
 
     def _fill(self, n: Node) -> None:
-        """Keep ``max_in_flight`` next_batch calls outstanding on a running node."""
+        """Keep ``max_in_flight`` next_batch calls outstanding on a running node (under a lag, see workers._ray_lag)."""
         if n.state != "running" or n.local is not None:
             return
         have = sum(1 for m in self._pending.values() if m is n)
-        for _ in range(self.max_in_flight - have):
+        for _ in range(self._lag.in_flight(self.max_in_flight) - have):
             self._pending[n.owner.next_batch.remote()] = n
 
     def _next(self) -> Any:
@@ -311,6 +311,8 @@ class RayCollector:
         if local is not None:
             assert local.local is not None  # chosen for it above (a node's local is set once, at start)
             local.local.give_back()  # the learner asks for more: its last batch is done
+        for n in self.nodes if self._lag.held else ():  # asked for now, after the learner's update: its weights
+            self._fill(n)
         while True:
             self._look_at_restarting()
             self._check_acks()
@@ -334,7 +336,10 @@ class RayCollector:
                     self._failed(local, exc)
                     continue
                 if got is not None:
-                    return self._counted(local, self._from_local(local, got))
+                    batch = self._streams.from_local(local, got)
+                    if self._lag.fresh(self._streams.parts(batch)):
+                        return _counted(local, batch)
+                    local.local.give_back()
             elif not self._pending:
                 time.sleep(WAIT_SLICE)
             if deadline is not None and time.monotonic() > deadline:
@@ -356,18 +361,12 @@ class RayCollector:
         except shmbuf.SchemaError as exc:  # what this node sent cannot be a batch: it is out
             self._failed(n, exc)
             return None
-        self._fill(n)
-        return self._counted(n, batch)
-
-    @staticmethod
-    def _counted(n: Node, batch: Any) -> Any:
-        now = time.monotonic()
-        n.first = n.first if n.first is not None else now
-        n.last, n.batches, n.frames = now, n.batches + 1, n.frames + batch.frames
-        return batch
-
-    def _from_local(self, n: Node, b: Any) -> Any:
-        return self._streams.from_local(n, b)
+        fresh = self._lag.fresh(self._streams.parts(batch))
+        if not self._lag.held or not fresh:  # under a lag, the next call goes out when the learner asks (in _next)
+            self._fill(n)
+        if not fresh:
+            return None
+        return _counted(n, batch)
 
     def _failed(self, n: Node, exc: BaseException) -> None:
         """A call of node ``n`` failed: count its lost calls, report it, and follow it as restarting or stop it."""
@@ -449,6 +448,7 @@ class RayCollector:
                        "local": n.local is not None}
                       for n in self.nodes],
             "failures": [str(f) for f in self.failures],
+            "max_policy_lag": self._lag.max_policy_lag, "stale_dropped": self._lag.stale_dropped,
             **self._streams.stats(),
         }
 
@@ -534,6 +534,14 @@ def _node_ids(nodes: Sequence[str] | None) -> list[str]:
     if len(set(ids)) != len(ids):
         raise shmbuf.UsageError("nodes: a node is listed twice; one owner runs per node (raise actors_per_node)")
     return ids
+
+
+def _counted(n: Node, batch: Any) -> Any:
+    """A batch of node ``n``, counted in its figures."""
+    now = time.monotonic()
+    n.first = n.first if n.first is not None else now
+    n.last, n.batches, n.frames = now, n.batches + 1, n.frames + batch.frames
+    return batch
 
 
 def _given_fields(settings: Any) -> dict[str, Any]:
