@@ -434,10 +434,13 @@ def slot_accounting(reader: shmbuf.Reader) -> dict[str, int]:
     return s
 
 
-def rss_kib(pid: int) -> int:
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory in KiB (0 once it is gone): ``field`` of /proc/PID/status, VmRSS (all of it) or
+    RssAnon (its private anonymous pages, where what it allocates lives: not the library pages a forked child faults
+    in from its parent's files, nor the shared memory it maps)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
     return 0
 

@@ -153,6 +153,14 @@ class Ledger(OnceLedger):
             assert sorted(seqs) == list(range(min(seqs), min(seqs) + len(seqs))), f"{key}: a rollout missing"
 
 
+def late_batch_waiting(rc: RayCollector, timeout: float = 60.0) -> bool:
+    """Wait until a node owner's ``next_batch`` call that the learner keeps in flight has returned (its batch is in
+    Ray's object store, not yet handed out); False if none did within ``timeout``. Every node with an owner has calls
+    in flight between two batches of the learner (RayCollector._fill)."""
+    ready, _ = ray.wait(list(rc._pending), num_returns=1, timeout=timeout)
+    return bool(ready)
+
+
 @pytest.mark.parametrize("local_node", [True, False], ids=["learners-node-in-process", "every-node-through-ray"])
 def test_every_rollout_once_from_both_nodes_weights_reach_both_and_shutdown_leaves_nothing(cluster: Any,
                                                                                            local_node: bool) -> None:
@@ -168,6 +176,10 @@ def test_every_rollout_once_from_both_nodes_weights_reach_both_and_shutdown_leav
         for k, b in enumerate(rc):
             ledger.take(b)
             if k == 3:
+                # A version-0 batch still to come, surely: a node owner's batch already returned (its rollouts all
+                # committed before the update) that the learner has not taken yet. Without this wait, every actor
+                # just between two rollouts when the update lands leaves none late (the parallel suite's load).
+                assert late_batch_waiting(rc), "no node owner's batch came back within 60 s"
                 assert rc.update_policy_weights(weights(1)) == 1
             if k > 3 and all(1 in ledger.versions[n] for n in (0, 1)) and len(ledger.batches) >= 12:
                 break
@@ -177,7 +189,7 @@ def test_every_rollout_once_from_both_nodes_weights_reach_both_and_shutdown_leav
     ledger.check_contiguous()
     assert {0, 1} <= set(ledger.batches)
     assert all(n["frames"] > 0 and n["lost_batches"] == 0 for n in stats["nodes"]) and stats["failures"] == []
-    # version 1 was published after batch 3 with version-0 rollouts still to come: some of them arrived late
+    # version 1 was published after batch 3 with a version-0 batch waiting: its rollouts arrived late, lag 1
     assert stats["policy_version"] == 1 and stats["policy_lag_max"] == ledger.lag_max == 1
     wait_until(lambda: all(gone(p) for p in pids_of(info)), 20, "the owners, their actors and watchers to exit")
     wait_until(lambda: not any(on_shm(i) for i in info), 10, "the nodes' shared memory to go")
