@@ -155,6 +155,6 @@ def write_fork_recording(root: Any, *, components: bool = False) -> dict[int, di
                 traj["observations"] = (obs[a:b],)  # as the rsl_rl fork's saver writes it
             with open(d / f"traj_{a:06d}_{b:06d}.pickle", "wb") as fh:
                 pickle.dump(traj, fh)
-        os.utime(d, (1_000_000 + k, 1_000_000 + k))  # 002 orders trajectories by modification time
+        os.utime(d, (1_000_000 + k, 1_000_000 + k))  # the legged-robot fork orders trajectories by modification time
     (root / "trajectory_3").mkdir()
     return out
