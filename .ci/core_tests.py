@@ -278,9 +278,8 @@ def select() -> tuple[list[str], dict[str, set[str]], dict[str, set[str]], list[
 class CoreJob:
     """Deselects the tests that need an extra, and fails the job on a test skipped for a missing module."""
 
-    def __init__(self, tests_out: dict[str, set[str]]) -> None:
-        self.tests_out = tests_out
-        self.deselected = 0
+    def __init__(self, tests_out: set[str]) -> None:
+        self.tests_out = tests_out  # node ids, or a parametrised test's id without its parameters
         self.hidden: list[str] = []
 
     def pytest_collection_modifyitems(self, config: Any, items: list[Any]) -> None:
@@ -291,7 +290,6 @@ class CoreJob:
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
-        self.deselected = len(drop)
 
     def _check(self, report: Any) -> None:
         if report.skipped:
@@ -316,7 +314,7 @@ job: CoreJob | None = None
 def pytest_configure(config: Any) -> None:
     global job
     if OUT_ENV in os.environ and not config.pluginmanager.has_plugin("core-job"):
-        job = CoreJob(dict.fromkeys(json.loads(os.environ[OUT_ENV]), set()))
+        job = CoreJob(set(json.loads(os.environ[OUT_ENV])))
         config.pluginmanager.register(job, "core-job")
 
 

@@ -145,7 +145,7 @@ class Lender:
         for _ in range(self.slots // size + 1):  # each turn opens a run, or stops
             queued = {lane.index: lane.queued() for lane in lanes}
             short = sorted((lane for lane in lanes if queued[lane.index] < depth),
-                           key=lambda ln: (queued[ln.index], ln.given, ln.turn))
+                           key=lambda ln: (queued[ln.index], *_fewest(ln)))
             if not short and sum(lane.given for lane in lanes) < need:
                 short = sorted(lanes, key=_hungry)
             if not short:

@@ -82,9 +82,8 @@ def start_timeout_error(a: Any, ready_timeout: float, start_method: str, seen: s
         msg += (f". It was forked (start_method='fork') while the learner ran other threads ({shown}): a forked "
                 "child that takes a lock one of them held at that instant waits for ever; use "
                 "start_method='forkserver' or 'spawn', which start a process without copying the learner's threads")
-    tail = last_words(a)
-    if tail.startswith(". The last lines"):
-        msg += tail
-    elif a.tail is not None and not a.tail.started():
+    if a.tail is not None and not a.tail.started():
         msg += " (it never reached the pool's code: under spawn and forkserver the child imports the main module first)"
+    else:
+        msg += last_words(a)  # the last lines of its stderr, if it wrote any
     return ActorError(msg, index=a.index, pid=a.pid, kind="start_timeout")

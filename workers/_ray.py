@@ -361,11 +361,11 @@ class RayCollector:
         except shmbuf.SchemaError as exc:  # what this node sent cannot be a batch: it is out
             self._failed(n, exc)
             return None
-        fresh = self._lag.fresh(self._streams.parts(batch))
-        if not self._lag.held or not fresh:  # under a lag, the next call goes out when the learner asks (in _next)
-            self._fill(n)
-        if not fresh:
+        if not self._lag.fresh(self._streams.parts(batch)):
+            self._fill(n)  # asked again now: it collects with the learner's current weights
             return None
+        if not self._lag.held:
+            self._fill(n)  # under a lag, the next call goes out when the learner asks for a batch (in _next)
         return _counted(n, batch)
 
     def _failed(self, n: Node, exc: BaseException) -> None:
