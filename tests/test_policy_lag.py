@@ -170,3 +170,51 @@ def test_ray_collector_refuses_a_bad_lag_naming_the_setting(bad: Any) -> None:
     pytest.importorskip("ray")
     with pytest.raises(shmbuf.UsageError, match=r"RayCollector\(max_policy_lag=...\): expected an int >= 0"):
         workers.RayCollector(make_counting, EchoPolicy(), frames_per_batch=32, max_policy_lag=bad)
+
+
+class _Rollout:
+    """What Taker.rounds reads of a rollout: its round's name (pid, seq), its data and its version."""
+
+    def __init__(self, seq: int, version: int):
+        self.pid, self.seq, self.lane, self.epoch, self.policy_version = 7, seq, 0, 0, version
+        self.data, self.fill = {"x": np.zeros(2)}, {"step": 2}
+
+    def __enter__(self) -> _Rollout:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+class _Stream:
+    """A reader that hands out the rollouts it is given, then has none (SlotTimeout)."""
+
+    def __init__(self, *rollouts: _Rollout):
+        self.queue = list(rollouts)
+
+    def get(self, timeout: float) -> _Rollout:
+        if not self.queue:
+            raise shmbuf.SlotTimeout("none ready")
+        return self.queue.pop(0)
+
+
+def test_a_round_too_old_is_dropped_whole_and_forgotten_once_all_its_rollouts_came() -> None:
+    """Round 0 (version 0) is too old for the learner's version 2 at lag 0: the rollout of stream "a" is dropped as the
+    round is, the one of "b" as it arrives later; then nothing of round 0 is kept, and round 1 (version 2) is the
+    batch."""
+    from workers._take import Taker
+
+    a, b = _Stream(_Rollout(0, 0)), _Stream()
+    taker = Taker({"a": a, "b": b}, check=lambda: None, leaving=lambda: False, timeout=5.0, copy=True, rollouts=1,
+                  frames_per_batch=2, collector="test", stream_name=str, max_policy_lag=0, versions={"a": 2, "b": 2})
+    with pytest.raises(shmbuf.SlotTimeout):  # round 0 dropped, nothing whole: the wait runs out
+        taker.timeout = 0.2
+        taker.rounds()
+    assert taker.stale_dropped == 1 and taker._dropped == {(7, 0): 1}
+    b.queue.append(_Rollout(0, 0))  # round 0's other rollout, late
+    a.queue.append(_Rollout(1, 2))
+    b.queue.append(_Rollout(1, 2))
+    taker.timeout = 5.0
+    out = taker.rounds()
+    assert [r[4] for r in out["a"]] == [1] and [r[4] for r in out["b"]] == [1]  # round 1's seq
+    assert taker.stale_dropped == 2 and taker._dropped == {}  # nothing left to remember of round 0

@@ -71,7 +71,8 @@ class Taker:
         self.max_policy_lag = max_policy_lag  # held here for aligned rounds: a round goes, or is dropped, whole
         self.versions = versions if versions is not None else {}  # the learner's, per stream (the engine's dict)
         self.stale_dropped = 0
-        self._dropped: set[tuple[int, int]] = set()  # rounds dropped as too old: their later rollouts go too
+        # rounds dropped as too old, each with how many of its streams' rollouts are still to come (dropped as they come)
+        self._dropped: dict[tuple[int, int], int] = {}
         self.slice = WAIT_SLICE if len(readers) == 1 else WAIT_SLICE / 2
         self._taken: dict[Any, Any] = {}  # runs: each stream's run taken so far
         self._last: dict[Any, Any] = {}  # runs, several streams: the batches of views handed out last
@@ -96,7 +97,7 @@ class Taker:
         if not taken:
             # Every stream's last batch goes back before any stream waits: an actor claims a slot of every stream
             # for a round, so a stream whose batch were held until its own next call could keep the others waiting
-            # (with the slots a lag needs and no more: for ever). The views were valid until this call anyway.
+            # (with few slots: for ever). The views were valid until this call anyway.
             for last in self._last.values():
                 if not last.released:
                     last.release()
@@ -143,8 +144,11 @@ class Taker:
         def keep(key: Any, r: Any) -> None:
             with r:
                 name = (int(r.pid), int(r.seq))
-                if name in self._dropped:  # its round was dropped as too old: so is the rest of it
+                left = self._dropped.pop(name, 0)
+                if left:  # its round was dropped as too old: so is the rest of it
                     self.stale_dropped += 1
+                    if left > 1:
+                        self._dropped[name] = left - 1
                     return
                 whole_slot = optree.tree_map(np.array, r.data)  # padded to capacity: rounds stack into (B, ...)
                 pending[key][name] = (whole_slot, dict(r.fill), int(r.lane), int(r.epoch), int(r.seq),
@@ -154,14 +158,14 @@ class Taker:
         def fresh() -> list[tuple[int, int]]:
             """The whole rounds, once every round with a rollout too old is dropped (all its streams' rollouts)."""
             if self.max_policy_lag is not None:
-                for key in keys:
-                    oldest = self.versions.get(key, 0) - self.max_policy_lag
-                    self._dropped.update(n for n, got in pending[key].items() if got[5] < oldest)
-                for n in self._dropped & set(self._arrival):
-                    for key in keys:
-                        if pending[key].pop(n, None) is not None:
-                            self.stale_dropped += 1
+                lag = self.max_policy_lag
+                stale = {n for key in keys for n, got in pending[key].items() if got[5] < self.versions.get(key, 0) - lag}
+                for n in stale:
+                    here = sum(pending[key].pop(n, None) is not None for key in keys)
+                    self.stale_dropped += here
                     del self._arrival[n]
+                    if here < len(keys):
+                        self._dropped[n] = len(keys) - here
             return whole()
 
         while len(fresh()) < B:
