@@ -665,24 +665,29 @@ def test_a_restart_while_the_learner_publishes_every_batch(cluster: Any) -> None
 
 @pytest.mark.parametrize("updates", [1, 3])
 def test_max_policy_lag_holds_for_every_rollout_from_both_nodes(cluster: Any, updates: int) -> None:
-    """max_policy_lag=1 on two nodes: every rollout handed out is at most one version behind the learner's, from
-    either node, each once; with 3 updates a batch (and a slow learner) batches too old on arrival are dropped, counted,
-    and both nodes still deliver."""
+    """max_policy_lag=1 on two nodes: every rollout handed out is at most one version behind the learner's, each once;
+    with one update a batch both nodes deliver. With 3 updates a batch (and a slower learner) a batch of the node the
+    learner did not take from is 3 versions behind when it arrives: dropped, and counted (the learner's own node may
+    then be the only one to deliver: a CI run saw the other's every batch dropped)."""
     with collector(max_policy_lag=1) as rc:
         ledger = Ledger(rc)
         it = iter(rc)
         deadline = time.monotonic() + 90
-        while len(ledger.batches) < 12 or set(ledger.batches) != {0, 1}:
+
+        def more() -> bool:
+            if len(ledger.batches) < 12:
+                return True
+            return set(ledger.batches) != {0, 1} if updates == 1 else rc.stats()["stale_dropped"] == 0
+
+        while more():
             ledger.take(next(it))  # checks each rollout's lag against the learner's version
             time.sleep(0.02 * updates)
             for _ in range(updates):
                 rc.update_policy_weights(weights(rc.policy_version + 1))
-            assert time.monotonic() < deadline, f"both nodes did not deliver: {ledger.batches}, {rc.stats()}"
+            assert time.monotonic() < deadline, f"batches {ledger.batches}, {rc.stats()}"
         stats = rc.stats()
     ledger.check_once()
     assert ledger.lag_max is not None and ledger.lag_max <= 1 and stats["max_policy_lag"] == 1
-    if updates == 3:
-        assert stats["stale_dropped"] > 0  # what the nodes had collected before the last two updates
 
 
 def test_a_lag_below_the_nodes_but_one_is_refused_naming_both(cluster: Any) -> None:
