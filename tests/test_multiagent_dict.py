@@ -173,9 +173,10 @@ def test_the_collector_delivers_dict_observations_as_the_env_returned_them(serve
                                        True, "a batch")
         for pid, part in back.policies.items():
             assert same(part.data, b[pid].data), pid
+        actor_of = b["player"].lane  # aligned: row i of every policy is one actor's round; lanes differ by pipeline
         for pid, part in b.items():
             for i in range(len(part.seq)):
-                per_actor.setdefault(int(part.lane[i]), {}).setdefault(pid, []).append(
+                per_actor.setdefault(int(actor_of[i]), {}).setdefault(pid, []).append(
                     {"seq": int(part.seq[i]), "fill": {"step": int(part.fill["step"][i]),
                                                        "episode": int(part.fill["episode"][i])},
                      "data": optree.tree_map(lambda a, i=i: a[i], part.data)})
