@@ -32,7 +32,8 @@ from shmbuf._schema import Schema
 from shmbuf._segment import S_COMMIT_NS, S_EPOCH, S_FILL, S_POLICY, S_SEQ, W_DELIVERED, Segment
 
 # get_batch() with enough rollouts ready but no run of consecutive slots complete (and in order) waits
-# for one at least this long (longer if the batch itself took longer to arrive), then gathers.
+# for one at least this long (longer if the batch itself took longer to arrive, and again from each commit
+# that arrives meanwhile), then gathers.
 RUN_PATIENCE = 0.02
 # The oldest ready rollout, passed over by runs that go out before it (its own run waits on a writer that
 # went quiet), waits at most this long; then get_batch gathers the oldest. See "Nothing waits for ever".
@@ -67,6 +68,7 @@ class Decision(NamedTuple):
     sleep: float = 0.0  # WAIT: the longest sleep before deciding again
     patience_end: float | None = None  # once enough are ready but no run is: when the run patience ends
     head: Head | None = None
+    seen: int = -1  # WAIT: the books' arrivals so far; a commit after it extends the run patience
 
 
 def never(books: SlotBooks, size: int) -> bool:
@@ -76,7 +78,7 @@ def never(books: SlotBooks, size: int) -> bool:
 
 def decide(books: SlotBooks, size: int, *, zero_copy: bool = True, cursor: int = 0, now: float = 0.0,
            since: float = 0.0, deadline: float | None = None, patience_end: float | None = None,
-           head: Head | None = None) -> Decision:
+           head: Head | None = None, seen: int = -1) -> Decision:
     """What a call for ``size`` rollouts does now, from the slot books alone.
 
     Args:
@@ -86,8 +88,8 @@ def decide(books: SlotBooks, size: int, *, zero_copy: bool = True, cursor: int =
         cursor: runs are looked for from here (the end of the last run handed out, :attr:`Handout.cursor`).
         now, since: the clock now, and when the call began (monotonic seconds).
         deadline: when the call's timeout ends (None: never).
-        patience_end, head: what the previous decision of this wait (``patience_end``) and of this reader
-            (``head``) returned.
+        patience_end, seen, head: what the previous decision of this wait (``patience_end``, ``seen``) and of
+            this reader (``head``) returned.
 
     The rules, in order: too few slots the writers could ever fill: NEVER. Enough ready and
     ``zero_copy=False``: GATHER. A complete run in order (:func:`full_run`): VIEWS, unless more than a batch
@@ -95,13 +97,18 @@ def decide(books: SlotBooks, size: int, *, zero_copy: bool = True, cursor: int =
     ``OVERTAKE_PATIENCE`` (:func:`passed_over`): GATHER. No run can ever fill (each holds a rollout taken
     with ``get()``), or none can complete (nothing is lent): GATHER. Otherwise a run may still complete:
     WAIT for it until the run patience ends (as long as the batch took to arrive, at least
-    ``RUN_PATIENCE``), then GATHER. Too few ready: WAIT for the rest. At the deadline, GATHER if enough
-    were ready, else TIMEOUT.
+    ``RUN_PATIENCE``, counted again from each commit that arrives while it waits, if ``seen`` is given),
+    then GATHER. Too few ready: WAIT for the rest. At the deadline, GATHER if enough are ready, else
+    TIMEOUT.
     """
     if never(books, size):
         return Decision(NEVER)
     want = size - books.n_ready
-    if want <= 0:
+    if want > 0:
+        # Too few (again: rollouts too old for max_policy_lag were dropped while this waited): no patience runs,
+        # and the deadline is a timeout, never a gather of slots that are not ready.
+        patience_end = None
+    else:
         if not zero_copy:
             return Decision(GATHER, why=WHY_ASKED, head=head)
         first = full_run(books, size, cursor)
@@ -115,8 +122,10 @@ def decide(books: SlotBooks, size: int, *, zero_copy: bool = True, cursor: int =
             return Decision(GATHER, why=WHY_HELD, head=head)  # no run can fill: gather now
         if SLOT_LENT not in books.where:
             return Decision(GATHER, why=WHY_NOTHING_LENT, head=head)  # no commit can arrive: gather now
-        if patience_end is None:
-            patience_end = now + max(RUN_PATIENCE, now - since)
+        if patience_end is None or books.arrivals > seen >= 0:
+            # From each commit again: with W writers each filling a run of its own, a batch's worth is ready
+            # well before any one run is whole, and while commits come a run is on its way.
+            patience_end = max(patience_end or now, now + max(RUN_PATIENCE, now - since))
         elif now >= patience_end:
             return Decision(GATHER, why=WHY_PATIENCE, head=head)
         # A run is filling: the next one in order (after the last handed out) lacks this many.
@@ -129,7 +138,7 @@ def decide(books: SlotBooks, size: int, *, zero_copy: bool = True, cursor: int =
         return Decision(TIMEOUT, head=head)
     if patience_end is not None:
         wait = max(0.0, min(wait, patience_end - now))
-    return Decision(WAIT, want=want, sleep=wait, patience_end=patience_end, head=head)
+    return Decision(WAIT, want=want, sleep=wait, patience_end=patience_end, head=head, seen=books.arrivals)
 
 
 def passed_over(books: SlotBooks, first: int, size: int, now: float, head: Head | None) -> tuple[str, Head | None]:
@@ -242,6 +251,49 @@ def stranded(books: SlotBooks, slot: int, size: int) -> bool:
     return bool(theirs.any()) and int(arrived[theirs].min()) < newest
 
 
+def gather_rows(books: SlotBooks, size: int) -> np.ndarray:
+    """The ``size`` ready slots a gathered batch takes, in arrival order: whole runs where it can.
+
+    The oldest ready rollout first (it always goes out: one that sits where no view can take it waits for
+    nothing else); then the runs, oldest first (by their oldest ready rollout), each with, of every lane in it,
+    that lane's ready rollouts up to its newest there, as long as all of it fits in ``size``; the rest is
+    the oldest of what is left. Each lane's part is then its oldest ready rollouts (a prefix of its commit
+    order), so every lane's order holds, as with the ``size`` oldest. The ``size`` oldest alone handed back
+    slots scattered over every run, which kept the runs from coming back whole (see ``Lender._feed_runs``);
+    a run emptied whole goes back to the pool whole.
+    """
+    arrived, lanes, n = books.arrived, books.lane_of, books.n
+    order = np.argsort(arrived, kind="stable")  # by arrival, a commit group in slot order: as books.oldest
+    k = books.n_ready
+    rank = np.full(n, n, np.int64)  # each ready slot's place in that order (unique), n for the others
+    rank[order[:k]] = np.arange(k)
+    ready = rank < n
+    by_lane = {int(ln): np.sort(rank[ready & (lanes == ln)]) for ln in np.unique(lanes[ready])}
+    cut = {int(lanes[order[0]]): 0}  # lane -> the newest place taken of it (and all its older ones): the oldest first
+    count = 1
+    firsts = [f for f in range(0, n, size) if ready[f : f + size].any()]
+    firsts.sort(key=lambda f: int(rank[f : f + size].min()))
+    for f in firsts:
+        inner = ready[f : f + size]
+        grown = dict(cut)
+        for ln, r in zip(lanes[f : f + size][inner].tolist(), rank[f : f + size][inner].tolist()):
+            if r > grown.get(ln, -1):
+                grown[ln] = r
+        more = sum(int(np.searchsorted(by_lane[ln], r, "right") - np.searchsorted(by_lane[ln], cut.get(ln, -1), "right"))
+                   for ln, r in grown.items())
+        if count + more <= size:
+            cut, count = grown, count + more
+            if count == size:
+                break
+    chosen = np.zeros(n, bool)
+    for ln, r in cut.items():
+        chosen |= ready & (lanes == ln) & (rank <= r)
+    if count < size:
+        chosen[np.argsort(np.where(chosen, n, rank), kind="stable")[: size - count]] = True
+    idx = np.flatnonzero(chosen)
+    return idx[np.argsort(rank[idx], kind="stable")]
+
+
 def run_possible(books: SlotBooks, size: int) -> bool:
     """Can an aligned run of ``size`` slots still fill? Not if each holds a rollout taken with get()."""
     held = books.fill[SLOT_HELD][:1]
@@ -334,9 +386,10 @@ class Handout:
         return Batch(data, meta, lanes, pids, self.schema, loan, loan.token, True)
 
     def gather(self, size: int, copy: bool, why: str, learner_version: int | None) -> Batch:
-        """Copy the ``size`` oldest ready rollouts into a buffer, leaf by leaf, and release their slots."""
+        """Copy ``size`` ready rollouts into a buffer, leaf by leaf, and release their slots: the oldest if asked
+        (``zero_copy=False``), else :func:`gather_rows`'s, which hands back whole runs where it can."""
         books = self.books
-        idx = books.oldest(size)
+        idx = books.oldest(size) if why == WHY_ASKED else gather_rows(books, size)
         if copy:
             leaves = [leaf_all.take(idx, axis=0, mode="clip") for leaf_all in self.leaf_all]
         else:
