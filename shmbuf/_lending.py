@@ -14,7 +14,9 @@ for the reader to take back.
 
 from __future__ import annotations
 
-from shmbuf._books import SLOT_POOL, SlotBooks
+import numpy as np
+
+from shmbuf._books import NOT_READY, SLOT_HELD, SLOT_LENT, SLOT_POOL, SLOT_READY, SlotBooks
 from shmbuf._errors import SegmentError
 from shmbuf._lane import ReaderLane, wake_waiting
 from shmbuf._ring import Fence
@@ -47,6 +49,17 @@ class Lender:
         """``get_batch(size)`` with views, a size other than ``run``: lend runs of this size from here on."""
         self.run, self.open_end = size, 0
 
+    def runs_for_all(self) -> bool:
+        """Are there more runs than writers (``slots // B > lanes``): a run for every writer and one for the reader?
+
+        Only then do parts of runs wait for their run (:meth:`_feed_runs`) and ``get_batch`` wait for a run while
+        commits come (``shmbuf._handout.decide``'s ``seen``). With fewer, writers share runs, a run takes several
+        writers' paces to fill, and both would keep writers waiting: measured with six inference-server workers in
+        24 slots of B = 6, the run patience alone cost 13 % of the throughput and the held-back parts starved the
+        server of requests (its ``min_batch_size`` lingered out).
+        """
+        return bool(self.run) and not self.spread and self.slots // self.run > len(self.lanes)
+
     def chunk(self) -> int:
         """Slots are lent in chunks of this many (or all that are needed before the reader waits).
 
@@ -67,12 +80,15 @@ class Lender:
         """
         return self.books.where.count(SLOT_POOL)  # books.pool(), inline: this runs at every batch
 
-    def feed(self, need: int = 0) -> list[ReaderLane]:
+    def feed(self, need: int = 0, mend: bool = False) -> list[ReaderLane]:
         """Lend pool slots to the lanes, so that they never wait on the reader while it has slots to give;
         return the lanes whose counters were found corrupt (for the reader to take back).
 
         Once ``get_batch`` has said its size B (and there are no more lanes than B), slots go out a run
-        at a time (see ``_feed_runs``): a run that completes is a zero-copy batch. Otherwise they go
+        at a time (see ``_feed_runs``): a run that completes is a zero-copy batch. The parts of runs a
+        gather or a dead writer handed back wait for the rest of their run while there is a run for every
+        writer, unless the reader waits for commits or ``mend`` (``Reader.poll()``, a writer in the reader's
+        thread) asks. Otherwise they go
         out in cyclic order, fewest-held lanes first, each lane keeping at most
         ``slots // (2 * lanes)`` untaken slots queued (and at least one), so that a writer that goes
         idle can hold only that many, and a writer that arrives later finds slots in the pool.
@@ -89,7 +105,7 @@ class Lender:
         fed: list[ReaderLane] = []
         corrupt: list[ReaderLane] = []
         if self.run and len(lanes) <= self.run and not self.spread:
-            pool -= self._feed_runs(need, pool, fed, corrupt)
+            pool -= self._feed_runs(need, mend, pool, fed, corrupt)
         else:
             order = sorted(lanes.values(), key=_fewest) if len(lanes) > 1 else lanes.values()
             depth = max(1, self.slots // (2 * len(lanes)))
@@ -119,7 +135,7 @@ class Lender:
         wake_waiting(fed, self._sl_fence)
         return corrupt
 
-    def _feed_runs(self, need: int, budget: int, fed: list[ReaderLane], corrupt: list[ReaderLane]) -> int:
+    def _feed_runs(self, need: int, mend: bool, budget: int, fed: list[ReaderLane], corrupt: list[ReaderLane]) -> int:
         """Lend whole runs of ``self.run`` slots, each to one lane that is short of slots (the one with
         fewest untaken first, then fewest lent in all, then the one lent to longest ago), at most ``budget``
         slots in all (:meth:`allowance`). Return how many were lent.
@@ -134,13 +150,22 @@ class Lender:
         the hand-out's ``in_order`` passes at its first test. A lane is short when it has fewer than ``depth``
         untaken (``slots // (2 * lanes)``, at least one); a lane that does not take its slots (an idle
         writer) stops getting any, so it holds at most one run. A run is opened only when all its
-        slots are in the pool; when none is, a short lane gets pool slots in cyclic order, as before
-        runs, so that no writer waits for a slot while the pool has one. Before the reader waits
-        (``need``) every lane counts as short.
+        slots are in the pool. When none is, the pool holds parts of runs (a gather or a dead writer
+        handed them back). While there is a run for every writer and one for the reader
+        (:meth:`runs_for_all`) they stay there until their runs come back whole, unless the reader is
+        about to wait for more commits than the lanes hold (``need``; every lane then counts as short) or
+        ``mend`` asks; then, or with fewer runs, a run's holes go to one lane, the run nearest to complete
+        and the lane that keeps it in order (:meth:`_mend`), and with no run to mend, pool slots in
+        cyclic order.
+
+        Why they wait: lent as they came, in cyclic order, a gather's slots (scattered over every run)
+        made runs that filled at two writers' paces and out of their lanes' order, and every later
+        batch was gathered too (docs/design/reader.md, "After a gather"; ``make bench-zero-copy``).
         """
         size = self.run
         lanes = list(self.lanes.values())
         depth = max(1, self.slots // (2 * len(lanes)))
+        spare = self.runs_for_all()
         lent = 0
         for _ in range(self.slots // size + 1):  # each turn opens a run, or stops
             queued = {lane.index: lane.queued() for lane in lanes}
@@ -152,7 +177,22 @@ class Lender:
                 return lent
             lane = short[0]
             first = self._free_run(self.open_end) if size <= budget - lent else -1
-            if first < 0:  # no whole run in the pool (or allowed): the short lanes get what there is
+            if first < 0 and spare and not mend and sum(ln.given for ln in lanes) >= need:
+                return lent  # parts of runs only, and nothing waits for them: they wait for their runs
+            if first < 0:
+                filling = self._mend(short)
+                if filling is not None:  # a run's holes, in one piece to one lane (see _mend)
+                    lane, holes = filling
+                    got = self._lend_slots(lane, holes[: budget - lent], fed)
+                    if got < 0 and lane not in corrupt:
+                        corrupt.append(lane)
+                    if got <= 0:
+                        return lent
+                    lent += got
+                    if lent >= budget:
+                        return lent
+                    continue
+            if first < 0:  # no aligned run has a pool slot (or none is allowed): the short lanes get what there is
                 for lane in short:
                     if lent >= budget:
                         break
@@ -168,6 +208,59 @@ class Lender:
                     corrupt.append(lane)  # the run stays in the pool; the reader takes the lane back
                 return lent
             lent += size
+        return lent
+
+    def _mend(self, short: list[ReaderLane]) -> tuple[ReaderLane, list[int]] | None:
+        """The holes (pool slots, ascending) of one aligned run, and the lane of ``short`` to fill them; None if no
+        aligned run has a pool slot.
+
+        The holes' rollouts will be that lane's newest, in slot order, so the run can go out in order only if
+        the lane has nothing in it (ready or lent) after the first hole: such a lane is chosen, and of those
+        the one whose ready rollouts hold the run back least (:func:`_elsewhere`), then in ``short``'s order.
+        The run: the nearest to complete that such a lane can fill (no slot held by the reader, fewest slots
+        not yet ready, from the end of the run lent last, round); if no lane can fill any in order, the
+        nearest to complete and the first of ``short`` (commits the reader waits for come first).
+        """
+        books, size = self.books, self.run
+        where = books.where
+        top = self.slots - self.slots % size
+        pool, held, ready_code = (books.fill[c][:1] for c in (SLOT_POOL, SLOT_HELD, SLOT_READY))
+        start = self.open_end if self.open_end < top else 0
+        runs = []
+        for k in range(0, top, size):
+            first = (start + k) % top
+            run = where[first : first + size]
+            if pool in run:
+                runs.append(((held in run, size - run.count(ready_code)), first))
+        if not runs:
+            return None
+        runs.sort(key=lambda r: r[0])  # stable: ties keep the order round from the end of the run lent last
+        ready = books.arrived != NOT_READY
+        lent = books.wv == SLOT_LENT
+        mine = {lane.index: (ready & (books.lane_of == lane.index)) | (lent & (books.ov == lane.index)) for lane in short}
+        for _, first in runs:
+            hole = where.index(pool, first, first + size)
+            holes = [i for i in range(hole, first + size) if where[i] == SLOT_POOL]
+            fits = [(_elsewhere(ready & (books.lane_of == lane.index), first, size), n, lane)
+                    for n, lane in enumerate(short) if not mine[lane.index][hole : first + size].any()]
+            if fits:
+                return min(fits, key=lambda fit: fit[:2])[2], holes
+        first = runs[0][1]
+        return short[0], [i for i in range(first, first + size) if where[i] == SLOT_POOL]
+
+    def _lend_slots(self, lane: ReaderLane, slots: list[int], fed: list[ReaderLane]) -> int:
+        """Lend ``slots`` (pool slots, ascending) to ``lane``, each stretch of consecutive ones with a cycle number of
+        its own; return how many, or -1 if the lane's counters are corrupt and nothing was lent."""
+        lent, i = 0, 0
+        while i < len(slots):
+            j = i + 1
+            while j < len(slots) and slots[j] == slots[j - 1] + 1:
+                j += 1
+            self.cycle = (self.cycle + 1) & CYCLE_MASK
+            if self._lend_span(lane, slots[i], j - i, fed) < 0:
+                return lent if lent else -1
+            lent += j - i
+            i = j
         return lent
 
     def _lend(self, lane: ReaderLane, k: int, fed: list[ReaderLane]) -> int:
@@ -227,3 +320,11 @@ def _fewest(lane: ReaderLane) -> tuple[int, int]:
 def _hungry(lane: ReaderLane) -> tuple[bool, int]:
     """Writers asleep for want of a slot first, then the lanes holding fewest."""
     return not lane.w[lane.rec.free_wait], lane.given
+
+
+def _elsewhere(theirs: np.ndarray, first: int, size: int) -> tuple[bool, bool]:
+    """How a lane's ready rollouts (``theirs``, a mask over the slots) would hold back the run at ``first`` if the lane
+    filled its holes: it must wait for them. Worst, some in the run and some outside (the run waits for those
+    outside, and their runs may wait for the ones in it); then any outside; best none."""
+    outside = bool(theirs[:first].any() or theirs[first + size :].any())
+    return outside and bool(theirs[first : first + size].any()), outside

@@ -265,7 +265,7 @@ class Reader(Closable):
         """
         books, handout, roster = self._books, self._handout, self._roster
         since = time.monotonic()
-        patience_end = None
+        patience_end, seen = None, -1
         if never(books, size):
             raise self._never(size)
         while True:
@@ -277,7 +277,8 @@ class Reader(Closable):
                     roster.feed()  # the writers may have waited for those slots
             now = time.monotonic()
             d = decide(books, size, zero_copy=zero_copy, cursor=handout.cursor, now=now, since=since,
-                       deadline=deadline, patience_end=patience_end, head=handout.head)
+                       deadline=deadline, patience_end=patience_end, head=handout.head,
+                       seen=seen if self._lender.runs_for_all() else -1)
             handout.head = d.head
             act = d.act
             if act == VIEWS or act == GATHER:
@@ -287,7 +288,7 @@ class Reader(Closable):
                                   f"{why_nothing(roster, holding(books.held, handout.loan.held_run, self.slots))}")
             if act == NEVER:
                 raise self._never(size)
-            patience_end = d.patience_end
+            patience_end, seen = d.patience_end, d.seen
             roster.feed(need=d.want)  # about to wait: make sure the writers hold enough slots to send it
             if roster.arm(d.want):
                 roster.disarm()
@@ -313,12 +314,14 @@ class Reader(Closable):
 
         ``get`` and ``get_batch`` do this themselves. Call it when a writer runs
         in the reader's own thread (it gets its first slots here), or when the
-        learner is busy for a while and writers should not wait on it.
+        learner is busy for a while and writers should not wait on it. It lends
+        every free slot, parts of runs too, which ``get_batch`` keeps back until
+        their run is whole (docs/design/reader.md, "Making runs").
         """
         self._guard()
         self._next_scan = 0.0
         self._poll()
-        self._roster.feed()
+        self._roster.feed(mend=True)  # parts of runs too: a writer in this thread cannot wait for the next get_batch
         return self._books.n_ready
 
     def _poll(self) -> None:
