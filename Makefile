@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo demo-ray test test-slow test-core lint bench-smoke bench bench-quick bench-storage bench-inference bench-collect bench-ray bench-multiagent bench-multiagent-loop bench-train clean-shm clean
+.PHONY: demo demo-ray test test-slow test-core lint bench-smoke bench bench-quick bench-zero-copy bench-storage bench-inference bench-collect bench-ray bench-multiagent bench-multiagent-loop bench-train clean-shm clean
 
 # One stamp per set of extras, refreshed when pyproject.toml changes. The tests also get rsl_rl's own code, the
 # reference that shmbuf's rsl_rl-style GAE must equal (tests/_rsl_rl.py), with --no-deps: its torch pin would pull
@@ -89,6 +89,10 @@ bench: $(VENV)/.stamp-bench
 
 bench-quick: $(VENV)/.stamp-bench
 	$(PY) -m shmbuf bench --quick
+
+# Zero-copy batches when writers pause: the reader's books alone, simulated time, 20 settings (about 20 s).
+bench-zero-copy: $(CORE_VENV)/.stamp
+	$(CORE_VENV)/bin/python -m benchmarks.zero_copy
 
 # Replay buffer (against TorchRL and a numpy ring, 1/2/4 inserting processes) and GAE: a few minutes.
 bench-storage: $(VENV)/.stamp-bench
