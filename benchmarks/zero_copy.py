@@ -93,15 +93,15 @@ def paced(seed: int, batches: int, *, writers: int = 2, slots: int = 48, size: i
     kinds = []
     for _ in range(batches):
         lender.feed()
-        since, patience_end, seen = now, None, -1
+        since, patience_end, seen, patience = now, None, -1, 0.0
         while True:
             d = decide(books, size, cursor=cursor, now=now, since=since, patience_end=patience_end, head=head,
-                       seen=seen if lender.runs_for_all() else -1)  # as Reader._await
+                       seen=seen if lender.runs_for_all() else -1, patience=patience)  # as Reader._await
             head = d.head
             if d.act != WAIT:
                 break
-            patience_end, seen = d.patience_end, d.seen
-            lender.feed(need=d.want)
+            patience_end, seen, patience = d.patience_end, d.seen, d.patience
+            lender.feed(need=d.want, lacking=d.patience_end is None)
             until(now + max(min(d.sleep, 0.001), 0.0002))
         if d.act == VIEWS:
             books.take_run(d.first, size)

@@ -14,6 +14,8 @@ for the reader to take back.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from shmbuf._books import NOT_READY, SLOT_HELD, SLOT_LENT, SLOT_POOL, SLOT_READY, SlotBooks
@@ -80,15 +82,16 @@ class Lender:
         """
         return self.books.where.count(SLOT_POOL)  # books.pool(), inline: this runs at every batch
 
-    def feed(self, need: int = 0, mend: bool = False) -> list[ReaderLane]:
+    def feed(self, need: int = 0, mend: bool = False, lacking: bool = False) -> list[ReaderLane]:
         """Lend pool slots to the lanes, so that they never wait on the reader while it has slots to give;
         return the lanes whose counters were found corrupt (for the reader to take back).
 
         Once ``get_batch`` has said its size B (and there are no more lanes than B), slots go out a run
         at a time (see ``_feed_runs``): a run that completes is a zero-copy batch. The parts of runs a
         gather or a dead writer handed back wait for the rest of their run while there is a run for every
-        writer, unless the reader waits for commits or ``mend`` (``Reader.poll()``, a writer in the reader's
-        thread) asks. Otherwise they go
+        writer, unless the reader waits for more commits than the lanes hold, or for rollouts it lacks
+        (``lacking``) while a writer has nothing queued, or ``mend`` (``Reader.poll()``, a writer in the
+        reader's thread) asks. Otherwise they go
         out in cyclic order, fewest-held lanes first, each lane keeping at most
         ``slots // (2 * lanes)`` untaken slots queued (and at least one), so that a writer that goes
         idle can hold only that many, and a writer that arrives later finds slots in the pool.
@@ -105,7 +108,7 @@ class Lender:
         fed: list[ReaderLane] = []
         corrupt: list[ReaderLane] = []
         if self.run and len(lanes) <= self.run and not self.spread:
-            pool -= self._feed_runs(need, mend, pool, fed, corrupt)
+            pool -= self._feed_runs(need, mend, lacking, pool, fed, corrupt)
         else:
             order = sorted(lanes.values(), key=_fewest) if len(lanes) > 1 else lanes.values()
             depth = max(1, self.slots // (2 * len(lanes)))
@@ -135,7 +138,8 @@ class Lender:
         wake_waiting(fed, self._sl_fence)
         return corrupt
 
-    def _feed_runs(self, need: int, mend: bool, budget: int, fed: list[ReaderLane], corrupt: list[ReaderLane]) -> int:
+    def _feed_runs(self, need: int, mend: bool, lacking: bool, budget: int, fed: list[ReaderLane],
+                   corrupt: list[ReaderLane]) -> int:
         """Lend whole runs of ``self.run`` slots, each to one lane that is short of slots (the one with
         fewest untaken first, then fewest lent in all, then the one lent to longest ago), at most ``budget``
         slots in all (:meth:`allowance`). Return how many were lent.
@@ -166,6 +170,7 @@ class Lender:
         lanes = list(self.lanes.values())
         depth = max(1, self.slots // (2 * len(lanes)))
         spare = self.runs_for_all()
+        plan: _Plan | None = None  # the runs with holes and what each lane holds, made once a feed (see _mend)
         lent = 0
         for _ in range(self.slots // size + 1):  # each turn opens a run, or stops
             queued = {lane.index: lane.queued() for lane in lanes}
@@ -177,13 +182,22 @@ class Lender:
                 return lent
             lane = short[0]
             first = self._free_run(self.open_end) if size <= budget - lent else -1
-            if first < 0 and spare and not mend and sum(ln.given for ln in lanes) >= need:
-                return lent  # parts of runs only, and nothing waits for them: they wait for their runs
+            hungry = lacking and not queued[short[0].index]
+            if first < 0 and spare and not mend and not hungry and sum(ln.given for ln in lanes) >= need:
+                # Parts of runs only, and nothing waits for them: they wait for their runs. A reader that lacks
+                # rollouts gives them to a writer with nothing queued: the slots the others hold may be a paused
+                # writer's, and it would wait for them until its timeout (or for ever).
+                return lent
             if first < 0:
-                filling = self._mend(short)
+                if plan is None:
+                    plan = self._plan()
+                filling = self._mend(plan, short, queued)
                 if filling is not None:  # a run's holes, in one piece to one lane (see _mend)
                     lane, holes = filling
                     got = self._lend_slots(lane, holes[: budget - lent], fed)
+                    if got > 0:
+                        plan.mine[lane.index][holes[:got]] = True
+                        plan.held[lane.index] += got
                     if got < 0 and lane not in corrupt:
                         corrupt.append(lane)
                     if got <= 0:
@@ -210,17 +224,9 @@ class Lender:
             lent += size
         return lent
 
-    def _mend(self, short: list[ReaderLane]) -> tuple[ReaderLane, list[int]] | None:
-        """The holes (pool slots, ascending) of one aligned run, and the lane of ``short`` to fill them; None if no
-        aligned run has a pool slot.
-
-        The holes' rollouts will be that lane's newest, in slot order, so the run can go out in order only if
-        the lane has nothing in it (ready or lent) after the first hole: such a lane is chosen, and of those
-        the one whose ready rollouts hold the run back least (:func:`_elsewhere`), then in ``short``'s order.
-        The run: the nearest to complete that such a lane can fill (no slot held by the reader, fewest slots
-        not yet ready, from the end of the run lent last, round); if no lane can fill any in order, the
-        nearest to complete and the first of ``short`` (commits the reader waits for come first).
-        """
+    def _plan(self) -> _Plan:
+        """The aligned runs with holes (pool slots), nearest to complete first (no slot held by the reader, fewest
+        slots not yet ready, then round from the end of the run lent last), and each lane's slots, ready or lent."""
         books, size = self.books, self.run
         where = books.where
         top = self.slots - self.slots % size
@@ -232,21 +238,50 @@ class Lender:
             run = where[first : first + size]
             if pool in run:
                 runs.append(((held in run, size - run.count(ready_code)), first))
-        if not runs:
-            return None
         runs.sort(key=lambda r: r[0])  # stable: ties keep the order round from the end of the run lent last
         ready = books.arrived != NOT_READY
         lent = books.wv == SLOT_LENT
-        mine = {lane.index: (ready & (books.lane_of == lane.index)) | (lent & (books.ov == lane.index)) for lane in short}
-        for _, first in runs:
-            hole = where.index(pool, first, first + size)
-            holes = [i for i in range(hole, first + size) if where[i] == SLOT_POOL]
-            fits = [(_elsewhere(ready & (books.lane_of == lane.index), first, size), n, lane)
-                    for n, lane in enumerate(short) if not mine[lane.index][hole : first + size].any()]
+        mine = {i: (ready & (books.lane_of == i)) | (lent & (books.ov == i)) for i in self.lanes}
+        return _Plan([first for _, first in runs], mine, {i: int(m.sum()) for i, m in mine.items()}, {})
+
+    def _mend(self, plan: _Plan, short: list[ReaderLane], queued: dict[int, int]) -> tuple[ReaderLane, list[int]] | None:
+        """The holes (pool slots, ascending) of one run of ``plan``, taken from it, and the lane of ``short`` to fill
+        them; None once no run has holes.
+
+        The holes' rollouts will be that lane's newest, in slot order, so the run can go out in order only if
+        the lane has nothing in it (ready or lent) after the first hole: such a lane is chosen. Of those, first
+        one with nothing queued (it fills them now; another fills them after what it holds, and a lane that holds
+        slots it does not take may be a paused writer's), then the one whose slots hold the run back least (the
+        run waits for a lane's slots outside it: worst some in it and some outside, whose runs may wait for the
+        ones in it; then any outside; best none), then in ``short``'s order. The run: the first of ``plan`` that
+        such a lane can fill; if none, the first that no lane can fill in order (else the first), to the first of
+        ``short`` (commits the reader waits for come first).
+        """
+        size, where, pool = self.run, self.books.where, SLOT_POOL
+        for k, first in enumerate(plan.firsts):
+            can = plan.fits.get(first)
+            if can is None:  # which lanes have nothing in the run after its first hole: fixed until the run is mended
+                hole = where.find(pool, first, first + size)
+                can = plan.fits[first] = {i for i, m in plan.mine.items() if not m[hole : first + size].any()}
+            if not can:
+                continue
+            holes = [i for i in range(first, first + size) if where[i] == pool]
+            fits = []
+            for n, lane in enumerate(short):
+                if lane.index in can:
+                    inside = int(plan.mine[lane.index][first : first + size].sum())
+                    outside = plan.held[lane.index] > inside
+                    fits.append(((queued[lane.index] > 0, outside and inside > 0, outside), n, lane))
             if fits:
+                del plan.firsts[k]
                 return min(fits, key=lambda fit: fit[:2])[2], holes
-        first = runs[0][1]
-        return short[0], [i for i in range(first, first + size) if where[i] == SLOT_POOL]
+        plan.firsts.sort(key=lambda f: bool(plan.fits.get(f)))  # stable: a run no lane can fill in order is given first
+        while plan.firsts:
+            first = plan.firsts.pop(0)
+            holes = [i for i in range(first, first + size) if where[i] == pool]
+            if holes:
+                return short[0], holes
+        return None
 
     def _lend_slots(self, lane: ReaderLane, slots: list[int], fed: list[ReaderLane]) -> int:
         """Lend ``slots`` (pool slots, ascending) to ``lane``, each stretch of consecutive ones with a cycle number of
@@ -322,9 +357,11 @@ def _hungry(lane: ReaderLane) -> tuple[bool, int]:
     return not lane.w[lane.rec.free_wait], lane.given
 
 
-def _elsewhere(theirs: np.ndarray, first: int, size: int) -> tuple[bool, bool]:
-    """How a lane's ready rollouts (``theirs``, a mask over the slots) would hold back the run at ``first`` if the lane
-    filled its holes: it must wait for them. Worst, some in the run and some outside (the run waits for those
-    outside, and their runs may wait for the ones in it); then any outside; best none."""
-    outside = bool(theirs[:first].any() or theirs[first + size :].any())
-    return outside and bool(theirs[first : first + size].any()), outside
+class _Plan(NamedTuple):
+    """What mending reads in one feed: the runs with holes, in the order to mend them, each lane's slots (ready from
+    it or lent to it) as a mask and a count, and, per run looked at, the lanes that can fill it in order."""
+
+    firsts: list[int]  # the first slot of each run with holes, nearest to complete first
+    mine: dict[int, np.ndarray]  # lane -> a mask over the slots
+    held: dict[int, int]  # lane -> how many slots its mask holds
+    fits: dict[int, set[int]]  # a run's first slot -> the lanes with nothing in it after its first hole

@@ -265,7 +265,7 @@ class Reader(Closable):
         """
         books, handout, roster = self._books, self._handout, self._roster
         since = time.monotonic()
-        patience_end, seen = None, -1
+        patience_end, seen, patience = None, -1, 0.0
         if never(books, size):
             raise self._never(size)
         while True:
@@ -278,7 +278,7 @@ class Reader(Closable):
             now = time.monotonic()
             d = decide(books, size, zero_copy=zero_copy, cursor=handout.cursor, now=now, since=since,
                        deadline=deadline, patience_end=patience_end, head=handout.head,
-                       seen=seen if self._lender.runs_for_all() else -1)
+                       seen=seen if self._lender.runs_for_all() else -1, patience=patience)
             handout.head = d.head
             act = d.act
             if act == VIEWS or act == GATHER:
@@ -288,8 +288,10 @@ class Reader(Closable):
                                   f"{why_nothing(roster, holding(books.held, handout.loan.held_run, self.slots))}")
             if act == NEVER:
                 raise self._never(size)
-            patience_end, seen = d.patience_end, d.seen
-            roster.feed(need=d.want)  # about to wait: make sure the writers hold enough slots to send it
+            patience_end, seen, patience = d.patience_end, d.seen, d.patience
+            # About to wait: make sure the writers hold enough slots to send it (for rollouts it lacks, not a run:
+            # lacking, so that a writer with nothing queued gets slots the pool keeps for runs).
+            roster.feed(need=d.want, lacking=d.patience_end is None)
             if roster.arm(d.want):
                 roster.disarm()
                 continue  # something came in while we armed: take it in before sleeping

@@ -116,9 +116,9 @@ class Roster:
         lane.free_lane(taken_back=corrupt)
         self.feed()
 
-    def feed(self, need: int = 0, mend: bool = False) -> None:
+    def feed(self, need: int = 0, mend: bool = False, lacking: bool = False) -> None:
         """Lend pool slots to the lanes (see :meth:`Lender.feed`), and take back the lanes found corrupt."""
-        for lane in self._lender.feed(need, mend):
+        for lane in self._lender.feed(need, mend, lacking):
             if lane.index in self.lanes:
                 self.reclaim(lane, died=True, corrupt=True)
 

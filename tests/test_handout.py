@@ -340,12 +340,13 @@ class Pipeline:
 
     def batch(self) -> None:
         """One get_batch(size, timeout=0.05, copy=True), as Reader._await decides it."""
-        books, since, patience_end, seen = self.books, self.now, None, -1
+        books, since, patience_end, seen, patience = self.books, self.now, None, -1, 0.0
         if self.lender.run != self.size:
             self.lender.batch_size(self.size)
         while True:
             d = decide(books, self.size, cursor=self.cursor, now=self.now, since=since, deadline=since + 0.05,
-                       patience_end=patience_end, head=self.head, seen=seen if self.lender.runs_for_all() else -1)
+                       patience_end=patience_end, head=self.head, seen=seen if self.lender.runs_for_all() else -1,
+                       patience=patience)
             self.head = d.head
             if d.act == VIEWS:
                 idx = list(range(d.first, d.first + self.size))
@@ -359,8 +360,8 @@ class Pipeline:
                 books.release_ready(np.array(idx))
                 self.gathered += 1
             elif d.act == WAIT:
-                patience_end, seen = d.patience_end, d.seen
-                self.lender.feed(need=d.want)
+                patience_end, seen, patience = d.patience_end, d.seen, d.patience
+                self.lender.feed(need=d.want, lacking=d.patience_end is None)
                 self.now += max(d.sleep, 0.001)
                 continue
             else:
@@ -450,15 +451,26 @@ def test_a_spread_lender_gives_every_lane_a_part_of_each_run() -> None:
 
 def test_a_commit_while_the_reader_waits_for_a_run_extends_the_patience() -> None:
     """Five ready, no run whole: the reader waits RUN_PATIENCE for one. A commit meanwhile means a run is on its way:
-    the patience counts again from it. Without one, the batch is gathered when the patience ends."""
+    the patience runs as long again from it, never longer than it first was (it once grew with the time already
+    waited: commits 15 ms apart for 1 s made a wait of 2 s). Without a commit, the batch is gathered when it ends."""
     books = books_of("RRRL RRLL", lanes=[0, 0, 0, 1, 1])
     d = decide(books, 4, now=1.0, since=1.0)
-    assert (d.act, d.patience_end, d.seen) == (WAIT, 1.0 + RUN_PATIENCE, 5)
-    quiet = decide(books, 4, now=d.patience_end, since=1.0, patience_end=d.patience_end, seen=d.seen)
+    assert (d.act, d.patience_end, d.seen, d.patience) == (WAIT, 1.0 + RUN_PATIENCE, 5, RUN_PATIENCE)
+    quiet = decide(books, 4, now=d.patience_end, since=1.0, patience_end=d.patience_end, seen=d.seen, patience=d.patience)
     assert (quiet.act, quiet.why) == (GATHER, WHY_PATIENCE)
-    books.arrivals += 1  # a commit came in (to a slot outside any run the test looks at)
-    busy = decide(books, 4, now=d.patience_end, since=1.0, patience_end=d.patience_end, seen=d.seen)
-    assert busy.act == WAIT and busy.patience_end == pytest.approx(d.patience_end + RUN_PATIENCE) and busy.seen == 6
+    now = 1.0
+    for _ in range(66):  # a commit every 15 ms for about 1 s, no run whole
+        now += 0.015
+        books.arrivals += 1
+        d = decide(books, 4, now=now, since=1.0, patience_end=d.patience_end, seen=d.seen, patience=d.patience)
+        assert d.act == WAIT and d.patience_end == pytest.approx(now + RUN_PATIENCE)
+    late = decide(books, 4, now=now + RUN_PATIENCE, since=1.0, patience_end=d.patience_end, seen=d.seen,
+                  patience=d.patience)
+    assert (late.act, late.why) == (GATHER, WHY_PATIENCE)
+    slow = decide(books, 4, now=3.0, since=1.0)  # the batch took 2 s to arrive: the patience is 2 s, from each commit
+    books.arrivals += 1
+    again = decide(books, 4, now=4.0, since=1.0, patience_end=slow.patience_end, seen=slow.seen, patience=slow.patience)
+    assert (slow.patience_end, again.patience_end) == (5.0, 6.0)
 
 
 def test_a_gather_empties_a_whole_run_where_each_lanes_order_allows() -> None:
@@ -525,7 +537,26 @@ def test_parts_of_runs_wait_for_their_run_unless_the_reader_waits_or_poll_mends(
     lender.lanes[2] = lanes[2]
     assert not lender.runs_for_all()
     lender.feed()
-    assert [lane.lent for lane in lanes] == [[], [], [0, 6, 7]]  # lane 2 has nothing ready: it holds neither back
+    # run 0's hole to lane 2 (nothing ready: it holds nothing back); run 1's to lane 0, which has nothing queued now
+    assert [lane.lent for lane in lanes] == [[6, 7], [], [0]]
+
+
+def test_a_writer_with_nothing_queued_gets_parts_of_runs_while_the_reader_waits() -> None:
+    """Writer 0 holds run 0 and does not take it (paused); writer 1 has nothing queued, and the pool holds only parts
+    of runs. The reader waits for one more commit: writer 1 must get slots, although the slots lent in all (writer
+    0's four) cover what the reader waits for. Before, it got none for the whole get_batch (a timeout, or for ever)."""
+    books = books_of("LLLL PPRR PRPP", lanes=[1, 1, 1])
+    books.owner[0:4] = bytes(4)
+    lender = Lender(books, lambda: None)
+    paused, active = StandIn(0), StandIn(1)
+    paused.lent, paused.given = [0, 1, 2, 3], 4
+    lender.lanes = {0: paused, 1: active}
+    lender.batch_size(4)
+    assert lender.runs_for_all()
+    d = decide(books, 4)
+    assert (d.act, d.want) == (WAIT, 1)
+    lender.feed(need=d.want, lacking=d.patience_end is None)
+    assert active.lent and paused.lent == [0, 1, 2, 3], (paused.lent, active.lent)
 
 
 @pytest.mark.parametrize("seed", range(5))
