@@ -267,17 +267,15 @@ def gather_rows(books: SlotBooks, size: int) -> np.ndarray:
     The oldest ready rollout first (it always goes out: one that sits where no view can take it waits for
     nothing else); then the runs, oldest first (by their oldest ready rollout; the first ``GATHER_RUNS_TRIED``),
     each with, of every lane in it, that lane's ready rollouts up to its newest there, as long as all of it fits
-    in ``size``; the rest is
-    the oldest of what is left. Each lane's part is then its oldest ready rollouts (a prefix of its commit
-    order), so every lane's order holds, as with the ``size`` oldest. The ``size`` oldest alone handed back
-    slots scattered over every run, which kept the runs from coming back whole (see ``Lender._feed_runs``);
-    a run emptied whole goes back to the pool whole.
+    in ``size``; the rest is the oldest of what is left. Each lane's part is then its oldest ready rollouts (a
+    prefix of its commit order), so every lane's order holds, as with the ``size`` oldest. The ``size`` oldest
+    alone handed back slots scattered over every run, which kept the runs from coming back whole (see
+    ``Lender._feed_runs``); a run emptied whole goes back to the pool whole.
     """
-    arrived, lanes, n = books.arrived, books.lane_of, books.n
-    order = np.argsort(arrived, kind="stable")  # by arrival, a commit group in slot order: as books.oldest
-    k = books.n_ready
+    lanes, n = books.lane_of, books.n
+    order = books.oldest(books.n_ready)  # by arrival, a commit group in slot order
     rank = np.full(n, n, np.int64)  # each ready slot's place in that order (unique), n for the others
-    rank[order[:k]] = np.arange(k)
+    rank[order] = np.arange(len(order))
     ready = rank < n
     by_lane = {int(ln): np.sort(rank[ready & (lanes == ln)]) for ln in np.unique(lanes[ready])}
     cut = {int(lanes[order[0]]): 0}  # lane -> the newest place taken of it (and all its older ones): the oldest first

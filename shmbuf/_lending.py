@@ -91,8 +91,7 @@ class Lender:
         gather or a dead writer handed back wait for the rest of their run while there is a run for every
         writer, unless the reader waits for more commits than the lanes hold, or for rollouts it lacks
         (``lacking``) while a writer has nothing queued, or ``mend`` (``Reader.poll()``, a writer in the
-        reader's thread) asks. Otherwise they go
-        out in cyclic order, fewest-held lanes first, each lane keeping at most
+        reader's thread) asks. Otherwise they go out in cyclic order, fewest-held lanes first, each lane keeping at most
         ``slots // (2 * lanes)`` untaken slots queued (and at least one), so that a writer that goes
         idle can hold only that many, and a writer that arrives later finds slots in the pool.
         Before the reader sleeps for ``need`` more commits it lends past those limits, from any slots,
@@ -174,16 +173,17 @@ class Lender:
         lent = 0
         for _ in range(self.slots // size + 1):  # each turn opens a run, or stops
             queued = {lane.index: lane.queued() for lane in lanes}
+            given = sum(lane.given for lane in lanes)
             short = sorted((lane for lane in lanes if queued[lane.index] < depth),
                            key=lambda ln: (queued[ln.index], *_fewest(ln)))
-            if not short and sum(lane.given for lane in lanes) < need:
+            if not short and given < need:
                 short = sorted(lanes, key=_hungry)
             if not short:
                 return lent
             lane = short[0]
             first = self._free_run(self.open_end) if size <= budget - lent else -1
             hungry = lacking and not queued[short[0].index]
-            if first < 0 and spare and not mend and not hungry and sum(ln.given for ln in lanes) >= need:
+            if first < 0 and spare and not mend and not hungry and given >= need:
                 # Parts of runs only, and nothing waits for them: they wait for their runs. A reader that lacks
                 # rollouts gives them to a writer with nothing queued: the slots the others hold may be a paused
                 # writer's, and it would wait for them until its timeout (or for ever).
@@ -216,7 +216,6 @@ class Lender:
                     lent += max(got, 0)
                 return lent
             self.open_end = first + size
-            self.cycle = (self.cycle + 1) & CYCLE_MASK
             if self._lend_span(lane, first, size, fed) < 0:
                 if lane not in corrupt:
                     corrupt.append(lane)  # the run stays in the pool; the reader takes the lane back
@@ -284,14 +283,13 @@ class Lender:
         return None
 
     def _lend_slots(self, lane: ReaderLane, slots: list[int], fed: list[ReaderLane]) -> int:
-        """Lend ``slots`` (pool slots, ascending) to ``lane``, each stretch of consecutive ones with a cycle number of
-        its own; return how many, or -1 if the lane's counters are corrupt and nothing was lent."""
+        """Lend ``slots`` (pool slots, ascending) to ``lane``, a stretch of consecutive ones at a time; return how many,
+        or -1 if the lane's counters are corrupt and nothing was lent."""
         lent, i = 0, 0
         while i < len(slots):
             j = i + 1
             while j < len(slots) and slots[j] == slots[j - 1] + 1:
                 j += 1
-            self.cycle = (self.cycle + 1) & CYCLE_MASK
             if self._lend_span(lane, slots[i], j - i, fed) < 0:
                 return lent if lent else -1
             lent += j - i
@@ -299,8 +297,8 @@ class Lender:
         return lent
 
     def _lend(self, lane: ReaderLane, k: int, fed: list[ReaderLane]) -> int:
-        """Lend up to ``k`` pool slots to ``lane`` in cyclic order from the cursor, each stretch of consecutive
-        ones with a cycle number of its own; return how many, or -1 if the lane's counters are corrupt."""
+        """Lend up to ``k`` pool slots to ``lane`` in cyclic order from the cursor, a stretch of consecutive ones at a
+        time; return how many, or -1 if the lane's counters are corrupt."""
         where, n = self.books.where, self.slots
         lent, at = 0, self.cursor
         while lent < k:
@@ -311,7 +309,6 @@ class Lender:
                     break
             span = where[first : first + k - lent]
             m = len(span) - len(span.lstrip(b"\0"))  # pool slots in a row from ``first``
-            self.cycle = (self.cycle + 1) & CYCLE_MASK
             got = self._lend_span(lane, first, m, fed)
             if got < 0:
                 return -1 if not lent else lent
@@ -321,8 +318,9 @@ class Lender:
         return lent
 
     def _lend_span(self, lane: ReaderLane, first: int, m: int, fed: list[ReaderLane]) -> int:
-        """Lend pool slots ``first .. first + m - 1`` to ``lane``, marked with the current cycle; m, or -1 if the
-        lane's counters are corrupt (nothing lent)."""
+        """Lend pool slots ``first .. first + m - 1`` to ``lane``, marked with a cycle number of their own (one
+        lending round: in_order's first test); m, or -1 if the lane's counters are corrupt (nothing lent)."""
+        self.cycle = (self.cycle + 1) & CYCLE_MASK
         try:
             lane.lend(self.books.count[first : first + m])
         except SegmentError:
