@@ -51,8 +51,14 @@ class Lender:
         """``get_batch(size)`` with views, a size other than ``run``: lend runs of this size from here on."""
         self.run, self.open_end = size, 0
 
+    def lends_runs(self) -> bool:
+        """Do slots go out a run at a time (:meth:`_feed_runs`): ``get_batch`` said its size B, there are no more
+        lanes than B, and no ``max_policy_lag`` spreads each run over the lanes?"""
+        return bool(self.run) and len(self.lanes) <= self.run and not self.spread
+
     def runs_for_all(self) -> bool:
-        """Are there more runs than writers (``slots // B > lanes``): a run for every writer and one for the reader?
+        """Slots go out a run at a time, and there are more runs than writers (``slots // B > lanes``): a run for
+        every writer and one for the reader?
 
         Only then do parts of runs wait for their run (:meth:`_feed_runs`) and ``get_batch`` wait for a run while
         commits come (``shmbuf._handout.decide``'s ``seen``). With fewer, writers share runs, a run takes several
@@ -60,7 +66,7 @@ class Lender:
         24 slots of B = 6, the run patience alone cost 13 % of the throughput and the held-back parts starved the
         server of requests (its ``min_batch_size`` lingered out).
         """
-        return bool(self.run) and not self.spread and self.slots // self.run > len(self.lanes)
+        return self.lends_runs() and self.slots // self.run > len(self.lanes)
 
     def chunk(self) -> int:
         """Slots are lent in chunks of this many (or all that are needed before the reader waits).
@@ -106,7 +112,7 @@ class Lender:
             return []
         fed: list[ReaderLane] = []
         corrupt: list[ReaderLane] = []
-        if self.run and len(lanes) <= self.run and not self.spread:
+        if self.lends_runs():
             pool -= self._feed_runs(need, mend, lacking, pool, fed, corrupt)
         else:
             order = sorted(lanes.values(), key=_fewest) if len(lanes) > 1 else lanes.values()

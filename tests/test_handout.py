@@ -541,6 +541,18 @@ def test_parts_of_runs_wait_for_their_run_unless_the_reader_waits_or_poll_mends(
     assert [lane.lent for lane in lanes] == [[6, 7], [], [0]]
 
 
+def test_with_more_writers_than_the_batch_size_no_run_is_kept_for_each() -> None:
+    """Three writers, batches of 2: slots go out in cyclic order (writers share runs), so neither the parts-of-runs
+    rule nor the longer run patience applies, however many runs the slots make (it once said yes for 12 runs)."""
+    lender = Lender(books_of("P" * 24), lambda: None)
+    for i in range(3):
+        lender.lanes[i] = StandIn(i)
+    lender.batch_size(2)
+    assert not lender.lends_runs() and not lender.runs_for_all()
+    lender.batch_size(4)
+    assert lender.lends_runs() and lender.runs_for_all()
+
+
 def test_a_writer_with_nothing_queued_gets_parts_of_runs_while_the_reader_waits() -> None:
     """Writer 0 holds run 0 and does not take it (paused); writer 1 has nothing queued, and the pool holds only parts
     of runs. The reader waits for one more commit: writer 1 must get slots, although the slots lent in all (writer
