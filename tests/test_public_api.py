@@ -27,7 +27,7 @@ TIERS = {
         "TRUNCATE_EPISODES", "VALID", "EpisodeTable", "check_batch_mode", "grid", "rollout_example", "successors",
         "zeros_with_lead",
     ],
-    # The neutral engines (TimeMajorStorage, SlotBuffer) and the seeds' names, re-exported from their façades.
+    # The neutral engines (TimeMajorStorage, SlotBuffer) and rsl_rl's and embodichain's names, re-exported from their façades.
     "shmbuf.storage": [
         "Field", "FileTransition", "MaskedView", "MiniBatch", "QueueRolloutStorage", "Recorder", "ReplayBuffer",
         "RolloutBuffer", "RolloutDataset", "RolloutStorage", "SarsaRolloutStorage", "SlotBuffer", "TimeMajorStorage",

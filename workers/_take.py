@@ -68,7 +68,7 @@ class Taker:
         self.collector = collector
         self.stream_name = stream_name
         self.episode = episode
-        self.max_policy_lag = max_policy_lag  # held here for aligned rounds: a round goes, or is dropped, whole
+        self.max_policy_lag = max_policy_lag  # held here for rounds: a round goes, or is dropped, whole
         self.versions = versions if versions is not None else {}  # the learner's, per stream (the engine's dict)
         self.stale_dropped = 0
         # rounds dropped as too old, each with how many of its streams' rollouts are still to come (dropped as they come)
